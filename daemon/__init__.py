@@ -1,0 +1,1 @@
+"""tiermemd: the per-node tiermem service."""

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# tiermem's two commands:
+#   ./run.sh demo   set up, then train a model through an embedded tiermemd
+#   ./run.sh test   set up, then run the test suite
+# Other forms: ./run.sh setup | bench NAME [ARGS] | lint | shell.
+#
+# Setup (idempotent, fast the second time): a virtual environment in .venv;
+# torch reused when the system Python can import one, else the CPU build
+# torch==2.13.0+cpu (never a CUDA build on a machine without a GPU); the
+# project installed editable with its test extra; Debian's libaio1 installed
+# when missing and we are root.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.tiermem-setup
+TORCH_PIN="torch==2.13.0+cpu"
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+say() { printf '[tiermem] %s\n' "$*" >&2; }
+
+ensure_libaio() {
+    if /sbin/ldconfig -p 2>/dev/null | grep -q 'libaio\.so\.1'; then
+        return
+    fi
+    if [ "$(id -u)" != 0 ]; then
+        say "libaio.so.1 is missing; the swap tier will use its thread engine."
+        say "For Linux AIO install it as root: apt-get install libaio1 (libaio1t64 on Debian 13)."
+        return
+    fi
+    if ! command -v apt-get >/dev/null; then
+        say "libaio.so.1 is missing and apt-get is not available; install libaio for Linux AIO."
+        return
+    fi
+    say "installing Debian's libaio1"
+    export DEBIAN_FRONTEND=noninteractive
+    if ! apt-get install -y -q libaio1 >/dev/null 2>&1 && ! apt-get install -y -q libaio1t64 >/dev/null 2>&1; then
+        apt-get update -q >/dev/null
+        apt-get install -y -q libaio1 >/dev/null 2>&1 || apt-get install -y -q libaio1t64 >/dev/null
+    fi
+}
+
+ensure_venv() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        if "$PYTHON" -c 'import torch' >/dev/null 2>&1; then
+            say "reusing the torch importable by $PYTHON"
+            "$PYTHON" -m venv --system-site-packages "$VENV"
+        else
+            "$PYTHON" -m venv "$VENV"
+        fi
+    fi
+    if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+        say "installing $TORCH_PIN (CPU build)"
+        "$VENV/bin/pip" install -q "$TORCH_PIN" 2>/dev/null \
+            || "$VENV/bin/pip" install -q "$TORCH_PIN" --extra-index-url "$TORCH_CPU_INDEX"
+    fi
+    local want
+    want=$(cat pyproject.toml run.sh | sha256sum | cut -c1-16)
+    if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+        say "installing tiermem into $VENV"
+        "$VENV/bin/pip" install -q -e '.[dev]'
+        echo "$want" >"$STAMP"
+    fi
+}
+
+setup() {
+    ensure_libaio
+    ensure_venv
+}
+
+cmd=${1:-help}
+shift || true
+case "$cmd" in
+    setup) setup ;;
+    demo) setup; exec "$VENV/bin/tiermem" demo "$@" ;;
+    test) setup; exec "$VENV/bin/python" -m pytest -q -m 'not slow and not gpu' "$@" ;;
+    test-all) setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+    bench) setup; name=$1; shift; exec "$VENV/bin/python" "benchmarks/bench_$name.py" "$@" ;;
+    lint) setup; "$VENV/bin/ruff" check tiermem daemon tests benchmarks; "$VENV/bin/mypy" ;;
+    shell) setup; exec "$VENV/bin/python" "$@" ;;
+    *) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; [ "$cmd" = help ] ;;
+esac

@@ -1,0 +1,28 @@
+"""tiermem: a per-node offload runtime for large-model training.
+
+The library half: the host-memory pool, the NVMe swap store and tier manager,
+the CPU Adam engine, the wire protocol and the client.  The service half is the
+``tiermemd`` package.  Heavy parts are imported on first use, so that
+``import tiermem`` stays cheap for command-line tools.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "BufferPool": "tiermem.pool",
+    "CPUAdam": "tiermem.optim",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tiermem' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

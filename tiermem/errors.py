@@ -1,0 +1,212 @@
+"""The tiermem error hierarchy.
+
+Every error a user, a client, the kernel or a disk can cause is a
+``TiermemError``.  Each carries the facts needed to act on it as attributes
+(not only in its message), and can be turned into a plain dict and back so that
+the daemon can send it over the socket and the client can re-raise it as the
+same type (``to_wire`` / ``from_wire``).
+
+Messages say what was expected, what was found and what to change.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+from typing import Any, ClassVar
+
+__all__ = [
+    "AdmissionError",
+    "AuthError",
+    "BoundsError",
+    "ConfigError",
+    "CorruptionError",
+    "DaemonUnavailable",
+    "DataLostError",
+    "DTypeError",
+    "InvalidArgument",
+    "InvalidState",
+    "PoolExhausted",
+    "ProtocolError",
+    "SwapFullError",
+    "SwapIOError",
+    "TiermemError",
+    "UnknownJob",
+    "UnknownKey",
+    "error_from_wire",
+]
+
+
+class TiermemError(Exception):
+    """Base of every error raised by tiermem on purpose.
+
+    Subclasses list the keyword fields they carry in ``fields``; those travel
+    over the wire with the message.
+    """
+
+    fields: ClassVar[tuple[str, ...]] = ()
+    _registry: ClassVar[dict[str, type[TiermemError]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        TiermemError._registry[cls.__name__] = cls
+
+    def __init__(self, message: str, **facts: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        for name in self.fields:
+            setattr(self, name, facts.get(name))
+
+    def to_wire(self) -> dict[str, Any]:
+        """A JSON-able description: the type name, message and fields."""
+        return {
+            "type": type(self).__name__,
+            "message": self.message,
+            "fields": {name: getattr(self, name, None) for name in self.fields},
+        }
+
+
+TiermemError._registry["TiermemError"] = TiermemError
+
+
+def error_from_wire(payload: dict[str, Any]) -> TiermemError:
+    """Rebuild an error sent by ``to_wire``; unknown types become the base type."""
+    name = str(payload.get("type", "TiermemError"))
+    cls = TiermemError._registry.get(name, TiermemError)
+    message = str(payload.get("message", ""))
+    raw_fields = payload.get("fields")
+    fields = raw_fields if isinstance(raw_fields, dict) else {}
+    err = cls.__new__(cls)
+    TiermemError.__init__(err, message)
+    for field in cls.fields:
+        setattr(err, field, fields.get(field))
+    if cls is TiermemError and name != "TiermemError":
+        err.message = f"{name}: {message}"
+        err.args = (err.message,)
+    return err
+
+
+class ConfigError(TiermemError):
+    """A setting is missing, malformed or inconsistent; names the field."""
+
+    fields = ("field",)
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"config {field}: {problem}", field=field)
+
+
+class PoolExhausted(TiermemError):
+    """No block of the requested size could be found even after compaction and eviction."""
+
+    fields = ("requested", "free", "largest_free")
+
+    def __init__(self, requested: int, free: int, largest_free: int, what: str = "pool") -> None:
+        from tiermem.units import format_size
+
+        super().__init__(
+            f"{what} exhausted: requested {format_size(requested)}, "
+            f"free {format_size(free)}, largest free block {format_size(largest_free)}",
+            requested=requested,
+            free=free,
+            largest_free=largest_free,
+        )
+
+
+class SwapIOError(TiermemError):
+    """An I/O on a swap file failed or transferred fewer bytes than asked."""
+
+    fields = ("path", "offset", "nbytes", "errno")
+
+    def __init__(self, path: str, offset: int, nbytes: int, err: int, detail: str = "") -> None:
+        name = _errno.errorcode.get(err, str(err)) if err else "short transfer"
+        why = os.strerror(err) if err else detail or "short transfer"
+        super().__init__(
+            f"swap I/O failed on {path} at offset {offset} ({nbytes} bytes): {name}: {why}",
+            path=path,
+            offset=offset,
+            nbytes=nbytes,
+            errno=err,
+        )
+
+
+class SwapFullError(TiermemError):
+    """Swap space could not be reserved (disk full or quota exceeded)."""
+
+    fields = ("requested", "available", "path")
+
+    def __init__(self, message: str, requested: int, available: int, path: str = "") -> None:
+        super().__init__(message, requested=requested, available=available, path=path)
+
+
+class CorruptionError(TiermemError):
+    """Bytes read back do not match their checksum; the bytes are never returned."""
+
+    fields = ("key", "path", "offset")
+
+    def __init__(self, key: str, path: str, offset: int, detail: str = "checksum mismatch") -> None:
+        super().__init__(
+            f"corrupt data for {key!r} in {path} at offset {offset}: {detail}",
+            key=key,
+            path=path,
+            offset=offset,
+        )
+
+
+class DataLostError(TiermemError):
+    """Data for some keys could not be made durable (EIO, fsync failure) and is lost."""
+
+    fields = ("keys",)
+
+    def __init__(self, keys: list[str], why: str) -> None:
+        shown = ", ".join(repr(k) for k in keys[:8]) + (" ..." if len(keys) > 8 else "")
+        super().__init__(f"data lost for {len(keys)} key(s) [{shown}]: {why}", keys=list(keys))
+
+
+class ProtocolError(TiermemError):
+    """A frame or message broke the wire protocol."""
+
+
+class AuthError(TiermemError):
+    """The peer is not allowed to do what it asked."""
+
+
+class AdmissionError(TiermemError):
+    """A job or request would exceed the node's or the job's budget."""
+
+
+class UnknownJob(TiermemError):
+    """No job with this id (or token) exists on this daemon."""
+
+
+class UnknownKey(TiermemError):
+    """No tensor or stored object with this key exists."""
+
+    fields = ("key",)
+
+    def __init__(self, key: str, where: str = "") -> None:
+        super().__init__(f"unknown key {key!r}" + (f" in {where}" if where else ""), key=key)
+
+
+class BoundsError(TiermemError):
+    """A (window, offset, length) reference falls outside its window."""
+
+
+class InvalidArgument(TiermemError):
+    """An argument has a bad value."""
+
+
+class DTypeError(InvalidArgument):
+    """A tensor has a dtype the operation does not support."""
+
+
+class InvalidState(TiermemError):
+    """An object was asked for a transition its current state does not allow."""
+
+
+class DaemonUnavailable(TiermemError):
+    """The client could not reach a daemon; names the socket path and why."""
+
+    fields = ("path",)
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"no tiermemd at {path}: {why}", path=path)
