@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import errno
+import pickle
+
+import pytest
+
+from tiermem import errors
+from tiermem.errors import (
+    ConfigError,
+    CorruptionError,
+    PoolExhausted,
+    SwapIOError,
+    TiermemError,
+    UnknownKey,
+    error_from_wire,
+)
+
+
+def test_pool_exhausted_names_requested_free_and_largest_block() -> None:
+    err = PoolExhausted(requested=3 << 30, free=2 << 30, largest_free=1 << 30)
+    assert (err.requested, err.free, err.largest_free) == (3 << 30, 2 << 30, 1 << 30)
+    assert "requested 3GiB" in str(err) and "free 2GiB" in str(err) and "largest free block 1GiB" in str(err)
+
+
+def test_swap_io_error_names_path_offset_and_errno() -> None:
+    err = SwapIOError("/nvme0/swap.0", 8192, 4096, errno.EIO)
+    assert "/nvme0/swap.0" in str(err) and "8192" in str(err) and "EIO" in str(err)
+    short = SwapIOError("/x", 0, 4096, 0, "read 100 of 4096 bytes")
+    assert "read 100 of 4096 bytes" in str(short)
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        ConfigError("pool.size", "must be >= 0, got -1"),
+        PoolExhausted(10, 5, 4),
+        SwapIOError("/x", 4096, 512, errno.ENOSPC),
+        CorruptionError("layer0.exp_avg", "/swap/f0", 4096),
+        UnknownKey("w", "job a"),
+        errors.AuthError("uid 1000 is not allowed"),
+    ],
+)
+def test_errors_survive_the_wire_as_the_same_type(err: TiermemError) -> None:
+    back = error_from_wire(pickle.loads(pickle.dumps(err.to_wire())))
+    assert type(back) is type(err)
+    assert str(back) == str(err)
+    for name in type(err).fields:
+        assert getattr(back, name) == getattr(err, name)
+
+
+def test_unknown_wire_error_type_becomes_base_error_keeping_the_name() -> None:
+    back = error_from_wire({"type": "FutureError", "message": "new kind", "fields": {}})
+    assert type(back) is TiermemError
+    assert "FutureError" in str(back)
+
+
+def test_malformed_wire_error_still_becomes_an_error() -> None:
+    back = error_from_wire({"type": "PoolExhausted", "fields": "nonsense"})
+    assert isinstance(back, PoolExhausted)
+    assert back.requested is None
