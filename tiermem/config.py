@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tiermem.errors import ConfigError
-from tiermem.units import MiB, PAGE_SIZE, parse_size
+from tiermem.units import PAGE_SIZE, MiB, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -200,7 +200,7 @@ def default_runtime_dir(env: Mapping[str, str], uid: int | None = None) -> Path:
     xdg = env.get("XDG_RUNTIME_DIR")
     if xdg:
         return Path(xdg) / "tiermem"
-    return Path("/tmp") / f"tiermem-{uid}"
+    return Path("/tmp") / f"tiermem-{uid}"  # noqa: S108 - per-uid dir, created 0700 by the daemon
 
 
 def default_state_dir(env: Mapping[str, str], uid: int | None = None) -> Path:
@@ -295,9 +295,7 @@ def _build(merged: Mapping[str, Mapping[str, Any]]) -> DaemonConfig:
         kwargs: dict[str, Any] = {}
         for key, raw in values.items():
             if key not in known:
-                raise ConfigError(
-                    f"{section}.{key}", f"unknown setting; [{section}] takes {', '.join(sorted(known))}"
-                )
+                raise ConfigError(f"{section}.{key}", f"unknown setting; [{section}] takes {', '.join(sorted(known))}")
             kwargs[key] = _convert(f"{section}.{key}", raw, hints[key], known[key].metadata)
         built[section] = cls(**kwargs)
     return DaemonConfig(**built)

@@ -15,6 +15,8 @@ import errno as _errno
 import os
 from typing import Any, ClassVar
 
+from tiermem.units import format_size
+
 __all__ = [
     "AdmissionError",
     "AuthError",
@@ -24,6 +26,7 @@ __all__ = [
     "DaemonUnavailable",
     "DataLostError",
     "DTypeError",
+    "HostMemoryError",
     "InvalidArgument",
     "InvalidState",
     "PoolExhausted",
@@ -101,8 +104,6 @@ class PoolExhausted(TiermemError):
     fields = ("requested", "free", "largest_free")
 
     def __init__(self, requested: int, free: int, largest_free: int, what: str = "pool") -> None:
-        from tiermem.units import format_size
-
         super().__init__(
             f"{what} exhausted: requested {format_size(requested)}, "
             f"free {format_size(free)}, largest free block {format_size(largest_free)}",
@@ -197,6 +198,21 @@ class InvalidArgument(TiermemError):
 
 class DTypeError(InvalidArgument):
     """A tensor has a dtype the operation does not support."""
+
+
+class HostMemoryError(TiermemError):
+    """Host memory for a shared-memory arena could not be reserved (the node is short of RAM)."""
+
+    fields = ("nbytes", "errno")
+
+    def __init__(self, nbytes: int, err: int, what: str = "arena") -> None:
+        name = _errno.errorcode.get(err, str(err))
+        super().__init__(
+            f"cannot reserve {format_size(nbytes)} of host memory for the {what}: {name}: {os.strerror(err)}; "
+            "lower pool.size or free memory on the node",
+            nbytes=nbytes,
+            errno=err,
+        )
 
 
 class InvalidState(TiermemError):

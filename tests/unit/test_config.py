@@ -77,7 +77,7 @@ def test_missing_config_file_is_named(tmp_path: Path) -> None:
 
 
 def test_cross_field_check_names_the_field() -> None:
-    with pytest.raises(ConfigError, match="pool.arena_size"):
+    with pytest.raises(ConfigError, match=r"pool\.arena_size"):
         PoolConfig(arena_size=5 * MiB + 1)
 
 
