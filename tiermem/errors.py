@@ -22,6 +22,7 @@ __all__ = [
     "AuthError",
     "BoundsError",
     "ConfigError",
+    "ConnectionClosed",
     "CorruptionError",
     "DaemonUnavailable",
     "DataLostError",
@@ -217,6 +218,10 @@ class HostMemoryError(TiermemError):
 
 class InvalidState(TiermemError):
     """An object was asked for a transition its current state does not allow."""
+
+
+class ConnectionClosed(TiermemError):
+    """The peer closed the connection (or the connection was closed after a fatal error)."""
 
 
 class DaemonUnavailable(TiermemError):
