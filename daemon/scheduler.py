@@ -1,0 +1,126 @@
+"""Fair sharing of the CPU between the jobs and ranks of the node.
+
+The Adam update is memory-bound and already parallel inside one call (the
+engine uses the configured number of threads), so running two updates at once
+only makes them fight over memory bandwidth and cores.  The scheduler
+therefore runs one task at a time on one executor thread, taking tasks from
+per-tenant FIFO queues in round-robin order: a tenant (a job's rank) with a
+long update cannot starve another, because tasks are chunk-sized (the engine's
+``chunk_numel``), and no core is oversubscribed.
+
+Queued tasks of a tenant can be cancelled at once (a client died); the task
+that is running completes (it holds pins that it releases itself).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from tiermem.errors import InvalidState
+
+__all__ = ["CpuScheduler"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class _Tenant:
+    queue: collections.deque[tuple[Callable[[], Any], Future[Any]]] = field(default_factory=collections.deque)
+    busy_s: float = 0.0
+    tasks: int = 0
+
+
+class CpuScheduler:
+    """Runs submitted callables one at a time, round-robin across tenants."""
+
+    def __init__(self, name: str = "tiermem-cpu") -> None:
+        self._tenants: collections.OrderedDict[str, _Tenant] = collections.OrderedDict()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._running: str | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, tenant: str, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        with self._cond:
+            if self._closed:
+                raise InvalidState("the CPU scheduler is shut down")
+            self._tenants.setdefault(tenant, _Tenant()).queue.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def cancel(self, tenant: str) -> int:
+        """Cancel the queued tasks of ``tenant``; returns how many were dropped."""
+        with self._cond:
+            state = self._tenants.get(tenant)
+            if state is None:
+                return 0
+            dropped = 0
+            while state.queue:
+                _, future = state.queue.popleft()
+                if future.cancel():
+                    dropped += 1
+            return dropped
+
+    def forget(self, tenant: str) -> None:
+        """Drop ``tenant``'s accounting (after cancelling its work)."""
+        self.cancel(tenant)
+        with self._cond:
+            self._tenants.pop(tenant, None)
+
+    def busy_seconds(self) -> dict[str, float]:
+        with self._cond:
+            return {name: t.busy_s for name, t in self._tenants.items()}
+
+    @property
+    def queued(self) -> int:
+        with self._cond:
+            return sum(len(t.queue) for t in self._tenants.values())
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish queued work, then stop the executor thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def _next(self) -> tuple[str, Callable[[], Any], Future[Any]] | None:
+        with self._cond:
+            while True:
+                for name in list(self._tenants):
+                    state = self._tenants[name]
+                    if state.queue:
+                        fn, future = state.queue.popleft()
+                        self._tenants.move_to_end(name)  # round-robin: this tenant goes last
+                        self._running = name
+                        return name, fn, future
+                if self._closed:
+                    return None
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while (item := self._next()) is not None:
+            name, fn, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            start = time.perf_counter()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # delivered to the waiter, never lost
+                future.set_exception(exc)
+            finally:
+                with self._cond:
+                    state = self._tenants.get(name)
+                    if state is not None:
+                        state.busy_s += time.perf_counter() - start
+                        state.tasks += 1
+                    self._running = None
