@@ -1,0 +1,194 @@
+"""Jobs: who owns what, tokens, and the grace period after a crash.
+
+One ``Job`` record per training job on the node.  A job is created by the first
+attach that names a new job id; the creator's uid becomes its owner and the
+attach reply carries a random token.  Every later attach to that job (another
+rank, or a restarted process) must come from the same uid *and* present the
+token: a process of another job cannot join it by guessing the id, and a
+process of another uid can never attach to it at all.
+
+States (``JobState``)::
+
+    ACTIVE --(last session gone)--> ORPHANED --(grace period over)--> RECLAIMED
+       ^                               |
+       +-------(reattach w/ token)-----+
+    ACTIVE --(every rank detached)--> RECLAIMED
+
+The table only decides; the daemon performs the effects (closing windows,
+freeing pool blocks, deleting swap) for the jobs ``expire`` returns.  Time
+comes from an injected clock so the grace logic is tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiermem.errors import AdmissionError, AuthError, InvalidArgument, InvalidState, UnknownJob
+
+__all__ = ["Job", "JobState", "JobTable"]
+
+_JOB_ID_MAX = 128
+
+
+class JobState(enum.Enum):
+    ACTIVE = "active"
+    ORPHANED = "orphaned"
+    RECLAIMED = "reclaimed"
+
+
+_MOVES = {
+    JobState.ACTIVE: {JobState.ORPHANED, JobState.RECLAIMED},
+    JobState.ORPHANED: {JobState.ACTIVE, JobState.RECLAIMED},
+    JobState.RECLAIMED: set(),
+}
+
+
+@dataclass
+class Job:
+    job_id: str
+    owner_uid: int
+    world_size: int
+    token: str
+    state: JobState = JobState.ACTIVE
+    orphaned_at: float | None = None
+    ranks: dict[int, Any] = field(default_factory=dict)
+    """Per-rank optimizer state, owned by the daemon (``RankOptimizer``)."""
+    attached: dict[int, int] = field(default_factory=dict)
+    """rank -> id of the session currently driving it."""
+    detached: set[int] = field(default_factory=set)
+
+    def transition(self, to: JobState, now: float) -> None:
+        if to not in _MOVES[self.state]:
+            raise InvalidState(f"job {self.job_id!r} cannot go from {self.state.value} to {to.value}")
+        self.state = to
+        self.orphaned_at = now if to is JobState.ORPHANED else None
+
+
+class JobTable:
+    """All jobs of the daemon; thread-safe."""
+
+    def __init__(self, *, grace_period_s: float, max_jobs: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.grace_period_s = grace_period_s
+        self.max_jobs = max_jobs
+        self._clock = clock
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.RLock()
+
+    def attach(
+        self, *, job_id: str, rank: int, world_size: int, uid: int, token: str | None, session: int
+    ) -> tuple[Job, bool]:
+        """Bind ``session`` to ``(job_id, rank)``; returns the job and whether it was created.
+
+        Raises ``AuthError`` for a wrong uid or token, ``InvalidArgument`` for a
+        bad rank, ``AdmissionError`` when the node holds ``max_jobs`` jobs or the
+        rank is driven by another live session.
+        """
+        if not job_id or len(job_id) > _JOB_ID_MAX or not job_id.isprintable():
+            raise InvalidArgument(f"job id must be 1..{_JOB_ID_MAX} printable characters, got {job_id!r}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise InvalidArgument(f"rank {rank} is not in [0, world_size={world_size})")
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                if token:
+                    raise UnknownJob(
+                        f"job {job_id!r} does not exist (its grace period may have ended and its state was "
+                        "reclaimed); attach without a token to start it anew"
+                    )
+                live = sum(1 for j in self._jobs.values() if j.state is not JobState.RECLAIMED)
+                if live >= self.max_jobs:
+                    raise AdmissionError(f"the node already holds {live} jobs (jobs.max_jobs = {self.max_jobs})")
+                job = Job(job_id, uid, world_size, secrets.token_hex(16))
+                self._jobs[job_id] = job
+                created = True
+            else:
+                if uid != job.owner_uid:
+                    raise AuthError(f"job {job_id!r} belongs to uid {job.owner_uid}; uid {uid} may not attach to it")
+                if not token or not hmac.compare_digest(token, job.token):
+                    raise AuthError(
+                        f"job {job_id!r} exists; attaching to it needs its token (returned by the first attach)"
+                    )
+                if world_size != job.world_size:
+                    raise InvalidArgument(f"job {job_id!r} has world_size {job.world_size}, not {world_size}")
+                holder = job.attached.get(rank)
+                if holder is not None and holder != session:
+                    raise AdmissionError(f"rank {rank} of job {job_id!r} is already attached by another live process")
+                created = False
+            if job.state is JobState.ORPHANED:
+                job.transition(JobState.ACTIVE, self._clock())
+            job.attached[rank] = session
+            job.detached.discard(rank)
+            return job, created
+
+    def session_gone(self, session: int) -> list[Job]:
+        """Unbind a dead session; jobs left with no session become ORPHANED. Returns the jobs it drove."""
+        touched = []
+        with self._lock:
+            for job in self._jobs.values():
+                ranks = [r for r, s in job.attached.items() if s == session]
+                for rank in ranks:
+                    del job.attached[rank]
+                if ranks:
+                    touched.append(job)
+                    if not job.attached and job.state is JobState.ACTIVE:
+                        job.transition(JobState.ORPHANED, self._clock())
+        return touched
+
+    def detach(self, job_id: str, rank: int, session: int) -> bool:
+        """Clean detach of one rank; returns True when the whole job is finished (every rank detached)."""
+        with self._lock:
+            job = self.get(job_id)
+            if job.attached.get(rank) != session:
+                raise InvalidState(f"rank {rank} of job {job_id!r} is not attached by this connection")
+            del job.attached[rank]
+            job.detached.add(rank)
+            done = not job.attached and len(job.detached) >= len(job.ranks)
+            if done:
+                self._reclaim(job)
+            elif not job.attached:
+                job.transition(JobState.ORPHANED, self._clock())
+            return done
+
+    def expire(self) -> list[Job]:
+        """Jobs whose grace period is over: marked RECLAIMED, removed, and returned for cleanup."""
+        now = self._clock()
+        with self._lock:
+            due = [
+                j
+                for j in self._jobs.values()
+                if j.state is JobState.ORPHANED
+                and j.orphaned_at is not None
+                and now - j.orphaned_at >= self.grace_period_s
+            ]
+            for job in due:
+                self._reclaim(job)
+            return due
+
+    def reclaim_all(self) -> list[Job]:
+        with self._lock:
+            jobs = list(self._jobs.values())
+            for job in jobs:
+                self._reclaim(job)
+            return jobs
+
+    def get(self, job_id: str) -> Job:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                raise UnknownJob(f"no job {job_id!r} on this daemon")
+            return job
+
+    def jobs(self) -> list[Job]:
+        with self._lock:
+            return list(self._jobs.values())
+
+    def _reclaim(self, job: Job) -> None:
+        job.transition(JobState.RECLAIMED, self._clock())
+        self._jobs.pop(job.job_id, None)
