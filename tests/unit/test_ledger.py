@@ -3,10 +3,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from tiermemd.ledger import Ledger, Resource
 
 from tiermem.errors import AdmissionError
 from tiermem.units import GiB, MiB
+from tiermemd.ledger import Ledger, Resource
 
 
 def test_reservation_beyond_capacity_is_refused_naming_the_holders() -> None:
