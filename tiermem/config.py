@@ -94,6 +94,8 @@ class SwapConfig:
     """Worker threads of the thread-pool engine."""
     fsync: bool = True
     """fsync data and manifests before a write counts as committed."""
+    stripe_size: int = _size(1 * MiB)
+    """With several swap directories, objects are dealt over them in stripes of this size."""
 
     def __post_init__(self) -> None:
         if self.engine not in ("auto", "libaio", "threads"):
@@ -102,6 +104,8 @@ class SwapConfig:
             raise ConfigError("swap.block_size", f"must be a positive multiple of 4KiB, got {self.block_size}")
         _check_positive("swap.queue_depth", self.queue_depth)
         _check_positive("swap.threads", self.threads)
+        if self.stripe_size < PAGE_SIZE or self.stripe_size % PAGE_SIZE:
+            raise ConfigError("swap.stripe_size", f"must be a positive multiple of 4KiB, got {self.stripe_size}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,123 @@
+"""A fault-injecting I/O engine for tests: wraps a real engine and breaks chosen requests.
+
+``FaultyEngine(inner)`` passes every request to ``inner`` except those matching
+an injected ``Fault``:
+- ``FaultKind.ERRNO``: the request is not performed at all and fails with that
+  errno (EIO by default), as a disk error would report it;
+- ``FaultKind.SHORT``: only the first half of the request (page-aligned) is
+  performed and the completion reports that many bytes.
+Failures are produced by the product's own completion check (``Transfer``), so
+tests exercise the same error path a real kernel result takes.
+
+``mounted(fstype, options)`` mounts a small file system for a test (a 4 MiB
+tmpfs that fills up, a ramfs that refuses O_DIRECT) and skips without root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errno_mod
+import subprocess
+import tempfile
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+
+import pytest
+
+from tiermem.swap.engine import IOEngine, IOOp, IORequest, Transfer
+
+
+class FaultKind(Enum):
+    ERRNO = "errno"
+    SHORT = "short"
+
+
+@dataclass
+class Fault:
+    op: IOOp
+    kind: FaultKind = FaultKind.ERRNO
+    errno: int = errno_mod.EIO
+    path_contains: str = ""
+    skip: int = 0
+    """Matching requests to let through before the fault fires."""
+    count: int = 1
+    """Matching requests to break once it fires."""
+    hits: int = 0
+
+    def fires(self, request: IORequest) -> bool:
+        if request.op is not self.op or self.path_contains not in request.path or self.count <= 0:
+            return False
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        self.count -= 1
+        self.hits += 1
+        return True
+
+
+class FaultyEngine:
+    """An ``IOEngine`` that breaks the requests its faults match; see the module docstring."""
+
+    def __init__(self, inner: IOEngine) -> None:
+        self.inner = inner
+        self.faults: list[Fault] = []
+
+    @property
+    def name(self) -> str:
+        return f"faulty-{self.inner.name}"
+
+    @property
+    def direct(self) -> bool:
+        return self.inner.direct
+
+    @property
+    def block_size(self) -> int:
+        return self.inner.block_size
+
+    def inject(self, fault: Fault) -> Fault:
+        self.faults.append(fault)
+        return fault
+
+    def submit(self, requests: Sequence[IORequest]) -> list[Future[int]]:
+        out: list[Future[int]] = []
+        for request in requests:
+            fault = next((f for f in self.faults if f.fires(request)), None)
+            if fault is None:
+                out.extend(self.inner.submit([request]))
+                continue
+            transfer = Transfer(request, 1)
+            if fault.kind is FaultKind.ERRNO:
+                transfer.block_done(request.offset, request.nbytes, -fault.errno)
+            else:
+                half = (request.nbytes // 2) // 4096 * 4096
+                if half:
+                    done = self.inner.submit([replace(request, nbytes=half)])[0]
+                    done.add_done_callback(
+                        lambda f, t=transfer, r=request, h=half: t.block_done(
+                            r.offset, r.nbytes, h if f.exception() is None else -errno_mod.EIO
+                        )
+                    )
+                else:
+                    transfer.block_done(request.offset, request.nbytes, 0)
+            out.append(transfer.future)
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@contextlib.contextmanager
+def mounted(fstype: str, options: str = "") -> Iterator[Path]:
+    """A fresh ``fstype`` mount (tmpfs with size=4m, ramfs, ...) in a temporary directory; skips without permission."""
+    with tempfile.TemporaryDirectory(prefix=f"tiermem-{fstype}-", dir="/var/tmp") as d:
+        args = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, d]
+        done = subprocess.run(args, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount {fstype} here ({done.stderr.strip() or done.returncode}); needs root")
+        try:
+            yield Path(d)
+        finally:
+            subprocess.run(["umount", "-l", d], capture_output=True, check=False)
