@@ -1,0 +1,275 @@
+"""Wire protocol, property-based: every message round-trips; no input raises anything but ProtocolError."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiermem.errors import ProtocolError
+from tiermem.protocol import (
+    DTYPES,
+    HEADER_NBYTES,
+    MESSAGE_CLASSES,
+    PLACEMENTS,
+    STATE_KEYS,
+    Attach,
+    AttachOk,
+    BucketReady,
+    Detach,
+    ErrorReply,
+    FetchParams,
+    Frame,
+    MemRef,
+    Message,
+    MsgType,
+    Ok,
+    ParamGroup,
+    ParamsReady,
+    Ping,
+    Pong,
+    Register,
+    RegisterOk,
+    StateChunk,
+    StateRead,
+    StateWrite,
+    Stats,
+    StatsReply,
+    Step,
+    StepDone,
+    TensorSlot,
+    TensorSpec,
+    decode_frame,
+    decode_message,
+    encode_message,
+)
+
+u64 = st.integers(0, (1 << 56) - 1)
+step_no = st.integers(0, (1 << 62) - 1)
+tensor_id = st.integers(0, (1 << 20) - 1)
+ids = st.lists(tensor_id, max_size=8).map(tuple)
+names = st.text(min_size=1, max_size=40)
+job_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,30}", fullmatch=True)
+nonneg = st.floats(0.0, 1e6, allow_nan=False, allow_infinity=False)
+positive = st.floats(1e-12, 1e9, allow_nan=False, allow_infinity=False)
+unit = st.floats(0.0, 1.0, exclude_max=True)
+memref = st.builds(MemRef, st.integers(0, 0xFFFFFFFF), u64, u64)
+
+param_group = st.builds(
+    ParamGroup,
+    lr=nonneg,
+    betas=st.tuples(unit, unit),
+    eps=nonneg,
+    weight_decay=nonneg,
+    adamw=st.booleans(),
+    maximize=st.booleans(),
+)
+tensor_spec = st.builds(
+    TensorSpec,
+    name=names,
+    shape=st.lists(st.integers(0, (1 << 48) - 1), max_size=16).map(tuple),
+    dtype=st.sampled_from(DTYPES),
+    placement=st.sampled_from(PLACEMENTS),
+    group=st.just(0),
+)
+
+
+@st.composite
+def registers(draw: st.DrawFn) -> Register:
+    groups = tuple(draw(st.lists(param_group, min_size=1, max_size=3)))
+    specs = draw(st.lists(tensor_spec, max_size=5, unique_by=lambda t: t.name))
+    tensors = tuple(
+        TensorSpec(t.name, t.shape, t.dtype, t.placement, draw(st.integers(0, len(groups) - 1))) for t in specs
+    )
+    return Register(tensors, groups)
+
+
+@st.composite
+def state_chunks(draw: st.DrawFn) -> StateChunk:
+    total = draw(u64)
+    offset = draw(st.integers(0, total))
+    nbytes = draw(st.integers(0, total - offset))
+    return StateChunk(draw(tensor_id), draw(st.sampled_from(STATE_KEYS)), offset, nbytes, total, draw(step_no))
+
+
+@st.composite
+def attaches(draw: st.DrawFn) -> Attach:
+    world = draw(st.integers(1, 1 << 20))
+    token = draw(st.none() | st.text(max_size=128))
+    return Attach(draw(job_ids), draw(st.integers(0, world - 1)), world, draw(st.integers(1, (1 << 56) - 1)), token)
+
+
+scalar = st.none() | st.booleans() | st.integers(-(1 << 60), 1 << 60) | st.text(max_size=20) | nonneg
+wire_key = st.text(max_size=20)
+
+STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
+    MsgType.ATTACH: attaches(),
+    MsgType.ATTACH_OK: st.builds(
+        AttachOk,
+        job_token=st.text(max_size=128),
+        window_id=st.integers(0, 0xFFFFFFFF),
+        window_nbytes=st.integers(1, (1 << 56) - 1),
+        alignment=st.integers(0, 30).map(lambda b: 1 << b),
+        max_frame=st.integers(4096, 1 << 30),
+        reattached=st.booleans(),
+    ),
+    MsgType.REGISTER: registers(),
+    MsgType.REGISTER_OK: st.builds(
+        RegisterOk,
+        st.lists(
+            st.builds(TensorSlot, tensor_id, memref, st.lists(memref, min_size=1, max_size=2).map(tuple)), max_size=5
+        ).map(tuple),
+    ),
+    MsgType.STEP: st.builds(
+        Step,
+        step=step_no,
+        groups=st.lists(param_group, max_size=3).map(tuple),
+        loss_scale=positive,
+        max_grad_norm=st.none() | positive,
+        tensor_ids=ids,
+        buckets=st.integers(0, 1 << 20),
+        delayed=st.booleans(),
+        grad_buffer=st.integers(0, 1),
+    ),
+    MsgType.BUCKET_READY: st.builds(
+        BucketReady,
+        step=step_no,
+        bucket=st.integers(0, 1 << 20),
+        tensor_ids=st.lists(tensor_id, min_size=1, max_size=8).map(tuple),
+        refs=st.lists(memref, max_size=4).map(tuple),
+        grad_buffer=st.integers(0, 1),
+    ),
+    MsgType.STEP_DONE: st.builds(
+        StepDone,
+        step=step_no,
+        found_inf=st.booleans(),
+        grad_norm=st.none() | st.floats(0.0, allow_nan=False),
+        params_ready=st.booleans(),
+        timings=st.dictionaries(st.text(max_size=20), nonneg, max_size=5).map(lambda d: tuple(d.items())),
+    ),
+    MsgType.FETCH_PARAMS: st.builds(FetchParams, step_no, ids),
+    MsgType.PARAMS_READY: st.builds(ParamsReady, step_no, ids),
+    MsgType.STATE_READ: st.builds(StateRead, tensor_id, st.sampled_from(STATE_KEYS), u64, memref),
+    MsgType.STATE_CHUNK: state_chunks(),
+    MsgType.STATE_WRITE: st.builds(StateWrite, tensor_id, st.sampled_from(STATE_KEYS), u64, memref, step_no),
+    MsgType.STATS: st.just(Stats()),
+    MsgType.STATS_REPLY: st.builds(
+        StatsReply,
+        st.dictionaries(
+            st.text(max_size=30), st.integers(-(1 << 60), 1 << 60) | st.floats(allow_nan=False), max_size=10
+        ).map(lambda d: tuple(d.items())),
+    ),
+    MsgType.DETACH: st.builds(Detach, st.booleans()),
+    MsgType.PING: st.just(Ping()),
+    MsgType.PONG: st.just(Pong()),
+    MsgType.OK: st.just(Ok()),
+    MsgType.ERROR: st.builds(
+        ErrorReply,
+        kind=st.from_regex(r"[A-Za-z][A-Za-z0-9]{0,30}", fullmatch=True),
+        message=st.text(max_size=200),
+        fields=st.dictionaries(wire_key, scalar | st.lists(scalar, max_size=4), max_size=4).map(
+            lambda d: tuple(d.items())
+        ),
+    ),
+}
+
+
+def test_every_message_type_has_a_strategy():
+    assert set(STRATEGIES) == set(MESSAGE_CLASSES)
+
+
+@settings(max_examples=600)
+@given(st.one_of(*STRATEGIES.values()), st.integers(0, 0xFFFFFFFF))
+def test_every_message_round_trips(msg: Message, request_id: int):
+    frame = decode_frame(encode_message(msg, request_id))
+    assert frame.type is msg.TYPE
+    assert frame.request_id == request_id
+    assert decode_message(frame) == msg
+
+
+def decode_all(data: bytes, max_frame: int = 1 << 20) -> None:
+    with contextlib.suppress(ProtocolError):
+        decode_message(decode_frame(data, max_frame=max_frame))
+
+
+@settings(max_examples=800)
+@given(st.binary(max_size=300))
+def test_random_bytes_raise_only_protocol_error(data: bytes):
+    decode_all(data)
+    decode_all(b"TM\x01" + data)
+
+
+@settings(max_examples=800)
+@given(st.sampled_from(list(MsgType)), st.binary(max_size=300))
+def test_random_payload_under_valid_header_raises_only_protocol_error(msg_type: MsgType, payload: bytes):
+    decode_all(
+        encode_message(Ping(), 1)[:3] + bytes([msg_type]) + b"\0" * 8 + len(payload).to_bytes(4, "little") + payload
+    )
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@st.composite
+def near_valid_payloads(draw: st.DrawFn) -> tuple[MsgType, dict]:
+    """A valid payload with one field replaced by an arbitrary JSON value (or deleted, or added)."""
+    msg = draw(st.one_of(*STRATEGIES.values()))
+    payload = msg.to_payload()
+    key = draw(st.sampled_from([*payload, "extra"])) if payload else "extra"
+    if draw(st.booleans()) and key in payload:
+        del payload[key]
+    else:
+        payload[key] = draw(json_values)
+    return msg.TYPE, payload
+
+
+@settings(max_examples=600)
+@given(near_valid_payloads())
+def test_wrong_field_values_raise_only_protocol_error(case: tuple[MsgType, dict]):
+    msg_type, payload = case
+    try:
+        msg = decode_message(Frame(msg_type, 1, json.dumps(payload).encode()))
+    except ProtocolError:
+        return
+    # Accepted: it must then be a well-formed message that round-trips.
+    again = decode_message(decode_frame(encode_message(msg, 1)))
+    assert _same(again, msg)
+
+
+def _same(a: Message, b: Message) -> bool:
+    """Equality where NaN equals NaN (a replaced float field may be NaN where NaN is allowed)."""
+    return json.dumps(a.to_payload()) == json.dumps(b.to_payload())
+
+
+@settings(max_examples=800)
+@given(st.one_of(*STRATEGIES.values()), st.data())
+def test_mutated_frames_raise_only_protocol_error(msg: Message, data: st.DataObject):
+    frame = bytearray(encode_message(msg, 7))
+    for _ in range(data.draw(st.integers(1, 4))):
+        index = data.draw(st.integers(0, len(frame) - 1))
+        frame[index] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(frame)))
+    decode_all(bytes(frame[:cut]))
+    decode_all(bytes(frame))
+
+
+def test_float_fields_reject_non_finite_where_they_must_be_finite():
+    for value in (math.inf, -math.inf, math.nan):
+        payload = dict(Step(step=1).to_payload(), loss_scale=value)
+        try:
+            decode_message(Frame(MsgType.STEP, 1, json.dumps(payload).encode()))
+        except ProtocolError as exc:
+            assert "loss_scale" in str(exc)
+        else:
+            raise AssertionError(f"loss_scale {value} accepted")
+
+
+def test_header_size_is_sixteen():
+    assert HEADER_NBYTES == 16
