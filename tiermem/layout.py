@@ -11,7 +11,7 @@ Given tensors in registration order, ``plan_layout`` assigns:
 - buckets: consecutive runs of tensors of about ``bucket_nbytes`` of gradient,
   in reverse registration order (backward produces the last layers' grads first,
   so the first bucket to fill is the last tensors');
-- a window layout, all offsets aligned to ``SLOT_ALIGN``::
+- a window layout (regions 4 KiB aligned, tensors packed densely inside)::
 
       +-------------------+-------------------+-------------------+
       | params (working)  | grads, buffer 0   | grads, buffer 1   |
@@ -22,8 +22,9 @@ Given tensors in registration order, ``plan_layout`` assigns:
   an update; a grad buffer holds the working-precision grads of one step.  Two
   grad buffers exist when the job uses the delayed update (the next step's
   grads land while the previous step's are still being read).  Inside a region
-  a tensor's bytes sit at ``slot_offset`` (the same in every region), so
-  region + slot_offset addresses it.
+  a tensor's bytes sit at ``slot_offset`` = ``start * itemsize`` (the same in
+  every region), so region + slot_offset addresses it, and a run of tensors is
+  one contiguous range of both the flat state and each region.
 
 A bucket covers a contiguous element range of the flat space and a contiguous
 byte range of each region, so the update of a bucket is one chunked call.
@@ -36,11 +37,9 @@ from math import prod
 
 from tiermem.errors import DTypeError, InvalidArgument
 
-__all__ = ["DTYPE_NBYTES", "SLOT_ALIGN", "Bucket", "Layout", "TensorSlot", "TensorSpec", "plan_layout"]
+__all__ = ["DTYPE_NBYTES", "Bucket", "Layout", "TensorSlot", "TensorSpec", "plan_layout"]
 
 DTYPE_NBYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-SLOT_ALIGN = 64
-"""Cache-line alignment of every tensor inside a region; regions are 4 KiB aligned."""
 _REGION_ALIGN = 4096
 
 
@@ -160,7 +159,7 @@ def plan_layout(specs: list[TensorSpec], *, bucket_nbytes: int, grad_buffers: in
             raise InvalidArgument(f"tensor {spec.name!r} has a negative dimension: {spec.shape}")
         slots.append(TensorSlot(spec, index, start, offset, bucket_of[index]))
         start += spec.numel
-        offset = _align(offset + spec.numel * itemsize, SLOT_ALIGN)
+        offset += spec.numel * itemsize
     buckets = []
     for b, members in enumerate(groups):
         first, last = slots[members[0]], slots[members[-1]]

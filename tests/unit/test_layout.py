@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiermem.errors import DTypeError, InvalidArgument
-from tiermem.layout import DTYPE_NBYTES, SLOT_ALIGN, TensorSpec, plan_layout
+from tiermem.layout import DTYPE_NBYTES, TensorSpec, plan_layout
 
 
 def specs_strategy() -> st.SearchStrategy[list[TensorSpec]]:
@@ -27,7 +27,7 @@ def test_layout_invariants(specs: list[TensorSpec], bucket_nbytes: int, buffers:
     for slot in layout.slots:
         assert slot.start == pos
         pos = slot.stop
-        assert slot.slot_offset % SLOT_ALIGN == 0
+        assert slot.slot_offset == slot.start * DTYPE_NBYTES[slot.spec.dtype]
         assert slot.slot_offset + slot.nbytes <= layout.region_nbytes
     assert pos == layout.numel
     # slots do not overlap inside a region
