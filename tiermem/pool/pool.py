@@ -22,7 +22,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING
 
 import psutil
@@ -176,8 +176,9 @@ class BufferPool:
         try:
             yield view
         finally:
-            view.release()
             self.unpin(block)
+            with suppress(BufferError):  # something still exports from it; the mapping outlives it anyway
+                view.release()
 
     def view(self, block: Block) -> memoryview:
         """A writable view of the block's ``nbytes`` (aligned) bytes; see the module note on validity."""
