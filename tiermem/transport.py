@@ -1,0 +1,550 @@
+"""The Unix-socket transport: listening and connecting, one frame per packet, fds, peer identity.
+
+Owns the operating-system side of the control channel; the bytes it moves are
+frames of ``tiermem.protocol``.  Invariants:
+
+- Sockets are ``AF_UNIX``/``SOCK_SEQPACKET``: one ``send`` is one frame and one
+  ``recv`` returns exactly one frame, so message boundaries need no parsing.
+  A packet longer than ``max_frame`` is detected (``MSG_TRUNC``), discarded
+  whole, and reported as a ``ProtocolError``; the channel stays framed.
+- File descriptors travel only from the daemon to a client (``SCM_RIGHTS``, the
+  job's window memfd at attach).  The daemon's receive path (``accept_fds=False``)
+  closes every fd a client sends and reports a ``ProtocolError``.
+- Unix datagram-style sockets limit one packet to the *sender's* send buffer;
+  ``size_send_buffer`` raises it so a ``max_frame`` packet fits, and
+  ``FrameSocket.max_send`` tells what the kernel granted.
+- A socket path is removed only when nothing listens on it (a connect test),
+  never when another daemon is alive; it is bound under a restrictive umask and
+  then given its configured mode, so it is never more open than configured.
+- Peers are identified by the kernel (``SO_PEERCRED``: the pid, uid and gid of
+  the process that connected), and watched through a pidfd, which becomes
+  readable when that process exits even if forked children keep the socket open.
+
+``Connection`` is the blocking client: one request and its reply at a time
+under a lock (an optimizer thread and a hook thread may share it).
+``Listener``/``Peer`` are the daemon's side, usable from a thread per peer
+(blocking) or from an event loop (``Peer.set_blocking(False)`` plus
+``loop.add_reader``; asyncio's stream API does not support SEQPACKET).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import errno
+import grp
+import os
+import socket
+import stat
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from tiermem.errors import ConfigError, ConnectionClosed, DaemonUnavailable, ProtocolError
+from tiermem.protocol import (
+    DEFAULT_MAX_FRAME,
+    FLAG_FDS,
+    FLAG_ONEWAY,
+    MAX_REQUEST_ID,
+    REPLY_TYPES,
+    ErrorReply,
+    Message,
+    MsgType,
+    decode_frame,
+    decode_message,
+    encode_message,
+)
+
+__all__ = [
+    "MAX_FDS",
+    "Connection",
+    "FrameSocket",
+    "Listener",
+    "Peer",
+    "PeerCred",
+    "adopt_listener",
+    "bind_listener",
+    "connect_socket",
+    "open_peer_pidfd",
+    "peer_cred",
+    "size_send_buffer",
+]
+
+MAX_FDS = 4
+"""Most fds one frame may carry (the daemon sends one: the window memfd)."""
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+
+_SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+_UCRED = struct.Struct("3i")
+_SEND_SLACK = 512  # per-packet overhead the kernel charges against the send buffer
+_ANCBUF = socket.CMSG_SPACE(MAX_FDS * 4)
+
+
+# --------------------------------------------------------------------------- identity
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCred:
+    """The process on the other end, as the kernel saw it at connect()."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_cred(sock: socket.socket) -> PeerCred:
+    """``SO_PEERCRED`` of a connected Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    return PeerCred(pid, uid, gid)
+
+
+def open_peer_pidfd(sock: socket.socket, pid: int) -> int:
+    """A pidfd for the connecting process: readable once it has exited.
+
+    Uses ``SO_PEERPIDFD`` (Linux 6.5+), which cannot name a recycled pid, and
+    falls back to ``os.pidfd_open(pid)`` (Linux 5.3+).  Raises ``OSError`` when
+    neither works (e.g. the process is already gone: ``ESRCH``).
+    """
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD, 4)
+        fd = int.from_bytes(raw, "little", signed=True)
+        if fd >= 0:
+            os.set_inheritable(fd, False)
+            return fd
+    except OSError as exc:
+        if exc.errno not in (errno.ENOPROTOOPT, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    return os.pidfd_open(pid)
+
+
+# --------------------------------------------------------------------------- framing
+
+
+def size_send_buffer(sock: socket.socket, max_frame: int) -> int:
+    """Raise the send buffer so a ``max_frame`` packet fits; return the largest packet it now allows.
+
+    ``SO_SNDBUFFORCE`` is tried first (it passes ``net.core.wmem_max`` when the
+    process has CAP_NET_ADMIN), then ``SO_SNDBUF``.  The kernel refuses a packet
+    larger than the send buffer minus a small overhead with ``EMSGSIZE``.
+    """
+    want = max_frame + _SEND_SLACK
+    for option in (_SO_SNDBUFFORCE, socket.SO_SNDBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, option, want)
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= want:
+                break
+    granted = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    return min(max_frame, granted - _SEND_SLACK)
+
+
+class FrameSocket:
+    """A connected SEQPACKET socket that sends and receives whole frames (bytes), with fd passing.
+
+    ``accept_fds`` False (the daemon's side): fds arriving with a frame are
+    closed and reported as a ``ProtocolError``.  Not thread-safe by itself.
+    """
+
+    def __init__(self, sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME, accept_fds: bool) -> None:
+        if sock.type != socket.SOCK_SEQPACKET:
+            raise ConfigError("server.socket", f"expected a SOCK_SEQPACKET socket, got {sock.type!r}")
+        self.sock = sock
+        self.max_frame = max_frame
+        self.accept_fds = accept_fds
+        self.max_send = size_send_buffer(sock, max_frame)
+        self._buf = bytearray(max_frame)
+        self._view = memoryview(self._buf)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        """Send one frame (and ``fds`` with it).  ``ProtocolError`` when the frame exceeds what may be sent."""
+        if len(data) > self.max_send:
+            raise ProtocolError(
+                f"frame of {len(data)} bytes exceeds the sendable maximum {self.max_send} "
+                f"(max_frame {self.max_frame}, send buffer granted by the kernel)"
+            )
+        try:
+            if fds:
+                self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            else:
+                self.sock.send(data)
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:
+                raise ProtocolError(f"frame of {len(data)} bytes refused by the kernel: {exc.strerror}") from None
+            if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                raise ConnectionClosed(f"peer closed the connection: {exc.strerror}") from None
+            raise
+
+    def recv(self) -> tuple[bytes, list[int]]:
+        """One frame and the fds that came with it.
+
+        Raises ``ConnectionClosed`` at end of stream, ``BlockingIOError`` on a
+        non-blocking socket with nothing to read, ``socket.timeout`` past the
+        socket's timeout, ``ProtocolError`` for an oversize packet or for fds
+        sent to a side that does not accept them (those fds are closed first).
+        """
+        flags = socket.MSG_TRUNC | socket.MSG_CMSG_CLOEXEC
+        try:
+            nbytes, ancdata, msg_flags, _ = self.sock.recvmsg_into([self._view], _ANCBUF, flags)
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise ConnectionClosed(f"peer closed the connection: {exc.strerror}") from None
+        fds = _collect_fds(ancdata) if ancdata else []
+        if nbytes == 0 and not fds:
+            raise ConnectionClosed("peer closed the connection")
+        if fds and not self.accept_fds:
+            _close_all(fds)
+            raise ProtocolError(f"peer sent {len(fds)} file descriptor(s); they were closed (fds are never accepted)")
+        if msg_flags & socket.MSG_CTRUNC:
+            _close_all(fds)
+            raise ProtocolError(f"peer sent more than {MAX_FDS} file descriptors or other ancillary data")
+        if nbytes > self.max_frame:
+            _close_all(fds)
+            raise ProtocolError(f"oversize frame: {nbytes} bytes, max_frame is {self.max_frame}; frame discarded")
+        return bytes(self._view[:nbytes]), fds
+
+    def set_blocking(self, blocking: bool) -> None:
+        self.sock.setblocking(blocking)
+
+
+def _collect_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % 4
+            fds.extend(array.array("i", data[:usable]))
+    return fds
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- the daemon's side
+
+
+def bind_listener(path: str | os.PathLike[str], *, mode: int = 0o660, group: str | int | None = None) -> socket.socket:
+    """A listening SEQPACKET socket at ``path``.
+
+    The parent directory is created when missing (0755 when ``mode`` opens the
+    socket to group or others, else 0700).  An existing socket file is removed
+    only if nothing accepts connections on it; a live one raises
+    ``ConfigError`` naming the path.  ``group`` (a name or gid) becomes the
+    socket's group.  Raises ``ConfigError`` on any failure.
+    """
+    target = Path(path)
+    parent_mode = 0o755 if mode & 0o077 else 0o700
+    target.parent.mkdir(mode=parent_mode, parents=True, exist_ok=True)
+    _remove_stale(target)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        old_umask = os.umask(0o177)
+        try:
+            sock.bind(str(target))
+        finally:
+            os.umask(old_umask)
+        os.chmod(target, mode)
+        if group is not None and group != "":
+            os.chown(target, -1, _gid_of(group))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError("server.socket", f"cannot listen on {target}: {exc.strerror}") from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def adopt_listener(fd: int) -> socket.socket:
+    """A listening socket inherited from the service manager (socket activation)."""
+    sock = socket.socket(fileno=fd)
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
+        sock.detach()
+        raise ConfigError("server.socket", f"inherited fd {fd} is not an AF_UNIX SOCK_SEQPACKET socket")
+    return sock
+
+
+def _gid_of(group: str | int) -> int:
+    if isinstance(group, int):
+        return group
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError("server.socket_group", f"no group named {group!r}") from None
+
+
+def _remove_stale(path: Path) -> None:
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise ConfigError("server.socket", f"{path} exists and is not a socket; refusing to remove it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    except OSError:
+        pass  # a live listener of another kind, or a full backlog: not ours to remove
+    finally:
+        probe.close()
+    raise ConfigError("server.socket", f"another process is listening on {path}; is tiermemd already running?")
+
+
+@dataclass(eq=False)
+class Peer:
+    """One accepted client connection: its frames, its identity, and a pidfd watching its process."""
+
+    frames: FrameSocket
+    cred: PeerCred
+    pidfd: int | None
+
+    def fileno(self) -> int:
+        return self.frames.fileno()
+
+    def set_blocking(self, blocking: bool) -> None:
+        self.frames.set_blocking(blocking)
+
+    def recv(self) -> bytes:
+        """One frame (fds sent by the client are closed and reported as ``ProtocolError``)."""
+        data, _ = self.frames.recv()
+        return data
+
+    def send(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        self.frames.send(data, fds)
+
+    def close(self) -> None:
+        self.frames.close()
+        if self.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = None
+
+
+class Listener:
+    """The daemon's listening socket; ``accept`` yields ``Peer``s."""
+
+    def __init__(self, sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.sock = sock
+        self.max_frame = max_frame
+
+    @classmethod
+    def bind(
+        cls, path: str, *, mode: int = 0o660, group: str | int | None = None, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> Listener:
+        return cls(bind_listener(path, mode=mode, group=group), max_frame=max_frame)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def accept(self) -> Peer:
+        """Accept one connection (blocking unless the listener is non-blocking)."""
+        conn, _ = self.sock.accept()
+        try:
+            cred = peer_cred(conn)
+            try:
+                pidfd: int | None = open_peer_pidfd(conn, cred.pid)
+            except OSError:
+                pidfd = None  # the process is already gone; its socket will read EOF
+            return Peer(FrameSocket(conn, max_frame=self.max_frame, accept_fds=False), cred, pidfd)
+        except BaseException:
+            conn.close()
+            raise
+
+    def close(self, unlink: str | None = None) -> None:
+        self.sock.close()
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(unlink)
+
+
+# --------------------------------------------------------------------------- the client's side
+
+
+def connect_socket(path: str | os.PathLike[str], *, timeout_s: float | None = 5.0) -> socket.socket:
+    """A SEQPACKET socket connected to ``path``; ``DaemonUnavailable`` says why not."""
+    where = os.fspath(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(where)
+    except OSError as exc:
+        sock.close()
+        raise DaemonUnavailable(where, _connect_reason(exc, timeout_s)) from None
+    sock.settimeout(None)
+    return sock
+
+
+def _connect_reason(exc: OSError, timeout_s: float | None) -> str:
+    if isinstance(exc, TimeoutError) or exc.errno is None:
+        return f"connect timed out after {timeout_s}s (daemon overloaded or hung)"
+    reasons = {
+        errno.ENOENT: "no socket file (is tiermemd running? is the path right?)",
+        errno.ECONNREFUSED: "connection refused: a stale socket file, no daemon is listening",
+        errno.EACCES: "permission denied (the socket's mode or group does not admit this user)",
+        errno.EPERM: "permission denied",
+        errno.ENOTDIR: "a component of the path is not a directory",
+        errno.EPROTOTYPE: "the socket is not a SOCK_SEQPACKET socket (not a tiermemd socket)",
+        errno.EAGAIN: "the daemon's connection backlog is full",
+    }
+    name = errno.errorcode.get(exc.errno, str(exc.errno))
+    return f"{name}: {reasons.get(exc.errno, exc.strerror)}"
+
+
+class Connection:
+    """A blocking client connection: ``request(msg)`` sends one request and returns its reply.
+
+    Thread-safe: one request/reply exchange at a time under a lock.  An error
+    reply is raised as the same ``TiermemError`` type the daemon raised.  A lost
+    or silent daemon, or a reply that breaks the protocol, closes the connection
+    and raises ``DaemonUnavailable`` (or ``ProtocolError``); later calls raise
+    ``DaemonUnavailable``.
+    """
+
+    def __init__(
+        self, sock: socket.socket, *, path: str = "", max_frame: int = DEFAULT_MAX_FRAME, timeout_s: float | None = None
+    ) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self._frames = FrameSocket(sock, max_frame=max_frame, accept_fds=True)
+        self._lock = threading.Lock()
+        self._next_id = 1
+        self._socket_timeout: float | None = None
+        self._closed_why = ""
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        timeout_s: float | None = None,
+        connect_timeout_s: float = 5.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> Connection:
+        """Connect to the daemon at ``path``; ``timeout_s`` bounds each reply wait (None: wait forever)."""
+        sock = connect_socket(path, timeout_s=connect_timeout_s)
+        return cls(sock, path=os.fspath(path), max_frame=max_frame, timeout_s=timeout_s)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._closed_why)
+
+    @property
+    def max_send(self) -> int:
+        """Largest frame this connection can send (split larger REGISTER batches)."""
+        return self._frames.max_send
+
+    def request(self, msg: Message, *, timeout_s: float | None = None) -> Message:
+        """Send ``msg`` and return its reply; raises the typed error of an error reply."""
+        reply, fds = self._exchange(msg, timeout_s)
+        if fds:
+            _close_all(fds)
+            raise self._fail(ProtocolError(f"{reply.TYPE.name} reply carried {len(fds)} unexpected fd(s)"))
+        return reply
+
+    def request_fds(self, msg: Message, *, timeout_s: float | None = None) -> tuple[Message, list[int]]:
+        """Like ``request``, also returning the fds sent with the reply (the caller owns them)."""
+        return self._exchange(msg, timeout_s)
+
+    def send_oneway(self, msg: Message) -> None:
+        """Send a message that gets no reply (``BUCKET_READY``); its errors fail the next request."""
+        if REPLY_TYPES.get(msg.TYPE, MsgType.OK) is not None:
+            raise ProtocolError(f"{msg.TYPE.name} expects a reply; use request()")
+        with self._lock:
+            self._check_open()
+            data = encode_message(msg, self._take_id(), FLAG_ONEWAY, max_frame=self._frames.max_frame)
+            self._send(data)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed_why:
+                self._closed_why = "closed by the client"
+                self._frames.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _exchange(self, msg: Message, timeout_s: float | None) -> tuple[Message, list[int]]:
+        expected = REPLY_TYPES.get(msg.TYPE)
+        if expected is None:
+            raise ProtocolError(f"{msg.TYPE.name} is not a request that gets a reply")
+        with self._lock:
+            self._check_open()
+            request_id = self._take_id()
+            data = encode_message(msg, request_id, max_frame=self._frames.max_frame)
+            self._send(data)
+            raw, fds = self._recv(msg, timeout_s if timeout_s is not None else self.timeout_s)
+            try:
+                frame = decode_frame(raw, max_frame=self._frames.max_frame)
+                if frame.request_id != request_id:
+                    raise ProtocolError(f"reply for request {frame.request_id} while waiting for {request_id}")
+                if frame.type is not expected and frame.type is not MsgType.ERROR:
+                    raise ProtocolError(f"{msg.TYPE.name} got a {frame.type.name} reply, expected {expected.name}")
+                if bool(fds) != bool(frame.flags & FLAG_FDS):
+                    raise ProtocolError(f"{frame.type.name}: {len(fds)} fd(s) received, flags {frame.flags:#x}")
+                reply = decode_message(frame)
+            except ProtocolError as exc:
+                _close_all(fds)
+                raise self._fail(exc) from None
+        if isinstance(reply, ErrorReply):
+            _close_all(fds)
+            raise reply.to_exception()
+        return reply, fds
+
+    def _take_id(self) -> int:
+        request_id = self._next_id
+        self._next_id = request_id + 1 if request_id < MAX_REQUEST_ID else 1
+        return request_id
+
+    def _check_open(self) -> None:
+        if self._closed_why:
+            raise DaemonUnavailable(self.path, f"connection is closed ({self._closed_why})")
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._frames.send(data)
+        except (ConnectionClosed, OSError) as exc:
+            raise self._fail(DaemonUnavailable(self.path, f"connection lost while sending: {exc}")) from None
+
+    def _recv(self, msg: Message, timeout_s: float | None) -> tuple[bytes, list[int]]:
+        if timeout_s != self._socket_timeout:
+            self._frames.sock.settimeout(timeout_s)
+            self._socket_timeout = timeout_s
+        try:
+            return self._frames.recv()
+        except TimeoutError:
+            why = f"no reply to {msg.TYPE.name} within {timeout_s}s"
+        except ConnectionClosed:
+            why = f"the daemon closed the connection during {msg.TYPE.name}"
+        except ProtocolError as exc:
+            raise self._fail(exc) from None
+        except OSError as exc:
+            why = f"connection lost during {msg.TYPE.name}: {exc.strerror}"
+        raise self._fail(DaemonUnavailable(self.path, why))
+
+    def _fail(self, exc: Exception) -> Exception:
+        """Close after an error that leaves the reply stream out of step; return ``exc`` to raise."""
+        if not self._closed_why:
+            self._closed_why = str(exc)
+            self._frames.close()
+        return exc
