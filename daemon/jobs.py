@@ -171,6 +171,15 @@ class JobTable:
                 self._reclaim(job)
             return due
 
+    def discard(self, job_id: str) -> list[Job]:
+        """Reclaim one job now (a failed first attach); returns it for cleanup, or nothing."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return []
+            self._reclaim(job)
+            return [job]
+
     def reclaim_all(self) -> list[Job]:
         with self._lock:
             jobs = list(self._jobs.values())

@@ -77,6 +77,13 @@ class CpuScheduler:
         with self._cond:
             self._tenants.pop(tenant, None)
 
+    def forget_prefix(self, prefix: str) -> None:
+        """``forget`` every tenant whose name starts with ``prefix`` (all ranks of a job)."""
+        with self._cond:
+            names = [name for name in self._tenants if name.startswith(prefix)]
+        for name in names:
+            self.forget(name)
+
     def busy_seconds(self) -> dict[str, float]:
         with self._cond:
             return {name: t.busy_s for name, t in self._tenants.items()}

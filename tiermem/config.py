@@ -116,6 +116,10 @@ class AdamConfig:
     """Threads for the update; 0 uses every core this process may run on."""
     chunk_numel: int = 1 << 22
     """Elements updated per chunk (the unit of pipelining and of fair sharing between jobs)."""
+    compile: bool = True
+    """Compile the single-pass update with torch.compile (inductor C++); False runs the eager fallback."""
+    cache_dir: str = ""
+    """Inductor's compile cache (TORCHINDUCTOR_CACHE_DIR) for the Adam kernels; empty keeps torch's default."""
 
     def __post_init__(self) -> None:
         _check_nonneg("adam.threads", self.threads)
@@ -130,11 +134,14 @@ class JobLimits:
     """Largest shared window one job may ask for; 0 allows up to the pool's free space."""
     max_jobs: int = 64
     """Jobs that may be attached at once."""
+    window_budget: int = _size(0)
+    """Total bytes of shared windows all jobs together may hold; 0 means as much as pool.size."""
     grace_period_s: float = 300.0
     """How long a job whose clients all died keeps its state for a reattach with its token."""
 
     def __post_init__(self) -> None:
         _check_nonneg("jobs.max_window", self.max_window)
+        _check_nonneg("jobs.window_budget", self.window_budget)
         _check_positive("jobs.max_jobs", self.max_jobs)
         if self.grace_period_s < 0:
             raise ConfigError("jobs.grace_period_s", f"must be >= 0, got {self.grace_period_s}")

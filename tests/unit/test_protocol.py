@@ -68,9 +68,10 @@ GOLDEN = [
         ),
         3,
         0,
-        header("544d 01 03 0000 0000 03000000 dc000000"),
+        header("544d 01 03 0000 0000 03000000 f3000000"),
         b'{"step":12,"groups":[{"lr":0.001,"betas":[0.9,0.999],"eps":1e-08,"weight_decay":0.01,'
-        b'"adamw":true,"maximize":false}],"loss_scale":1024.0,"max_grad_norm":1.0,"tensor_ids":[0,1],'
+        b'"adamw":true,"maximize":false}],"loss_scale":1024.0,"max_grad_norm":1.0,"skip_nonfinite":false,'
+        b'"tensor_ids":[0,1],'
         b'"buckets":2,"delayed":false,"grad_buffer":1}',
     ),
     (

@@ -375,15 +375,24 @@ class AttachOk(Message):
 
 @dataclass(frozen=True, slots=True)
 class Register(Message):
-    """Register tensors (may be sent in several batches); ``groups`` are the job's param groups."""
+    """Register the rank's tensors (once); ``groups`` are its param groups.
+
+    ``grad_buffers``: 1, or 2 for the delayed update (step t+1's grads land in
+    the other buffer while step t's update still reads its own).
+    """
 
     TYPE: ClassVar[MsgType] = MsgType.REGISTER
-    KEYS: ClassVar[frozenset[str]] = frozenset({"tensors", "groups"})
+    KEYS: ClassVar[frozenset[str]] = frozenset({"tensors", "groups", "grad_buffers"})
     tensors: tuple[TensorSpec, ...]
     groups: tuple[ParamGroup, ...]
+    grad_buffers: int = 1
 
     def to_payload(self) -> dict[str, Any]:
-        return {"tensors": [t.to_payload() for t in self.tensors], "groups": [g.to_payload() for g in self.groups]}
+        return {
+            "tensors": [t.to_payload() for t in self.tensors],
+            "groups": [g.to_payload() for g in self.groups],
+            "grad_buffers": self.grad_buffers,
+        }
 
     @classmethod
     def from_payload(cls, d: dict[str, Any]) -> Register:
@@ -399,7 +408,7 @@ class Register(Message):
             if tensor.name in seen:
                 raise FieldError(f"tensors[{index}].name", "a name not used before in this message", tensor.name)
             seen.add(tensor.name)
-        return cls(tensors, groups)
+        return cls(tensors, groups, get_int(d, "grad_buffers", 1, MAX_GRAD_BUFFERS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,18 +436,31 @@ class Step(Message):
     last step or REGISTER).  ``tensor_ids``: tensors whose grads are present
     (empty: all registered), in grad buffer ``grad_buffer``.  ``buckets``: how
     many BUCKET_READY messages were sent for this step before it.  ``max_grad_norm``: clip to this global norm
-    (None: no clipping).  ``delayed``: reply once the grads are consumed; the
-    params come later (FETCH_PARAMS).
+    (None: no clipping).  ``skip_nonfinite``: skip the whole step when any grad
+    is inf/nan (``torch.amp.GradScaler``'s rule); without it non-finite grads are
+    applied as torch would.  ``delayed``: reply once the gradient statistics are
+    known; the update runs on, and the next STEP or FETCH_PARAMS waits for it.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.STEP
     KEYS: ClassVar[frozenset[str]] = frozenset(
-        {"step", "groups", "loss_scale", "max_grad_norm", "tensor_ids", "buckets", "delayed", "grad_buffer"}
+        {
+            "step",
+            "groups",
+            "loss_scale",
+            "max_grad_norm",
+            "skip_nonfinite",
+            "tensor_ids",
+            "buckets",
+            "delayed",
+            "grad_buffer",
+        }
     )
     step: int
     groups: tuple[ParamGroup, ...] = ()
     loss_scale: float = 1.0
     max_grad_norm: float | None = None
+    skip_nonfinite: bool = False
     tensor_ids: tuple[int, ...] = ()
     buckets: int = 0
     delayed: bool = False
@@ -450,6 +472,7 @@ class Step(Message):
             "groups": [g.to_payload() for g in self.groups],
             "loss_scale": self.loss_scale,
             "max_grad_norm": self.max_grad_norm,
+            "skip_nonfinite": self.skip_nonfinite,
             "tensor_ids": list(self.tensor_ids),
             "buckets": self.buckets,
             "delayed": self.delayed,
@@ -470,6 +493,7 @@ class Step(Message):
             groups=list_of(d, "groups", MAX_GROUPS, _as_item(ParamGroup.from_payload)),
             loss_scale=loss_scale,
             max_grad_norm=max_grad_norm,
+            skip_nonfinite=get_bool(d, "skip_nonfinite"),
             tensor_ids=list_of(d, "tensor_ids", MAX_TENSORS, _tensor_id),
             buckets=get_int(d, "buckets", 0, MAX_TENSORS),
             delayed=get_bool(d, "delayed"),

@@ -1,0 +1,256 @@
+"""Request handlers: what each message does to jobs, ranks, windows and budgets.
+
+``Handlers.dispatch`` maps a decoded message to the owner of what it touches
+(the ``JobTable``, a ``RankOptimizer``, the ``Ledger``) and returns the reply.
+Handlers raise ``TiermemError`` for anything a client can get wrong; the
+session turns it into an error reply.  Every memory reference a client sends is
+bounds-checked by the rank before any byte is touched.
+
+Placement of a rank's state is decided at ``REGISTER``: ``nvme`` if any tensor
+asks for it, ``cpu`` if every tensor does, and for ``auto`` the pool when the
+node's pool budget has room, else NVMe.  Budgets are reserved before memory or
+disk is touched, so a job that does not fit is refused then, not mid-training.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tiermem.errors import AdmissionError, InvalidState, ProtocolError
+from tiermem.pool import Arena
+from tiermem.protocol import (
+    Attach,
+    AttachOk,
+    BucketReady,
+    Detach,
+    FetchParams,
+    Message,
+    Ok,
+    ParamsReady,
+    Ping,
+    Pong,
+    Register,
+    RegisterOk,
+    StateRead,
+    StateWrite,
+    Stats,
+    StatsReply,
+    Step,
+)
+from tiermem.units import PAGE_SIZE, align_up
+from tiermemd.jobs import Job, JobTable
+from tiermemd.ledger import Ledger, Resource
+from tiermemd.rank import RankOptimizer
+from tiermemd.server import Reply, Session, SessionState
+from tiermemd.state import STATE_BYTES_PER_ELEMENT
+
+if TYPE_CHECKING:
+    from tiermemd.service import Service
+
+__all__ = ["Handlers"]
+
+log = logging.getLogger(__name__)
+
+
+class Handlers:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.jobs: JobTable = service.jobs
+        self.ledger: Ledger = service.ledger
+        self._window_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._table: dict[type[Message], Callable[[Session, Message], Reply | None]] = {
+            Attach: self._attach,  # type: ignore[dict-item]
+            Register: self._register,  # type: ignore[dict-item]
+            BucketReady: self._bucket_ready,  # type: ignore[dict-item]
+            Step: self._step,  # type: ignore[dict-item]
+            FetchParams: self._fetch_params,  # type: ignore[dict-item]
+            StateRead: self._state_read,  # type: ignore[dict-item]
+            StateWrite: self._state_write,  # type: ignore[dict-item]
+            Stats: self._stats,  # type: ignore[dict-item]
+            Detach: self._detach,  # type: ignore[dict-item]
+            Ping: lambda _s, _m: Reply(Pong()),
+        }
+
+    def dispatch(self, session: Session, msg: Message) -> Reply | None:
+        handler = self._table.get(type(msg))
+        if handler is None:
+            raise ProtocolError(f"{type(msg).__name__} is not a request the daemon accepts")
+        return handler(session, msg)
+
+    # ----------------------------------------------------------------- attach / detach
+
+    def _attach(self, session: Session, msg: Attach) -> Reply:
+        if session.state is SessionState.ATTACHED:
+            raise InvalidState(f"this connection is already attached to job {session.job_id!r} rank {session.rank}")
+        if self.service.draining:
+            raise AdmissionError("tiermemd is shutting down; attach to it again once it has restarted")
+        cfg = self.service.config.jobs
+        if cfg.max_window and msg.window_nbytes > cfg.max_window:
+            raise AdmissionError(
+                f"window of {msg.window_nbytes} bytes exceeds jobs.max_window ({cfg.max_window} bytes)"
+            )
+        window_nbytes = align_up(max(msg.window_nbytes, PAGE_SIZE))
+        job, created = self.jobs.attach(
+            job_id=msg.job_id,
+            rank=msg.rank,
+            world_size=msg.world_size,
+            uid=session.cred.uid,
+            token=msg.token,
+            session=session.id,
+        )
+        try:
+            rank: RankOptimizer | None = job.ranks.get(msg.rank)
+            if rank is None:
+                self.ledger.reserve(job.job_id, Resource.WINDOW, window_nbytes)
+                try:
+                    window = Arena.create(window_nbytes, name=f"tiermem-{job.job_id}-{msg.rank}", mlock=True)
+                except BaseException:
+                    self.ledger.release(job.job_id, Resource.WINDOW, window_nbytes)
+                    raise
+                rank = RankOptimizer(
+                    job_id=job.job_id,
+                    rank=msg.rank,
+                    window=window,
+                    window_id=next(self._window_ids),
+                    kernel=self.service.kernel,
+                    scheduler=self.service.scheduler,
+                )
+                job.ranks[msg.rank] = rank
+        except BaseException:
+            self.jobs.session_gone(session.id)
+            if created:
+                self.service.reclaim(self.jobs.discard(job.job_id))
+            raise
+        session.job_id, session.rank = job.job_id, msg.rank
+        session.transition(SessionState.ATTACHED)
+        log.info(
+            "%s job %r rank %d/%d for pid %d uid %d (window %d bytes)",
+            "created" if created else "reattached",
+            job.job_id,
+            msg.rank,
+            msg.world_size,
+            session.cred.pid,
+            session.cred.uid,
+            rank.window.nbytes,
+        )
+        return Reply(
+            AttachOk(
+                job_token=job.token,
+                window_id=rank.window_id,
+                window_nbytes=rank.window.nbytes,
+                alignment=PAGE_SIZE,
+                max_frame=self.service.config.server.max_frame,
+                reattached=not created and rank.layout is not None,
+            ),
+            fds=(rank.window.fd,),
+        )
+
+    def _detach(self, session: Session, msg: Detach) -> Reply:
+        job, rank = self._bound(session)
+        if msg.keep_state:
+            self.jobs.session_gone(session.id)
+        elif self.jobs.detach(job.job_id, rank.rank, session.id):
+            self.service.reclaim([job])
+        session.job_id = session.rank = None
+        session.transition(SessionState.OPEN)
+        return Reply(Ok())
+
+    def session_closed(self, session: Session, why: str) -> None:
+        if session.job_id is None or session.rank is None:
+            return
+        try:
+            job = self.jobs.get(session.job_id)
+        except Exception:  # the job was reclaimed already
+            return
+        rank = job.ranks.get(session.rank)
+        if rank is not None:
+            dropped = rank.abort()
+            log.info(
+                "session %d of job %r rank %d closed (%s); %d queued task(s) cancelled; state kept for %.0fs",
+                session.id,
+                job.job_id,
+                session.rank,
+                why,
+                dropped,
+                self.jobs.grace_period_s,
+            )
+        self.jobs.session_gone(session.id)
+
+    def abort(self, session: Session) -> None:
+        """The client's process exited: cancel its queued work now (its thread may be waiting on it)."""
+        if session.job_id is None or session.rank is None:
+            return
+        try:
+            rank = self.jobs.get(session.job_id).ranks.get(session.rank)
+        except Exception:
+            return
+        if rank is not None:
+            rank.abort()
+
+    # ----------------------------------------------------------------- the rank's work
+
+    def _bound(self, session: Session) -> tuple[Job, RankOptimizer]:
+        if session.state is not SessionState.ATTACHED or session.job_id is None or session.rank is None:
+            raise InvalidState("attach to a job first")
+        job = self.jobs.get(session.job_id)
+        rank = job.ranks.get(session.rank)
+        if rank is None:
+            raise InvalidState(f"rank {session.rank} of job {job.job_id!r} has no state")
+        return job, rank
+
+    def _register(self, session: Session, msg: Register) -> Reply:
+        job, rank = self._bound(session)
+        numel = sum(spec.numel for spec in msg.tensors)
+        state_nbytes = numel * STATE_BYTES_PER_ELEMENT
+        placements = {spec.placement for spec in msg.tensors}
+        if "nvme" in placements:
+            placement = "nvme"
+        elif placements == {"cpu"}:
+            placement = "cpu"
+        else:
+            placement = "cpu" if state_nbytes <= self.ledger.available(Resource.POOL) else "nvme"
+        make_state = self.service.state_factory(job, rank.rank, placement)
+        slots = rank.register(msg.tensors, msg.groups, msg.grad_buffers, make_state)
+        log.info(
+            "job %r rank %d registered %d tensors, %d elements, state on %s",
+            job.job_id,
+            rank.rank,
+            len(msg.tensors),
+            numel,
+            placement,
+        )
+        return Reply(RegisterOk(slots=slots))
+
+    def _bucket_ready(self, session: Session, msg: BucketReady) -> None:
+        _, rank = self._bound(session)
+        rank.bucket_ready(msg)
+
+    def _step(self, session: Session, msg: Step) -> Reply:
+        _, rank = self._bound(session)
+        return Reply(rank.step(msg))
+
+    def _fetch_params(self, session: Session, msg: FetchParams) -> Reply:
+        _, rank = self._bound(session)
+        rank.write_params(msg.tensor_ids)
+        return Reply(ParamsReady(step=rank.last_step, tensor_ids=msg.tensor_ids))
+
+    def _state_read(self, session: Session, msg: StateRead) -> Reply:
+        _, rank = self._bound(session)
+        return Reply(rank.read_state(msg))
+
+    def _state_write(self, session: Session, msg: StateWrite) -> Reply:
+        _, rank = self._bound(session)
+        rank.write_state(msg)
+        return Reply(Ok())
+
+    def _stats(self, session: Session, msg: Stats) -> Reply:
+        values = dict(self.service.node_stats())
+        if session.job_id is not None and session.rank is not None:
+            _, rank = self._bound(session)
+            values.update({f"rank_{k}": v for k, v in rank.stats().items()})
+        return Reply(StatsReply(values=tuple(sorted(values.items()))))

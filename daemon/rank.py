@@ -1,0 +1,465 @@
+"""One rank's optimizer inside the daemon: registration, the step pipeline, state I/O.
+
+A ``RankOptimizer`` owns the rank's shared window, the layout of its tensors
+(``tiermem.layout``), its fp32 state chunks (``StateChunks``: pool or NVMe), the
+hyper-parameters of its param groups and a step count per tensor (torch keeps
+``step`` per parameter; a tensor without a gradient in a step is not updated
+and its count does not advance).
+
+Step pipeline (per ``STEP``), all CPU work on the shared ``CpuScheduler``:
+
+1. ``BUCKET_READY`` messages arrive during backward, as the client copies each
+   bucket's grads into the window.  Each one schedules the bucket's gradient
+   statistics (squared norm of the unscaled grads, any inf/nan) and, on the
+   NVMe tier, a prefetch of the state chunks the bucket will update.
+2. ``STEP`` carries what only the end of backward knows: the loss scale, the
+   clipping threshold, whether to skip on overflow, the current
+   hyper-parameters.  Statistics of tensors that came in no bucket are computed
+   now; then, as ``torch.amp.GradScaler`` does, an overflow skips the step (state
+   and counts untouched); else the grads are multiplied by
+   ``clip_coef / loss_scale`` inside the update, with ``clip_coef`` as in
+   ``torch.nn.utils.clip_grad_norm_``.
+3. The update runs over runs of tensors that share a group and a step count,
+   cut at chunk boundaries; each piece reads grad + master/m/v and writes
+   master/m/v and the working-precision param into the window in one pass.
+
+The update waits for the whole step because clipping and overflow need every
+bucket's statistics; what overlaps backward is the statistics and (NVMe) the
+state reads, which are the parts that cost time before the update can run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tiermem.errors import BoundsError, InvalidArgument, InvalidState, UnknownKey
+from tiermem.layout import Layout, plan_layout
+from tiermem.layout import TensorSpec as LayoutSpec
+from tiermem.pool import Arena
+from tiermem.protocol import (
+    STATE_KEYS,
+    BucketReady,
+    MemRef,
+    ParamGroup,
+    StateChunk,
+    StateRead,
+    StateWrite,
+    Step,
+    StepDone,
+    TensorSlot,
+    TensorSpec,
+)
+from tiermemd.scheduler import CpuScheduler
+from tiermemd.state import StateChunks, chunk_ranges
+
+__all__ = ["AdamKernel", "RankOptimizer"]
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class AdamKernel(Protocol):
+    """The arithmetic the daemon needs from the CPU Adam engine."""
+
+    def grad_stats(self, grad: torch.Tensor, inv_scale: float) -> tuple[float, bool]:
+        """(sum of squares of ``grad * inv_scale`` in fp32, whether any element is inf/nan)."""
+        ...
+
+    def update(
+        self,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        out: torch.Tensor | None,
+        *,
+        group: ParamGroup,
+        step: int,
+        grad_scale: float,
+    ) -> None:
+        """One Adam/AdamW step over equal-length flat slices; ``out`` receives the updated params cast down."""
+        ...
+
+
+@dataclass
+class _StepState:
+    step: int
+    grad_buffer: int
+    stats: dict[int, Future[tuple[float, bool]]] = field(default_factory=dict)
+    """tensor id -> its gradient statistics (computed per bucket as buckets land)."""
+    buckets_seen: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class RankOptimizer:
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        rank: int,
+        window: Arena,
+        window_id: int,
+        kernel: AdamKernel,
+        scheduler: CpuScheduler,
+    ) -> None:
+        self.job_id = job_id
+        self.rank = rank
+        self.window = window
+        self.window_id = window_id
+        self.kernel = kernel
+        self.scheduler = scheduler
+        self.tenant = f"{job_id}/{rank}"
+        self._window_bytes = torch.frombuffer(window.view(0, window.nbytes), dtype=torch.uint8)
+        self.layout: Layout | None = None
+        self.specs: tuple[TensorSpec, ...] = ()
+        self.groups: tuple[ParamGroup, ...] = ()
+        self.state: StateChunks | None = None
+        self.steps: list[int] = []
+        self.last_step = 0
+        self.skipped_steps = 0
+        self._pending: _StepState | None = None
+        self._inflight: list[Future[None]] = []
+        """Update tasks of a delayed step still running (the next STEP/FETCH_PARAMS waits for them)."""
+        self._stale: set[int] = set()
+        """Tensors whose param slot does not hold their current master (FETCH_PARAMS rewrites them)."""
+        self._lock = threading.Lock()
+        self.timings: dict[str, float] = {"stats_s": 0.0, "update_s": 0.0, "wait_s": 0.0}
+
+    # ----------------------------------------------------------------- registration
+
+    def register(
+        self,
+        specs: Sequence[TensorSpec],
+        groups: Sequence[ParamGroup],
+        grad_buffers: int,
+        make_state: Callable[[int], StateChunks],
+    ) -> tuple[TensorSlot, ...]:
+        """Lay out ``specs`` in the window and create their zeroed state with ``make_state(numel)``."""
+        if self.layout is not None:
+            raise InvalidState(f"rank {self.rank} of job {self.job_id!r} already registered its tensors")
+        if not groups:
+            raise InvalidArgument("register at least one param group")
+        for spec in specs:
+            if spec.group >= len(groups):
+                raise InvalidArgument(f"tensor {spec.name!r} names group {spec.group}, but {len(groups)} were given")
+        layout = plan_layout(
+            [LayoutSpec(s.name, tuple(s.shape), s.dtype, s.group) for s in specs],
+            bucket_nbytes=1 << 62,
+            grad_buffers=grad_buffers,
+        )
+        if layout.nbytes > self.window.nbytes:
+            raise BoundsError(
+                f"the registered tensors need a window of {layout.nbytes} bytes "
+                f"({grad_buffers} grad buffer(s)), but the window is {self.window.nbytes} bytes; "
+                "attach with a larger one"
+            )
+        self.state = make_state(layout.numel)
+        self.layout = layout
+        self.specs = tuple(specs)
+        self.groups = tuple(groups)
+        self.steps = [0] * len(specs)
+        self._stale = set(range(len(specs)))
+        return tuple(
+            TensorSlot(
+                slot.index,
+                MemRef(self.window_id, layout.param_offset + slot.slot_offset, slot.nbytes),
+                tuple(MemRef(self.window_id, g + slot.slot_offset, slot.nbytes) for g in layout.grad_offsets),
+            )
+            for slot in layout.slots
+        )
+
+    def _require_layout(self) -> tuple[Layout, StateChunks]:
+        if self.layout is None or self.state is None:
+            raise InvalidState(f"rank {self.rank} of job {self.job_id!r} has not registered tensors yet")
+        return self.layout, self.state
+
+    def _region(self, offset: int, layout: Layout) -> torch.Tensor:
+        return self._window_bytes[offset : offset + layout.region_nbytes].view(_TORCH_DTYPES[layout.dtype])
+
+    def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        n = len(self.specs)
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise InvalidArgument(f"tensor id {bad[0]} is not registered (ids are 0..{n - 1})")
+        return sorted(set(ids)) if ids else list(range(n))
+
+    # ----------------------------------------------------------------- the step
+
+    def bucket_ready(self, msg: BucketReady) -> None:
+        layout, _ = self._require_layout()
+        if msg.grad_buffer >= len(layout.grad_offsets):
+            raise InvalidArgument(
+                f"grad_buffer {msg.grad_buffer} does not exist (the layout has {len(layout.grad_offsets)})"
+            )
+        if msg.step <= self.last_step:
+            raise InvalidArgument(f"bucket for step {msg.step}, but step {self.last_step} was already applied")
+        pending = self._pending
+        if pending is None or pending.step != msg.step:
+            pending = self._pending = _StepState(msg.step, msg.grad_buffer)
+        pending.buckets_seen += 1
+        grads = self._region(layout.grad_offsets[msg.grad_buffer], layout)
+        for tid in self._check_ids(msg.tensor_ids):
+            if tid not in pending.stats:
+                pending.stats[tid] = self._stats_task(grads, tid, inv_scale=1.0)
+
+    def _stats_task(self, grads: torch.Tensor, tid: int, inv_scale: float) -> Future[tuple[float, bool]]:
+        slot = self.layout.slots[tid]  # type: ignore[union-attr]
+        piece = grads[slot.start : slot.stop]
+        return self.scheduler.submit(self.tenant, lambda: self.kernel.grad_stats(piece, inv_scale))
+
+    def _wait_inflight(self) -> None:
+        """Wait for a delayed step's update; its failure is raised here, at the next request."""
+        inflight, self._inflight = self._inflight, []
+        for future in inflight:
+            future.result()
+
+    def step(self, msg: Step) -> StepDone:
+        layout, state = self._require_layout()
+        if any(f.done() for f in self._inflight):
+            for future in [f for f in self._inflight if f.done()]:
+                future.result()  # surface a failed delayed update before accepting more work
+        if msg.step <= self.last_step:
+            raise InvalidArgument(f"step {msg.step} was already applied (last step {self.last_step})")
+        if msg.grad_buffer >= len(layout.grad_offsets):
+            raise InvalidArgument(
+                f"grad_buffer {msg.grad_buffer} does not exist (the layout has {len(layout.grad_offsets)})"
+            )
+        if msg.groups:
+            if len(msg.groups) != len(self.groups):
+                raise InvalidArgument(f"step carries {len(msg.groups)} param groups, {len(self.groups)} are registered")
+            self.groups = tuple(msg.groups)
+        if msg.loss_scale <= 0 or not math.isfinite(msg.loss_scale):
+            raise InvalidArgument(f"loss_scale must be a positive finite number, got {msg.loss_scale}")
+        ids = self._check_ids(msg.tensor_ids)
+        pending = self._pending if self._pending is not None and self._pending.step == msg.step else None
+        self._pending = None
+        if pending is not None and pending.grad_buffer != msg.grad_buffer:
+            raise InvalidArgument(
+                f"buckets of step {msg.step} named grad buffer {pending.grad_buffer}, the step {msg.grad_buffer}"
+            )
+        t0 = time.perf_counter()
+        grads = self._region(layout.grad_offsets[msg.grad_buffer], layout)
+        params = self._region(layout.param_offset, layout)
+        inv_scale = 1.0 / msg.loss_scale
+        need_stats = msg.max_grad_norm is not None or msg.skip_nonfinite
+        grad_norm: float | None = None
+        found_inf = False
+        if need_stats:
+            stats = pending.stats if pending else {}
+            futures = [stats.get(tid) or self._stats_task(grads, tid, 1.0) for tid in ids]
+            total_sq = 0.0
+            for future in futures:
+                try:
+                    sq, nonfinite = future.result()
+                except CancelledError:
+                    raise InvalidState(f"step {msg.step} of job {self.job_id!r} rank {self.rank} was aborted") from None
+                total_sq += sq
+                found_inf = found_inf or nonfinite
+            # statistics were taken on the scaled grads: unscale the squared norm once
+            grad_norm = math.sqrt(total_sq) * inv_scale if math.isfinite(total_sq) else math.inf
+            found_inf = found_inf or not math.isfinite(grad_norm)
+        t1 = time.perf_counter()
+        self.timings["stats_s"] += t1 - t0
+        if found_inf and msg.skip_nonfinite:
+            self.last_step = msg.step
+            self.skipped_steps += 1
+            return StepDone(step=msg.step, found_inf=True, grad_norm=grad_norm, timings=(("stats", t1 - t0),))
+        clip_coef = 1.0
+        if msg.max_grad_norm is not None and grad_norm is not None:
+            clip_coef = min(1.0, msg.max_grad_norm / (grad_norm + 1e-6))
+        grad_scale = inv_scale * clip_coef
+        futures_u = []
+        for lo, hi, group, step in self._runs(ids):
+            for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
+                futures_u.append(
+                    self._update_task(state, chunk, a, b, grads, params, self.groups[group], step, grad_scale)
+                )
+        for tid in ids:
+            self.steps[tid] += 1
+        self._stale.difference_update(ids)
+        self.last_step = msg.step
+        if msg.delayed:
+            self._inflight.extend(futures_u)
+            return StepDone(
+                step=msg.step,
+                found_inf=found_inf,
+                grad_norm=grad_norm,
+                params_ready=False,
+                timings=(("stats", t1 - t0),),
+            )
+        for future in futures_u:
+            future.result()
+        t2 = time.perf_counter()
+        self.timings["update_s"] += t2 - t1
+        return StepDone(
+            step=msg.step,
+            found_inf=found_inf,
+            grad_norm=grad_norm,
+            timings=(("stats", t1 - t0), ("update", t2 - t1)),
+        )
+
+    def _runs(self, ids: list[int]) -> list[tuple[int, int, int, int]]:
+        """Maximal runs of consecutive tensors with one group and one step count: (start, stop, group, step)."""
+        layout = self.layout
+        runs: list[tuple[int, int, int, int]] = []
+        for tid in ids:
+            slot = layout.slots[tid]  # type: ignore[union-attr]
+            key = (slot.spec.group, self.steps[tid] + 1)
+            if runs and runs[-1][1] == slot.start and runs[-1][2:] == key:
+                runs[-1] = (runs[-1][0], slot.stop, *key)
+            elif slot.stop > slot.start:
+                runs.append((slot.start, slot.stop, *key))
+        return runs
+
+    def _update_task(
+        self,
+        state: StateChunks,
+        chunk: int,
+        a: int,
+        b: int,
+        grads: torch.Tensor,
+        params: torch.Tensor,
+        group: ParamGroup,
+        step: int,
+        grad_scale: float,
+    ) -> Future[None]:
+        c0 = chunk * state.chunk_numel
+        tensors = state.acquire(chunk)
+
+        def run() -> None:
+            try:
+                self.kernel.update(
+                    tensors.master[a - c0 : b - c0],
+                    tensors.exp_avg[a - c0 : b - c0],
+                    tensors.exp_avg_sq[a - c0 : b - c0],
+                    grads[a:b],
+                    params[a:b],
+                    group=group,
+                    step=step,
+                    grad_scale=grad_scale,
+                )
+            finally:
+                state.release(chunk, dirty=True)
+
+        future = self.scheduler.submit(self.tenant, run)
+        future.add_done_callback(lambda f: f.cancelled() and state.release(chunk, dirty=False))
+        return future
+
+    # ----------------------------------------------------------------- params and state
+
+    def write_params(self, ids: Sequence[int]) -> None:
+        """Make the param slots of ``ids`` (all when empty) current: wait for a delayed update, and
+        cast the fp32 master of every tensor whose slot is stale (after a state load) into it."""
+        layout, state = self._require_layout()
+        wait_s = time.perf_counter()
+        self._wait_inflight()
+        self.timings["wait_s"] += time.perf_counter() - wait_s
+        params = self._region(layout.param_offset, layout)
+        for tid in [t for t in self._check_ids(ids) if t in self._stale]:
+            self._stale.discard(tid)
+            slot = layout.slots[tid]
+            for chunk, a, b in chunk_ranges(slot.start, slot.stop, state.chunk_numel):
+                c0 = chunk * state.chunk_numel
+                tensors = state.acquire(chunk)
+                try:
+                    params[a:b].copy_(tensors.master[a - c0 : b - c0])
+                finally:
+                    state.release(chunk, dirty=False)
+
+    def _state_span(self, tid: int, key: str, offset: int, length: int) -> tuple[int, int]:
+        layout, _ = self._require_layout()
+        if key not in STATE_KEYS:
+            raise UnknownKey(key, f"state keys {STATE_KEYS}")
+        slot = layout.slots[self._check_ids([tid])[0]]
+        total = slot.spec.numel * 4
+        if offset % 4 or length % 4 or offset < 0 or offset + length > total:
+            raise BoundsError(
+                f"state range [{offset}, {offset + length}) of tensor {tid} {key} is not 4-byte aligned "
+                f"inside its {total} bytes"
+            )
+        return slot.start + offset // 4, slot.start + (offset + length) // 4
+
+    def _window_f32(self, ref: MemRef) -> torch.Tensor:
+        ref.check_bounds(self.window.nbytes)
+        if ref.window != self.window_id:
+            raise BoundsError(f"window {ref.window} is not this rank's window ({self.window_id})")
+        if ref.offset % 4 or ref.length % 4:
+            raise BoundsError(f"fp32 staging area at offset {ref.offset}, length {ref.length} is not 4-byte aligned")
+        return self._window_bytes[ref.offset : ref.offset + ref.length].view(torch.float32)
+
+    def read_state(self, msg: StateRead) -> StateChunk:
+        _, state = self._require_layout()
+        self._wait_inflight()
+        dest = self._window_f32(msg.dest)
+        lo, hi = self._state_span(msg.tensor_id, msg.key, msg.offset, msg.dest.length)
+        which = STATE_KEYS.index(msg.key)
+        for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
+            c0 = chunk * state.chunk_numel
+            tensors = state.acquire(chunk)
+            try:
+                dest[a - lo : b - lo].copy_(tensors[which][a - c0 : b - c0])
+            finally:
+                state.release(chunk, dirty=False)
+        total = self.specs[msg.tensor_id].numel * 4
+        return StateChunk(
+            tensor_id=msg.tensor_id,
+            key=msg.key,
+            offset=msg.offset,
+            nbytes=msg.dest.length,
+            total_nbytes=total,
+            step=self.steps[msg.tensor_id],
+        )
+
+    def write_state(self, msg: StateWrite) -> None:
+        _, state = self._require_layout()
+        self._wait_inflight()
+        self._stale.update(range(len(self.specs)))  # the client may have staged through param slots
+        src = self._window_f32(msg.src)
+        lo, hi = self._state_span(msg.tensor_id, msg.key, msg.offset, msg.src.length)
+        which = STATE_KEYS.index(msg.key)
+        for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
+            c0 = chunk * state.chunk_numel
+            tensors = state.acquire(chunk)
+            try:
+                tensors[which][a - c0 : b - c0].copy_(src[a - lo : b - lo])
+            finally:
+                state.release(chunk, dirty=True)
+        self.steps[msg.tensor_id] = msg.step
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def abort(self) -> int:
+        """The client died: drop its queued statistics; an update already started runs to its end, so
+        the state is never left half-stepped.  Returns how many tasks were cancelled."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return 0
+        return sum(1 for future in pending.stats.values() if future.cancel())
+
+    def close(self) -> None:
+        self.abort()
+        with contextlib.suppress(Exception):
+            self._wait_inflight()
+        if self.state is not None:
+            self.state.close()
+            self.state = None
+        self._window_bytes = torch.empty(0, dtype=torch.uint8)
+
+    def stats(self) -> dict[str, float]:
+        out = {
+            "last_step": float(self.last_step),
+            "skipped_steps": float(self.skipped_steps),
+            "tensors": float(len(self.specs)),
+            "numel": float(self.layout.numel if self.layout else 0),
+            "window_bytes": float(self.window.nbytes),
+        }
+        out.update(self.timings)
+        return out

@@ -1,0 +1,321 @@
+"""The daemon's socket side: accepting, admitting and serving connections.
+
+Threading model (chosen by measurement, see ``benchmarks/bench_ipc.py``): one
+thread per connection doing blocking ``recv`` -> handle -> ``send``.  A control
+round trip then costs what a blocking Unix-socket echo costs (asyncio's
+default loop adds ~4x to every request), connections are few (one per training
+process), and a handler that waits for a step blocks only its own client.  CPU
+work never runs on these threads: it goes to the ``CpuScheduler``.
+
+- The accept thread checks each peer's credentials (``SO_PEERCRED``) against the
+  allowed uids/gids and the per-uid connection limit before serving it; a
+  refused peer gets an ``AuthError``/``AdmissionError`` reply and is closed.
+- The watcher thread polls every session's pidfd: when a client process exits
+  (even if a forked DataLoader worker still holds its socket), the session is
+  shut down, which wakes its thread with end-of-stream, and the service aborts
+  its queued work and releases its pins.
+- Error boundary (``Session.serve``): a ``TiermemError`` from a handler becomes
+  an error reply and the session goes on; a frame that cannot be decoded gets
+  an error reply; any other exception is logged with its traceback and closes
+  that session only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import logging
+import os
+import pwd
+import selectors
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tiermem.config import ServerConfig
+from tiermem.errors import AdmissionError, AuthError, ConnectionClosed, ProtocolError, TiermemError
+from tiermem.protocol import (
+    FLAG_FDS,
+    FLAG_ONEWAY,
+    ErrorReply,
+    Message,
+    decode_frame,
+    decode_message,
+    encode_message,
+    peek_request_id,
+)
+from tiermem.transport import Listener, Peer, PeerCred
+
+__all__ = ["Reply", "Server", "Session", "SessionState"]
+
+log = logging.getLogger(__name__)
+
+
+class SessionState(enum.Enum):
+    OPEN = "open"
+    ATTACHED = "attached"
+    CLOSED = "closed"
+
+
+@dataclass
+class Reply:
+    """What a handler returns: a message, and fds to send with it (the window memfd at attach)."""
+
+    message: Message
+    fds: tuple[int, ...] = ()
+
+
+class Handlers(Protocol):
+    def dispatch(self, session: Session, msg: Message) -> Reply | None: ...
+    def session_closed(self, session: Session, why: str) -> None: ...
+
+
+@dataclass(eq=False)
+class Session:
+    """One client connection and what it is bound to."""
+
+    id: int
+    peer: Peer
+    state: SessionState = SessionState.OPEN
+    job_id: str | None = None
+    rank: int | None = None
+    deferred_error: TiermemError | None = None
+    """An error raised by a one-way message, reported on the next request."""
+    started: float = field(default_factory=time.monotonic)
+    requests: int = 0
+    busy: bool = False
+    """True while a request is being handled (a drain waits for it)."""
+    close_reason: str = ""
+
+    @property
+    def cred(self) -> PeerCred:
+        return self.peer.cred
+
+    def transition(self, to: SessionState) -> None:
+        allowed = {
+            SessionState.OPEN: {SessionState.ATTACHED, SessionState.CLOSED},
+            SessionState.ATTACHED: {SessionState.CLOSED, SessionState.OPEN},
+            SessionState.CLOSED: set(),
+        }
+        if to not in allowed[self.state]:
+            raise ProtocolError(f"session cannot go from {self.state.value} to {to.value}")
+        self.state = to
+
+    def shutdown(self, why: str) -> None:
+        """Wake the session's thread with end-of-stream (called from other threads)."""
+        if not self.close_reason:
+            self.close_reason = why
+        with contextlib.suppress(OSError):
+            self.peer.frames.sock.shutdown(socket.SHUT_RDWR)
+
+    def serve(self, handlers: Handlers) -> None:
+        """The session thread: receive, dispatch, reply, until the peer goes away."""
+        why = "client closed the connection"
+        try:
+            while True:
+                try:
+                    data = self.peer.recv()
+                except ConnectionClosed:
+                    break
+                except ProtocolError as exc:  # oversize frame or fds sent: report, keep the channel
+                    self._send_error(0, exc)
+                    continue
+                self.requests += 1
+                self.busy = True
+                try:
+                    if not self._handle(handlers, data):
+                        why = "closed after a frame that could not be parsed"
+                        break
+                finally:
+                    self.busy = False
+        except ConnectionClosed:
+            why = "client went away while a reply was sent"
+        except Exception:
+            log.exception("session %d (pid %d, uid %d) failed; closing it", self.id, self.cred.pid, self.cred.uid)
+            why = "internal error (logged)"
+        finally:
+            self.state = SessionState.CLOSED
+            handlers.session_closed(self, self.close_reason or why)
+
+    def _handle(self, handlers: Handlers, data: bytes) -> bool:
+        try:
+            frame = decode_frame(data, max_frame=self.peer.frames.max_frame)
+        except ProtocolError as exc:
+            rid = peek_request_id(data)
+            self._send_error(rid or 0, exc)
+            return rid is not None  # a frame whose header is unreadable ends the session
+        oneway = bool(frame.flags & FLAG_ONEWAY)
+        try:
+            msg = decode_message(frame)
+            if not oneway and self.deferred_error is not None:
+                err, self.deferred_error = self.deferred_error, None
+                raise err
+            reply = handlers.dispatch(self, msg)
+        except TiermemError as exc:
+            if oneway:
+                self.deferred_error = self.deferred_error or exc
+            else:
+                self._send_error(frame.request_id, exc)
+            return True
+        if oneway or reply is None:
+            return True
+        flags = FLAG_FDS if reply.fds else 0
+        out = encode_message(reply.message, frame.request_id, flags, max_frame=self.peer.frames.max_frame)
+        self.peer.send(out, reply.fds)
+        return True
+
+    def _send_error(self, request_id: int, exc: TiermemError) -> None:
+        out = encode_message(ErrorReply.from_exception(exc), request_id, 0, max_frame=self.peer.frames.max_frame)
+        self.peer.send(out)
+
+
+class Server:
+    """Accepts connections on ``listener`` and runs a ``Session`` thread for each."""
+
+    def __init__(self, listener: Listener, handlers: Handlers, config: ServerConfig) -> None:
+        self.listener = listener
+        self.handlers = handlers
+        self.config = config
+        self._ids = itertools.count(1)
+        self._sessions: dict[int, Session] = {}
+        self._per_uid: Counter[int] = Counter()
+        self._lock = threading.Lock()
+        self._accepting = True
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._own_uid = os.getuid()
+        self._threads: list[threading.Thread] = []
+        self.on_client_exit: Callable[[Session], None] = lambda _session: None
+        """Called from the watcher thread when a client's process exits (abort its queued work)."""
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        for target, name in ((self._accept_loop, "tiermemd-accept"), (self._watch_loop, "tiermemd-pidfds")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+        with contextlib.suppress(OSError):
+            self.listener.sock.shutdown(socket.SHUT_RDWR)
+
+    def close_sessions(self, why: str, timeout_s: float = 5.0) -> None:
+        for session in self.sessions():
+            session.shutdown(why)
+        deadline = time.monotonic() + timeout_s
+        while self.sessions() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.stop_accepting()
+        os.write(self._wake_w, b"x")
+        self.listener.close()
+
+    def sessions(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
+
+    # ----------------------------------------------------------------- admission
+
+    def allowed(self, cred: PeerCred) -> bool:
+        if cred.uid in (0, self._own_uid) or cred.uid in self.config.allowed_uids:
+            return True
+        if not self.config.allowed_gids:
+            return False
+        groups = {cred.gid}
+        with contextlib.suppress(KeyError):
+            entry = pwd.getpwuid(cred.uid)
+            groups.update(os.getgrouplist(entry.pw_name, entry.pw_gid))
+        return bool(groups & set(self.config.allowed_gids))
+
+    def _refuse(self, peer: Peer, exc: TiermemError) -> None:
+        with contextlib.suppress(Exception):
+            peer.send(encode_message(ErrorReply.from_exception(exc), 0, 0, max_frame=peer.frames.max_frame))
+        peer.close()
+
+    def _accept_loop(self) -> None:
+        while self._accepting:
+            try:
+                peer = self.listener.accept()
+            except OSError as exc:
+                if not self._accepting:
+                    return
+                log.warning("accept failed: %s", exc)
+                time.sleep(0.05)
+                continue
+            cred = peer.cred
+            if not self.allowed(cred):
+                log.warning("refused connection from pid %d uid %d gid %d: not allowed", cred.pid, cred.uid, cred.gid)
+                self._refuse(
+                    peer,
+                    AuthError(f"uid {cred.uid} is not allowed to use this tiermemd (server.allowed_uids/allowed_gids)"),
+                )
+                continue
+            with self._lock:
+                if self._per_uid[cred.uid] >= self.config.max_connections_per_uid:
+                    over = True
+                else:
+                    over = False
+                    self._per_uid[cred.uid] += 1
+                    session = Session(next(self._ids), peer)
+                    self._sessions[session.id] = session
+            if over:
+                self._refuse(
+                    peer,
+                    AdmissionError(
+                        f"uid {cred.uid} already holds {self.config.max_connections_per_uid} connections "
+                        "(server.max_connections_per_uid)"
+                    ),
+                )
+                continue
+            if peer.pidfd is not None:
+                self._selector.register(peer.pidfd, selectors.EVENT_READ, session)
+                os.write(self._wake_w, b"x")
+            thread = threading.Thread(
+                target=self._serve, args=(session,), name=f"tiermemd-session-{session.id}", daemon=True
+            )
+            thread.start()
+
+    def _serve(self, session: Session) -> None:
+        try:
+            session.serve(self.handlers)
+        finally:
+            self.forget_pidfd(session)
+            session.peer.close()
+            with self._lock:
+                self._sessions.pop(session.id, None)
+                self._per_uid[session.cred.uid] -= 1
+                if self._per_uid[session.cred.uid] <= 0:
+                    del self._per_uid[session.cred.uid]
+
+    def _watch_loop(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                if key.data is None:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                    if not self._accepting and not self.sessions():
+                        return
+                    continue
+                session: Session = key.data
+                with contextlib.suppress(KeyError, ValueError):
+                    self._selector.unregister(key.fd)
+                log.info("client pid %d of session %d exited", session.cred.pid, session.id)
+                session.shutdown(f"client process {session.cred.pid} exited")
+                try:
+                    self.on_client_exit(session)
+                except Exception:
+                    log.exception("aborting the work of session %d failed", session.id)
+
+    def forget_pidfd(self, session: Session) -> None:
+        if session.peer.pidfd is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(session.peer.pidfd)

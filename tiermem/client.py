@@ -1,0 +1,300 @@
+"""The client library: find (or start) the node's tiermemd, attach, and talk to it.
+
+``connect()`` looks for a daemon in this order: the ``socket`` argument,
+``$TIERMEM_SOCKET_PATH``, the node installation's ``/run/tiermem/tiermemd.sock``,
+then the per-user default (``$XDG_RUNTIME_DIR/tiermem/tiermemd.sock``).  When
+none answers and ``embed`` allows it (the default unless
+``TIERMEM_NO_EMBED=1``), it starts a private ``tiermemd`` for this process
+tree: a real child process on a socket in a private directory, which the child
+reports ready through the sd_notify protocol once its pool is allocated, and
+which is stopped (SIGTERM, then waited for) when the client closes or the
+process exits; the child's ``--exit-with-parent`` stops it if this process dies first.
+
+A ``Client`` is one connection.  After ``attach`` it maps the job's window
+(the memfd the daemon sends) and exposes it as a ``torch.uint8`` tensor; all
+bulk data moves through that window, never through the socket.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tiermem.config import default_runtime_dir
+from tiermem.errors import DaemonUnavailable, ProtocolError
+from tiermem.protocol import (
+    Attach,
+    AttachOk,
+    BucketReady,
+    Detach,
+    FetchParams,
+    MemRef,
+    Message,
+    ParamGroup,
+    Register,
+    RegisterOk,
+    StateChunk,
+    StateRead,
+    StateWrite,
+    Stats,
+    StatsReply,
+    Step,
+    StepDone,
+    TensorSlot,
+    TensorSpec,
+)
+from tiermem.transport import Connection
+from tiermem.units import GiB, format_size
+
+__all__ = ["AttachInfo", "Client", "EmbeddedDaemon", "connect"]
+
+log = logging.getLogger(__name__)
+
+NODE_SOCKET = "/run/tiermem/tiermemd.sock"
+
+
+@dataclass(frozen=True)
+class AttachInfo:
+    job_id: str
+    rank: int
+    token: str
+    window_id: int
+    window_nbytes: int
+    reattached: bool
+
+
+class EmbeddedDaemon:
+    """A private tiermemd child process for this process tree."""
+
+    def __init__(
+        self,
+        *,
+        pool_size: int,
+        swap_dir: str | None = None,
+        extra_args: Sequence[str] = (),
+        ready_timeout_s: float = 120.0,
+    ) -> None:
+        self.dir = tempfile.mkdtemp(prefix="tiermemd-")
+        os.chmod(self.dir, 0o700)
+        self.socket = os.path.join(self.dir, "tiermemd.sock")
+        notify_path = os.path.join(self.dir, "notify")
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        notify.bind(notify_path)
+        args = [
+            sys.executable,
+            "-m",
+            "tiermemd.main",
+            "--socket",
+            self.socket,
+            "--pool-size",
+            str(pool_size),
+            "--state-dir",
+            os.path.join(self.dir, "state"),
+            "--swap-dir",
+            swap_dir or os.path.join(self.dir, "swap"),
+            "--exit-with-parent",
+            *extra_args,
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
+        env["NOTIFY_SOCKET"] = notify_path
+        env["TIERMEM_JOBS_GRACE_PERIOD_S"] = "5"
+        self.log_path = os.path.join(self.dir, "tiermemd.log")
+        log_file = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it
+        try:
+            self.process = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+        finally:
+            log_file.close()
+        try:
+            self._wait_ready(notify, ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            notify.close()
+        atexit.register(self.stop)
+
+    def _wait_ready(self, notify: socket.socket, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        notify.settimeout(0.2)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                if b"READY=1" in notify.recv(4096):
+                    return
+            if self.process.poll() is not None:
+                raise DaemonUnavailable(
+                    self.socket, f"the embedded tiermemd exited with code {self.process.returncode}: {self._tail()}"
+                )
+        raise DaemonUnavailable(self.socket, f"the embedded tiermemd was not ready after {timeout_s}s: {self._tail()}")
+
+    def _tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return Path(self.log_path).read_text(errors="replace")[-2000:].strip()
+        return ""
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM the daemon and wait; returns its exit code."""
+        atexit.unregister(self.stop)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return self.process.returncode
+
+
+def candidate_sockets(socket_path: str | None, env: Mapping[str, str]) -> list[str]:
+    if socket_path:
+        return [socket_path]
+    if env.get("TIERMEM_SOCKET_PATH"):
+        return [env["TIERMEM_SOCKET_PATH"]]
+    return [NODE_SOCKET, str(default_runtime_dir(env) / "tiermemd.sock")]
+
+
+class Client:
+    """One connection to tiermemd (and, after ``attach``, the job's mapped window)."""
+
+    def __init__(self, conn: Connection, *, socket_path: str, daemon: EmbeddedDaemon | None = None) -> None:
+        self.conn = conn
+        self.socket_path = socket_path
+        self.daemon = daemon
+        self.info: AttachInfo | None = None
+        self._mmap: mmap.mmap | None = None
+        self.window: torch.Tensor = torch.empty(0, dtype=torch.uint8)
+
+    # ----------------------------------------------------------------- session
+
+    def attach(
+        self, job_id: str, *, rank: int = 0, world_size: int = 1, window_nbytes: int, token: str | None = None
+    ) -> AttachInfo:
+        reply, fds = self.conn.request_fds(
+            Attach(job_id=job_id, rank=rank, world_size=world_size, window_nbytes=window_nbytes, token=token)
+        )
+        if not isinstance(reply, AttachOk) or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"expected ATTACH_OK with one window fd, got {type(reply).__name__} with {len(fds)}")
+        try:
+            self._mmap = mmap.mmap(fds[0], reply.window_nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fds[0])
+        self.window = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.info = AttachInfo(job_id, rank, reply.job_token, reply.window_id, reply.window_nbytes, reply.reattached)
+        return self.info
+
+    def register(
+        self, tensors: Sequence[TensorSpec], groups: Sequence[ParamGroup], *, grad_buffers: int = 1
+    ) -> tuple[TensorSlot, ...]:
+        reply = self.conn.request(Register(tuple(tensors), tuple(groups), grad_buffers))
+        if not isinstance(reply, RegisterOk):
+            raise ProtocolError(f"expected REGISTER_OK, got {type(reply).__name__}")
+        return reply.slots
+
+    def bucket_ready(self, step: int, bucket: int, tensor_ids: Sequence[int], grad_buffer: int = 0) -> None:
+        self.conn.send_oneway(
+            BucketReady(step=step, bucket=bucket, tensor_ids=tuple(tensor_ids), grad_buffer=grad_buffer)
+        )
+
+    def step(self, msg: Step) -> StepDone:
+        reply = self.conn.request(msg)
+        if not isinstance(reply, StepDone):
+            raise ProtocolError(f"expected STEP_DONE, got {type(reply).__name__}")
+        return reply
+
+    def fetch_params(self, tensor_ids: Sequence[int] = ()) -> int:
+        """Have the daemon write current params into their slots; returns the step they are from."""
+        reply = self.conn.request(FetchParams(step=0, tensor_ids=tuple(tensor_ids)))
+        return int(reply.step)  # type: ignore[attr-defined]
+
+    def read_state(self, tensor_id: int, key: str, offset: int, dest: MemRef) -> StateChunk:
+        reply = self.conn.request(StateRead(tensor_id=tensor_id, key=key, offset=offset, dest=dest))
+        if not isinstance(reply, StateChunk):
+            raise ProtocolError(f"expected STATE_CHUNK, got {type(reply).__name__}")
+        return reply
+
+    def write_state(self, tensor_id: int, key: str, offset: int, src: MemRef, step: int) -> None:
+        self.conn.request(StateWrite(tensor_id=tensor_id, key=key, offset=offset, src=src, step=step))
+
+    def stats(self) -> dict[str, float]:
+        reply = self.conn.request(Stats())
+        if not isinstance(reply, StatsReply):
+            raise ProtocolError(f"expected STATS_REPLY, got {type(reply).__name__}")
+        return {k: float(v) for k, v in reply.values}
+
+    def request(self, msg: Message) -> Message:
+        return self.conn.request(msg)
+
+    def detach(self, *, keep_state: bool = False) -> None:
+        self.conn.request(Detach(keep_state=keep_state))
+        self._unmap()
+
+    def _unmap(self) -> None:
+        self.window = torch.empty(0, dtype=torch.uint8)
+        if self._mmap is not None:
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+            self._mmap = None
+
+    def close(self) -> None:
+        self.conn.close()
+        self._unmap()
+        if self.daemon is not None:
+            self.daemon.stop()
+            self.daemon = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(
+    socket_path: str | None = None,
+    *,
+    embed: bool | None = None,
+    pool_size: int = 1 * GiB,
+    swap_dir: str | None = None,
+    timeout_s: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Client:
+    """Connect to the node's tiermemd, or start a private one (see the module docstring)."""
+    env = os.environ if env is None else env
+    if embed is None:
+        embed = env.get("TIERMEM_NO_EMBED", "") not in ("1", "true", "yes")
+    tried: list[str] = []
+    for path in candidate_sockets(socket_path, env):
+        try:
+            return Client(Connection.open(path, timeout_s=timeout_s), socket_path=path)
+        except DaemonUnavailable as exc:
+            tried.append(str(exc))
+    if not embed or socket_path:
+        raise DaemonUnavailable(
+            socket_path or candidate_sockets(None, env)[-1],
+            "; ".join(tried) + (" (starting a private daemon is disabled)" if not embed else ""),
+        )
+    log.info("no tiermemd found (%s); starting a private one with a %s pool", "; ".join(tried), format_size(pool_size))
+    daemon = EmbeddedDaemon(pool_size=pool_size, swap_dir=swap_dir)
+    try:
+        return Client(Connection.open(daemon.socket, timeout_s=timeout_s), socket_path=daemon.socket, daemon=daemon)
+    except BaseException:
+        daemon.stop()
+        raise
