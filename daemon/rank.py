@@ -207,8 +207,11 @@ class RankOptimizer:
         pending.buckets_seen += 1
         grads = self._region(layout.grad_offsets[msg.grad_buffer], layout)
         for tid in self._check_ids(msg.tensor_ids):
-            if tid not in pending.stats:
-                pending.stats[tid] = self._stats_task(grads, tid, inv_scale=1.0)
+            # a tensor sent again (gradient accumulation, or changed after its hook) replaces its statistics
+            stale = pending.stats.get(tid)
+            if stale is not None:
+                stale.cancel()
+            pending.stats[tid] = self._stats_task(grads, tid, inv_scale=1.0)
 
     def _stats_task(self, grads: torch.Tensor, tid: int, inv_scale: float) -> Future[tuple[float, bool]]:
         slot = self.layout.slots[tid]  # type: ignore[union-attr]
@@ -254,7 +257,10 @@ class RankOptimizer:
         found_inf = False
         if need_stats:
             stats = pending.stats if pending else {}
-            futures = [stats.get(tid) or self._stats_task(grads, tid, 1.0) for tid in ids]
+            futures = [
+                stats[tid] if tid in stats and not stats[tid].cancelled() else self._stats_task(grads, tid, 1.0)
+                for tid in ids
+            ]
             total_sq = 0.0
             for future in futures:
                 try:
