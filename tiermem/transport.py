@@ -80,6 +80,9 @@ _SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 _UCRED = struct.Struct("3i")
 _SEND_SLACK = 512  # per-packet overhead the kernel charges against the send buffer
 _ANCBUF = socket.CMSG_SPACE(MAX_FDS * 4)
+# socket's flag constants are enum members; plain ints keep the per-frame path free of enum arithmetic.
+_RECV_FLAGS = int(socket.MSG_TRUNC) | int(socket.MSG_CMSG_CLOEXEC)
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
 
 
 # --------------------------------------------------------------------------- identity
@@ -190,9 +193,8 @@ class FrameSocket:
         socket's timeout, ``ProtocolError`` for an oversize packet or for fds
         sent to a side that does not accept them (those fds are closed first).
         """
-        flags = socket.MSG_TRUNC | socket.MSG_CMSG_CLOEXEC
         try:
-            nbytes, ancdata, msg_flags, _ = self.sock.recvmsg_into([self._view], _ANCBUF, flags)
+            nbytes, ancdata, msg_flags, _ = self.sock.recvmsg_into([self._view], _ANCBUF, _RECV_FLAGS)
         except (ConnectionResetError, BrokenPipeError) as exc:
             raise ConnectionClosed(f"peer closed the connection: {exc.strerror}") from None
         fds = _collect_fds(ancdata) if ancdata else []
@@ -201,7 +203,7 @@ class FrameSocket:
         if fds and not self.accept_fds:
             _close_all(fds)
             raise ProtocolError(f"peer sent {len(fds)} file descriptor(s); they were closed (fds are never accepted)")
-        if msg_flags & socket.MSG_CTRUNC:
+        if msg_flags & _MSG_CTRUNC:
             _close_all(fds)
             raise ProtocolError(f"peer sent more than {MAX_FDS} file descriptors or other ancillary data")
         if nbytes > self.max_frame:
@@ -404,6 +406,16 @@ def _connect_reason(exc: OSError, timeout_s: float | None) -> str:
     return f"{name}: {reasons.get(exc.errno, exc.strerror)}"
 
 
+def _set_recv_timeout(sock: socket.socket, timeout_s: float | None) -> None:
+    """A kernel receive timeout (``SO_RCVTIMEO``) on a blocking socket: a late reply fails with EAGAIN.
+
+    Unlike ``socket.settimeout`` this adds no poll() before every receive, which
+    costs a second system call (and a wake-up) per reply on the hot path.
+    """
+    micros = 0 if timeout_s is None else max(1, round(timeout_s * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", micros // 1_000_000, micros % 1_000_000))
+
+
 class Connection:
     """A blocking client connection: ``request(msg)`` sends one request and returns its reply.
 
@@ -528,11 +540,11 @@ class Connection:
 
     def _recv(self, msg: Message, timeout_s: float | None) -> tuple[bytes, list[int]]:
         if timeout_s != self._socket_timeout:
-            self._frames.sock.settimeout(timeout_s)
+            _set_recv_timeout(self._frames.sock, timeout_s)
             self._socket_timeout = timeout_s
         try:
             return self._frames.recv()
-        except TimeoutError:
+        except (BlockingIOError, TimeoutError):
             why = f"no reply to {msg.TYPE.name} within {timeout_s}s"
         except ConnectionClosed:
             why = f"the daemon closed the connection during {msg.TYPE.name}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -46,6 +47,7 @@ from tiermem.protocol import (
     decode_message,
     encode_message,
 )
+from tiermem.protocol.fields import FieldError
 
 u64 = st.integers(0, (1 << 56) - 1)
 step_no = st.integers(0, (1 << 62) - 1)
@@ -84,7 +86,7 @@ def registers(draw: st.DrawFn) -> Register:
     tensors = tuple(
         TensorSpec(t.name, t.shape, t.dtype, t.placement, draw(st.integers(0, len(groups) - 1))) for t in specs
     )
-    return Register(tensors, groups)
+    return Register(tensors, groups, draw(st.integers(1, 2)))
 
 
 @st.composite
@@ -129,6 +131,7 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
         groups=st.lists(param_group, max_size=3).map(tuple),
         loss_scale=positive,
         max_grad_norm=st.none() | positive,
+        skip_nonfinite=st.booleans(),
         tensor_ids=ids,
         buckets=st.integers(0, 1 << 20),
         delayed=st.booleans(),
@@ -181,7 +184,7 @@ def test_every_message_type_has_a_strategy():
     assert set(STRATEGIES) == set(MESSAGE_CLASSES)
 
 
-@settings(max_examples=600)
+@settings(max_examples=500)
 @given(st.one_of(*STRATEGIES.values()), st.integers(0, 0xFFFFFFFF))
 def test_every_message_round_trips(msg: Message, request_id: int):
     frame = decode_frame(encode_message(msg, request_id))
@@ -195,14 +198,14 @@ def decode_all(data: bytes, max_frame: int = 1 << 20) -> None:
         decode_message(decode_frame(data, max_frame=max_frame))
 
 
-@settings(max_examples=800)
+@settings(max_examples=600)
 @given(st.binary(max_size=300))
 def test_random_bytes_raise_only_protocol_error(data: bytes):
     decode_all(data)
     decode_all(b"TM\x01" + data)
 
 
-@settings(max_examples=800)
+@settings(max_examples=600)
 @given(st.sampled_from(list(MsgType)), st.binary(max_size=300))
 def test_random_payload_under_valid_header_raises_only_protocol_error(msg_type: MsgType, payload: bytes):
     decode_all(
@@ -217,16 +220,27 @@ json_values = st.recursive(
 )
 
 
-@st.composite
-def near_valid_payloads(draw: st.DrawFn) -> tuple[MsgType, dict]:
-    """A valid payload with one field replaced by an arbitrary JSON value (or deleted, or added)."""
-    msg = draw(st.one_of(*STRATEGIES.values()))
-    payload = msg.to_payload()
+def _mutate(draw: st.DrawFn, payload: dict) -> None:
     key = draw(st.sampled_from([*payload, "extra"])) if payload else "extra"
     if draw(st.booleans()) and key in payload:
         del payload[key]
     else:
-        payload[key] = draw(json_values)
+        payload[key] = draw(json_values | st.floats() | st.integers(-(1 << 64), 1 << 64))
+
+
+@st.composite
+def near_valid_payloads(draw: st.DrawFn, types: tuple[MsgType, ...] = tuple(STRATEGIES)) -> tuple[MsgType, dict]:
+    """A valid payload with one field replaced by an arbitrary JSON value (or deleted, or added).
+
+    For STEP, the change may land inside a param group instead.
+    """
+    msg = draw(st.one_of(*(STRATEGIES[t] for t in types)))
+    payload = json.loads(json.dumps(msg.to_payload()))
+    groups = payload.get("groups")
+    if msg.TYPE is MsgType.STEP and groups and draw(st.booleans()):
+        _mutate(draw, groups[draw(st.integers(0, len(groups) - 1))])
+    elif draw(st.integers(0, 9)):
+        _mutate(draw, payload)
     return msg.TYPE, payload
 
 
@@ -248,7 +262,7 @@ def _same(a: Message, b: Message) -> bool:
     return json.dumps(a.to_payload()) == json.dumps(b.to_payload())
 
 
-@settings(max_examples=800)
+@settings(max_examples=500)
 @given(st.one_of(*STRATEGIES.values()), st.data())
 def test_mutated_frames_raise_only_protocol_error(msg: Message, data: st.DataObject):
     frame = bytearray(encode_message(msg, 7))
@@ -273,3 +287,31 @@ def test_float_fields_reject_non_finite_where_they_must_be_finite():
 
 def test_header_size_is_sixteen():
     assert HEADER_NBYTES == 16
+
+
+FAST_PATH_TYPES = (MsgType.STEP, MsgType.BUCKET_READY, MsgType.STEP_DONE, MsgType.FETCH_PARAMS, MsgType.PARAMS_READY)
+
+
+def _outcome(decode: Callable[[], Message]) -> tuple[str, str]:
+    try:
+        msg = decode()
+    except FieldError as exc:
+        return "error", exc.describe()
+    return "ok", json.dumps(msg.to_payload())
+
+
+@settings(max_examples=500)
+@given(near_valid_payloads(FAST_PATH_TYPES))
+def test_fast_path_gives_the_same_answer_as_the_field_checks(case: tuple[MsgType, dict]):
+    msg_type, payload = case
+    cls = MESSAGE_CLASSES[msg_type]
+    assert _outcome(lambda: cls.from_payload(payload)) == _outcome(lambda: cls._checked(payload))
+
+
+@settings(max_examples=300)
+@given(param_group.map(lambda g: g.to_payload()), st.data())
+def test_param_group_fast_path_agrees(payload: dict, data: st.DataObject):
+    payload = json.loads(json.dumps(payload))
+    if data.draw(st.booleans()):
+        _mutate(data.draw, payload)
+    assert _outcome(lambda: ParamGroup.from_payload(payload)) == _outcome(lambda: ParamGroup._checked(payload))

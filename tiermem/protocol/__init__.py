@@ -1,8 +1,9 @@
 """The tiermem wire protocol: frames, typed messages, and their codec.
 
-Pure: imports no sockets (``tiermem.transport`` moves the bytes).  The layout
-is in ``frame``, the messages and their field rules in ``messages``, the field
-checks in ``fields``; docs/protocol.md is the reference for both sides.
+Pure: imports no sockets (``tiermem.transport`` moves the bytes).  The frame
+layout is in ``frame``; the messages in ``session`` and ``step``, the values
+inside them and the limits in ``records``, the registry in ``messages``; the
+field checks in ``fields``.  docs/protocol.md is the reference for both sides.
 
     data = encode_message(Step(step=3), request_id=7)
     frame = decode_frame(data, max_frame=1 << 20)      # header checks
