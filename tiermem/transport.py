@@ -420,7 +420,9 @@ class Connection:
     """A blocking client connection: ``request(msg)`` sends one request and returns its reply.
 
     Thread-safe: one request/reply exchange at a time under a lock.  An error
-    reply is raised as the same ``TiermemError`` type the daemon raised.  A lost
+    reply is raised as the same ``TiermemError`` type the daemon raised; an
+    error with request id 0 answers the request in flight (the daemon could
+    not read its id: an oversize frame, fds attached).  A lost
     or silent daemon, or a reply that breaks the protocol, closes the connection
     and raises ``DaemonUnavailable`` (or ``ProtocolError``); later calls raise
     ``DaemonUnavailable``.
@@ -508,7 +510,7 @@ class Connection:
             raw, fds = self._recv(msg, timeout_s if timeout_s is not None else self.timeout_s)
             try:
                 frame = decode_frame(raw, max_frame=self._frames.max_frame)
-                if frame.request_id != request_id:
+                if frame.request_id != request_id and not (frame.request_id == 0 and frame.type is MsgType.ERROR):
                     raise ProtocolError(f"reply for request {frame.request_id} while waiting for {request_id}")
                 if frame.type is not expected and frame.type is not MsgType.ERROR:
                     raise ProtocolError(f"{msg.TYPE.name} got a {frame.type.name} reply, expected {expected.name}")

@@ -452,6 +452,23 @@ def test_error_reply_is_raised_as_the_same_type_and_connection_stays_usable(pair
     thread.join(5)
 
 
+def test_error_with_request_id_zero_answers_the_request_in_flight(pair):
+    conn, server = pair
+    error = ProtocolError("oversize frame: 5000 bytes, max_frame is 4096; frame discarded")
+    replies = iter([encode_message(ErrorReply.from_exception(error), 0), None])
+
+    def handle(msg: Any, rid: int) -> bytes:
+        out = next(replies)
+        return out if out is not None else encode_message(Pong(), rid)
+
+    thread = serve_in_thread(server, handle, 2)
+    with pytest.raises(ProtocolError, match="oversize frame: 5000 bytes"):
+        conn.request(Ping())
+    assert not conn.closed
+    assert conn.request(Ping()) == Pong()
+    thread.join(5)
+
+
 def test_wrong_reply_id_or_type_breaks_the_connection(pair):
     conn, server = pair
     thread = serve_in_thread(server, lambda msg, rid: encode_message(Pong(), rid + 1), 1)

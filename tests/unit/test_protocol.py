@@ -172,7 +172,8 @@ def test_frame_nbytes_reads_length_from_header_for_stream_use():
 def test_peek_request_id_survives_an_undecodable_frame():
     broken = STEP[:2] + b"\x09" + STEP[3:]
     assert peek_request_id(broken) == 9
-    assert peek_request_id(b"junk") == 0
+    assert peek_request_id(b"junk") is None
+    assert peek_request_id(b"XX" + broken[2:]) is None
 
 
 # --------------------------------------------------------------------------- payload and field errors

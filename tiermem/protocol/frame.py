@@ -155,10 +155,14 @@ def _check_prefix(prefix: bytes) -> None:
         raise ProtocolError(f"unsupported protocol version {version}; this side supports version(s) {supported}")
 
 
-def peek_request_id(buf: bytes | bytearray | memoryview) -> int:
-    """The request id of a frame that may fail to decode (to address the error reply); 0 if unreadable."""
+def peek_request_id(buf: bytes | bytearray | memoryview) -> int | None:
+    """The request id of a frame that may fail to decode (to address the error reply).
+
+    None when not even the header is readable (too short or bad magic): such a
+    peer does not speak this protocol.
+    """
     if len(buf) < HEADER_NBYTES or bytes(buf[:2]) != MAGIC:
-        return 0
+        return None
     return int(HEADER.unpack_from(buf)[5])
 
 
