@@ -468,4 +468,7 @@ class RankOptimizer:
             "window_bytes": float(self.window.nbytes),
         }
         out.update(self.timings)
+        state_stats = getattr(self.state, "stats", None)
+        if state_stats is not None:
+            out.update(state_stats())
         return out

@@ -28,6 +28,7 @@ from pathlib import Path
 from tiermem.config import DaemonConfig, load_config
 from tiermem.errors import ConfigError, TiermemError
 from tiermem.pool import BufferPool
+from tiermem.swap import open_engine
 from tiermem.transport import Listener, adopt_listener
 from tiermem.units import format_size
 from tiermemd.jobs import Job, JobTable
@@ -74,6 +75,11 @@ class Service:
         except OSError as exc:
             self.pool.close()
             raise StartupError(EXIT_SWAP, f"swap directory unusable: {exc}") from exc
+        try:
+            self.io_engine = open_engine(config.swap, self.swap_dirs)
+        except ConfigError as exc:
+            self.pool.close()
+            raise StartupError(EXIT_SWAP, str(exc)) from exc
         window_budget = config.jobs.window_budget or self.pool.capacity
         self.ledger = Ledger(
             {
@@ -248,6 +254,7 @@ class Service:
                 os.unlink(self.config.server.socket)
         self.persist_and_reclaim()
         self.scheduler.close()
+        self.io_engine.close()
         self.pool.close()
         self.notifier.close()
         log.info("stopped")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import mmap
 import os
@@ -30,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -85,11 +87,18 @@ class EmbeddedDaemon:
         *,
         pool_size: int,
         swap_dir: str | None = None,
+        settings: Mapping[str, Any] | None = None,
         extra_args: Sequence[str] = (),
         ready_timeout_s: float = 120.0,
     ) -> None:
+        """``settings``: dotted config keys for the daemon (``{"adam.chunk_numel": 65536}``)."""
         self.dir = tempfile.mkdtemp(prefix="tiermemd-")
         os.chmod(self.dir, 0o700)
+        config_args: list[str] = []
+        if settings:
+            config_path = os.path.join(self.dir, "tiermemd.toml")
+            Path(config_path).write_text(_settings_toml(settings))
+            config_args = ["--config", config_path]
         self.socket = os.path.join(self.dir, "tiermemd.sock")
         notify_path = os.path.join(self.dir, "notify")
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
@@ -107,6 +116,7 @@ class EmbeddedDaemon:
             "--swap-dir",
             swap_dir or os.path.join(self.dir, "swap"),
             "--exit-with-parent",
+            *config_args,
             *extra_args,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
@@ -159,6 +169,18 @@ class EmbeddedDaemon:
 
         shutil.rmtree(self.dir, ignore_errors=True)
         return self.process.returncode
+
+
+def _settings_toml(settings: Mapping[str, Any]) -> str:
+    tables: dict[str, dict[str, Any]] = {}
+    for dotted, value in settings.items():
+        section, _, key = dotted.partition(".")
+        tables.setdefault(section, {})[key] = value
+    lines = []
+    for section, values in tables.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {json.dumps(value)}" for key, value in values.items())
+    return "\n".join(lines) + "\n"
 
 
 def candidate_sockets(socket_path: str | None, env: Mapping[str, str]) -> list[str]:
@@ -273,10 +295,14 @@ def connect(
     embed: bool | None = None,
     pool_size: int = 1 * GiB,
     swap_dir: str | None = None,
+    settings: Mapping[str, Any] | None = None,
     timeout_s: float | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Client:
-    """Connect to the node's tiermemd, or start a private one (see the module docstring)."""
+    """Connect to the node's tiermemd, or start a private one (see the module docstring).
+
+    ``pool_size``, ``swap_dir`` and ``settings`` (dotted config keys) apply only to a private daemon.
+    """
     env = os.environ if env is None else env
     if embed is None:
         embed = env.get("TIERMEM_NO_EMBED", "") not in ("1", "true", "yes")
@@ -292,7 +318,7 @@ def connect(
             "; ".join(tried) + (" (starting a private daemon is disabled)" if not embed else ""),
         )
     log.info("no tiermemd found (%s); starting a private one with a %s pool", "; ".join(tried), format_size(pool_size))
-    daemon = EmbeddedDaemon(pool_size=pool_size, swap_dir=swap_dir)
+    daemon = EmbeddedDaemon(pool_size=pool_size, swap_dir=swap_dir, settings=settings)
     try:
         return Client(Connection.open(daemon.socket, timeout_s=timeout_s), socket_path=daemon.socket, daemon=daemon)
     except BaseException:

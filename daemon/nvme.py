@@ -1,0 +1,137 @@
+"""The NVMe placement of a rank's state: chunks paged through a ``TierManager``.
+
+Each state chunk (master | exp_avg | exp_avg_sq of ``chunk_numel`` elements,
+see ``state``) is one key of the rank's ``SwapStore`` and one tensor of its
+``TierManager``.  The step pipeline acquires chunks in ascending order, so the
+manager is given that order once and keeps the next ``PREFETCH_DEPTH`` chunks
+in flight: while chunk i is updated, chunk i+1 is read and chunk i-1 written
+back as its slot is needed.
+
+The chunk cache (the manager's CPU budget) is ``CACHE_CHUNKS`` chunks, bounded
+by the state itself, and is reserved in the node's pool budget at admission;
+the swap space is reserved (preallocated by the store) in the swap budget.  A
+full disk is therefore an admission error, never a failure mid-training.
+
+``persist()`` (SIGTERM) writes every dirty chunk and commits the manifest, so a
+restarted daemon reopens the chunks from the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiermem.swap.store import SwapStore
+from tiermem.tiers import TierManager
+from tiermemd.ledger import Resource
+from tiermemd.state import STATE_BYTES_PER_ELEMENT, ChunkTensors
+
+if TYPE_CHECKING:
+    from tiermemd.jobs import Job
+    from tiermemd.service import Service
+
+__all__ = ["CACHE_CHUNKS", "PREFETCH_DEPTH", "NvmeStateChunks", "make_nvme_state"]
+
+CACHE_CHUNKS = 6
+"""Chunks resident at once: one being updated, prefetched ones, and ones being written back."""
+PREFETCH_DEPTH = 2
+
+
+def store_name(job_id: str, rank: int) -> str:
+    """A file-system-safe, collision-free name for one rank's swap files."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", job_id).lstrip(".")[:80] or "job"
+    digest = hashlib.sha256(job_id.encode()).hexdigest()[:10]
+    return f"{safe}-{digest}.r{rank}"
+
+
+def _key(chunk: int) -> str:
+    return f"chunk{chunk}"
+
+
+class NvmeStateChunks:
+    def __init__(self, pool: object, store: SwapStore, numel: int, chunk_numel: int, cache_nbytes: int) -> None:
+        self.numel = numel
+        self.chunk_numel = chunk_numel
+        self.store = store
+        self.tiers = TierManager(pool, store, cache_nbytes)
+        try:
+            for c in range(self.nchunks):
+                self.tiers.register(_key(c), torch.float32, (3 * self._chunk_len(c),))
+            self.tiers.prefetch([_key(c) for c in range(self.nchunks)], PREFETCH_DEPTH)
+        except BaseException:
+            self.tiers.close()
+            raise
+
+    @property
+    def nchunks(self) -> int:
+        return (self.numel + self.chunk_numel - 1) // self.chunk_numel
+
+    def _chunk_len(self, chunk: int) -> int:
+        return min(self.chunk_numel, self.numel - chunk * self.chunk_numel)
+
+    def acquire(self, chunk: int) -> ChunkTensors:
+        flat = self.tiers.acquire(_key(chunk))
+        n = self._chunk_len(chunk)
+        return ChunkTensors(flat[:n], flat[n : 2 * n], flat[2 * n :])
+
+    def release(self, chunk: int, *, dirty: bool) -> None:
+        self.tiers.release(_key(chunk), dirty=dirty)
+
+    def prefetch(self, chunks: Iterable[int]) -> None:
+        """The ascending order given at creation already drives prefetching."""
+
+    def persist(self) -> None:
+        """Write every modified chunk and commit the manifest (crash-consistent reopen)."""
+        self.tiers.flush()
+
+    def stats(self) -> dict[str, float]:
+        s = self.tiers.stats()
+        return {
+            "nvme_page_ins": s.page_ins,
+            "nvme_page_outs": s.page_outs,
+            "nvme_bytes_in": s.bytes_in,
+            "nvme_bytes_out": s.bytes_out,
+            "nvme_wait_s": s.wait_s,
+            "nvme_io_errors": s.io_errors,
+        }
+
+    def close(self, *, remove: bool = True) -> None:
+        """Free the cache; ``remove`` also deletes the swap files (the job is gone)."""
+        self.tiers.close()
+        self.store.close(remove=remove)
+
+
+def make_nvme_state(service: Service, job: Job, rank: int, numel: int) -> NvmeStateChunks:
+    """Reserve cache and swap for ``numel`` elements of ``job``'s ``rank`` and open its store."""
+    chunk_numel = service.config.adam.chunk_numel
+    state_nbytes = numel * STATE_BYTES_PER_ELEMENT
+    cache_nbytes = min(state_nbytes, CACHE_CHUNKS * chunk_numel * STATE_BYTES_PER_ELEMENT) + 4096 * CACHE_CHUNKS
+    # out-of-place writes keep the old version until the next commit: room for the state and the cache again
+    swap_nbytes = state_nbytes + cache_nbytes
+    service.ledger.reserve(job.job_id, Resource.POOL, cache_nbytes)
+    try:
+        service.ledger.reserve(job.job_id, Resource.SWAP, swap_nbytes)
+    except BaseException:
+        service.ledger.release(job.job_id, Resource.POOL, cache_nbytes)
+        raise
+    try:
+        store = SwapStore.open(
+            service.swap_dirs,
+            store_name(job.job_id, rank),
+            service.io_engine,
+            swap_nbytes,
+            fsync=service.config.swap.fsync,
+        )
+        try:
+            return NvmeStateChunks(service.pool, store, numel, chunk_numel, cache_nbytes)
+        except BaseException:
+            store.close(remove=True)
+            raise
+    except BaseException:
+        service.ledger.release(job.job_id, Resource.POOL, cache_nbytes)
+        service.ledger.release(job.job_id, Resource.SWAP, swap_nbytes)
+        raise
