@@ -198,7 +198,7 @@ class FrameSocket:
         except (ConnectionResetError, BrokenPipeError) as exc:
             raise ConnectionClosed(f"peer closed the connection: {exc.strerror}") from None
         fds = _collect_fds(ancdata) if ancdata else []
-        if nbytes == 0 and not fds:
+        if nbytes == 0 and not fds:  # end of stream (an empty packet is no frame either)
             raise ConnectionClosed("peer closed the connection")
         if fds and not self.accept_fds:
             _close_all(fds)
@@ -243,8 +243,9 @@ def bind_listener(path: str | os.PathLike[str], *, mode: int = 0o660, group: str
     socket's group.  Raises ``ConfigError`` on any failure.
     """
     target = Path(path)
-    parent_mode = 0o755 if mode & 0o077 else 0o700
-    target.parent.mkdir(mode=parent_mode, parents=True, exist_ok=True)
+    if not target.parent.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(target.parent, 0o755 if mode & 0o077 else 0o700)  # not left to the umask
     _remove_stale(target)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:

@@ -336,7 +336,11 @@ def test_bind_creates_private_parent_and_sets_mode(sock_dir: Path):
     finally:
         sock.close()
     shared = sock_dir / "shared" / "d.sock"
-    sock = bind_listener(shared)
+    old_umask = os.umask(0o077)  # a strict umask must not hide a shared socket's directory
+    try:
+        sock = bind_listener(shared)
+    finally:
+        os.umask(old_umask)
     try:
         assert stat.S_IMODE(shared.parent.stat().st_mode) == 0o755
         assert stat.S_IMODE(shared.stat().st_mode) == 0o660
