@@ -1,1 +1,43 @@
-"""tiermem.optim"""
+"""tiermem.optim: the CPU Adam engine and the in-process ``CPUAdam`` optimizer.
+
+- ``adam_math``: the arithmetic as pure functions (one Adam/AdamW step, grad
+  statistics, clipping coefficient), tested alone against ``torch.optim``.
+- ``kernels``: that arithmetic compiled into one pass over memory per chunk
+  (torch.compile, inductor C++), with an eager fallback.
+- ``engine``: ``AdamEngine``, checked multi-threaded chunked updates over
+  flat fp32 buffers; what the daemon drives.
+- ``optimizer``: ``CPUAdam``, a ``torch.optim.Optimizer`` on the same engine.
+"""
+
+from tiermem.optim.adam_math import (
+    AdamHyper,
+    AdamScalars,
+    GradStats,
+    adam_update,
+    clip_coefficient,
+    combine_grad_stats,
+    grad_stats,
+    step_scalars,
+)
+from tiermem.optim.engine import DEFAULT_WARMUP, AdamEngine, PendingUpdate
+from tiermem.optim.kernels import KernelKey, KernelRecord, KernelState
+from tiermem.optim.optimizer import CPUAdam, StepReport
+
+__all__ = [
+    "DEFAULT_WARMUP",
+    "AdamEngine",
+    "AdamHyper",
+    "AdamScalars",
+    "CPUAdam",
+    "GradStats",
+    "KernelKey",
+    "KernelRecord",
+    "KernelState",
+    "PendingUpdate",
+    "StepReport",
+    "adam_update",
+    "clip_coefficient",
+    "combine_grad_stats",
+    "grad_stats",
+    "step_scalars",
+]
