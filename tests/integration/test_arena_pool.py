@@ -83,7 +83,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert bytes(self.pool.view(block)) == pattern
 
 
-PoolMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+PoolMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
 
 

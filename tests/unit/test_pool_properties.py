@@ -97,5 +97,5 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.memory[block.offset : block.end] == bytes([pattern]) * block.nbytes
 
 
-AllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+AllocatorMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
 TestAllocatorMachine = AllocatorMachine.TestCase

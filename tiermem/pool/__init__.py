@@ -9,7 +9,7 @@
 
 from tiermem.pool.allocator import Allocator, Block, BlockState, EvictFn, MoverFn, PoolStats, allocate, fragmentation
 from tiermem.pool.arena import Arena, MlockRefusal, memlock_warning
-from tiermem.pool.compaction import Move, plan_compaction
+from tiermem.pool.compaction import Move, plan_compaction, plan_evacuation, plan_for, plan_local_slide
 from tiermem.pool.pinning import CudaPinner, NullPinner, Pinner, PinResult, PinStatus, default_pinner
 from tiermem.pool.pool import BufferPool, arena_sizes, auto_pool_size
 
@@ -36,4 +36,7 @@ __all__ = [
     "fragmentation",
     "memlock_warning",
     "plan_compaction",
+    "plan_evacuation",
+    "plan_for",
+    "plan_local_slide",
 ]

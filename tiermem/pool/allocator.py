@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tiermem.errors import InvalidArgument, InvalidState, PoolExhausted
-from tiermem.pool.compaction import Move, plan_compaction
+from tiermem.pool.compaction import Move, plan_compaction, plan_for
 from tiermem.units import PAGE_SIZE, align_up, format_size
 
 __all__ = ["Allocator", "Block", "BlockState", "EvictFn", "MoverFn", "PoolStats", "allocate", "fragmentation"]
@@ -289,9 +289,14 @@ class Allocator:
     # ------------------------------------------------------------------ compaction
 
     def compact(self, need: int | None = None) -> int:
-        """Move unpinned blocks toward offset 0 (until a free run of ``need`` exists); returns bytes moved."""
+        """Make room by moving unpinned blocks; returns bytes moved.
+
+        Without ``need``, packs everything toward offset 0.  With ``need``, runs
+        the cheaper of sliding (until a free run of ``need`` exists) and
+        evacuating the cheapest stretch of ``need`` bytes.
+        """
         extents = [(b.offset, b.nbytes, b.pins > 0) for b in self._live.values()]
-        moves = plan_compaction(extents, self._capacity, need)
+        moves = plan_compaction(extents, self._capacity) if need is None else plan_for(extents, self._capacity, need)
         if not moves:
             return 0
         if self._mover is not None:
