@@ -369,18 +369,19 @@ def codec_cases() -> list[tuple[str, Message]]:
     ]
 
 
-def per_call_us(fn: Callable[[], object], min_time_s: float = 0.2) -> float:
-    runs = []
-    for _ in range(5):
+def per_call_us(fn: Callable[[], object], runs: int = 7, run_s: float = 0.05) -> float:
+    """Median over ``runs`` runs of the mean time per call in a run of at least ``run_s``."""
+    means = []
+    for _ in range(runs):
         count, start = 0, time.perf_counter()
         while True:
             fn()
             count += 1
             elapsed = time.perf_counter() - start
-            if elapsed >= min_time_s / 5:
+            if elapsed >= run_s:
                 break
-        runs.append(elapsed / count * 1e6)
-    return statistics.median(runs)
+        means.append(elapsed / count * 1e6)
+    return statistics.median(means)
 
 
 def measure_codec() -> list[dict[str, Any]]:
