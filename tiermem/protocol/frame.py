@@ -112,7 +112,7 @@ class MsgType(IntEnum):
 _TYPES = {int(t): t for t in MsgType}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Frame:
     """One decoded frame: header fields and the still-encoded payload."""
 
@@ -176,8 +176,9 @@ def decode_frame(buf: bytes | bytearray | memoryview, *, max_frame: int = DEFAUL
         raise ProtocolError(f"oversize frame: {got} bytes, max_frame is {max_frame}")
     if got < HEADER_NBYTES:
         raise ProtocolError(f"truncated frame: expected at least {HEADER_NBYTES} header bytes, got {got}")
-    _magic, version, raw_type, flags, reserved, request_id, payload_nbytes = HEADER.unpack_from(buf)
-    _check_prefix(bytes(buf[:3]))
+    magic, version, raw_type, flags, reserved, request_id, payload_nbytes = HEADER.unpack_from(buf)
+    if magic != MAGIC or version not in SUPPORTED_VERSIONS:
+        _check_prefix(bytes(buf[:3]))  # raises, naming which
     expected = HEADER_NBYTES + payload_nbytes
     if expected > max_frame:
         raise ProtocolError(f"oversize frame: header announces {expected} bytes, max_frame is {max_frame}")
