@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tiermem.errors import ConfigError, DaemonUnavailable, PoolExhausted, ProtocolError
+from tiermem.errors import ConfigError, ConnectionClosed, DaemonUnavailable, PoolExhausted, ProtocolError
 from tiermem.protocol import (
     FLAG_FDS,
     Attach,
@@ -35,7 +35,7 @@ from tiermem.protocol import (
     decode_message,
     encode_message,
 )
-from tiermem.transport import Connection, FrameSocket, Listener, bind_listener, connect_socket
+from tiermem.transport import Connection, FrameSocket, Listener, adopt_listener, bind_listener, connect_socket
 
 IS_ROOT = os.geteuid() == 0
 
@@ -272,6 +272,45 @@ def test_pidfd_turns_readable_when_client_dies_while_a_forked_worker_keeps_the_s
         if worker:
             os.kill(worker, signal.SIGKILL)
         peer.close()
+
+
+def client_connects_and_exits(path: str) -> int:
+    connect_socket(path)
+    return os.getpid()
+
+
+def test_peer_that_died_before_accept_has_no_live_pidfd(listener: Listener):
+    child = Child(client_connects_and_exits, sock_path(listener))
+    child.result()  # exited and reaped before the daemon accepts
+    peer = listener.accept()
+    try:
+        assert peer.cred.pid == child.pid
+        if peer.pidfd is not None:  # SO_PEERPIDFD may still name the dead process: then it is readable
+            ready, _, _ = select.select([peer.pidfd], [], [], 5)
+            assert ready == [peer.pidfd]
+        with pytest.raises(ConnectionClosed):
+            peer.recv()
+    finally:
+        peer.close()
+
+
+def test_adopt_listener_takes_an_inherited_seqpacket_socket_only(sock_dir: Path):
+    inherited = bind_listener(sock_dir / "activated.sock")
+    adopted = adopt_listener(os.dup(inherited.fileno()))
+    inherited.close()
+    try:
+        assert adopted.type == socket.SOCK_SEQPACKET
+        with connect_socket(sock_dir / "activated.sock"):
+            conn, _ = adopted.accept()
+            conn.close()
+    finally:
+        adopted.close()
+    stream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with pytest.raises(ConfigError, match=r"inherited fd \d+ is not an AF_UNIX SOCK_SEQPACKET socket"):
+            adopt_listener(stream.fileno())
+    finally:
+        stream.close()
 
 
 # --------------------------------------------------------------------------- limits
