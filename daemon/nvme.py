@@ -67,6 +67,11 @@ class NvmeStateChunks:
             raise
 
     @property
+    def max_acquired(self) -> int:
+        """Pieces the step pipeline may hold at once (the rest of the cache is for prefetch)."""
+        return CACHE_CHUNKS - PREFETCH_DEPTH - 1
+
+    @property
     def nchunks(self) -> int:
         return (self.numel + self.chunk_numel - 1) // self.chunk_numel
 

@@ -30,12 +30,13 @@ state reads, which are the parts that cost time before the update can run.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -127,6 +128,7 @@ class RankOptimizer:
         self.skipped_steps = 0
         self._pending: _StepState | None = None
         self._inflight: list[Future[None]] = []
+        self._pipeline: ThreadPoolExecutor | None = None
         """Update tasks of a delayed step still running (the next STEP/FETCH_PARAMS waits for them)."""
         self._stale: set[int] = set()
         """Tensors whose param slot does not hold their current master (FETCH_PARAMS rewrites them)."""
@@ -282,18 +284,19 @@ class RankOptimizer:
         if msg.max_grad_norm is not None and grad_norm is not None:
             clip_coef = min(1.0, msg.max_grad_norm / (grad_norm + 1e-6))
         grad_scale = inv_scale * clip_coef
-        futures_u = []
-        for lo, hi, group, step in self._runs(ids):
-            for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
-                futures_u.append(
-                    self._update_task(state, chunk, a, b, grads, params, self.groups[group], step, grad_scale)
-                )
+        pieces = [
+            (chunk, a, b, self.groups[group], step)
+            for lo, hi, group, step in self._runs(ids)
+            for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel)
+        ]
         for tid in ids:
             self.steps[tid] += 1
         self._stale.difference_update(ids)
         self.last_step = msg.step
         if msg.delayed:
-            self._inflight.extend(futures_u)
+            if self._pipeline is None:
+                self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-dpu-{self.rank}")
+            self._inflight.append(self._pipeline.submit(self._run_update, state, pieces, grads, params, grad_scale))
             return StepDone(
                 step=msg.step,
                 found_inf=found_inf,
@@ -301,8 +304,7 @@ class RankOptimizer:
                 params_ready=False,
                 timings=(("stats", t1 - t0),),
             )
-        for future in futures_u:
-            future.result()
+        self._run_update(state, pieces, grads, params, grad_scale)
         t2 = time.perf_counter()
         self.timings["update_s"] += t2 - t1
         return StepDone(
@@ -324,6 +326,28 @@ class RankOptimizer:
             elif slot.stop > slot.start:
                 runs.append((slot.start, slot.stop, *key))
         return runs
+
+    def _run_update(
+        self,
+        state: StateChunks,
+        pieces: list[tuple[int, int, int, ParamGroup, int]],
+        grads: torch.Tensor,
+        params: torch.Tensor,
+        grad_scale: float,
+    ) -> None:
+        """Acquire each piece's chunk (waiting for NVMe reads) and queue its update, keeping at most
+        ``state.max_acquired`` pieces outstanding so the chunk cache is never over-committed."""
+        limit = getattr(state, "max_acquired", None)
+        window: collections.deque[Future[None]] = collections.deque()
+        try:
+            for chunk, a, b, group, step in pieces:
+                if limit is not None and len(window) >= limit:
+                    window.popleft().result()
+                window.append(self._update_task(state, chunk, a, b, grads, params, group, step, grad_scale))
+        finally:
+            for future in window:
+                with contextlib.suppress(CancelledError):
+                    future.result()
 
     def _update_task(
         self,
@@ -454,6 +478,8 @@ class RankOptimizer:
         self.abort()
         with contextlib.suppress(Exception):
             self._wait_inflight()
+        if self._pipeline is not None:
+            self._pipeline.shutdown(wait=True)
         if self.state is not None:
             self.state.close()
             self.state = None

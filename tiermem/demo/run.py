@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Callable, Iterable
 
 import torch
 
 from tiermem.demo.model import CharCorpus, GPTConfig
 from tiermem.demo.train import RunResult, train_run
+from tiermem.units import MiB, align_up, format_size
 
 __all__ = ["run_demo"]
 
 RUNS = ("adamw", "cpuadam", "offload-cpu", "offload-nvme", "offload-dpu")
 
 
-def _factories(args: argparse.Namespace, swap_dir: str) -> dict[str, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]]:
+def _factories(
+    args: argparse.Namespace, daemon_socket: str | None
+) -> dict[str, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]]:
     lr = args.lr
     factories: dict[str, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]] = {
         "adamw": lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=True),
@@ -25,7 +27,43 @@ def _factories(args: argparse.Namespace, swap_dir: str) -> dict[str, Callable[[I
     from tiermem.optim import CPUAdam
 
     factories["cpuadam"] = lambda params: CPUAdam(params, lr=lr, weight_decay=0.01, adamw=True)
+    if daemon_socket is not None:
+        from tiermem.client import connect
+        from tiermem.offload import OffloadAdam
+
+        def offload(kind: str, delayed: bool) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+            return lambda params: OffloadAdam(
+                params,
+                lr=lr,
+                weight_decay=0.01,
+                offload=kind,
+                delayed_update=delayed,
+                warmup_steps=10,
+                client=connect(daemon_socket, embed=False),
+            )
+
+        factories["offload-cpu"] = offload("cpu", False)
+        factories["offload-nvme"] = offload("nvme", False)
+        factories["offload-dpu"] = offload("cpu", True)
     return factories
+
+
+def _describe(optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    stats = getattr(optimizer, "stats", None)
+    if stats is None:
+        return {}
+    values = stats()
+    paged = values.get("rank_nvme_bytes_in", 0.0) + values.get("rank_nvme_bytes_out", 0.0)
+    return {"paged": format_size(paged)}
+
+
+def _close(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    close = getattr(optimizer, "close", None)
+    if close is None:
+        return {}
+    values = optimizer.stats()  # type: ignore[attr-defined]
+    close()
+    return {k: v for k, v in values.items() if k.startswith("rank_")}
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -41,13 +79,24 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{args.steps} steps of batch {args.batch_size} x {cfg.block_size} tokens",
         file=sys.stderr,
     )
-    with tempfile.TemporaryDirectory(prefix="tiermem-demo-", dir=args.swap_dir or "/var/tmp") as swap_dir:
-        factories = _factories(args, swap_dir)
+    offloaded = [r for r in wanted if r.startswith("offload")]
+    daemon = None
+    if offloaded:
+        from tiermem.client import EmbeddedDaemon
+
+        numel = cfg.num_params()
+        runs_at_once = 1
+        pool = align_up(int(numel * 12 * 1.2 * runs_at_once) + 128 * MiB)
+        print("starting an embedded tiermemd ...", file=sys.stderr)
+        daemon = EmbeddedDaemon(
+            pool_size=pool,
+            swap_dir=args.swap_dir,
+            settings={"adam.chunk_numel": max(1 << 16, numel // 8)},
+        )
+    try:
+        factories = _factories(args, daemon.socket if daemon else None)
         results: list[RunResult] = []
         for name in wanted:
-            if name not in factories:
-                print(f"tiermem demo: skipping {name}: not available in this build", file=sys.stderr)
-                continue
             results.append(
                 train_run(
                     name,
@@ -57,8 +106,13 @@ def run_demo(args: argparse.Namespace) -> int:
                     steps=args.steps,
                     batch_size=args.batch_size,
                     show=not args.quiet,
+                    describe=_describe if name.startswith("offload") else None,
+                    close=_close,
                 )
             )
+    finally:
+        if daemon is not None:
+            daemon.stop()
     _report(results)
     return 0
 
@@ -67,8 +121,17 @@ def _report(results: list[RunResult]) -> None:
     if not results:
         return
     base = results[0]
-    print(f"\n{'run':<14} {'final loss':>10} {'vs ' + base.name:>12} {'step ms':>9} {'vs ' + base.name:>12}")
+    vs = f"vs {base.name}"
+    print(f"\n{'run':<14} {'final loss':>10} {vs:>13} {'step ms':>9} {vs:>13} {'paged':>9}")
     for r in results:
         dl = (r.final_loss - base.final_loss) / base.final_loss * 100
         ratio = r.median_step_s / base.median_step_s
-        print(f"{r.name:<14} {r.final_loss:>10.4f} {dl:>+11.2f}% {r.median_step_s * 1e3:>9.1f} {ratio:>11.2f}x")
+        paged = r.extra.get("rank_nvme_bytes_in", 0.0) + r.extra.get("rank_nvme_bytes_out", 0.0)
+        print(
+            f"{r.name:<14} {r.final_loss:>10.4f} {dl:>+12.2f}% {r.median_step_s * 1e3:>9.1f} {ratio:>12.2f}x "
+            f"{format_size(paged):>9}"
+        )
+    print(
+        "\nloss: mean of the last 10 steps; step ms: median after 5 warm-up steps; paged: optimizer state moved "
+        "between the daemon's pool and its swap files"
+    )
