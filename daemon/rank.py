@@ -59,6 +59,7 @@ from tiermem.protocol import (
     TensorSlot,
     TensorSpec,
 )
+from tiermemd.persist import RankRecord
 from tiermemd.scheduler import CpuScheduler
 from tiermemd.state import StateChunks, chunk_ranges
 
@@ -120,6 +121,8 @@ class RankOptimizer:
         self.tenant = f"{job_id}/{rank}"
         self._window_bytes = torch.frombuffer(window.view(0, window.nbytes), dtype=torch.uint8)
         self.layout: Layout | None = None
+        self.restored: RankRecord | None = None
+        """Set when the rank comes from a previous daemon's job file and waits for its REGISTER."""
         self.specs: tuple[TensorSpec, ...] = ()
         self.groups: tuple[ParamGroup, ...] = ()
         self.state: StateChunks | None = None
@@ -144,9 +147,26 @@ class RankOptimizer:
         grad_buffers: int,
         make_state: Callable[[int], StateChunks],
     ) -> tuple[TensorSlot, ...]:
-        """Lay out ``specs`` in the window and create their zeroed state with ``make_state(numel)``."""
+        """Lay out ``specs`` in the window and create their state with ``make_state(numel)``.
+
+        Registering the same tensors again (a reattached client) returns the same slots.  A rank
+        restored from a previous daemon's job file must be registered with the tensors it had; its
+        state is then reopened (``make_state`` finds it in the swap store) and its step counts restored.
+        """
         if self.layout is not None:
-            raise InvalidState(f"rank {self.rank} of job {self.job_id!r} already registered its tensors")
+            if tuple(specs) != self.specs or len(self.layout.grad_offsets) != grad_buffers:
+                raise InvalidState(
+                    f"rank {self.rank} of job {self.job_id!r} is already registered with other tensors "
+                    f"({len(self.specs)} tensors, {len(self.layout.grad_offsets)} grad buffer(s))"
+                )
+            self.groups = tuple(groups)
+            return self._slots(self.layout)
+        restored = self.restored
+        if restored is not None and (tuple(specs) != restored.specs or grad_buffers != restored.grad_buffers):
+            raise InvalidState(
+                f"rank {self.rank} of job {self.job_id!r} was restored with {len(restored.specs)} tensors and "
+                f"{restored.grad_buffers} grad buffer(s); register exactly those to continue"
+            )
         if not groups:
             raise InvalidArgument("register at least one param group")
         for spec in specs:
@@ -167,8 +187,13 @@ class RankOptimizer:
         self.layout = layout
         self.specs = tuple(specs)
         self.groups = tuple(groups)
-        self.steps = [0] * len(specs)
+        self.steps = list(restored.steps) if restored else [0] * len(specs)
+        self.last_step = restored.last_step if restored else 0
+        self.restored = None
         self._stale = set(range(len(specs)))
+        return self._slots(layout)
+
+    def _slots(self, layout: Layout) -> tuple[TensorSlot, ...]:
         return tuple(
             TensorSlot(
                 slot.index,
@@ -484,6 +509,18 @@ class RankOptimizer:
             self.state.close()
             self.state = None
         self._window_bytes = torch.empty(0, dtype=torch.uint8)
+
+    def export(self, placement: str) -> RankRecord:
+        """What a restarted daemon needs to reopen this rank (its state itself is in the swap store)."""
+        return RankRecord(
+            rank=self.rank,
+            placement=placement,
+            specs=self.specs,
+            groups=self.groups,
+            grad_buffers=len(self.layout.grad_offsets) if self.layout else 1,
+            steps=tuple(self.steps),
+            last_step=self.last_step,
+        )
 
     def stats(self) -> dict[str, float]:
         out = {
