@@ -121,6 +121,7 @@ class Handlers:
                     scheduler=self.service.scheduler,
                 )
                 job.ranks[msg.rank] = rank
+                rank.restored = job.restored.pop(msg.rank, None)
         except BaseException:
             self.jobs.session_gone(session.id)
             if created:
@@ -145,7 +146,7 @@ class Handlers:
                 window_nbytes=rank.window.nbytes,
                 alignment=PAGE_SIZE,
                 max_frame=self.service.config.server.max_frame,
-                reattached=not created and rank.layout is not None,
+                reattached=not created and (rank.layout is not None or rank.restored is not None),
             ),
             fds=(rank.window.fd,),
         )
@@ -208,7 +209,9 @@ class Handlers:
         numel = sum(spec.numel for spec in msg.tensors)
         state_nbytes = numel * STATE_BYTES_PER_ELEMENT
         placements = {spec.placement for spec in msg.tensors}
-        if "nvme" in placements:
+        if rank.restored is not None:
+            placement = rank.restored.placement  # its state waits in the swap store
+        elif "nvme" in placements:
             placement = "nvme"
         elif placements == {"cpu"}:
             placement = "cpu"

@@ -63,6 +63,8 @@ class Job:
     attached: dict[int, int] = field(default_factory=dict)
     """rank -> id of the session currently driving it."""
     detached: set[int] = field(default_factory=set)
+    restored: dict[int, Any] = field(default_factory=dict)
+    """rank -> ``RankRecord`` of a job reopened from a previous daemon's job file, until the rank re-registers."""
 
     def transition(self, to: JobState, now: float) -> None:
         if to not in _MOVES[self.state]:
@@ -127,6 +129,16 @@ class JobTable:
             job.detached.discard(rank)
             return job, created
 
+    def restore(self, *, job_id: str, owner_uid: int, token: str, world_size: int, ranks: dict[int, Any]) -> Job:
+        """Re-create a job from a previous daemon's job file, ORPHANED: it waits for its token (grace period)."""
+        with self._lock:
+            if job_id in self._jobs:
+                raise InvalidState(f"job {job_id!r} exists already")
+            job = Job(job_id, owner_uid, world_size, token, restored=dict(ranks))
+            job.transition(JobState.ORPHANED, self._clock())
+            self._jobs[job_id] = job
+            return job
+
     def session_gone(self, session: int) -> list[Job]:
         """Unbind a dead session; jobs left with no session become ORPHANED. Returns the jobs it drove."""
         touched = []
@@ -149,7 +161,7 @@ class JobTable:
                 raise InvalidState(f"rank {rank} of job {job_id!r} is not attached by this connection")
             del job.attached[rank]
             job.detached.add(rank)
-            done = not job.attached and len(job.detached) >= len(job.ranks)
+            done = not job.attached and not job.restored and len(job.detached) >= len(job.ranks)
             if done:
                 self._reclaim(job)
             elif not job.attached:

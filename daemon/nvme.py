@@ -19,12 +19,14 @@ restarted daemon reopens the chunks from the store.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
+from tiermem.errors import TiermemError
 from tiermem.swap.store import SwapStore
 from tiermem.tiers import TierManager
 from tiermemd.ledger import Resource
@@ -34,7 +36,9 @@ if TYPE_CHECKING:
     from tiermemd.jobs import Job
     from tiermemd.service import Service
 
-__all__ = ["CACHE_CHUNKS", "PREFETCH_DEPTH", "NvmeStateChunks", "make_nvme_state"]
+__all__ = ["CACHE_CHUNKS", "PREFETCH_DEPTH", "NvmeStateChunks", "make_nvme_state", "remove_store", "store_name"]
+
+log = logging.getLogger(__name__)
 
 CACHE_CHUNKS = 6
 """Chunks resident at once: one being updated, prefetched ones, and ones being written back."""
@@ -108,6 +112,16 @@ class NvmeStateChunks:
         """Free the cache; ``remove`` also deletes the swap files (the job is gone)."""
         self.tiers.close()
         self.store.close(remove=remove)
+
+
+def remove_store(service: Service, job_id: str, rank: int) -> None:
+    """Delete the swap files of a rank that was never reopened (its job was reclaimed)."""
+    try:
+        store = SwapStore.open(service.swap_dirs, store_name(job_id, rank), service.io_engine, 0)
+    except TiermemError as exc:
+        log.warning("could not remove the swap files of job %r rank %d: %s", job_id, rank, exc)
+        return
+    store.close(remove=True)
 
 
 def make_nvme_state(service: Service, job: Job, rank: int, numel: int) -> NvmeStateChunks:

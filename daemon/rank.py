@@ -499,14 +499,23 @@ class RankOptimizer:
             return 0
         return sum(1 for future in pending.stats.values() if future.cancel())
 
-    def close(self) -> None:
+    def close_pipeline(self) -> None:
+        """Stop taking work: drop queued statistics, finish a delayed update, stop its thread."""
         self.abort()
         with contextlib.suppress(Exception):
             self._wait_inflight()
         if self._pipeline is not None:
             self._pipeline.shutdown(wait=True)
+            self._pipeline = None
+
+    def close(self, *, keep_swap: bool = False) -> None:
+        """Release everything; the state is zeroed and freed (its swap files kept when ``keep_swap``)."""
+        self.close_pipeline()
         if self.state is not None:
-            self.state.close()
+            if keep_swap and hasattr(self.state, "persist"):
+                self.state.close(remove=False)  # type: ignore[call-arg]
+            else:
+                self.state.close()
             self.state = None
         self._window_bytes = torch.empty(0, dtype=torch.uint8)
 

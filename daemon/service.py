@@ -9,9 +9,12 @@ The main thread runs one loop (gunicorn's shape): signal handlers only put the
 signal number in a queue; the loop takes signals, reclaims jobs whose grace
 period ended, and feeds the systemd watchdog.  SIGTERM/SIGINT drain: stop
 accepting, let every session finish the request it is in (bounded by
-``DRAIN_TIMEOUT_S``), close the sessions, release all memory, exit 0.  SIGHUP
-re-reads the settings that can change live (the grace period, the job limit,
-the allowed uids/gids); the others need a restart and are reported as such.
+``DRAIN_TIMEOUT_S``; requests that arrive meanwhile are refused), close the
+sessions, release all memory, exit 0.  SIGHUP re-reads the settings from the
+sources they came from at start-up (``--config`` file or ``TIERMEM_CONFIG``,
+the environment, the flags) and applies those that can change live (the grace
+period, the job limit, the allowed uids/gids, the per-uid connection limit);
+the others need a restart and are reported as such.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from tiermem.transport import Listener, adopt_listener
 from tiermem.units import format_size
 from tiermemd.jobs import Job, JobTable
 from tiermemd.ledger import Ledger, Resource
+from tiermemd.metrics import serve_metrics
 from tiermemd.notify import Notifier
+from tiermemd.persist import JobRecord, load_job_files, remove_job_file, write_job_file
 from tiermemd.rank import AdamKernel, RankOptimizer
 from tiermemd.scheduler import CpuScheduler
 from tiermemd.server import Server
@@ -57,11 +62,19 @@ class StartupError(Exception):
 class Service:
     """Owns every long-lived part of the daemon."""
 
-    def __init__(self, config: DaemonConfig, env: Mapping[str, str], kernel: AdamKernel | None = None) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        env: Mapping[str, str],
+        kernel: AdamKernel | None = None,
+        reload_config: Callable[[], DaemonConfig] | None = None,
+    ) -> None:
+        """``reload_config`` reads the settings again for SIGHUP (default: ``TIERMEM_CONFIG`` and ``env``)."""
         from tiermemd.main import EXIT_RESOURCES, EXIT_SOCKET, EXIT_SWAP
 
         self.config = config
         self.env = env
+        self.reload_config = reload_config or (lambda: load_config(env.get("TIERMEM_CONFIG"), env=env))
         self.draining = False
         self.notifier = Notifier(env)
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -106,6 +119,17 @@ class Service:
             raise StartupError(EXIT_SOCKET, str(exc)) from exc
         self.server = Server(self.listener, self.handlers, config.server)
         self.server.on_client_exit = self.handlers.abort
+        try:
+            self.metrics = serve_metrics(self)
+        except OSError as exc:
+            self.server.close()
+            self.scheduler.close()
+            self.pool.close()
+            raise StartupError(
+                EXIT_SOCKET, f"cannot serve metrics on {config.metrics.address}:{config.metrics.port}: {exc}"
+            ) from exc
+        self.jobs_dir = Path(config.server.state_dir) / "jobs"
+        self._restore_jobs()
 
     # ----------------------------------------------------------------- start-up helpers
 
@@ -134,6 +158,63 @@ class Service:
             server.socket, mode=server.socket_mode, group=server.socket_group or None, max_frame=server.max_frame
         )
 
+    # ----------------------------------------------------------------- restart
+
+    def _restore_jobs(self) -> None:
+        """Bring back the jobs a previous daemon persisted (their NVMe state waits in the swap stores)."""
+        for record in load_job_files(self.jobs_dir):
+            try:
+                self.jobs.restore(
+                    job_id=record.job_id,
+                    owner_uid=record.owner_uid,
+                    token=record.token,
+                    world_size=record.world_size,
+                    ranks={r.rank: r for r in record.ranks},
+                )
+            except TiermemError as exc:
+                log.error("cannot restore job %r: %s", record.job_id, exc)
+                continue
+            log.info(
+                "restored job %r (%d rank(s), last step %s) from its job file; waiting %.0fs for its token",
+                record.job_id,
+                len(record.ranks),
+                ", ".join(str(r.last_step) for r in record.ranks),
+                self.jobs.grace_period_s,
+            )
+
+    def _persist(self, job: Job) -> bool:
+        """Flush a job's NVMe ranks and write its job file; False when nothing of it can outlive the daemon."""
+        records = list(job.restored.values())
+        cpu_only = []
+        for rank in job.ranks.values():
+            persist = getattr(getattr(rank, "state", None), "persist", None)
+            if not isinstance(rank, RankOptimizer) or rank.layout is None:
+                continue
+            if persist is None:
+                cpu_only.append(rank.rank)
+                continue
+            try:
+                rank.close_pipeline()
+                persist()
+            except TiermemError as exc:
+                log.error("job %r rank %d: its NVMe state could not be made durable: %s", job.job_id, rank.rank, exc)
+                return False
+            records.append(rank.export("nvme"))
+        if cpu_only:
+            log.warning(
+                "job %r: the state of rank(s) %s lives in memory only and ends with the daemon", job.job_id, cpu_only
+            )
+            return False
+        if not records:
+            return False
+        write_job_file(
+            self.jobs_dir,
+            JobRecord(
+                job.job_id, job.owner_uid, job.token, job.world_size, tuple(sorted(records, key=lambda r: r.rank))
+            ),
+        )
+        return True
+
     # ----------------------------------------------------------------- state and reclaim
 
     def state_factory(self, job: Job, rank: int, placement: str) -> Callable[[int], StateChunks]:
@@ -152,14 +233,22 @@ class Service:
 
         return make
 
-    def reclaim(self, jobs: list[Job]) -> None:
-        """Free everything the given (already RECLAIMED) jobs held: state zeroed, windows closed, budgets returned."""
+    def reclaim(self, jobs: list[Job], *, keep_swap: bool = False) -> None:
+        """Free everything the given (already RECLAIMED) jobs held: state zeroed, windows closed, budgets
+        returned; swap files and job files deleted unless ``keep_swap`` (a shutdown that persisted them)."""
         for job in jobs:
             for rank in list(job.ranks.values()):
                 if isinstance(rank, RankOptimizer):
-                    rank.close()
+                    rank.close(keep_swap=keep_swap)
                     rank.window.close()
             job.ranks.clear()
+            if not keep_swap:
+                from tiermemd.nvme import remove_store
+
+                for rank_no in job.restored:
+                    remove_store(self, job.job_id, rank_no)
+                remove_job_file(self.jobs_dir, job.job_id)
+            job.restored.clear()
             self.scheduler.forget_prefix(f"{job.job_id}/")
             held = self.ledger.release_all(job.job_id)
             log.info(
@@ -224,9 +313,8 @@ class Service:
 
     def reload(self) -> None:
         self.notifier.reloading()
-        path = self.env.get("TIERMEM_CONFIG")
         try:
-            fresh = load_config(path, env=self.env)
+            fresh = self.reload_config()
         except ConfigError as exc:
             log.error("SIGHUP: new settings are invalid, keeping the old ones: %s", exc)
             self.notifier.ready("reload refused: invalid settings")
@@ -235,13 +323,14 @@ class Service:
         self.jobs.max_jobs = fresh.jobs.max_jobs
         self.server.config = fresh.server
         log.info(
-            "SIGHUP: reloaded jobs.grace_period_s, jobs.max_jobs, server.allowed_uids/gids "
-            "(other settings take effect on restart)"
+            "SIGHUP: reloaded jobs.grace_period_s, jobs.max_jobs, server.allowed_uids/gids, "
+            "server.max_connections_per_uid (other settings take effect on restart)"
         )
         self.notifier.ready("reloaded")
 
     def shutdown(self) -> None:
         self.draining = True
+        self.server.draining = True
         self.notifier.stopping("draining")
         self.server.stop_accepting()
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
@@ -260,21 +349,21 @@ class Service:
         log.info("stopped")
 
     def persist_and_reclaim(self) -> None:
+        """At shutdown: jobs with NVMe state are written out to be reopened by the next daemon."""
         jobs = self.jobs.reclaim_all()
-        for job in jobs:
-            for rank in job.ranks.values():
-                persist = getattr(getattr(rank, "state", None), "persist", None)
-                if persist is not None:
-                    persist()
-        self.reclaim(jobs)
+        kept = [job for job in jobs if self._persist(job)]
+        self.reclaim(kept, keep_swap=True)
+        self.reclaim([job for job in jobs if job not in kept])
 
 
-def run_service(config: DaemonConfig, env: Mapping[str, str]) -> int:
+def run_service(
+    config: DaemonConfig, env: Mapping[str, str], reload_config: Callable[[], DaemonConfig] | None = None
+) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     from tiermemd.main import EXIT_INTERNAL, EXIT_OK
 
     try:
-        service = Service(config, env)
+        service = Service(config, env, reload_config=reload_config)
     except StartupError as exc:
         log.error("%s", exc)
         return exc.code
