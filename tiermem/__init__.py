@@ -16,6 +16,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "BufferPool": "tiermem.pool",
     "CPUAdam": "tiermem.optim",
+    "Client": "tiermem.client",
+    "OffloadAdam": "tiermem.offload",
+    "connect": "tiermem.client",
 }
 
 __all__ = ["__version__", *_LAZY]
