@@ -16,8 +16,14 @@ work never runs on these threads: it goes to the ``CpuScheduler``.
   its queued work and releases its pins.
 - Error boundary (``Session.serve``): a ``TiermemError`` from a handler becomes
   an error reply and the session goes on; a frame that cannot be decoded gets
-  an error reply; any other exception is logged with its traceback and closes
-  that session only.
+  an error reply, and when even its header is unreadable (too short, bad magic,
+  a protocol version we do not speak) the session is closed after it; any other
+  exception is logged with its traceback and closes that session only.  Error
+  replies are clipped to what the wire allows, so a hostile request cannot
+  provoke an error frame the client could not decode.
+- Drain: once ``Server.draining`` is set, a request that arrives gets an
+  ``AdmissionError`` instead of being started, so the service waits only for
+  the requests already running (``Session.busy``) before it frees memory.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from tiermem.errors import AdmissionError, AuthError, ConnectionClosed, Protocol
 from tiermem.protocol import (
     FLAG_FDS,
     FLAG_ONEWAY,
+    HEADER_NBYTES,
+    MAGIC,
+    SUPPORTED_VERSIONS,
     ErrorReply,
     Message,
     decode_frame,
@@ -51,9 +60,12 @@ from tiermem.protocol import (
 )
 from tiermem.transport import Listener, Peer, PeerCred
 
-__all__ = ["Reply", "Server", "Session", "SessionState"]
+__all__ = ["MAX_ERROR_CHARS", "Reply", "Server", "Session", "SessionState", "error_frame", "header_readable"]
 
 log = logging.getLogger(__name__)
+
+MAX_ERROR_CHARS = 16384
+"""The wire limit on ``ERROR.message`` (docs/protocol.md, Limits); longer ones are clipped."""
 
 
 class SessionState(enum.Enum):
@@ -113,8 +125,11 @@ class Session:
         with contextlib.suppress(OSError):
             self.peer.frames.sock.shutdown(socket.SHUT_RDWR)
 
-    def serve(self, handlers: Handlers) -> None:
-        """The session thread: receive, dispatch, reply, until the peer goes away."""
+    def serve(self, handlers: Handlers, draining: Callable[[], bool] = lambda: False) -> None:
+        """The session thread: receive, dispatch, reply, until the peer goes away.
+
+        ``draining()`` true: requests are refused (``AdmissionError``) instead of started.
+        """
         why = "client closed the connection"
         try:
             while True:
@@ -126,9 +141,11 @@ class Session:
                     self._send_error(0, exc)
                     continue
                 self.requests += 1
-                self.busy = True
+                self.busy = True  # before the drain check: a drain either sees us busy or we see it
                 try:
-                    if not self._handle(handlers, data):
+                    if draining():
+                        self._refuse_draining(data)
+                    elif not self._handle(handlers, data):
                         why = "closed after a frame that could not be parsed"
                         break
                 finally:
@@ -142,13 +159,21 @@ class Session:
             self.state = SessionState.CLOSED
             handlers.session_closed(self, self.close_reason or why)
 
+    def _refuse_draining(self, data: bytes) -> None:
+        try:
+            frame = decode_frame(data, max_frame=self.peer.frames.max_frame)
+        except ProtocolError:
+            return
+        if not frame.flags & FLAG_ONEWAY:
+            self._send_error(frame.request_id, AdmissionError("tiermemd is shutting down; the request was not started"))
+
     def _handle(self, handlers: Handlers, data: bytes) -> bool:
+        """Decode, dispatch and answer one frame; False when the session must end (unreadable header)."""
         try:
             frame = decode_frame(data, max_frame=self.peer.frames.max_frame)
         except ProtocolError as exc:
-            rid = peek_request_id(data)
-            self._send_error(rid or 0, exc)
-            return rid is not None  # a frame whose header is unreadable ends the session
+            self._send_error(peek_request_id(data) or 0, exc)
+            return header_readable(data)
         oneway = bool(frame.flags & FLAG_ONEWAY)
         try:
             msg = decode_message(frame)
@@ -170,8 +195,26 @@ class Session:
         return True
 
     def _send_error(self, request_id: int, exc: TiermemError) -> None:
-        out = encode_message(ErrorReply.from_exception(exc), request_id, 0, max_frame=self.peer.frames.max_frame)
-        self.peer.send(out)
+        self.peer.send(error_frame(request_id, exc, self.peer.frames.max_frame))
+
+
+def header_readable(data: bytes) -> bool:
+    """Whether a frame's header can be trusted enough to keep reading the stream after it."""
+    return len(data) >= HEADER_NBYTES and data[:2] == MAGIC and data[2] in SUPPORTED_VERSIONS
+
+
+def error_frame(request_id: int, exc: TiermemError, max_frame: int) -> bytes:
+    """An ERROR frame for ``exc`` that the peer can decode: the message clipped to the wire limit, and
+    cut further (facts dropped) when the frame would exceed ``max_frame``."""
+    reply = ErrorReply.from_exception(exc)
+    if len(reply.message) > MAX_ERROR_CHARS:
+        reply = ErrorReply(reply.kind, reply.message[: MAX_ERROR_CHARS - 3] + "...", reply.fields)
+    try:
+        return encode_message(reply, request_id, 0, max_frame=max_frame)
+    except ProtocolError:
+        # JSON may spend 6 bytes per character; max_frame >= 4 KiB leaves room for this much
+        short = reply.message[: max_frame // 8 - 3] + "..."
+        return encode_message(ErrorReply(reply.kind, short, ()), request_id, 0, max_frame=max_frame)
 
 
 class Server:
@@ -186,6 +229,8 @@ class Server:
         self._per_uid: Counter[int] = Counter()
         self._lock = threading.Lock()
         self._accepting = True
+        self.draining = False
+        """Set by the service when it drains: sessions refuse new requests."""
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
@@ -238,7 +283,7 @@ class Server:
 
     def _refuse(self, peer: Peer, exc: TiermemError) -> None:
         with contextlib.suppress(Exception):
-            peer.send(encode_message(ErrorReply.from_exception(exc), 0, 0, max_frame=peer.frames.max_frame))
+            peer.send(error_frame(0, exc, peer.frames.max_frame))
         peer.close()
 
     def _accept_loop(self) -> None:
@@ -286,7 +331,7 @@ class Server:
 
     def _serve(self, session: Session) -> None:
         try:
-            session.serve(self.handlers)
+            session.serve(self.handlers, lambda: self.draining)
         finally:
             self.forget_pidfd(session)
             session.peer.close()
