@@ -106,7 +106,7 @@ def to_toml(tables: dict[str, dict[str, Any]]) -> str:
             return repr(v)
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
-        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"' + "".join(_toml_char(c) for c in str(v)) + '"'
 
     out = []
     for section, values in tables.items():
@@ -114,6 +114,15 @@ def to_toml(tables: dict[str, dict[str, Any]]) -> str:
         out.extend(f"{key} = {oct(v) if key.endswith('_mode') else value(v)}" for key, v in values.items())
         out.append("")
     return "\n".join(out)
+
+
+def _toml_char(c: str) -> str:
+    """One character of a TOML basic string: quote, backslash and control characters escaped."""
+    if c in ('"', "\\"):
+        return "\\" + c
+    if c < " " or c == "\x7f":
+        return f"\\u{ord(c):04x}"
+    return c
 
 
 def configure_logging(level: str) -> None:
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         _exit_with_parent()
     from tiermemd.service import run_service
 
-    return run_service(config, env)
+    return run_service(config, env, reload_config=lambda: resolve_config(args, env))
 
 
 if __name__ == "__main__":
