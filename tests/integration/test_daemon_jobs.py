@@ -1,0 +1,201 @@
+"""tiermemd with several jobs and real client processes: parity, crashes, reattach, leaks.
+
+Clients are ``daemon_client.py`` processes; their numbers are functions of
+(seed, step), replayed here through ``torch.optim.AdamW``.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from daemon_client import adamw_reference
+
+from tiermem.protocol import Stats
+
+SIZES = [300, 40, 7]
+SIZES_ARG = ",".join(map(str, SIZES))
+LEAK_KEYS = ("pool_used_bytes", "budget_pool_held_bytes", "budget_window_held_bytes", "jobs")
+
+
+def assert_matches_adamw(path: Path, seed: int, steps: int, sizes: list[int] = SIZES) -> None:
+    got = torch.from_numpy(np.load(path))
+    torch.testing.assert_close(got, torch.from_numpy(adamw_reference(seed, sizes, steps)))
+
+
+def leak_figures(stats: dict[str, float]) -> dict[str, float]:
+    return {k: stats[k] for k in LEAK_KEYS}
+
+
+def test_two_jobs_in_two_processes_match_adamw(daemon, run_client, tmp_path):
+    a = run_client(
+        "train",
+        daemon,
+        "--job",
+        "two-a",
+        "--sizes",
+        SIZES_ARG,
+        "--steps",
+        "12",
+        "--seed",
+        "1",
+        "--out",
+        str(tmp_path / "a.npy"),
+    )
+    b = run_client(
+        "train",
+        daemon,
+        "--job",
+        "two-b",
+        "--sizes",
+        SIZES_ARG,
+        "--steps",
+        "15",
+        "--seed",
+        "2",
+        "--out",
+        str(tmp_path / "b.npy"),
+    )
+    assert a.result()["last_step"] == 12
+    assert b.result()["last_step"] == 15
+    assert_matches_adamw(tmp_path / "a.npy", seed=1, steps=12)
+    assert_matches_adamw(tmp_path / "b.npy", seed=2, steps=15)
+
+
+def test_sigkill_of_a_looping_client_spares_the_other_job_and_leaks_nothing(daemon, run_client, tmp_path):
+    baseline = leak_figures(daemon.wait_stats(lambda s: s["jobs"] == 0, 10.0))
+    assert baseline["jobs"] == 0
+    victim = run_client(
+        "train",
+        daemon,
+        "--job",
+        "victim",
+        "--sizes",
+        "200000,3000",
+        "--steps",
+        "1000000",
+        "--grads",
+        "fixed",
+        "--no-detach",
+    )
+    victim.wait_step(3)
+    survivor = run_client(
+        "train",
+        daemon,
+        "--job",
+        "survivor",
+        "--sizes",
+        SIZES_ARG,
+        "--steps",
+        "30",
+        "--seed",
+        "3",
+        "--step-delay",
+        "0.01",
+        "--out",
+        str(tmp_path / "s.npy"),
+    )
+    survivor.wait_step(2)
+    during = daemon.stats()
+    assert during["jobs"] == 2
+    assert during["pool_used_bytes"] > baseline["pool_used_bytes"]
+    victim.process.send_signal(signal.SIGKILL)
+    victim.process.wait()
+    assert survivor.result()["last_step"] == 30
+    assert_matches_adamw(tmp_path / "s.npy", seed=3, steps=30)
+    after = daemon.wait_stats(lambda s: leak_figures(s) == baseline, 3 * 3.0 + 5.0)
+    assert leak_figures(after) == baseline
+
+
+def test_reattach_with_the_token_after_a_crash_continues_as_if_uninterrupted(daemon, run_client, tmp_path):
+    """SIGKILL lands during the run (usually mid-step); a new process reattaches and the result is unchanged."""
+    steps, sizes = 150, [30000, 5000, 7]
+    sizes_arg = ",".join(map(str, sizes))
+    progress = str(tmp_path / "crash.json")
+    crashed = run_client(
+        "train",
+        daemon,
+        "--job",
+        "phoenix",
+        "--sizes",
+        sizes_arg,
+        "--steps",
+        str(steps),
+        "--seed",
+        "4",
+        "--progress",
+        progress,
+        "--no-detach",
+    )
+    heir = run_client(
+        "train",
+        daemon,
+        "--job",
+        "phoenix",
+        "--sizes",
+        sizes_arg,
+        "--steps",
+        str(steps),
+        "--seed",
+        "4",
+        "--progress",
+        progress,
+        "--reattach",
+        "--wait-stdin",
+        "--out",
+        str(tmp_path / "p.npy"),
+        stdin=subprocess.PIPE,
+    )
+    reached = crashed.wait_step(5)["step"]
+    crashed.process.send_signal(signal.SIGKILL)
+    crashed.process.wait()
+    assert heir.process.stdin is not None
+    heir.process.stdin.write("go\n")
+    heir.process.stdin.flush()
+    result = heir.result()
+    print(f"killed after step {reached}; the daemon had applied {result['reattached_at']}")
+    assert result["last_step"] == steps
+    assert reached <= result["reattached_at"] < steps
+    assert_matches_adamw(tmp_path / "p.npy", seed=4, steps=steps, sizes=sizes)
+
+
+def test_stats_answers_promptly_while_another_client_runs_a_large_update(daemon, run_client, tmp_path):
+    """The control path does not queue behind CPU work: STATS from another connection during 3M-param steps."""
+    stop = tmp_path / "stop"
+    big = run_client(
+        "train",
+        daemon,
+        "--job",
+        "big",
+        "--sizes",
+        "3000000",
+        "--steps",
+        "1000000",
+        "--grads",
+        "fixed",
+        "--stop-file",
+        str(stop),
+    )
+    first = big.wait_step(2)["step"]
+    latencies = []
+    with daemon.connection() as conn:
+        while len(latencies) < 40:
+            t0 = time.perf_counter()
+            conn.request(Stats())
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+    during = big.progress()["step"]
+    stop.touch()
+    result = big.result()
+    latencies.sort()
+    print(
+        f"STATS latency during 3M-param steps: median {latencies[len(latencies) // 2] * 1e3:.2f} ms, "
+        f"max {latencies[-1] * 1e3:.2f} ms over {len(latencies)} requests, steps {first}..{during}"
+    )
+    assert during > first, "the large client made no progress while STATS was measured"
+    assert result["last_step"] >= during
+    assert latencies[-1] < 2.0

@@ -1,0 +1,124 @@
+"""tiermemd's life under a supervisor: sd_notify readiness, watchdog, SIGHUP reload, SIGTERM drain.
+
+Each test runs a daemon of its own (they end it) with NOTIFY_SOCKET pointing at
+the test's ``NotifyRecorder``.
+"""
+
+from __future__ import annotations
+
+import signal
+import struct
+import time
+
+import pytest
+from conftest import MAX_CONNECTIONS_PER_UID, RawConn, error_of
+
+from tiermem.protocol import MsgType, Stats, StatsReply
+from tiermem.units import MiB
+from tiermemd.main import to_toml
+from tiermemd.service import DRAIN_TIMEOUT_S
+
+STOP_BOUND_S = DRAIN_TIMEOUT_S + 30.0
+"""SIGTERM to exit: the drain timeout, plus start-up-sized slack for a loaded machine."""
+
+
+def ping_frame(request_id: int) -> bytes:
+    return struct.pack("<2sBBHHII", b"TM", 1, MsgType.PING, 0, 0, request_id, 0)
+
+
+def ping_ok(path: str, request_id: int = 1) -> tuple[RawConn, bool]:
+    """A new raw connection and whether it got a PONG (False: the daemon refused it)."""
+    conn = RawConn(path)
+    reply = conn.request(ping_frame(request_id))
+    return conn, reply is not None and reply.type == MsgType.PONG
+
+
+def test_ready_comes_after_the_pool_then_watchdog_reload_and_stopping(daemon_factory):
+    d = daemon_factory(env={"WATCHDOG_USEC": "400000"})
+    index, ready = d.notify.wait_for("READY", 0)
+    assert index == 0, f"messages before READY=1: {d.notify.messages[:index]}"
+    assert int(ready["MAINPID"]) == d.pid
+    assert "pool 64MiB" in ready["STATUS"] and d.socket_path in ready["STATUS"]
+    # by the time READY=1 was sent the pool existed and the socket was live
+    with d.connection() as conn:
+        stats = dict(conn.request(Stats()).values)  # type: ignore[attr-defined]
+    assert stats["pool_capacity_bytes"] == 64 * MiB
+    assert stats["pool_locked"] == 1.0
+
+    # WATCHDOG_USEC=400ms: pings at least every half period, i.e. from the main loop's 0.5 s tick
+    first_wd, _ = d.notify.wait_for("WATCHDOG", 5.0)
+    d.notify.wait_for("WATCHDOG", 5.0, after=first_wd + 1)
+
+    # SIGHUP re-reads the --config file: a lower connection limit applies to new connections
+    d.settings["server"]["max_connections_per_uid"] = 2
+    d.config_path.write_text(to_toml(d.settings))
+    mark = len(d.notify.messages)
+    d.process.send_signal(signal.SIGHUP)
+    reload_index, _ = d.notify.wait_for("RELOADING", 10.0, after=mark)
+    _, again = d.notify.wait_for("READY", 10.0, after=reload_index)
+    assert again["STATUS"] == "reloaded"
+    held = []
+    try:
+        for i in range(2):
+            conn, ok = ping_ok(d.socket_path, i + 1)
+            held.append(conn)
+            assert ok, f"connection {i + 1} of 2 was refused"
+        third = RawConn(d.socket_path)
+        held.append(third)
+        _, kind, message = error_of(third.request(ping_frame(3)))
+        assert kind == "AdmissionError" and "max_connections_per_uid" in message
+    finally:
+        for conn in held:
+            conn.close()
+
+    mark = len(d.notify.messages)
+    t0 = time.monotonic()
+    assert d.stop(signal.SIGTERM, timeout_s=STOP_BOUND_S) == 0
+    print(f"idle daemon: SIGTERM to exit {time.monotonic() - t0:.2f} s")
+    d.notify.wait_for("STOPPING", 1.0, after=mark)
+
+
+def test_no_watchdog_pings_without_watchdog_usec_and_an_invalid_reload_keeps_the_settings(daemon_factory):
+    d = daemon_factory()
+    time.sleep(1.5)
+    assert d.notify.count("WATCHDOG") == 0
+    d.config_path.write_text("[pool]\nsize = 'lots'\n")
+    mark = len(d.notify.messages)
+    d.process.send_signal(signal.SIGHUP)
+    _, again = d.notify.wait_for("READY", 10.0, after=mark)
+    assert "invalid" in again["STATUS"]
+    conns = []
+    try:
+        for i in range(MAX_CONNECTIONS_PER_UID):
+            conn, ok = ping_ok(d.socket_path, i + 1)
+            conns.append(conn)
+            assert ok, "the old connection limit should still apply"
+    finally:
+        for conn in conns:
+            conn.close()
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize("sizes", ["2000000,500000"])
+def test_sigterm_during_steps_ends_them_cleanly_and_the_daemon_exits_0(daemon_factory, run_client, sizes):
+    d = daemon_factory()
+    client = run_client("train", d, "--job", "busy", "--sizes", sizes, "--steps", "1000000", "--grads", "fixed")
+    client.wait_step(3)
+    with d.connection() as conn:
+        assert isinstance(conn.request(Stats()), StatsReply)
+    mark = len(d.notify.messages)
+    in_flight = client.wait_pending()["pending"]
+    t0 = time.monotonic()
+    d.process.send_signal(signal.SIGTERM)
+    result = client.result(timeout_s=STOP_BOUND_S, ok=False)
+    client_s = time.monotonic() - t0
+    code = d.wait_exit(timeout_s=STOP_BOUND_S)
+    exit_s = time.monotonic() - t0
+    print(
+        f"SIGTERM while step {in_flight} was sent: the client ended after {client_s:.2f} s with {result}; "
+        f"the daemon exited after {exit_s:.2f} s"
+    )
+    assert code == 0, d.log_text()[-3000:]
+    assert result.get("error") in {"AdmissionError", "DaemonUnavailable"}, result
+    assert result["last_step"] >= in_flight - 1  # the step in flight completed, or failed with a typed error
+    d.notify.wait_for("STOPPING", 1.0, after=mark)
