@@ -64,6 +64,7 @@ __all__ = ["MAX_ERROR_CHARS", "Reply", "Server", "Session", "SessionState", "err
 
 log = logging.getLogger(__name__)
 
+_REFUSAL_LINGER_S = 2.0
 MAX_ERROR_CHARS = 16384
 """The wire limit on ``ERROR.message`` (docs/protocol.md, Limits); longer ones are clipped."""
 
@@ -282,9 +283,25 @@ class Server:
         return bool(groups & set(self.config.allowed_gids))
 
     def _refuse(self, peer: Peer, exc: TiermemError) -> None:
+        """Send the refusal, then read and drop what the client sends until it hangs up (at most
+        ``_REFUSAL_LINGER_S``): closing with its request unread would reset the connection, and the
+        client would lose the frame that says why."""
         with contextlib.suppress(Exception):
             peer.send(error_frame(0, exc, peer.frames.max_frame))
-        peer.close()
+            peer.frames.sock.shutdown(socket.SHUT_WR)
+
+        def linger() -> None:
+            deadline = time.monotonic() + _REFUSAL_LINGER_S
+            with contextlib.suppress(Exception):
+                peer.frames.sock.settimeout(0.1)
+                while time.monotonic() < deadline:
+                    try:
+                        peer.frames.recv()
+                    except (TimeoutError, ProtocolError):
+                        continue
+            peer.close()
+
+        threading.Thread(target=linger, name="tiermemd-refuse", daemon=True).start()
 
     def _accept_loop(self) -> None:
         while self._accepting:

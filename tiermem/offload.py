@@ -116,7 +116,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._layout: Layout | None = None
         self._slots: tuple[TensorSlot, ...] = ()
         self._landed: dict[int, tuple[int, int]] = {}
-        """tensor id -> (id of the grad tensor, its version) when its hook copied it this step."""
+        """tensor id -> (id of the grad tensor, its version) when it was last copied into the window."""
+        self._reported: dict[int, tuple[int, int]] = {}
+        """tensor id -> the landed key the daemon computed its gradient statistics on this step."""
         self._bucket_left: list[int] = []
         self._steps_sent = 0
         self._inflight = False
@@ -183,6 +185,11 @@ class OffloadAdam(torch.optim.Optimizer):
         self._sync_copies()
         step_no = self._steps_sent + 1
         buffer = self._grad_buffer()
+        if self.max_grad_norm is not None:
+            # statistics taken on grads that changed since (accumulation, in-place edits) are taken again
+            stale = [tid for tid in ids if self._reported.get(tid) != self._landed.get(tid)]
+            if stale:
+                self.client.bucket_ready(step_no, len(self._layout.buckets), stale, buffer)  # type: ignore[union-attr]
         groups = tuple(self._wire_group(g) for g in self.param_groups)
         done = self.client.step(
             Step(
@@ -331,6 +338,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._bucket_left[bucket] == 0 and not p.grad.is_cuda:
             members = [t for t in layout.buckets[bucket].tensors if t in self._landed]  # type: ignore[union-attr]
             self.client.bucket_ready(self._steps_sent + 1, bucket, members, self._grad_buffer())
+            self._reported.update((t, self._landed[t]) for t in members)
 
     def _tid(self, p: torch.Tensor) -> int | None:
         index = getattr(self, "_index", None)
@@ -370,6 +378,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _reset_step(self) -> None:
         self._landed.clear()
+        self._reported.clear()
         if self._layout is not None:
             self._bucket_left = [len(b.tensors) for b in self._layout.buckets]
 
@@ -396,6 +405,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _push_state(self, tid: int, key: str, values: torch.Tensor, *, step: int) -> None:
         stage = self._staging()
+        self._landed.clear()  # staging overwrites the grad region: grads are copied again at step()
         flat = values.detach().reshape(-1).to("cpu", torch.float32)
         per = stage.length // 4
         buf = self.client.window[stage.offset : stage.offset + stage.length].view(torch.float32)
@@ -407,6 +417,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _pull_state(self, tid: int, key: str) -> tuple[torch.Tensor, int]:
         stage = self._staging()
+        self._landed.clear()  # staging overwrites the grad region: grads are copied again at step()
         numel = self._params[tid].numel()
         out = torch.empty(numel, dtype=torch.float32)
         per = stage.length // 4

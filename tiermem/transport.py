@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from tiermem.errors import ConfigError, ConnectionClosed, DaemonUnavailable, ProtocolError
+from tiermem.errors import ConfigError, ConnectionClosed, DaemonUnavailable, ProtocolError, TiermemError
 from tiermem.protocol import (
     DEFAULT_MAX_FRAME,
     FLAG_FDS,
@@ -539,7 +539,24 @@ class Connection:
         try:
             self._frames.send(data)
         except (ConnectionClosed, OSError) as exc:
+            refusal = self._pending_refusal()
+            if refusal is not None:
+                raise self._fail(refusal) from None
             raise self._fail(DaemonUnavailable(self.path, f"connection lost while sending: {exc}")) from None
+
+    def _pending_refusal(self) -> TiermemError | None:
+        """The ERROR a daemon sent before closing (a refused peer), if it is waiting to be read."""
+        try:
+            self._frames.sock.setblocking(False)
+            raw, fds = self._frames.recv()
+        except (OSError, ConnectionClosed, ProtocolError):
+            return None
+        _close_all(fds)
+        try:
+            reply = decode_message(decode_frame(raw, max_frame=self._frames.max_frame))
+        except ProtocolError:
+            return None
+        return reply.to_exception() if isinstance(reply, ErrorReply) else None
 
     def _recv(self, msg: Message, timeout_s: float | None) -> tuple[bytes, list[int]]:
         if timeout_s != self._socket_timeout:

@@ -103,12 +103,6 @@ def _connection_as_nobody(socket_path: str) -> str:
 
 
 @needs_root
-@pytest.mark.xfail(
-    strict=True,
-    reason="tiermem/transport.py: the daemon refuses a peer at connect with an unprompted ERROR (request id 0) "
-    "and closes; Connection raises DaemonUnavailable (EPIPE on send, or ECONNRESET, which Linux reports ahead of "
-    "the queued frame) or ProtocolError (reply id 0 != request id) instead of the AuthError the frame carries",
-)
 def test_the_client_library_raises_auth_error_for_a_refused_uid(daemon: DaemonProcess):
     assert _connection_as_nobody(daemon.socket_path) == "AuthError"
 

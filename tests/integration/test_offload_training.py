@@ -115,15 +115,6 @@ def test_state_dict_resume_is_exact_on_a_transformer(offload: OffloadDaemon) -> 
     assert_params_equal(m2, m_ref)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "state_dict() stages state through the window's grad region (OffloadAdam._staging starts at "
-        "layout.grad_offsets[0]), overwriting the grads the hooks already copied there; step() then sees the "
-        "grads' versions unchanged, does not copy them again, and the daemon updates with exp_avg_sq/master "
-        "values in place of the grads"
-    ),
-)
 def test_state_dict_between_backward_and_step_keeps_the_grads(offload: OffloadDaemon) -> None:
     """A checkpoint taken after backward (grads already handed over by the hooks) must not change the step."""
     base = mlp()
@@ -274,16 +265,6 @@ def test_gradient_accumulation(offload: OffloadDaemon) -> None:
     assert_params_close(m_off, m_ref)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "gradient accumulation with max_grad_norm clips with the first micro-batch's norm: the first backward "
-        "completes every bucket and sends BUCKET_READY, the daemon computes the bucket statistics then; the "
-        "second backward copies the accumulated grads again but sends no BUCKET_READY (_bucket_left is already "
-        "0), step() sees the grads' versions unchanged since the hook and sends nothing, and the daemon reuses "
-        "the stale statistics for the clip coefficient"
-    ),
-)
 def test_gradient_accumulation_with_clipping(offload: OffloadDaemon) -> None:
     base = mlp()
     batches = mlp_batches(STEPS, fixed=False)
