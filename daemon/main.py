@@ -133,18 +133,6 @@ def configure_logging(level: str) -> None:
     root.setLevel(level)
 
 
-def _exit_with_parent() -> None:
-    """Ask the kernel for SIGTERM when the parent dies (PR_SET_PDEATHSIG), closing the race after fork."""
-    import ctypes
-    import signal
-
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent or parent == 1:
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     env = dict(os.environ)
@@ -160,11 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print("tiermemd: configuration is valid", file=sys.stderr)
         return EXIT_OK
-    if args.exit_with_parent:
-        _exit_with_parent()
+    # --exit-with-parent watches the parent *process* from the main loop; PR_SET_PDEATHSIG would fire
+    # when the *thread* that started us exits (a client may start its private daemon from any thread).
+    parent = os.getppid() if args.exit_with_parent else None
+    if parent == 1:
+        log.info("--exit-with-parent: the parent exited before start-up; not starting")
+        return EXIT_OK
     from tiermemd.service import run_service
 
-    return run_service(config, env, reload_config=lambda: resolve_config(args, env))
+    return run_service(config, env, reload_config=lambda: resolve_config(args, env), parent_pid=parent)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,8 @@ class Service:
         self.env = env
         self.reload_config = reload_config or (lambda: load_config(env.get("TIERMEM_CONFIG"), env=env))
         self.draining = False
+        self.parent_pid: int | None = None
+        """Drain once this process is no longer our parent (``--exit-with-parent``): the loop checks each tick."""
         self.notifier = Notifier(env)
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
         try:
@@ -300,6 +302,9 @@ class Service:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 log.info("received %s: draining", signal.Signals(signum).name)
                 break
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                log.info("parent process %d exited (--exit-with-parent): draining", self.parent_pid)
+                break
             if signum == signal.SIGHUP:
                 self.reload()
             expired = self.jobs.expire()
@@ -357,9 +362,12 @@ class Service:
 
 
 def run_service(
-    config: DaemonConfig, env: Mapping[str, str], reload_config: Callable[[], DaemonConfig] | None = None
+    config: DaemonConfig,
+    env: Mapping[str, str],
+    reload_config: Callable[[], DaemonConfig] | None = None,
+    parent_pid: int | None = None,
 ) -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    """Run until SIGTERM/SIGINT (or until process ``parent_pid`` exits); returns the process exit code."""
     from tiermemd.main import EXIT_INTERNAL, EXIT_OK
 
     try:
@@ -367,6 +375,7 @@ def run_service(
     except StartupError as exc:
         log.error("%s", exc)
         return exc.code
+    service.parent_pid = parent_pid
     service.install_signals()
     try:
         service.serve_forever()

@@ -6,12 +6,15 @@ the test's ``NotifyRecorder``.
 
 from __future__ import annotations
 
+import os
 import signal
 import struct
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import MAX_CONNECTIONS_PER_UID, RawConn, error_of
+from conftest import MAX_CONNECTIONS_PER_UID, NotifyRecorder, RawConn, daemon_settings, error_of
 
 from tiermem.protocol import MsgType, Stats, StatsReply
 from tiermem.units import MiB
@@ -122,3 +125,64 @@ def test_sigterm_during_steps_ends_them_cleanly_and_the_daemon_exits_0(daemon_fa
     assert result.get("error") in {"AdmissionError", "DaemonUnavailable"}, result
     assert result["last_step"] >= in_flight - 1  # the step in flight completed, or failed with a typed error
     d.notify.wait_for("STOPPING", 1.0, after=mark)
+
+
+# The parent starts the daemon from a thread that ends once the daemon listens (as a client library's
+# helper thread would), then idles until it is killed.
+PARENT_STARTING_FROM_A_THREAD = r"""
+import os, subprocess, sys, threading, time
+box = {}
+def start():
+    box["daemon"] = subprocess.Popen([sys.executable, "-m", "tiermemd.main", "--config", sys.argv[1],
+                                      "--exit-with-parent"], stderr=open(sys.argv[2], "wb"))
+    while not os.path.exists(sys.argv[3]):
+        time.sleep(0.02)
+thread = threading.Thread(target=start)
+thread.start()
+thread.join()
+print(box["daemon"].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_exit_with_parent_follows_the_parent_process_not_the_thread_that_started_it(tmp_path):
+    root = tmp_path / "d"
+    root.mkdir()
+    socket_path = str(root / "tiermemd.sock")
+    config = root / "tiermemd.toml"
+    config.write_text(to_toml(daemon_settings(root, socket_path, None)))
+    notify = NotifyRecorder(str(root / "notify"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET"))}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT_STARTING_FROM_A_THREAD, str(config), str(root / "log"), socket_path],
+        env={**env, "NOTIFY_SOCKET": notify.path},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert parent.stdout is not None
+        daemon_pid = int(parent.stdout.readline())
+        notify.wait_for("READY", 120.0)
+        time.sleep(1.5)  # several main-loop ticks after the starting thread ended
+        assert notify.count("STOPPING") == 0, "the daemon stopped when the thread that started it ended"
+        assert not process_gone(daemon_pid)
+        parent.kill()
+        parent.wait()
+        notify.wait_for("STOPPING", 10.0)
+        deadline = time.monotonic() + STOP_BOUND_S
+        while not process_gone(daemon_pid):
+            assert time.monotonic() < deadline, "the daemon outlived its parent"
+            time.sleep(0.05)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        notify.close()
