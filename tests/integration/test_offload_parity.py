@@ -109,6 +109,14 @@ def test_mlp_matches_torch_adamw_within_default_tolerance(offload: OffloadDaemon
     train(m_adam, opt2, batches, mlp_loss)
     train(m_tadam, ref2, batches, mlp_loss)
     assert_params_close(m_adam, m_tadam)
+    # maximize=True ascends (on the negated loss it follows the same path as torch's)
+    m_max, m_tmax = replicas(base, 2)
+    opt3 = offload.make(m_max.parameters(), lr=3e-3, weight_decay=0.05, maximize=True, offload=tier)
+    ref3 = torch.optim.AdamW(m_tmax.parameters(), lr=3e-3, weight_decay=0.05, maximize=True)
+    batches = batches[:30]
+    train(m_max, opt3, batches, lambda m, b: -mlp_loss(m, b))
+    train(m_tmax, ref3, batches, lambda m, b: -mlp_loss(m, b))
+    assert_params_close(m_max, m_tmax)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
