@@ -40,9 +40,10 @@ def test_the_shipped_example_config_passes_check_config():
 def test_an_invalid_config_exits_2_naming_the_field(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[jobs]\ngrace_period_s = "soon"\n')
-    done = tiermemd("--config", str(bad), "--check-config")
-    assert done.returncode == 2
-    assert "jobs.grace_period_s" in done.stderr
+    for flags in (["--check-config"], []):  # the same before starting anything
+        done = tiermemd("--config", str(bad), *flags)
+        assert done.returncode == 2
+        assert "jobs.grace_period_s" in done.stderr
 
 
 def test_print_config_is_toml_of_the_effective_settings(tmp_path):

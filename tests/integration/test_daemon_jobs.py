@@ -6,6 +6,7 @@ Clients are ``daemon_client.py`` processes; their numbers are functions of
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from conftest import GRACE_PERIOD_S
 from daemon_client import adamw_reference
 
 from tiermem.protocol import Stats
@@ -25,6 +27,10 @@ LEAK_KEYS = ("pool_used_bytes", "budget_pool_held_bytes", "budget_window_held_by
 def assert_matches_adamw(path: Path, seed: int, steps: int, sizes: list[int] = SIZES) -> None:
     got = torch.from_numpy(np.load(path))
     torch.testing.assert_close(got, torch.from_numpy(adamw_reference(seed, sizes, steps)))
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def leak_figures(stats: dict[str, float]) -> dict[str, float]:
@@ -69,6 +75,7 @@ def test_two_jobs_in_two_processes_match_adamw(daemon, run_client, tmp_path):
 def test_sigkill_of_a_looping_client_spares_the_other_job_and_leaks_nothing(daemon, run_client, tmp_path):
     baseline = leak_figures(daemon.wait_stats(lambda s: s["jobs"] == 0, 10.0))
     assert baseline["jobs"] == 0
+    baseline_fds = fd_count(daemon.pid)
     victim = run_client(
         "train",
         daemon,
@@ -107,8 +114,12 @@ def test_sigkill_of_a_looping_client_spares_the_other_job_and_leaks_nothing(daem
     victim.process.wait()
     assert survivor.result()["last_step"] == 30
     assert_matches_adamw(tmp_path / "s.npy", seed=3, steps=30)
-    after = daemon.wait_stats(lambda s: leak_figures(s) == baseline, 3 * 3.0 + 5.0)
+    after = daemon.wait_stats(lambda s: leak_figures(s) == baseline, 3 * GRACE_PERIOD_S + 5.0)
     assert leak_figures(after) == baseline
+    deadline = time.monotonic() + 5.0
+    while fd_count(daemon.pid) > baseline_fds and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fd_count(daemon.pid) <= baseline_fds, "windows, sockets or pidfds of the dead client were not closed"
 
 
 def test_reattach_with_the_token_after_a_crash_continues_as_if_uninterrupted(daemon, run_client, tmp_path):

@@ -36,7 +36,7 @@ def ping_ok(path: str, request_id: int = 1) -> tuple[RawConn, bool]:
     return conn, reply is not None and reply.type == MsgType.PONG
 
 
-def test_ready_comes_after_the_pool_then_watchdog_reload_and_stopping(daemon_factory):
+def test_ready_comes_after_the_pool_then_watchdog_reloads_and_stopping(daemon_factory):
     d = daemon_factory(env={"WATCHDOG_USEC": "400000"})
     index, ready = d.notify.wait_for("READY", 0)
     assert index == 0, f"messages before READY=1: {d.notify.messages[:index]}"
@@ -51,6 +51,22 @@ def test_ready_comes_after_the_pool_then_watchdog_reload_and_stopping(daemon_fac
     # WATCHDOG_USEC=400ms: pings at least every half period, i.e. from the main loop's 0.5 s tick
     first_wd, _ = d.notify.wait_for("WATCHDOG", 5.0)
     d.notify.wait_for("WATCHDOG", 5.0, after=first_wd + 1)
+
+    # SIGHUP with an invalid file keeps the old settings (and says so in STATUS)
+    d.config_path.write_text("[pool]\nsize = 'lots'\n")
+    mark = len(d.notify.messages)
+    d.process.send_signal(signal.SIGHUP)
+    _, refused = d.notify.wait_for("READY", 10.0, after=mark)
+    assert "invalid" in refused["STATUS"]
+    conns = []
+    try:
+        for i in range(MAX_CONNECTIONS_PER_UID):
+            conn, ok = ping_ok(d.socket_path, i + 1)
+            conns.append(conn)
+            assert ok, "the old connection limit should still apply"
+    finally:
+        for conn in conns:
+            conn.close()
 
     # SIGHUP re-reads the --config file: a lower connection limit applies to new connections
     d.settings["server"]["max_connections_per_uid"] = 2
@@ -81,27 +97,6 @@ def test_ready_comes_after_the_pool_then_watchdog_reload_and_stopping(daemon_fac
     d.notify.wait_for("STOPPING", 1.0, after=mark)
 
 
-def test_no_watchdog_pings_without_watchdog_usec_and_an_invalid_reload_keeps_the_settings(daemon_factory):
-    d = daemon_factory()
-    time.sleep(1.5)
-    assert d.notify.count("WATCHDOG") == 0
-    d.config_path.write_text("[pool]\nsize = 'lots'\n")
-    mark = len(d.notify.messages)
-    d.process.send_signal(signal.SIGHUP)
-    _, again = d.notify.wait_for("READY", 10.0, after=mark)
-    assert "invalid" in again["STATUS"]
-    conns = []
-    try:
-        for i in range(MAX_CONNECTIONS_PER_UID):
-            conn, ok = ping_ok(d.socket_path, i + 1)
-            conns.append(conn)
-            assert ok, "the old connection limit should still apply"
-    finally:
-        for conn in conns:
-            conn.close()
-    assert d.stop() == 0
-
-
 @pytest.mark.parametrize("sizes", ["2000000,500000"])
 def test_sigterm_during_steps_ends_them_cleanly_and_the_daemon_exits_0(daemon_factory, run_client, sizes):
     d = daemon_factory()
@@ -125,6 +120,7 @@ def test_sigterm_during_steps_ends_them_cleanly_and_the_daemon_exits_0(daemon_fa
     assert result.get("error") in {"AdmissionError", "DaemonUnavailable"}, result
     assert result["last_step"] >= in_flight - 1  # the step in flight completed, or failed with a typed error
     d.notify.wait_for("STOPPING", 1.0, after=mark)
+    assert d.notify.count("WATCHDOG") == 0, "WATCHDOG=1 sent although WATCHDOG_USEC was not set"
 
 
 # The parent starts the daemon from a thread that ends once the daemon listens (as a client library's
@@ -186,3 +182,31 @@ def test_exit_with_parent_follows_the_parent_process_not_the_thread_that_started
             parent.kill()
             parent.wait()
         notify.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["socket in use", "swap dir unusable"])
+def test_start_up_failures_exit_with_their_documented_codes(daemon, tmp_path, case):
+    root = tmp_path / "d"
+    root.mkdir()
+    if case == "socket in use":
+        overrides, expected = {}, 5
+        socket_path = daemon.socket_path  # the shared daemon is alive on it
+    else:
+        (root / "not-a-dir").write_text("")
+        overrides, expected = {"swap": {"dirs": [str(root / "not-a-dir" / "swap")]}}, 4
+        socket_path = str(root / "tiermemd.sock")
+    config = root / "tiermemd.toml"
+    config.write_text(to_toml(daemon_settings(root, socket_path, overrides)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "tiermemd.main", "--config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == expected, done.stderr[-2000:]
+    with daemon.connection() as conn:  # a failed second daemon left the live one's socket alone
+        assert isinstance(conn.request(Stats()), StatsReply)
