@@ -313,8 +313,14 @@ class TierManager:
         return choose_victims(candidates, nbytes, self._order, self._position, sooner_than=sooner_than)
 
     def _wanted(self) -> list[str]:
-        """Keys to page in, most urgent first: those acquire waits for, then the prefetch window."""
+        """Keys to page in, most urgent first: those acquire waits for, then the prefetch window.
+
+        While an acquire waits, nothing is prefetched: a prefetch would refill the room the waiting
+        page-in is making (each evicting the other's pages, forever, when victims are clean and free).
+        """
         wanted = [k for k in self._demand if self._records[k].state in (T.NVME, T.EMPTY)]
+        if wanted:
+            return wanted
         if self._order is not None and self._depth:
             for key in self._order.window(self._position, self._depth):
                 r = self._records.get(key)
