@@ -56,6 +56,7 @@ def one_pass(manager: TierManager, step: int, budget: int) -> None:
         manager.release(key, dirty=True)
 
 
+@pytest.mark.timeout(60)  # a pager livelock (prefetch and demand evicting each other) shows as a hang here
 def test_full_passes_with_a_quarter_of_the_state_in_memory_keep_contents(engine: LibaioEngine, swap_dir: Path) -> None:
     budget = STATE_NBYTES // 4
     pool, store, manager = make(engine, swap_dir, budget, 2 * MiB)
@@ -63,11 +64,12 @@ def test_full_passes_with_a_quarter_of_the_state_in_memory_keep_contents(engine:
         one_pass(manager, 1, budget)
         one_pass(manager, 2, budget)  # the first pass recorded the order: eviction now knows next uses
         manager.prefetch(KEYS, depth=3)
-        for step in (3, 4):
+        for step in range(3, 13):
             one_pass(manager, step, budget)
         s = manager.stats()
         assert s.page_ins > 0 and s.page_outs > 0 and s.bytes_out > 0
-        assert s.acquires == 4 * len(KEYS) and s.wait_s >= 0.0 and s.io_errors == 0
+        assert s.acquires == 12 * len(KEYS) and s.wait_s >= 0.0 and s.io_errors == 0
+        assert s.page_ins < 12 * len(KEYS)  # each acquire pages its tensor in at most once
         assert s.cpu_nbytes <= budget
     finally:
         manager.close()

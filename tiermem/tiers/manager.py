@@ -139,19 +139,23 @@ class TierManager:
             record = self._get(key)
             self._note_use(record)
             waited = False
-            while True:
-                if record.error is not None:
-                    error, record.error = record.error, None
-                    raise error
-                if record.state in (T.CPU, T.IN_USE):
-                    break
-                if self._closed:
-                    raise InvalidState("the tier manager is closed")
-                if record.state in (T.NVME, T.EMPTY):
-                    self._demand.setdefault(key, None)
-                self._kick_locked()
-                waited = True
-                self._cond.wait()
+            record.waiters += 1
+            try:
+                while True:
+                    if record.error is not None:
+                        error, record.error = record.error, None
+                        raise error
+                    if record.state in (T.CPU, T.IN_USE):
+                        break
+                    if self._closed:
+                        raise InvalidState("the tier manager is closed")
+                    if record.state in (T.NVME, T.EMPTY):
+                        self._demand.setdefault(key, None)
+                    self._kick_locked()
+                    waited = True
+                    self._cond.wait()
+            finally:
+                record.waiters -= 1
             if record.state is T.CPU:
                 record.move(T.IN_USE)
             record.users += 1
@@ -308,7 +312,7 @@ class TierManager:
         candidates = [
             Candidate(r.key, r.padded_nbytes, r.last_use, r.on_nvme and not r.dirty)
             for r in self._records.values()
-            if r.state is T.CPU and r.key not in protect and r.error is None and not r.write_failed
+            if r.state is T.CPU and r.key not in protect and r.error is None and not r.write_failed and not r.waiters
         ]
         return choose_victims(candidates, nbytes, self._order, self._position, sooner_than=sooner_than)
 

@@ -70,6 +70,8 @@ class TensorRecord:
     on_nvme: bool = False
     dirty: bool = False
     users: int = 0
+    waiters: int = 0
+    """Acquires waiting for this tensor: once paged in it is theirs, never a victim before they take it."""
     last_use: int = 0
     error: BaseException | None = None
     """The last failed page-in, raised to the next ``acquire``."""
