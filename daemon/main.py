@@ -156,7 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     from tiermemd.service import run_service
 
-    return run_service(config, env, reload_config=lambda: resolve_config(args, env), parent_pid=parent)
+    code = run_service(config, env, reload_config=lambda: resolve_config(args, env), parent_pid=parent)
+    # Everything is released and flushed: skip the interpreter's teardown of torch (seconds, during
+    # which a second SIGTERM would kill the process and turn a clean exit into -15).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
