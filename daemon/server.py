@@ -103,6 +103,9 @@ class Session:
     requests: int = 0
     busy: bool = False
     """True while a request is being handled (a drain waits for it)."""
+    max_oneway: int = 4096
+    """One-way messages (BUCKET_READY) allowed between two requests (``server.max_inflight``)."""
+    oneway_run: int = 0
     close_reason: str = ""
 
     @property
@@ -176,6 +179,16 @@ class Session:
             self._send_error(peek_request_id(data) or 0, exc)
             return header_readable(data)
         oneway = bool(frame.flags & FLAG_ONEWAY)
+        self.oneway_run = self.oneway_run + 1 if oneway else 0
+        if self.oneway_run > self.max_oneway:
+            self._send_error(
+                0,
+                AdmissionError(
+                    f"more than {self.max_oneway} one-way messages without a request (server.max_inflight); "
+                    "closing the connection"
+                ),
+            )
+            return False
         try:
             msg = decode_message(frame)
             if not oneway and self.deferred_error is not None:
@@ -327,7 +340,7 @@ class Server:
                 else:
                     over = False
                     self._per_uid[cred.uid] += 1
-                    session = Session(next(self._ids), peer)
+                    session = Session(next(self._ids), peer, max_oneway=self.config.max_inflight)
                     self._sessions[session.id] = session
             if over:
                 self._refuse(

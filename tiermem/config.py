@@ -165,8 +165,9 @@ class ServerConfig:
     """Gids whose members may attach."""
     max_frame: int = _size(1 * MiB)
     """Largest frame accepted on the socket."""
-    max_inflight: int = 64
-    """Requests one connection may have outstanding."""
+    max_inflight: int = 4096
+    """One-way messages (BUCKET_READY, one per gradient bucket) a connection may send between two requests;
+    a client past it is disconnected.  Requests themselves are answered one at a time per connection."""
     max_connections_per_uid: int = 256
     """Connections one uid may hold open."""
 
