@@ -21,7 +21,7 @@ _LAZY = {
     "connect": "tiermem.client",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["BufferPool", "CPUAdam", "Client", "OffloadAdam", "__version__", "connect"]
 
 
 def __getattr__(name: str) -> Any:
