@@ -104,6 +104,10 @@ class Handlers:
             session=session.id,
         )
         try:
+            if created:
+                for resource, quota in ((Resource.POOL, cfg.max_pool), (Resource.SWAP, cfg.max_swap)):
+                    if quota:
+                        self.ledger.set_quota(job.job_id, resource, quota)
             rank: RankOptimizer | None = job.ranks.get(msg.rank)
             if rank is None:
                 self.ledger.reserve(job.job_id, Resource.WINDOW, window_nbytes)

@@ -134,6 +134,10 @@ class JobLimits:
     """Largest shared window one job may ask for; 0 allows up to the pool's free space."""
     max_jobs: int = 64
     """Jobs that may be attached at once."""
+    max_pool: int = _size(0)
+    """Pool bytes one job may hold (its CPU-tier state and NVMe chunk cache); 0 allows the whole pool."""
+    max_swap: int = _size(0)
+    """Swap bytes one job may hold; 0 allows all the swap directories' free space."""
     window_budget: int = _size(0)
     """Total bytes of shared windows all jobs together may hold; 0 means as much as pool.size."""
     grace_period_s: float = 300.0
@@ -142,6 +146,8 @@ class JobLimits:
     def __post_init__(self) -> None:
         _check_nonneg("jobs.max_window", self.max_window)
         _check_nonneg("jobs.window_budget", self.window_budget)
+        _check_nonneg("jobs.max_pool", self.max_pool)
+        _check_nonneg("jobs.max_swap", self.max_swap)
         _check_positive("jobs.max_jobs", self.max_jobs)
         if self.grace_period_s < 0:
             raise ConfigError("jobs.grace_period_s", f"must be >= 0, got {self.grace_period_s}")
