@@ -27,8 +27,9 @@ in one process, in CPU time of the measuring thread (robust to other tenants
 of a shared machine), against ``marshal`` on the same payload as a C-speed
 lower bound (marshal is not safe for untrusted input and is not an option).
 
-Not measured here: bytes copied per byte of gradient on the step path; that
-needs the daemon's window handling (see ``copies_per_gradient_byte``).
+Bytes per byte of gradient on the step path are counted on a real OffloadAdam
+and tiermemd (``copies_per_gradient_byte``): copies the client makes, and bytes
+that cross the socket.
 
     .venv/bin/python benchmarks/bench_ipc.py [--requests 3000] [--repeats 3] [--json out.json]
 """
@@ -407,16 +408,72 @@ def measure_codec() -> list[dict[str, Any]]:
     return rows
 
 
-def copies_per_gradient_byte() -> None:
-    """Bytes copied per byte of gradient on the step path: needs tiermemd, so not measured here.
+def copies_per_gradient_byte(steps: int = 20) -> dict[str, float]:
+    """Bytes moved per byte of gradient on the step path, counted on a real OffloadAdam and tiermemd.
 
-    Method, once the daemon exists: count every copy between the GPU and the
-    Adam kernel (GPU -> window by the client, window -> anything by the
-    daemon) with the daemon's byte counters over N steps of a fixed model, and
-    divide by N x gradient bytes; the target is 1 (GPU -> window only, the
-    daemon reading grads in place).
+    Every copy the client makes is counted where it happens (``OffloadAdam._copy_grad``: model grad ->
+    window; ``_copy_params``: window -> model params), and every byte that crosses the socket in either
+    direction (``FrameSocket.send``/``recv`` of the client's connection).  The daemon reads grads from
+    the window in place and writes params into it in the update's own pass, so it makes no copy of
+    its own.  Target: 1 grad copy and 1 param copy per byte, and socket bytes a vanishing fraction
+    (no tensor is serialised).
     """
-    return None
+    import torch
+
+    from tiermem.client import connect
+    from tiermem.offload import OffloadAdam
+    from tiermem.transport import FrameSocket
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+    grad_bytes_per_step = sum(p.numel() * p.element_size() for p in model.parameters())
+    counted = {"grad": 0, "param": 0, "socket": 0}
+    client = connect(pool_size=256 << 20, settings={"adam.compile": False})
+    opt = OffloadAdam(model.parameters(), lr=1e-3, client=client, bucket_nbytes=1 << 20)
+    orig_grad, orig_param = OffloadAdam._copy_grad, OffloadAdam._copy_params
+    orig_send, orig_recv = FrameSocket.send, FrameSocket.recv
+
+    def copy_grad(self: Any, tid: int, grad: Any) -> None:
+        counted["grad"] += grad.numel() * grad.element_size()
+        orig_grad(self, tid, grad)
+
+    def copy_params(self: Any, ids: list[int]) -> None:
+        counted["param"] += sum(self._params[t].numel() * self._params[t].element_size() for t in ids)
+        orig_param(self, ids)
+
+    def send(self: Any, data: bytes, fds: Any = ()) -> None:
+        counted["socket"] += len(data)
+        orig_send(self, data, fds)
+
+    def recv(self: Any) -> Any:
+        data, fds = orig_recv(self)
+        counted["socket"] += len(data)
+        return data, fds
+
+    x = torch.randn(64, 512)
+    model(x).square().mean().backward()  # the first step registers and loads the master weights: not counted
+    opt.step()
+    opt.zero_grad()
+    OffloadAdam._copy_grad, OffloadAdam._copy_params = copy_grad, copy_params  # type: ignore[method-assign]
+    FrameSocket.send, FrameSocket.recv = send, recv  # type: ignore[method-assign]
+    try:
+        for _ in range(steps):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        OffloadAdam._copy_grad, OffloadAdam._copy_params = orig_grad, orig_param  # type: ignore[method-assign]
+        FrameSocket.send, FrameSocket.recv = orig_send, orig_recv  # type: ignore[method-assign]
+        opt.close()
+        client.close()
+    total = grad_bytes_per_step * steps
+    return {
+        "steps": steps,
+        "gradient_bytes_per_step": grad_bytes_per_step,
+        "grad_copies_per_byte": counted["grad"] / total,
+        "param_copies_per_byte": counted["param"] / total,
+        "socket_bytes_per_gradient_byte": counted["socket"] / total,
+        "socket_bytes_per_step": counted["socket"] / steps,
+    }
 
 
 # --------------------------------------------------------------------------- report
@@ -448,13 +505,19 @@ def main() -> None:
     codec = [] if args.no_codec else measure_codec()
     if codec:
         print_codec(codec)
-    print("\nbytes copied per gradient byte: not measured here (needs tiermemd; see copies_per_gradient_byte)")
+    copies = copies_per_gradient_byte() if not args.no_daemon else None
+    if copies is not None:
+        print(
+            f"\nbytes per gradient byte over {copies['steps']} steps of a {copies['gradient_bytes_per_step']} B model: "
+            f"grad copies {copies['grad_copies_per_byte']:.3f}, param copies {copies['param_copies_per_byte']:.3f}, "
+            f"socket {copies['socket_bytes_per_gradient_byte']:.5f} ({copies['socket_bytes_per_step']:.0f} B/step)"
+        )
 
     if args.json:
         out = {
             "round_trip": trips,
             "codec": codec,
-            "copies_per_gradient_byte": None,
+            "copies_per_gradient_byte": copies,
             "config": {"requests": args.requests, "repeats": args.repeats, "cpus": os.cpu_count()},
         }
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
