@@ -289,9 +289,9 @@ class RankOptimizer:
                 for tid in ids
             ]
             total_sq = 0.0
-            for future in futures:
+            for stats_future in futures:
                 try:
-                    sq, nonfinite = future.result()
+                    sq, nonfinite = stats_future.result()
                 except CancelledError:
                     raise InvalidState(f"step {msg.step} of job {self.job_id!r} rank {self.rank} was aborted") from None
                 total_sq += sq
@@ -514,7 +514,7 @@ class RankOptimizer:
         self.close_pipeline()
         if self.state is not None:
             if keep_swap and hasattr(self.state, "persist"):
-                self.state.close(remove=False)  # type: ignore[call-arg]
+                self.state.close(remove=False)
             else:
                 self.state.close()
             self.state = None

@@ -44,7 +44,7 @@ class StateChunks(Protocol):
     def acquire(self, chunk: int) -> ChunkTensors: ...
     def release(self, chunk: int, *, dirty: bool) -> None: ...
     def prefetch(self, chunks: Iterable[int]) -> None: ...
-    def close(self) -> None: ...
+    def close(self, *, remove: bool = True) -> None: ...
 
 
 def chunk_ranges(start: int, stop: int, chunk_numel: int) -> list[tuple[int, int, int]]:
@@ -104,8 +104,9 @@ class CpuStateChunks:
     def prefetch(self, chunks: Iterable[int]) -> None:
         """Everything is resident already."""
 
-    def close(self) -> None:
-        """Zero and free every chunk (state of one job never leaks into another's blocks)."""
+    def close(self, *, remove: bool = True) -> None:
+        """Zero and free every chunk (state of one job never leaks into another's blocks); ``remove`` is for
+        the NVMe placement's swap files and means nothing here."""
         with self._lock:
             blocks, self._blocks = self._blocks, []
         for block in blocks:

@@ -23,7 +23,8 @@ class Progress:
         self.start = time.perf_counter()
         self._tty = self.stream.isatty()
 
-    def update(self, n: int = 1, **fields: str) -> None:
+    def update(self, fields: dict[str, str] | None = None, n: int = 1) -> None:
+        fields = fields or {}
         self.done += n
         if not self._tty and self.done % self.every and self.done != self.total:
             return

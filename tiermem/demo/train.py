@@ -76,7 +76,7 @@ def train_run(
                 fields = {"loss": f"{loss.item():.3f}", "step": f"{result.step_s[-1] * 1e3:.0f}ms"}
                 if describe is not None:
                     fields.update(describe(optimizer))
-                progress.update(**fields)
+                progress.update(fields)
     finally:
         if close is not None:
             result.extra.update(close(optimizer))
