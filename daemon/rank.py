@@ -99,6 +99,10 @@ class _StepState:
     """tensor id -> its gradient statistics (computed per bucket as buckets land)."""
     buckets_seen: int = 0
     started: float = field(default_factory=time.perf_counter)
+    eager: set[int] = field(default_factory=set)
+    """Tensors already updated by BUCKET_READY(update=True) in this step (the overlapped update)."""
+    eager_groups: tuple[ParamGroup, ...] = ()
+    eager_futures: list[Future[None]] = field(default_factory=list)
 
 
 class RankOptimizer:
@@ -129,6 +133,8 @@ class RankOptimizer:
         self.steps: list[int] = []
         self.last_step = 0
         self.skipped_steps = 0
+        self.overlapped_tensors = 0
+        """Tensor updates applied as their bucket landed (BUCKET_READY with update)."""
         self._pending: _StepState | None = None
         self._inflight: list[Future[None]] = []
         self._pipeline: ThreadPoolExecutor | None = None
@@ -233,12 +239,47 @@ class RankOptimizer:
             pending = self._pending = _StepState(msg.step, msg.grad_buffer)
         pending.buckets_seen += 1
         grads = self._region(layout.grad_offsets[msg.grad_buffer], layout)
+        if msg.update:
+            self._update_bucket(pending, msg, grads)
+            return
         for tid in self._check_ids(msg.tensor_ids):
             # a tensor sent again (gradient accumulation, or changed after its hook) replaces its statistics
             stale = pending.stats.get(tid)
             if stale is not None:
                 stale.cancel()
             pending.stats[tid] = self._stats_task(grads, tid, inv_scale=1.0)
+
+    def _update_bucket(self, pending: _StepState, msg: BucketReady, grads: torch.Tensor) -> None:
+        """The overlapped update: apply Adam to a bucket as soon as it lands, on the rank's pipeline thread."""
+        state = self.state
+        if state is None:  # pragma: no cover - checked by _require_layout
+            raise InvalidState("no state")
+        if len(msg.groups) != len(self.groups):
+            raise InvalidArgument(f"bucket carries {len(msg.groups)} param groups, {len(self.groups)} are registered")
+        if pending.eager_groups and pending.eager_groups != tuple(msg.groups):
+            raise InvalidArgument(f"buckets of step {msg.step} carry different hyper-parameters")
+        ids = self._check_ids(msg.tensor_ids)
+        again = sorted(set(ids) & pending.eager)
+        if again:
+            raise InvalidState(
+                f"tensor {again[0]} was already updated in step {msg.step}; an overlapped update needs each "
+                "gradient exactly once per step (no accumulation over several backward passes)"
+            )
+        pending.eager.update(ids)
+        pending.eager_groups = tuple(msg.groups)
+        self.overlapped_tensors += len(ids)
+        pieces = [
+            (chunk, a, b, msg.groups[group], step)
+            for lo, hi, group, step in self._runs(ids)
+            for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel)
+        ]
+        for tid in ids:
+            self.steps[tid] += 1
+        self._stale.difference_update(ids)
+        params = self._region(self.layout.param_offset, self.layout)  # type: ignore[union-attr]
+        if self._pipeline is None:
+            self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-rank-{self.rank}")
+        pending.eager_futures.append(self._pipeline.submit(self._run_update, state, pieces, grads, params, 1.0))
 
     def _stats_task(self, grads: torch.Tensor, tid: int, inv_scale: float) -> Future[tuple[float, bool]]:
         slot = self.layout.slots[tid]  # type: ignore[union-attr]
@@ -276,6 +317,20 @@ class RankOptimizer:
                 f"buckets of step {msg.step} named grad buffer {pending.grad_buffer}, the step {msg.grad_buffer}"
             )
         t0 = time.perf_counter()
+        if pending is not None and pending.eager:
+            for future in pending.eager_futures:
+                future.result()  # the overlapped updates of this step are done (or raise here)
+            if msg.loss_scale != 1.0 or msg.max_grad_norm is not None or msg.skip_nonfinite:
+                raise InvalidState(
+                    f"step {msg.step} asks for loss scaling or clipping, but {len(pending.eager)} tensor(s) were "
+                    "already updated as their buckets landed; an overlapped update cannot be unscaled or clipped"
+                )
+            if msg.groups and tuple(msg.groups) != pending.eager_groups:
+                raise InvalidState(
+                    f"the hyper-parameters of step {msg.step} changed after its buckets were updated with the "
+                    "earlier ones; set them before backward when updates overlap it"
+                )
+            ids = [tid for tid in ids if tid not in pending.eager]
         grads = self._region(layout.grad_offsets[msg.grad_buffer], layout)
         params = self._region(layout.param_offset, layout)
         inv_scale = 1.0 / msg.loss_scale
@@ -498,6 +553,12 @@ class RankOptimizer:
         pending, self._pending = self._pending, None
         if pending is None:
             return 0
+        if pending.eager:
+            # part of the step is applied already: it is the step the client was in; count it as done
+            for future in pending.eager_futures:
+                with contextlib.suppress(Exception):
+                    future.result()
+            self.last_step = max(self.last_step, pending.step)
         return sum(1 for future in pending.stats.values() if future.cancel())
 
     def close_pipeline(self) -> None:
@@ -536,6 +597,7 @@ class RankOptimizer:
         out = {
             "last_step": float(self.last_step),
             "skipped_steps": float(self.skipped_steps),
+            "overlapped_tensors": float(self.overlapped_tensors),
             "tensors": float(len(self.specs)),
             "numel": float(self.layout.numel if self.layout else 0),
             "window_bytes": float(self.window.nbytes),

@@ -230,9 +230,25 @@ class Client:
             raise ProtocolError(f"expected REGISTER_OK, got {type(reply).__name__}")
         return reply.slots
 
-    def bucket_ready(self, step: int, bucket: int, tensor_ids: Sequence[int], grad_buffer: int = 0) -> None:
+    def bucket_ready(
+        self,
+        step: int,
+        bucket: int,
+        tensor_ids: Sequence[int],
+        grad_buffer: int = 0,
+        *,
+        update_with: Sequence[ParamGroup] = (),
+    ) -> None:
+        """Tell the daemon a bucket's grads are in the window; with ``update_with``, update them now."""
         self.conn.send_oneway(
-            BucketReady(step=step, bucket=bucket, tensor_ids=tuple(tensor_ids), grad_buffer=grad_buffer)
+            BucketReady(
+                step=step,
+                bucket=bucket,
+                tensor_ids=tuple(tensor_ids),
+                grad_buffer=grad_buffer,
+                update=bool(update_with),
+                groups=tuple(update_with),
+            )
         )
 
     def step(self, msg: Step) -> StepDone:

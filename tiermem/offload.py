@@ -23,6 +23,16 @@ during the next forward and backward.  The model is then one update behind
 (``staleness`` in ``stats()``).  ``flush()`` (called by ``state_dict``) waits for
 the last update and installs its params.
 
+With ``overlap_update=True`` the daemon updates each bucket as soon as it lands
+(ZeRO-Offload's overlap), while backward computes the next ones.  An early
+update cannot be unscaled, clipped or redone, so it is used only in steps whose
+predecessor needed none of that (no GradScaler, no ``max_grad_norm``, no grads
+changed after their hook, no gradient accumulation), never with the delayed
+update, and never on the first step; if a step then turns out to need it
+anyway, ``step()`` raises ``InvalidState`` instead of applying a wrong update.
+Hyper-parameters are read when the first bucket lands: set them before
+backward.
+
 ``torch.amp.GradScaler`` works unchanged: the optimizer declares
 ``_step_supports_amp_scaling``, so the scaler gives it ``grad_scale`` and
 ``found_inf``; an overflow skips the step without contacting the daemon, and the
@@ -78,6 +88,7 @@ class OffloadAdam(torch.optim.Optimizer):
         client: Client | None = None,
         offload: str = "auto",
         delayed_update: bool = False,
+        overlap_update: bool = False,
         warmup_steps: int = 10,
         max_grad_norm: float | None = None,
         bucket_nbytes: int = 32 * MiB,
@@ -104,6 +115,7 @@ class OffloadAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.offload = offload
         self.delayed_update = delayed_update
+        self.overlap_update = overlap_update
         self.warmup_steps = warmup_steps
         self.max_grad_norm = max_grad_norm
         self.bucket_nbytes = bucket_nbytes
@@ -117,6 +129,13 @@ class OffloadAdam(torch.optim.Optimizer):
         self._slots: tuple[TensorSlot, ...] = ()
         self._landed: dict[int, tuple[int, int]] = {}
         """tensor id -> (id of the grad tensor, its version) when it was last copied into the window."""
+        self._eager: set[int] = set()
+        """Tensors the daemon already updated in this step, as their bucket landed."""
+        self._eager_groups: tuple[ParamGroup, ...] = ()
+        self._accumulated = False
+        """A grad landed twice in this step (gradient accumulation)."""
+        self._overlap_safe = False
+        """The last step needed no loss scaling, clipping, recopies or accumulation: buckets may update early."""
         self._reported: dict[int, tuple[int, int]] = {}
         """tensor id -> the landed key the daemon computed its gradient statistics on this step."""
         self._bucket_left: list[int] = []
@@ -170,12 +189,29 @@ class OffloadAdam(torch.optim.Optimizer):
         self._ensure_registered()
         grad_scale = getattr(self, "grad_scale", False)
         found_inf = getattr(self, "found_inf", None)
+        if self._eager and grad_scale is not False:
+            self._reset_step()
+            self._overlap_safe = False
+            raise InvalidState(
+                "a GradScaler drives this step, but its buckets were already updated as they landed "
+                "(overlap_update=True) with the scaled grads; use overlap_update=False with loss scaling"
+            )
         if found_inf is not None and float(found_inf) > 0:
             self._skipped += 1  # GradScaler found an overflow: skip, as torch's fused Adam does
             self._reset_step()
             return loss
         loss_scale = 1.0 if grad_scale is None or grad_scale is False else float(grad_scale)
-        ids = self._present_grads(recopy_all=grad_scale is None)
+        ids, recopied = self._present_grads(recopy_all=grad_scale is None)
+        safe = grad_scale is False and not recopied and not self._accumulated and self.max_grad_norm is None
+        if self._eager and not safe:
+            self._reset_step()
+            self._overlap_safe = False
+            raise InvalidState(
+                "this step's buckets were already updated as they landed (overlap_update=True), but the grads "
+                "changed afterwards (GradScaler, clip_grad_norm_, another backward): the step cannot be applied "
+                "as asked; use overlap_update=False for such training loops"
+            )
+        self._overlap_safe = safe
         delayed = self.delayed_update and self._steps_sent >= self.warmup_steps
         if self._inflight:
             self._install_params()
@@ -191,6 +227,12 @@ class OffloadAdam(torch.optim.Optimizer):
             if stale:
                 self.client.bucket_ready(step_no, len(self._layout.buckets), stale, buffer)  # type: ignore[union-attr]
         groups = tuple(self._wire_group(g) for g in self.param_groups)
+        if self._eager and groups != self._eager_groups:
+            self._reset_step()
+            raise InvalidState(
+                "hyper-parameters changed between backward and step() while buckets were updated as they "
+                "landed (overlap_update=True); set lr and the other group values before backward"
+            )
         done = self.client.step(
             Step(
                 step=step_no,
@@ -331,14 +373,31 @@ class OffloadAdam(torch.optim.Optimizer):
         tid = self._tid(p)
         if tid is None or p.grad is None:
             return
+        self._accumulated = self._accumulated or tid in self._landed
         self._copy_grad(tid, p.grad)
         layout = self._layout
         bucket = layout.slots[tid].bucket  # type: ignore[union-attr]
         self._bucket_left[bucket] -= 1
         if self._bucket_left[bucket] == 0 and not p.grad.is_cuda:
             members = [t for t in layout.buckets[bucket].tensors if t in self._landed]  # type: ignore[union-attr]
-            self.client.bucket_ready(self._steps_sent + 1, bucket, members, self._grad_buffer())
+            if self._may_overlap():
+                groups = self._eager_groups or tuple(self._wire_group(g) for g in self.param_groups)
+                self.client.bucket_ready(self._steps_sent + 1, bucket, members, self._grad_buffer(), update_with=groups)
+                self._eager.update(members)
+                self._eager_groups = groups
+            else:
+                self.client.bucket_ready(self._steps_sent + 1, bucket, members, self._grad_buffer())
             self._reported.update((t, self._landed[t]) for t in members)
+
+    def _may_overlap(self) -> bool:
+        """Update buckets as they land only when the previous step showed nothing an early update would miss."""
+        return (
+            self.overlap_update
+            and self._overlap_safe
+            and not self.delayed_update
+            and self.max_grad_norm is None
+            and not self._accumulated
+        )
 
     def _tid(self, p: torch.Tensor) -> int | None:
         index = getattr(self, "_index", None)
@@ -362,9 +421,11 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
 
-    def _present_grads(self, *, recopy_all: bool) -> list[int]:
-        """Ids of params with a grad; grads not copied by a hook, or changed since, are copied now."""
+    def _present_grads(self, *, recopy_all: bool) -> tuple[list[int], bool]:
+        """Ids of params with a grad, and whether any grad had changed since its hook copied it (or was
+        never copied by one): those are copied now."""
         ids = []
+        recopied = False
         for tid, p in enumerate(self._params):
             grad = p.grad
             if grad is None:
@@ -373,12 +434,16 @@ class OffloadAdam(torch.optim.Optimizer):
                 raise DTypeError(f"param {tid} is {p.dtype} but its grad is {grad.dtype}")
             ids.append(tid)
             if recopy_all or self._landed.get(tid) != (id(grad), grad._version):
+                recopied = True
                 self._copy_grad(tid, grad)
-        return ids
+        return ids, recopied
 
     def _reset_step(self) -> None:
         self._landed.clear()
         self._reported.clear()
+        self._eager.clear()
+        self._eager_groups = ()
+        self._accumulated = False
         if self._layout is not None:
             self._bucket_left = [len(b.tensors) for b in self._layout.buckets]
 

@@ -78,8 +78,9 @@ GOLDEN = [
         BucketReady(step=12, bucket=0, tensor_ids=(3, 4), refs=(MemRef(1, 4096, 512),)),
         4,
         FLAG_ONEWAY,
-        header("544d 01 04 0100 0000 04000000 4f000000"),
-        b'{"step":12,"bucket":0,"tensor_ids":[3,4],"refs":[[1,4096,512]],"grad_buffer":0}',
+        header("544d 01 04 0100 0000 04000000 6a000000"),
+        b'{"step":12,"bucket":0,"tensor_ids":[3,4],"refs":[[1,4096,512]],"grad_buffer":0,"update":false,'
+        b'"groups":[]}',
     ),
     (
         RegisterOk(slots=(TensorSlot(0, MemRef(1, 0, 128), (MemRef(1, 4096, 128),)),)),

@@ -184,15 +184,23 @@ class Step(Message):
 
 @dataclass(slots=True)
 class BucketReady(Message):
-    """Grads of ``tensor_ids`` (and/or the raw regions ``refs``) are in the window for ``step`` (usually one-way)."""
+    """Grads of ``tensor_ids`` (and/or the raw regions ``refs``) are in the window for ``step`` (usually one-way).
+
+    ``update``: apply Adam to these tensors now, with ``groups`` (the client's hyper-parameters at that
+    moment), instead of at STEP (the overlapped update; only for steps without loss scaling or clipping).
+    """
 
     TYPE: ClassVar[MsgType] = MsgType.BUCKET_READY
-    KEYS: ClassVar[frozenset[str]] = frozenset({"step", "bucket", "tensor_ids", "refs", "grad_buffer"})
+    KEYS: ClassVar[frozenset[str]] = frozenset(
+        {"step", "bucket", "tensor_ids", "refs", "grad_buffer", "update", "groups"}
+    )
     step: int
     bucket: int
     tensor_ids: tuple[int, ...] = ()
     refs: tuple[MemRef, ...] = ()
     grad_buffer: int = 0
+    update: bool = False
+    groups: tuple[ParamGroup, ...] = ()
 
     def to_payload(self) -> dict[str, Any]:
         return {
@@ -201,11 +209,13 @@ class BucketReady(Message):
             "tensor_ids": list(self.tensor_ids),
             "refs": [r.to_wire() for r in self.refs],
             "grad_buffer": self.grad_buffer,
+            "update": self.update,
+            "groups": [g.to_payload() for g in self.groups],
         }
 
     @classmethod
     def from_payload(cls, d: dict[str, Any]) -> BucketReady:
-        if d.keys() == cls.KEYS:
+        if d.keys() == cls.KEYS and d["update"] is False and d["groups"] == []:
             step, bucket, ids, refs, buffer = d["step"], d["bucket"], d["tensor_ids"], d["refs"], d["grad_buffer"]
             if (
                 type(step) is int
@@ -229,12 +239,18 @@ class BucketReady(Message):
         refs = list_of(d, "refs", MAX_TENSORS, MemRef.from_wire)
         if not tensor_ids and not refs:
             raise FieldError("tensor_ids", "tensor ids or refs (both are empty)", [])
+        update = get_bool(d, "update")
+        groups = list_of(d, "groups", MAX_GROUPS, as_item(ParamGroup.from_payload))
+        if update and (not groups or refs):
+            raise FieldError("update", "tensor_ids and the param groups to update with", d.get("groups"))
         return cls(
             get_int(d, "step", 0, MAX_STEP),
             get_int(d, "bucket", 0, MAX_TENSORS),
             tensor_ids,
             refs,
             get_int(d, "grad_buffer", 0, MAX_GRAD_BUFFERS - 1),
+            update,
+            groups,
         )
 
 

@@ -1,0 +1,94 @@
+"""The overlapped update (``overlap_update=True``): buckets are updated as they land, with torch's result.
+
+One private daemon for the module (eager Adam, as in the other OffloadAdam tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from offload_helpers import OffloadDaemon, offload_daemon
+from torch import nn
+
+from tiermem.errors import InvalidState
+
+
+@pytest.fixture(scope="module")
+def offload() -> Iterator[OffloadDaemon]:
+    with offload_daemon() as daemon:
+        yield daemon
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(24, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 8))
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 24, generator=g), torch.randn(16, 8, generator=g)) for _ in range(n)]
+
+
+def test_overlapped_updates_equal_torch_adamw_with_an_lr_schedule(offload: OffloadDaemon) -> None:
+    model, ref = mlp(), mlp()
+    groups = [
+        {"params": list(model[0].parameters()), "lr": 3e-3},
+        {"params": list(model[2].parameters()) + list(model[4].parameters()), "weight_decay": 0.1},
+    ]
+    ref_groups = [
+        {"params": list(ref[0].parameters()), "lr": 3e-3},
+        {"params": list(ref[2].parameters()) + list(ref[4].parameters()), "weight_decay": 0.1},
+    ]
+    opt = offload.make(groups, lr=1e-3, weight_decay=0.0, overlap_update=True, bucket_nbytes=4096)
+    ref_opt = torch.optim.AdamW(ref_groups, lr=1e-3, weight_decay=0.0)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=7, gamma=0.5) for o in (opt, ref_opt)]
+    for x, y in batches(30):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+        for s in schedules:
+            s.step()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    stats = opt.stats()
+    # every step after the first updated all six tensors as their buckets landed
+    assert stats["rank_overlapped_tensors"] == 29 * 6
+
+
+def test_a_step_that_turns_out_to_need_clipping_is_refused_not_applied_wrongly(offload: OffloadDaemon) -> None:
+    model = mlp()
+    opt = offload.make(model.parameters(), lr=1e-3, overlap_update=True, bucket_nbytes=4096)
+    (x, y), (x2, y2) = batches(2)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()  # the first step is never overlapped: it shows the loop needs no clipping
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x2), y2).backward()  # buckets are updated as they land
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # ... and only now are the grads clipped
+    with pytest.raises(InvalidState, match="grads changed afterwards"):
+        opt.step()
+    opt.zero_grad()
+    # the next step knows better: no early updates, clipping applied as torch would
+    before = opt.stats()["rank_overlapped_tensors"]
+    nn.functional.mse_loss(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    opt.step()
+    assert opt.stats()["rank_overlapped_tensors"] == before
+
+
+def test_gradient_accumulation_turns_the_overlap_off(offload: OffloadDaemon) -> None:
+    model, ref = mlp(), mlp()
+    opt = offload.make(model.parameters(), lr=1e-3, overlap_update=True, bucket_nbytes=4096)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    data = batches(12)
+    for i in range(0, 12, 2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            for x, y in data[i : i + 2]:  # two backward passes per step
+                nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert opt.stats()["rank_overlapped_tensors"] == 0
