@@ -10,6 +10,8 @@ in memory at a time, for the largest sizes):
 - ``nvme``: ``OffloadAdam(offload="nvme")``, state paged through the daemon's
   6-chunk cache (it pages only when the state is larger than the cache:
   6 x ``adam.chunk_numel`` x 12 bytes, 288 MiB with the default chunk);
+- ``overlap``: ``OffloadAdam(offload="cpu", overlap_update=True)``, each
+  bucket updated as soon as backward produces it;
 - ``dpu``: ``OffloadAdam(offload="cpu", delayed_update=True)``, the update of
   step t running during the forward and backward of step t+1.
 
@@ -69,7 +71,7 @@ from tiermem.offload import OffloadAdam
 from tiermem.transport import Connection
 from tiermem.units import GiB, MiB, align_up, format_size, parse_size
 
-MODES = ("torch", "cpu", "nvme", "dpu")
+MODES = ("torch", "cpu", "overlap", "nvme", "dpu")
 DAEMON_FIGURES = ("rank_update_s", "rank_stats_s", "rank_wait_s", "rank_nvme_wait_s", "rank_nvme_page_outs")
 
 
@@ -118,6 +120,7 @@ def make_optimizer(mode: str, model: torch.nn.Module, socket_path: str, lr: floa
         client=connect(socket_path),
         offload="nvme" if mode == "nvme" else "cpu",
         delayed_update=mode == "dpu",
+        overlap_update=mode == "overlap",
         warmup_steps=1,
     )
 
@@ -263,7 +266,7 @@ def pool_bytes(configs: list[tuple[str, GPTConfig]], modes: list[str], *, sequen
     """Pool for the largest size: per mode, fp32 state (12 B/param) and window (params + 1 or 2 grad buffers)."""
     n = max(cfg.num_params() for _, cfg in configs)
     cache = min(12 * n, 6 * AdamConfig().chunk_numel * 12)
-    need = {"torch": 0, "cpu": 20 * n, "nvme": 8 * n + cache, "dpu": 24 * n}
+    need = {"torch": 0, "cpu": 20 * n, "overlap": 20 * n, "nvme": 8 * n + cache, "dpu": 24 * n}
     per_mode = [need[m] for m in modes]
     total = max(per_mode) if sequential else sum(per_mode)
     return align_up(int(total * 1.1) + 256 * MiB, GiB)

@@ -38,6 +38,7 @@ def _factories(
                 weight_decay=0.01,
                 offload=kind,
                 delayed_update=delayed,
+                overlap_update=not delayed,  # buckets are updated as backward produces them
                 warmup_steps=10,
                 client=connect(daemon_socket, embed=False),
             )
