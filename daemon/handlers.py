@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tiermem.errors import AdmissionError, InvalidState, ProtocolError
+from tiermem.errors import AdmissionError, InvalidState, ProtocolError, UnknownJob
 from tiermem.pool import Arena
 from tiermem.protocol import (
     Attach,
@@ -170,7 +170,7 @@ class Handlers:
             return
         try:
             job = self.jobs.get(session.job_id)
-        except Exception:  # the job was reclaimed already
+        except UnknownJob:  # the job was reclaimed already
             return
         rank = job.ranks.get(session.rank)
         if rank is not None:
@@ -192,7 +192,7 @@ class Handlers:
             return
         try:
             rank = self.jobs.get(session.job_id).ranks.get(session.rank)
-        except Exception:
+        except UnknownJob:  # reclaimed meanwhile
             return
         if rank is not None:
             rank.abort()
