@@ -240,7 +240,7 @@ class RankOptimizer:
         pending.buckets_seen += 1
         grads = self._region(layout.grad_offsets[msg.grad_buffer], layout)
         if msg.update:
-            self._update_bucket(pending, msg, grads)
+            self._update_bucket(pending, msg, grads, self._region(layout.param_offset, layout))
             return
         for tid in self._check_ids(msg.tensor_ids):
             # a tensor sent again (gradient accumulation, or changed after its hook) replaces its statistics
@@ -249,7 +249,7 @@ class RankOptimizer:
                 stale.cancel()
             pending.stats[tid] = self._stats_task(grads, tid, inv_scale=1.0)
 
-    def _update_bucket(self, pending: _StepState, msg: BucketReady, grads: torch.Tensor) -> None:
+    def _update_bucket(self, pending: _StepState, msg: BucketReady, grads: torch.Tensor, params: torch.Tensor) -> None:
         """The overlapped update: apply Adam to a bucket as soon as it lands, on the rank's pipeline thread."""
         state = self.state
         if state is None:  # pragma: no cover - checked by _require_layout
@@ -276,7 +276,6 @@ class RankOptimizer:
         for tid in ids:
             self.steps[tid] += 1
         self._stale.difference_update(ids)
-        params = self._region(self.layout.param_offset, self.layout)  # type: ignore[union-attr]
         if self._pipeline is None:
             self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-rank-{self.rank}")
         pending.eager_futures.append(self._pipeline.submit(self._run_update, state, pieces, grads, params, 1.0))
