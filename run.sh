@@ -19,6 +19,8 @@ TORCH_PIN="torch==2.13.0+cpu"
 TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 
 say() { printf '[tiermem] %s\n' "$*" >&2; }
+# pip warns about every configured local index that lacks a package; keep the real messages only
+quiet_pip() { "$VENV/bin/pip" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 ensure_libaio() {
     if /sbin/ldconfig -p 2>/dev/null | grep -q 'libaio\.so\.1'; then
@@ -52,14 +54,14 @@ ensure_venv() {
     fi
     if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
         say "installing $TORCH_PIN (CPU build)"
-        "$VENV/bin/pip" install -q "$TORCH_PIN" 2>/dev/null \
-            || "$VENV/bin/pip" install -q "$TORCH_PIN" --extra-index-url "$TORCH_CPU_INDEX"
+        quiet_pip install -q "$TORCH_PIN" 2>/dev/null \
+            || quiet_pip install -q "$TORCH_PIN" --extra-index-url "$TORCH_CPU_INDEX"
     fi
     local want
     want=$(cat pyproject.toml run.sh | sha256sum | cut -c1-16)
     if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
         say "installing tiermem into $VENV"
-        "$VENV/bin/pip" install -q -e '.[dev]'
+        quiet_pip install -q -e '.[dev]'
         echo "$want" >"$STAMP"
     fi
 }
