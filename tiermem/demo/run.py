@@ -39,7 +39,7 @@ def _factories(
                 offload=kind,
                 delayed_update=delayed,
                 overlap_update=not delayed,  # buckets are updated as backward produces them
-                warmup_steps=10,
+                warmup_steps=max(10, args.steps // 3),  # DPU after the first, fastest-moving third
                 client=connect(daemon_socket, embed=False),
             )
 
