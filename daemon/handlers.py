@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 __all__ = ["Handlers"]
 
 log = logging.getLogger(__name__)
+
+_TAKEOVER_WAIT_S = 30.0
 
 
 class Handlers:
@@ -95,6 +98,7 @@ class Handlers:
                 f"window of {msg.window_nbytes} bytes exceeds jobs.max_window ({cfg.max_window} bytes)"
             )
         window_nbytes = align_up(max(msg.window_nbytes, PAGE_SIZE))
+        self._wait_for_dead_holder(msg.job_id, msg.rank)
         job, created = self.jobs.attach(
             job_id=msg.job_id,
             rank=msg.rank,
@@ -164,6 +168,19 @@ class Handlers:
         session.job_id = session.rank = None
         session.transition(SessionState.OPEN)
         return Reply(Ok())
+
+    def _wait_for_dead_holder(self, job_id: str, rank: int) -> None:
+        """A restarted process may attach while its dead predecessor's session still finishes the request it
+        was in: wait for that session to end (bounded), rather than refuse the rank as taken."""
+        server = getattr(self.service, "server", None)
+        if server is None:
+            return
+        deadline = time.monotonic() + _TAKEOVER_WAIT_S
+        while time.monotonic() < deadline:
+            holder = self.jobs.holder(job_id, rank)
+            if holder is None or server.session_alive(holder):
+                return
+            time.sleep(0.01)
 
     def session_closed(self, session: Session, why: str) -> None:
         if session.job_id is None or session.rank is None:

@@ -139,6 +139,12 @@ class JobTable:
             self._jobs[job_id] = job
             return job
 
+    def holder(self, job_id: str, rank: int) -> int | None:
+        """The session driving ``rank`` of ``job_id``, if any."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            return None if job is None else job.attached.get(rank)
+
     def session_gone(self, session: int) -> list[Job]:
         """Unbind a dead session; jobs left with no session become ORPHANED. Returns the jobs it drove."""
         touched = []

@@ -34,6 +34,7 @@ import itertools
 import logging
 import os
 import pwd
+import select
 import selectors
 import socket
 import threading
@@ -277,6 +278,21 @@ class Server:
         self.stop_accepting()
         os.write(self._wake_w, b"x")
         self.listener.close()
+
+    def session_alive(self, session_id: int) -> bool:
+        """The session exists and its client has not gone (a dead one may still be finishing a request)."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None or session.close_reason:
+            return False
+        pidfd = session.peer.pidfd
+        if pidfd is None:
+            return True
+        try:  # the watcher may not have seen the exit yet: ask the pidfd itself
+            readable, _, _ = select.select([pidfd], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
 
     def sessions(self) -> list[Session]:
         with self._lock:

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from tiermem.errors import AdmissionError, TiermemError
+from tiermem.errors import TiermemError
 from tiermem.layout import Layout, plan_layout
 from tiermem.layout import TensorSpec as LayoutSpec
 from tiermem.protocol import (
@@ -145,19 +145,14 @@ class Trainer:
         self.conn.request(FetchParams(step=0, tensor_ids=()))
         self.progress()
 
-    def reattach(self, token: str, retry_s: float = 20.0) -> None:
-        """Reattach with ``token``; continue from the daemon's ``rank_last_step``."""
-        deadline = time.monotonic() + retry_s
-        while True:
-            try:
-                reply, fds = self.conn.request_fds(
-                    Attach(job_id=self.job, rank=0, world_size=1, window_nbytes=self.layout.nbytes, token=token)
-                )
-                break
-            except AdmissionError:  # the dead process's last step is still finishing
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+    def reattach(self, token: str) -> None:
+        """Reattach with ``token``; continue from the daemon's ``rank_last_step``.
+
+        No retry: while the dead process's last step is still finishing, the daemon waits for it.
+        """
+        reply, fds = self.conn.request_fds(
+            Attach(job_id=self.job, rank=0, world_size=1, window_nbytes=self.layout.nbytes, token=token)
+        )
         assert isinstance(reply, AttachOk)
         if not reply.reattached:
             raise SystemExit("reattach did not report reattached=True")
