@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -65,7 +64,6 @@ class Handlers:
         self.jobs: JobTable = service.jobs
         self.ledger: Ledger = service.ledger
         self._window_ids = itertools.count(1)
-        self._lock = threading.Lock()
         self._table: dict[type[Message], Callable[[Session, Message], Reply | None]] = {
             Attach: self._attach,  # type: ignore[dict-item]
             Register: self._register,  # type: ignore[dict-item]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -89,9 +88,6 @@ class NvmeStateChunks:
 
     def release(self, chunk: int, *, dirty: bool) -> None:
         self.tiers.release(_key(chunk), dirty=dirty)
-
-    def prefetch(self, chunks: Iterable[int]) -> None:
-        """The ascending order given at creation already drives prefetching."""
 
     def persist(self) -> None:
         """Write every modified chunk and commit the manifest (crash-consistent reopen)."""

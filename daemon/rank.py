@@ -10,8 +10,8 @@ Step pipeline (per ``STEP``), all CPU work on the shared ``CpuScheduler``:
 
 1. ``BUCKET_READY`` messages arrive during backward, as the client copies each
    bucket's grads into the window.  Each one schedules the bucket's gradient
-   statistics (squared norm of the unscaled grads, any inf/nan) and, on the
-   NVMe tier, a prefetch of the state chunks the bucket will update.
+   statistics (squared norm of the unscaled grads, any inf/nan); on the NVMe
+   tier the tier manager meanwhile reads ahead the chunks in update order.
 2. ``STEP`` carries what only the end of backward knows: the loss scale, the
    clipping threshold, whether to skip on overflow, the current
    hyper-parameters.  Statistics of tensors that came in no bucket are computed
@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -97,8 +96,6 @@ class _StepState:
     grad_buffer: int
     stats: dict[int, Future[tuple[float, bool]]] = field(default_factory=dict)
     """tensor id -> its gradient statistics (computed per bucket as buckets land)."""
-    buckets_seen: int = 0
-    started: float = field(default_factory=time.perf_counter)
     eager: set[int] = field(default_factory=set)
     """Tensors already updated by BUCKET_READY(update=True) in this step (the overlapped update)."""
     eager_groups: tuple[ParamGroup, ...] = ()
@@ -141,7 +138,6 @@ class RankOptimizer:
         """Update tasks of a delayed step still running (the next STEP/FETCH_PARAMS waits for them)."""
         self._stale: set[int] = set()
         """Tensors whose param slot does not hold their current master (FETCH_PARAMS rewrites them)."""
-        self._lock = threading.Lock()
         self.timings: dict[str, float] = {"stats_s": 0.0, "update_s": 0.0, "wait_s": 0.0}
 
     # ----------------------------------------------------------------- registration
@@ -237,7 +233,6 @@ class RankOptimizer:
         pending = self._pending
         if pending is None or pending.step != msg.step:
             pending = self._pending = _StepState(msg.step, msg.grad_buffer)
-        pending.buckets_seen += 1
         grads = self._region(layout.grad_offsets[msg.grad_buffer], layout)
         if msg.update:
             self._update_bucket(pending, msg, grads, self._region(layout.param_offset, layout))
@@ -268,17 +263,8 @@ class RankOptimizer:
         pending.eager.update(ids)
         pending.eager_groups = tuple(msg.groups)
         self.overlapped_tensors += len(ids)
-        pieces = [
-            (chunk, a, b, msg.groups[group], step)
-            for lo, hi, group, step in self._runs(ids)
-            for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel)
-        ]
-        for tid in ids:
-            self.steps[tid] += 1
-        self._stale.difference_update(ids)
-        if self._pipeline is None:
-            self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-rank-{self.rank}")
-        pending.eager_futures.append(self._pipeline.submit(self._run_update, state, pieces, grads, params, 1.0))
+        pieces = self._take_pieces(ids, msg.groups, state)
+        pending.eager_futures.append(self._in_background(state, pieces, grads, params, 1.0))
 
     def _stats_task(self, grads: torch.Tensor, tid: int, inv_scale: float) -> Future[tuple[float, bool]]:
         slot = self.layout.slots[tid]  # type: ignore[union-attr]
@@ -363,19 +349,10 @@ class RankOptimizer:
         if msg.max_grad_norm is not None and grad_norm is not None:
             clip_coef = min(1.0, msg.max_grad_norm / (grad_norm + 1e-6))
         grad_scale = inv_scale * clip_coef
-        pieces = [
-            (chunk, a, b, self.groups[group], step)
-            for lo, hi, group, step in self._runs(ids)
-            for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel)
-        ]
-        for tid in ids:
-            self.steps[tid] += 1
-        self._stale.difference_update(ids)
+        pieces = self._take_pieces(ids, self.groups, state)
         self.last_step = msg.step
         if msg.delayed:
-            if self._pipeline is None:
-                self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-dpu-{self.rank}")
-            self._inflight.append(self._pipeline.submit(self._run_update, state, pieces, grads, params, grad_scale))
+            self._inflight.append(self._in_background(state, pieces, grads, params, grad_scale))
             return StepDone(
                 step=msg.step,
                 found_inf=found_inf,
@@ -391,6 +368,34 @@ class RankOptimizer:
             grad_norm=grad_norm,
             timings=(("stats", t1 - t0), ("update", t2 - t1)),
         )
+
+    def _take_pieces(
+        self, ids: list[int], groups: Sequence[ParamGroup], state: StateChunks
+    ) -> list[tuple[int, int, int, ParamGroup, int]]:
+        """The update pieces of ``ids`` (chunk, flat range, group, step count after it), and their step counts
+        advanced: from here on the tensors count as stepped (their param slots will hold the new values)."""
+        pieces = [
+            (chunk, a, b, groups[group], step)
+            for lo, hi, group, step in self._runs(ids)
+            for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel)
+        ]
+        for tid in ids:
+            self.steps[tid] += 1
+        self._stale.difference_update(ids)
+        return pieces
+
+    def _in_background(
+        self,
+        state: StateChunks,
+        pieces: list[tuple[int, int, int, ParamGroup, int]],
+        grads: torch.Tensor,
+        params: torch.Tensor,
+        grad_scale: float,
+    ) -> Future[None]:
+        """Run an update on the rank's pipeline thread (delayed steps, overlapped buckets), in order."""
+        if self._pipeline is None:
+            self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-rank-{self.rank}")
+        return self._pipeline.submit(self._run_update, state, pieces, grads, params, grad_scale)
 
     def _runs(self, ids: list[int]) -> list[tuple[int, int, int, int]]:
         """Maximal runs of consecutive tensors with one group and one step count: (start, stop, group, step)."""

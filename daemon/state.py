@@ -7,8 +7,7 @@ block of three consecutive sections (master | exp_avg | exp_avg_sq), so one
 I/O moves all of a chunk's state.
 
 ``StateChunks`` is the interface the step pipeline uses: ``acquire(c)`` returns
-the three tensors of chunk ``c`` (valid until ``release``), ``prefetch`` hints
-which chunks come next.  ``CpuStateChunks`` keeps every chunk in the daemon's
+the three tensors of chunk ``c`` (valid until ``release``).  ``CpuStateChunks`` keeps every chunk in the daemon's
 pool: a chunk is pinned only while it is in use, so the pool may compact
 around idle state.  The NVMe tier pages chunks through the tier manager.
 """
@@ -16,7 +15,6 @@ around idle state.  The NVMe tier pages chunks through the tier manager.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -43,7 +41,6 @@ class StateChunks(Protocol):
     def nchunks(self) -> int: ...
     def acquire(self, chunk: int) -> ChunkTensors: ...
     def release(self, chunk: int, *, dirty: bool) -> None: ...
-    def prefetch(self, chunks: Iterable[int]) -> None: ...
     def close(self, *, remove: bool = True) -> None: ...
 
 
@@ -100,9 +97,6 @@ class CpuStateChunks:
 
     def release(self, chunk: int, *, dirty: bool) -> None:
         self.pool.unpin(self._blocks[chunk])
-
-    def prefetch(self, chunks: Iterable[int]) -> None:
-        """Everything is resident already."""
 
     def close(self, *, remove: bool = True) -> None:
         """Zero and free every chunk (state of one job never leaks into another's blocks); ``remove`` is for

@@ -143,7 +143,6 @@ class OffloadAdam(torch.optim.Optimizer):
         self._inflight = False
         self._inflight_ids: list[int] = []
         self._skipped = 0
-        self._last_done: Any = None
         self._copy_stream: Any = None
         self._hooks: list[Any] = []
         for group in self.param_groups:
@@ -233,7 +232,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 "hyper-parameters changed between backward and step() while buckets were updated as they "
                 "landed (overlap_update=True); set lr and the other group values before backward"
             )
-        done = self.client.step(
+        self.client.step(
             Step(
                 step=step_no,
                 groups=groups,
@@ -247,7 +246,6 @@ class OffloadAdam(torch.optim.Optimizer):
             )
         )
         self._steps_sent = step_no
-        self._last_done = done
         self._reset_step()
         if delayed:
             self._inflight = True
