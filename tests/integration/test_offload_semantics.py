@@ -1,0 +1,447 @@
+"""``OffloadAdam`` gives ``torch.optim.AdamW``'s results where a training loop does more than the happy path.
+
+Each test runs a loop twice with the same seeds, once with ``OffloadAdam`` and
+once with ``torch.optim.AdamW`` (``torch.optim.Adam`` for ``adamw=False``),
+and compares the params (and the Adam state where the case is about state):
+default hyper-parameters, params and grads edited between steps, checkpoints
+loaded in either order or into a used optimizer, the overlapped update's
+contract, and bf16 models whose working params are edited.  Every test runs
+on the CPU tier and on the NVMe tier (one private tiermemd for the module with
+2048-element chunks: an MLP's state pages through the NVMe tier's chunk cache).
+
+Tolerance: the models are MLPs, where ``OffloadAdam`` and ``torch.optim.AdamW``
+stay within ``assert_close``'s default fp32 tolerances (the same tolerance as
+``test_offload_parity``'s and ``test_offload_training``'s MLP comparisons with
+torch: the only differences are one-ulp roundings, which an MLP does not
+amplify over a few steps); every error these tests look for moves a param by
+1e-3 or more.  The bf16 tests compare with ``CPUAdam`` (the daemon's own
+arithmetic, fp32 master) and ask for bitwise equality, as ``test_offload_parity``
+does.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from offload_helpers import (
+    OffloadDaemon,
+    assert_params_close,
+    assert_params_equal,
+    assert_state_close,
+    cpu_adam,
+    max_param_diff,
+    mlp,
+    mlp_batches,
+    mlp_loss,
+    offload_daemon,
+    replicas,
+    train,
+)
+from torch import nn
+from torch.nn import functional as F
+
+from tiermem import OffloadAdam
+from tiermem.errors import InvalidState
+
+HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+"""Explicit hyper-parameters for every test but the defaults' own (so a wrong default cannot mask another error)."""
+
+
+@pytest.fixture(scope="module")
+def offload() -> Iterator[OffloadDaemon]:
+    with offload_daemon(settings={"jobs.max_jobs": 256}) as daemon:
+        yield daemon
+
+
+@pytest.fixture(params=["cpu", "nvme"])
+def tier(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def no_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """No daemon can be reached or started: a construction that tried would fail with a connection error."""
+    monkeypatch.setenv("TIERMEM_NO_EMBED", "1")
+    monkeypatch.setenv("TIERMEM_SOCKET_PATH", os.path.join(tmp_path, "no-daemon.sock"))
+
+
+def offload_and_adamw(
+    offload: OffloadDaemon, base: nn.Module, tier: str, *, offload_only: dict[str, Any] | None = None, **hyper: Any
+) -> tuple[nn.Module, OffloadAdam, nn.Module, torch.optim.AdamW]:
+    """Two copies of ``base``: one trained by ``OffloadAdam`` on ``tier`` (with ``hyper`` and ``offload_only``),
+    one by ``torch.optim.AdamW`` (with ``hyper``)."""
+    m_off, m_ref = replicas(base, 2)
+    opt = offload.make(m_off.parameters(), offload=tier, **hyper, **(offload_only or {}))
+    return m_off, opt, m_ref, torch.optim.AdamW(m_ref.parameters(), **hyper)
+
+
+# ----------------------------------------------------------------------------- defaults
+
+
+def test_no_hyper_parameters_trains_like_torch_adamw_defaults(offload: OffloadDaemon, tier: str) -> None:
+    """Swapping the class and nothing else keeps AdamW's weight decay of 0.01."""
+    base = mlp()
+    with torch.no_grad():  # large weights, so that a missing 0.01 weight decay moves them well beyond the tolerance
+        for p in base.parameters():
+            p.mul_(8.0)
+    m_off, m_ref = replicas(base, 2)
+    opt = offload.make(m_off.parameters(), offload=tier)
+    ref = torch.optim.AdamW(m_ref.parameters())
+    for name in ("lr", "betas", "eps", "weight_decay", "maximize"):
+        assert opt.param_groups[0][name] == ref.param_groups[0][name], name
+    batches = mlp_batches(8, fixed=False)
+    train(m_off, opt, batches, mlp_loss)
+    train(m_ref, ref, batches, mlp_loss)
+    assert_params_close(m_off, m_ref)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+def test_adamw_false_with_no_hyper_parameters_trains_like_torch_adam_defaults(
+    offload: OffloadDaemon, tier: str
+) -> None:
+    base = mlp()
+    m_off, m_ref = replicas(base, 2)
+    opt = offload.make(m_off.parameters(), offload=tier, adamw=False)
+    ref = torch.optim.Adam(m_ref.parameters())
+    assert opt.param_groups[0]["weight_decay"] == ref.param_groups[0]["weight_decay"] == 0
+    batches = mlp_batches(8, fixed=False)
+    train(m_off, opt, batches, mlp_loss)
+    train(m_ref, ref, batches, mlp_loss)
+    assert_params_close(m_off, m_ref)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+# ----------------------------------------------------------------------------- params and grads edited by the loop
+
+
+def _clamp_every_step(model: nn.Module, i: int) -> None:
+    for p in model.parameters():
+        p.data.clamp_(-0.1, 0.1)  # WGAN's weight clipping
+
+
+def _zero_one_param(model: nn.Module, i: int) -> None:
+    if i == 1:
+        next(iter(model.parameters())).data.zero_()
+
+
+def _load_other_weights(model: nn.Module, i: int) -> None:
+    if i == 1:
+        model.load_state_dict(mlp(seed=5).state_dict())
+
+
+def _halve_under_no_grad(model: nn.Module, i: int) -> None:
+    if i == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+
+
+def _rebind_data(model: nn.Module, i: int) -> None:
+    if i == 1:
+        g = torch.Generator().manual_seed(5)
+        for p in model.parameters():
+            p.data = torch.randn(p.shape, generator=g) * 0.1  # new storage behind the same Parameter
+
+
+PARAM_EDITS: dict[str, Callable[[nn.Module, int], None]] = {
+    "clamp-every-step": _clamp_every_step,
+    "zero-one-param": _zero_one_param,
+    "load-state-dict": _load_other_weights,
+    "no-grad-mul": _halve_under_no_grad,
+    "rebind-data": _rebind_data,
+}
+
+
+@pytest.mark.parametrize("edit", list(PARAM_EDITS))
+def test_param_edits_between_steps_are_honoured(offload: OffloadDaemon, tier: str, edit: str) -> None:
+    """The next step starts from the edited values, as AdamW's does (the edit is never reverted)."""
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, **HYPER)
+    batches = mlp_batches(6, fixed=False)
+    train(m_off, opt, batches, mlp_loss, after_step=lambda i: PARAM_EDITS[edit](m_off, i))
+    train(m_ref, ref, batches, mlp_loss, after_step=lambda i: PARAM_EDITS[edit](m_ref, i))
+    assert_params_close(m_off, m_ref)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+def _clamp_grad_data(model: nn.Module, i: int) -> None:
+    for p in model.parameters():
+        assert p.grad is not None
+        p.grad.data.clamp_(-1e-3, 1e-3)  # the DQN tutorial's idiom; a .data edit leaves the version counter alone
+
+
+def _zero_grad_data(model: nn.Module, i: int) -> None:
+    if i in (2, 3):
+        for p in model.parameters():
+            assert p.grad is not None
+            p.grad.data.mul_(0.0)
+
+
+GRAD_EDITS: dict[str, Callable[[nn.Module, int], None]] = {
+    "clamp-data": _clamp_grad_data,
+    "zero-data": _zero_grad_data,
+}
+
+
+@pytest.mark.parametrize("edit", list(GRAD_EDITS))
+def test_grad_edits_through_data_after_backward_are_honoured(offload: OffloadDaemon, tier: str, edit: str) -> None:
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, **HYPER)
+    batches = mlp_batches(6, fixed=False)
+    train(m_off, opt, batches, mlp_loss, after_backward=lambda i: GRAD_EDITS[edit](m_off, i))
+    train(m_ref, ref, batches, mlp_loss, after_backward=lambda i: GRAD_EDITS[edit](m_ref, i))
+    assert_params_close(m_off, m_ref)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _load(
+    model: nn.Module, opt: torch.optim.Optimizer, ckpt: tuple[dict[str, Any], dict[str, Any]], order: str
+) -> None:
+    model_sd, opt_sd = copy.deepcopy(ckpt)
+    if order == "optimizer-first":
+        opt.load_state_dict(opt_sd)
+        model.load_state_dict(model_sd)
+    else:
+        model.load_state_dict(model_sd)
+        opt.load_state_dict(opt_sd)
+
+
+ORDERS = ["optimizer-first", "model-first"]
+
+
+@pytest.mark.parametrize("source", ["offload", "adamw"], ids=["saved-by-offload", "saved-by-adamw"])
+@pytest.mark.parametrize("order", ORDERS)
+def test_resume_continues_from_the_checkpoint_in_either_load_order(
+    offload: OffloadDaemon, tier: str, order: str, source: str
+) -> None:
+    """A new optimizer on a model with other values resumes from the checkpoint, as AdamW resumed the same way."""
+    batches = mlp_batches(6, fixed=False)
+    m_src = mlp()
+    src: torch.optim.Optimizer = (
+        offload.make(m_src.parameters(), offload=tier, **HYPER)
+        if source == "offload"
+        else torch.optim.AdamW(m_src.parameters(), **HYPER)
+    )
+    train(m_src, src, batches[:3], mlp_loss)
+    ckpt = (copy.deepcopy(m_src.state_dict()), copy.deepcopy(src.state_dict()))
+
+    m_off, m_ref = mlp(seed=7), mlp(seed=7)  # other values: the checkpoint must bring everything back
+    opt = offload.make(m_off.parameters(), offload=tier, lr=0.5, weight_decay=0.5)  # overwritten by the load
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=0.5, weight_decay=0.5)
+    _load(m_off, opt, ckpt, order)
+    _load(m_ref, ref, ckpt, order)
+    assert_params_equal(m_off, m_ref)
+    train(m_off, opt, batches[3:], mlp_loss)
+    train(m_ref, ref, batches[3:], mlp_loss)
+    assert_params_close(m_off, m_ref)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+class TwoBranches(nn.Module):
+    """``branch_b`` takes part only while ``use_b``: until then its params get no grad and have no Adam state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk = nn.Linear(16, 32)
+        self.branch_a = nn.Linear(32, 8)
+        self.branch_b = nn.Linear(32, 8)
+        self.use_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        out = self.branch_a(h)
+        return out + self.branch_b(h) if self.use_b else out
+
+
+def _branch_steps(model: TwoBranches, opt: torch.optim.Optimizer, batches: list[Any], *, use_b: bool) -> None:
+    model.use_b = use_b
+    for x, y in batches:
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_loading_an_older_checkpoint_into_a_used_optimizer_restores_it_exactly(
+    offload: OffloadDaemon, tier: str, order: str
+) -> None:
+    """Checkpoint at step 2 (branch_b never stepped), train on with branch_b, load the checkpoint back:
+    the model holds the checkpoint's weights, branch_b has no state (it starts again from step 0, as with
+    AdamW), the others have the checkpoint's, and training goes on as AdamW's does."""
+    base = TwoBranches()
+    batches = mlp_batches(8, fixed=False)
+    m_off, m_ref = replicas(base, 2)
+    opt = offload.make(m_off.parameters(), offload=tier, **HYPER)
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    loaded = []
+    for model, o in ((m_off, opt), (m_ref, ref)):
+        _branch_steps(model, o, batches[:2], use_b=False)
+        ckpt = (copy.deepcopy(model.state_dict()), copy.deepcopy(o.state_dict()))
+        _branch_steps(model, o, batches[2:5], use_b=True)
+        _load(model, o, ckpt, order)
+        for name, p in model.named_parameters():  # never overwritten by the optimizer's load
+            torch.testing.assert_close(p, ckpt[0][name], rtol=0, atol=0, msg=lambda m, n=name: f"param {n}: {m}")
+        loaded.append(o.state_dict())
+        _branch_steps(model, o, batches[5:], use_b=True)
+    assert sorted(loaded[1]["state"]) == [0, 1, 2, 3]  # trunk and branch_a only
+    assert_state_close(loaded[0], loaded[1])
+    assert_params_close(m_off, m_ref)
+    sd, ref_sd = opt.state_dict(), ref.state_dict()
+    assert_state_close(sd, ref_sd)
+    assert [int(sd["state"][k]["step"]) for k in sorted(sd["state"])] == [5, 5, 5, 5, 3, 3]
+
+
+# ----------------------------------------------------------------------------- overlap_update is a contract
+
+
+@pytest.mark.parametrize("kwargs", [{"max_grad_norm": 1.0}, {"delayed_update": True}], ids=["clip", "delayed"])
+def test_overlap_update_with_clipping_or_delayed_update_is_refused_at_construction(
+    no_daemon: None, tier: str, kwargs: dict[str, Any]
+) -> None:
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=name):
+        OffloadAdam(mlp().parameters(), offload=tier, overlap_update=True, **kwargs)
+
+
+def _state_and_params(opt: torch.optim.Optimizer, model: nn.Module) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    return copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_nothing_applied(
+    opt: torch.optim.Optimizer, model: nn.Module, before: tuple[dict[str, Any], list[torch.Tensor]]
+) -> None:
+    state, params = before
+    assert_state_close(opt.state_dict(), state, rtol=0, atol=0)  # step counts and moments unchanged
+    for p, q in zip(model.parameters(), params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def _overlap_refusal(offload: OffloadDaemon, tier: str, refused_step: Callable[[nn.Module, OffloadAdam], None]) -> None:
+    """One plain step, then a step ``refused_step`` makes (it must raise InvalidState before applying anything),
+    then a plain step: the result equals AdamW taking the two plain steps."""
+    (x1, y1), (x3, y3) = mlp_batches(2, fixed=False)
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, offload_only={"overlap_update": True}, **HYPER)
+    F.mse_loss(m_off(x1), y1).backward()
+    opt.step()
+    opt.zero_grad()
+    before = _state_and_params(opt, m_off)
+    with pytest.raises(InvalidState):
+        refused_step(m_off, opt)
+    _assert_nothing_applied(opt, m_off, before)
+    opt.zero_grad()
+    F.mse_loss(m_off(x3), y3).backward()
+    opt.step()  # the optimizer is still usable
+    opt.zero_grad()
+    for x, y in ((x1, y1), (x3, y3)):
+        F.mse_loss(m_ref(x), y).backward()
+        ref.step()
+        ref.zero_grad()
+    assert_params_close(m_off, m_ref)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+def test_overlap_update_refuses_a_grad_scaler_step_before_applying_anything(offload: OffloadDaemon, tier: str) -> None:
+    x, y = mlp_batches(1, seed=9)[0]
+
+    def scaled_step(model: nn.Module, opt: OffloadAdam) -> None:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        try:
+            scaler.step(opt)
+        finally:
+            # GradScaler.step removes the grad_scale and found_inf it set on the optimizer only when
+            # opt.step() returns; the plain step after the refusal must not see them
+            for name in ("grad_scale", "found_inf"):
+                opt.__dict__.pop(name, None)
+
+    _overlap_refusal(offload, tier, scaled_step)
+
+
+def test_overlap_update_refuses_gradient_accumulation_before_applying_anything(
+    offload: OffloadDaemon, tier: str
+) -> None:
+    micro = mlp_batches(2, seed=9, fixed=False)
+
+    def accumulated_step(model: nn.Module, opt: OffloadAdam) -> None:
+        for x, y in micro:  # two backward passes before step()
+            (F.mse_loss(model(x), y) / 2).backward()
+        opt.step()
+
+    _overlap_refusal(offload, tier, accumulated_step)
+
+
+def test_overlap_update_plain_loop_trains_like_adamw(offload: OffloadDaemon, tier: str) -> None:
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, offload_only={"overlap_update": True}, **HYPER)
+    batches = mlp_batches(6, fixed=False)
+    train(m_off, opt, batches, mlp_loss)
+    train(m_ref, ref, batches, mlp_loss)
+    assert_params_close(m_off, m_ref)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+# ----------------------------------------------------------------------------- bf16 models
+
+
+def test_bf16_model_trains_like_cpu_adam(offload: OffloadDaemon, tier: str) -> None:
+    base = mlp()
+    m_off, m_eng = (m.to(torch.bfloat16) for m in replicas(base, 2))
+    opt = offload.make(m_off.parameters(), offload=tier, **HYPER)
+    eng = cpu_adam(m_eng.parameters(), **HYPER)
+    batches = mlp_batches(5, fixed=False)
+    train(m_off, opt, batches, mlp_loss)
+    train(m_eng, eng, batches, mlp_loss)
+    assert_params_equal(m_off, m_eng)
+
+
+BF16_CLAMP = 0.01
+"""WGAN's clip value: most weights sit on the bound, so each clamp changes some elements of every tensor."""
+
+
+def test_bf16_param_edits_are_adopted_by_the_fp32_master(offload: OffloadDaemon, tier: str) -> None:
+    """``p.data.clamp_`` on bf16 params after every step: the next step starts from the clamped values.
+
+    Reference: ``CPUAdam`` with the same clamps, whose fp32 master then adopts them.  Two adoptions are
+    both faithful to the edit and differ only in the low bits of the elements the clamp left alone: the
+    edited tensor's master becomes the edited param widened to fp32, or only the changed elements of the
+    master take the new values.  The run must equal one of them bitwise (reverting the clamp is ~1e-2 off).
+    """
+    base = mlp()
+    m_off = replicas(base, 1)[0].to(torch.bfloat16)
+    opt = offload.make(m_off.parameters(), offload=tier, **HYPER)
+    batches = mlp_batches(5, fixed=False)
+
+    def clamp(model: nn.Module) -> list[torch.Tensor]:
+        before = [p.detach().clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.data.clamp_(-BF16_CLAMP, BF16_CLAMP)
+        return before
+
+    train(m_off, opt, batches, mlp_loss, after_step=lambda i: clamp(m_off))
+
+    references = {}
+    for adoption in ("whole-tensor", "changed-elements"):
+        m_eng = replicas(base, 1)[0].to(torch.bfloat16)
+        eng = cpu_adam(m_eng.parameters(), **HYPER)
+
+        def adopt(i: int, m_eng: nn.Module = m_eng, eng: torch.optim.Optimizer = eng, adoption: str = adoption) -> None:
+            before = clamp(m_eng)
+            for p, old in zip(m_eng.parameters(), before, strict=True):
+                changed = p != old
+                assert changed.any(), "the test's clamp should change every tensor (else the adoptions differ more)"
+                master = eng.state[p]["master"]
+                if adoption == "whole-tensor":
+                    master.copy_(p.float())
+                else:
+                    master.copy_(torch.where(changed, p.float(), master))
+
+        train(m_eng, eng, batches, mlp_loss, after_step=adopt)
+        references[adoption] = m_eng
+    diffs = {name: max_param_diff(m_off, m) for name, m in references.items()}
+    assert min(diffs.values()) == 0.0, f"max abs param difference to each reference: {diffs}"
