@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno as _errno
 import os
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from tiermem.units import format_size
@@ -37,6 +38,7 @@ __all__ = [
     "TiermemError",
     "UnknownJob",
     "UnknownKey",
+    "UnsafePathError",
     "error_from_wire",
 ]
 
@@ -170,6 +172,32 @@ class ProtocolError(TiermemError):
 
 class AuthError(TiermemError):
     """The peer is not allowed to do what it asked."""
+
+
+class UnsafePathError(AuthError):
+    """A socket or state path that someone other than the expected uids owns, listens on, or could replace.
+
+    ``path`` is what was refused, ``owner_uid`` the uid found (the owner, or the uid of the process
+    listening on a socket), ``expected_uids`` the uids that would have been accepted.
+    """
+
+    fields = ("path", "owner_uid", "expected_uids")
+
+    def __init__(
+        self,
+        path: str,
+        problem: str,
+        *,
+        owner_uid: int | None = None,
+        expected_uids: Iterable[int] = (),
+        fix: str = "",
+    ) -> None:
+        super().__init__(
+            f"refusing {path}: {problem}" + (f"; {fix}" if fix else ""),
+            path=path,
+            owner_uid=owner_uid,
+            expected_uids=sorted(expected_uids),
+        )
 
 
 class AdmissionError(TiermemError):

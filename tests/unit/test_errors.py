@@ -39,6 +39,7 @@ def test_swap_io_error_names_path_offset_and_errno() -> None:
         CorruptionError("layer0.exp_avg", "/swap/f0", 4096),
         UnknownKey("w", "job a"),
         errors.AuthError("uid 1000 is not allowed"),
+        errors.UnsafePathError("/tmp/tiermem-1000", "is owned by uid 1001", owner_uid=1001, expected_uids={1000, 0}),
     ],
 )
 def test_errors_survive_the_wire_as_the_same_type(err: TiermemError) -> None:
