@@ -19,7 +19,6 @@ the others need a restart and are reported as such.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -29,8 +28,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from tiermem.config import DaemonConfig, load_config
-from tiermem.errors import ConfigError, TiermemError
+from tiermem.errors import ConfigError, TiermemError, UnsafePathError
 from tiermem.pool import BufferPool
+from tiermem.sockpath import SecureDir, Trust, remove_socket, uid_label
 from tiermem.swap import open_engine
 from tiermem.transport import Listener, adopt_listener
 from tiermem.units import format_size
@@ -87,6 +87,9 @@ class Service:
         try:
             self.swap_dirs = [self._prepare_dir(Path(d)) for d in config.swap.dirs]
             self._prepare_dir(Path(config.server.state_dir))
+        except UnsafePathError as exc:
+            self.pool.close()
+            raise StartupError(EXIT_SWAP, str(exc)) from exc
         except OSError as exc:
             self.pool.close()
             raise StartupError(EXIT_SWAP, f"swap directory unusable: {exc}") from exc
@@ -115,7 +118,7 @@ class Service:
         self.handlers = Handlers(self)
         try:
             self.listener = self._listen()
-        except ConfigError as exc:
+        except (ConfigError, UnsafePathError) as exc:
             self.scheduler.close()
             self.pool.close()
             raise StartupError(EXIT_SOCKET, str(exc)) from exc
@@ -137,7 +140,10 @@ class Service:
 
     @staticmethod
     def _prepare_dir(path: Path) -> Path:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        """Create (mode 0700) or check a state or swap directory: one nobody else can change, then a write probe."""
+        uid = os.geteuid()
+        fix = f"remove it, or create it as {uid_label(uid)} with mode 0700"
+        SecureDir.open(path, Trust.of(uid, what="this tiermemd"), create=True, fix=fix).close()
         probe = path / f".tiermemd-probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
@@ -343,9 +349,11 @@ class Service:
             time.sleep(0.01)
         self.server.close_sessions("tiermemd is shutting down")
         self.server.close()
-        with contextlib.suppress(FileNotFoundError):
-            if not self.env.get("LISTEN_FDS"):
-                os.unlink(self.config.server.socket)
+        if not self.env.get("LISTEN_FDS"):
+            try:
+                remove_socket(self.config.server.socket)
+            except (OSError, UnsafePathError) as exc:
+                log.warning("left the socket file %s in place: %s", self.config.server.socket, exc)
         self.persist_and_reclaim()
         self.scheduler.close()
         self.io_engine.close()

@@ -14,8 +14,13 @@ frames of ``tiermem.protocol``.  Invariants:
   ``size_send_buffer`` raises it so a ``max_frame`` packet fits, and
   ``FrameSocket.max_send`` tells what the kernel granted.
 - A socket path is removed only when nothing listens on it (a connect test),
-  never when another daemon is alive; it is bound under a restrictive umask and
-  then given its configured mode, so it is never more open than configured.
+  never when another daemon is alive.  It is bound only inside a directory
+  nobody else can change, born mode 0600 and then given its configured mode
+  and group through a handle on its inode, never by path (``tiermem.sockpath``
+  says why this is race-free), so it is never more open than configured.
+- ``connect_trusted`` connects only to a daemon of the expected uids: the
+  socket's directory and file are checked before connecting, the listener's
+  ``SO_PEERCRED`` uid after connecting and before a byte is sent.
 - Peers are identified by the kernel (``SO_PEERCRED``: the pid, uid and gid of
   the process that connected), and watched through a pidfd, which becomes
   readable when that process exits even if forked children keep the socket open.
@@ -40,10 +45,16 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 
-from tiermem.errors import ConfigError, ConnectionClosed, DaemonUnavailable, ProtocolError, TiermemError
+from tiermem.errors import (
+    ConfigError,
+    ConnectionClosed,
+    DaemonUnavailable,
+    ProtocolError,
+    TiermemError,
+    UnsafePathError,
+)
 from tiermem.protocol import (
     DEFAULT_MAX_FRAME,
     FLAG_FDS,
@@ -57,6 +68,16 @@ from tiermem.protocol import (
     decode_message,
     encode_message,
 )
+from tiermem.sockpath import (
+    SecureDir,
+    Trust,
+    peer_problem,
+    remove_socket,
+    socket_dir_mode,
+    socket_path_problem,
+    uid_label,
+    verify_socket,
+)
 
 __all__ = [
     "MAX_FDS",
@@ -68,6 +89,7 @@ __all__ = [
     "adopt_listener",
     "bind_listener",
     "connect_socket",
+    "connect_trusted",
     "open_peer_pidfd",
     "peer_cred",
     "size_send_buffer",
@@ -234,36 +256,51 @@ def _close_all(fds: Sequence[int]) -> None:
 
 
 def bind_listener(path: str | os.PathLike[str], *, mode: int = 0o660, group: str | int | None = None) -> socket.socket:
-    """A listening SEQPACKET socket at ``path``.
+    """A listening SEQPACKET socket at ``path``, bound so that nobody else can take it over.
 
-    The parent directory is created when missing (0755 when ``mode`` opens the
-    socket to group or others, else 0700).  An existing socket file is removed
-    only if nothing accepts connections on it; a live one raises
-    ``ConfigError`` naming the path.  ``group`` (a name or gid) becomes the
-    socket's group.  Raises ``ConfigError`` on any failure.
+    The parent directory must be trusted for this process (``tiermem.sockpath``):
+    created here with mode 0700 when missing (and opened up to
+    ``socket_dir_mode(mode)`` once the socket is in place), or an existing
+    directory owned by this uid (or root) that nobody else can write, with no
+    symlink as its last component.  The socket file is born mode 0600
+    (``fchmod`` before bind) and then given ``mode`` and ``group`` (a name or
+    gid) through an ``O_PATH`` handle: no operation by path that could follow
+    a symlink.  An existing socket file is removed only if nothing accepts
+    connections on it; a live one raises ``ConfigError`` naming the path.
+    Raises ``UnsafePathError`` for an untrusted directory and ``ConfigError``
+    for every other failure.
     """
-    target = Path(path)
-    if not target.parent.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(target.parent, 0o755 if mode & 0o077 else 0o700)  # not left to the umask
-    _remove_stale(target)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    target = os.path.abspath(os.fspath(path))
+    too_long = socket_path_problem(target)
+    if too_long is not None:
+        raise ConfigError("server.socket", too_long)
+    gid = _gid_of(group) if group is not None and group != "" else None
+    directory, name = os.path.split(target)
+    uid = os.geteuid()
+    fix = f"remove it, or create it as {uid_label(uid)} with mode 0700"
     try:
-        old_umask = os.umask(0o177)
-        try:
-            sock.bind(str(target))
-        finally:
-            os.umask(old_umask)
-        os.chmod(target, mode)
-        if group is not None and group != "":
-            os.chown(target, -1, _gid_of(group))
-        sock.listen(128)
+        sdir = SecureDir.open(directory, Trust.of(uid, what="this tiermemd"), create=True, fix=fix)
     except OSError as exc:
-        sock.close()
-        raise ConfigError("server.socket", f"cannot listen on {target}: {exc.strerror}") from None
-    except BaseException:
-        sock.close()
-        raise
+        raise ConfigError("server.socket", f"cannot use {directory} as the socket directory: {exc.strerror}") from None
+    with sdir:
+        _remove_stale(sdir, name)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            os.fchmod(sock.fileno(), 0o600)  # the file bind creates takes this mode (masked by the umask)
+            sock.bind(target)
+            if sdir.entry(name) is None:
+                raise UnsafePathError(
+                    directory, "was replaced while the socket was being bound", fix="check who can rename its parents"
+                )
+            sdir.set_socket_access(name, mode=mode, gid=gid)
+            sock.listen(128)
+            sdir.open_up(socket_dir_mode(mode), gid)
+        except OSError as exc:
+            sock.close()
+            raise ConfigError("server.socket", f"cannot listen on {target}: {exc.strerror}") from None
+        except BaseException:
+            sock.close()
+            raise
     return sock
 
 
@@ -285,20 +322,20 @@ def _gid_of(group: str | int) -> int:
         raise ConfigError("server.socket_group", f"no group named {group!r}") from None
 
 
-def _remove_stale(path: Path) -> None:
-    try:
-        info = path.lstat()
-    except FileNotFoundError:
+def _remove_stale(sdir: SecureDir, name: str) -> None:
+    path = os.path.join(sdir.path, name)
+    info = sdir.entry(name)
+    if info is None:
         return
     if not stat.S_ISSOCK(info.st_mode):
         raise ConfigError("server.socket", f"{path} exists and is not a socket; refusing to remove it")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     probe.settimeout(1.0)
     try:
-        probe.connect(str(path))
+        probe.connect(path)
     except (ConnectionRefusedError, FileNotFoundError):
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            sdir.unlink(name)
         return
     except OSError:
         pass  # a live listener of another kind, or a full backlog: not ours to remove
@@ -368,10 +405,10 @@ class Listener:
             raise
 
     def close(self, unlink: str | None = None) -> None:
+        """Close; with ``unlink``, also remove the socket file at that path (through its verified directory)."""
         self.sock.close()
         if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(unlink)
+            remove_socket(unlink)
 
 
 # --------------------------------------------------------------------------- the client's side
@@ -388,6 +425,33 @@ def connect_socket(path: str | os.PathLike[str], *, timeout_s: float | None = 5.
         sock.close()
         raise DaemonUnavailable(where, _connect_reason(exc, timeout_s)) from None
     sock.settimeout(None)
+    return sock
+
+
+def connect_trusted(path: str | os.PathLike[str], trust: Trust, *, timeout_s: float | None = 5.0) -> socket.socket:
+    """Like ``connect_socket``, but only to a daemon of ``trust``'s uids (see ``tiermem.sockpath``).
+
+    Before connecting: the directory and the socket file must be trusted (else
+    ``UnsafePathError``; nothing is connected).  After connecting and before
+    anything is sent: the listener's ``SO_PEERCRED`` uid must be one of
+    ``trust``'s (else the socket is closed and ``UnsafePathError`` names the
+    socket, the listener's pid and uid).
+    """
+    where = os.fspath(path)
+    try:
+        verify_socket(where, trust)
+    except OSError as exc:
+        raise DaemonUnavailable(where, _connect_reason(exc, timeout_s)) from None
+    sock = connect_socket(where, timeout_s=timeout_s)
+    try:
+        cred = peer_cred(sock)
+        problem = peer_problem(cred.uid, cred.pid, trust, uid_label)
+    except BaseException:
+        sock.close()
+        raise
+    if problem is not None:
+        sock.close()
+        raise UnsafePathError(where, problem, owner_uid=cred.uid, expected_uids=trust.uids)
     return sock
 
 
