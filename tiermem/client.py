@@ -2,13 +2,21 @@
 
 ``connect()`` looks for a daemon in this order: the ``socket`` argument,
 ``$TIERMEM_SOCKET_PATH``, the node installation's ``/run/tiermem/tiermemd.sock``,
-then the per-user default (``$XDG_RUNTIME_DIR/tiermem/tiermemd.sock``).  When
-none answers and ``embed`` allows it (the default unless
-``TIERMEM_NO_EMBED=1``), it starts a private ``tiermemd`` for this process
-tree: a real child process on a socket in a private directory, which the child
-reports ready through the sd_notify protocol once its pool is allocated, and
-which is stopped (SIGTERM, then waited for) when the client closes or the
-process exits; the child's ``--exit-with-parent`` stops it if this process dies first.
+then the per-user default (``$XDG_RUNTIME_DIR/tiermem/tiermemd.sock``, else
+``/tmp/tiermem-<uid>/tiermemd.sock``).  It connects only to a daemon of the
+expected uid (``tiermem.sockpath``): root or the node's service user (the user
+named by ``$TIERMEM_DAEMON_USER``, else ``tiermem`` where it exists) for the
+node path; root or the user itself for the per-user path, a private daemon,
+and a path the caller names unless ``daemon_uid=`` names another.  A
+candidate found untrusted is skipped with a warning (a socket the caller named
+raises ``UnsafePathError``).  When none answers and ``embed`` allows it (the
+default unless ``TIERMEM_NO_EMBED=1``), it starts a private ``tiermemd`` for
+this process tree: a real child process on a socket in a private directory
+(``tempfile.mkdtemp``: created 0700 by this user, checked like any other),
+which the child reports ready through the sd_notify protocol once its pool is
+allocated, and which is stopped (SIGTERM, then waited for) when the client
+closes or the process exits; the child's ``--exit-with-parent`` stops it if
+this process dies first.
 
 A ``Client`` is one connection.  After ``attach`` it maps the job's window
 (the memfd the daemon sends) and exposes it as a ``torch.uint8`` tensor; all
@@ -23,6 +31,7 @@ import json
 import logging
 import mmap
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -37,7 +46,7 @@ from typing import Any
 import torch
 
 from tiermem.config import default_runtime_dir
-from tiermem.errors import DaemonUnavailable, ProtocolError
+from tiermem.errors import ConfigError, DaemonUnavailable, ProtocolError, UnsafePathError
 from tiermem.protocol import (
     Attach,
     AttachOk,
@@ -59,7 +68,8 @@ from tiermem.protocol import (
     TensorSlot,
     TensorSpec,
 )
-from tiermem.transport import Connection
+from tiermem.sockpath import SocketCandidate, Trust, socket_candidates
+from tiermem.transport import Connection, connect_trusted
 from tiermem.units import GiB, format_size
 
 __all__ = ["AttachInfo", "Client", "EmbeddedDaemon", "connect"]
@@ -67,6 +77,8 @@ __all__ = ["AttachInfo", "Client", "EmbeddedDaemon", "connect"]
 log = logging.getLogger(__name__)
 
 NODE_SOCKET = "/run/tiermem/tiermemd.sock"
+NODE_SERVICE_USER = "tiermem"
+"""The user the shipped unit runs the node daemon as (``User=`` in ``systemd/tiermemd.service``)."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +104,7 @@ class EmbeddedDaemon:
         ready_timeout_s: float = 120.0,
     ) -> None:
         """``settings``: dotted config keys for the daemon (``{"adam.chunk_numel": 65536}``)."""
-        self.dir = tempfile.mkdtemp(prefix="tiermemd-")
-        os.chmod(self.dir, 0o700)
+        self.dir = tempfile.mkdtemp(prefix="tiermemd-")  # created 0700 by this user; connect() checks it
         config_args: list[str] = []
         if settings:
             config_path = os.path.join(self.dir, "tiermemd.toml")
@@ -136,6 +147,11 @@ class EmbeddedDaemon:
         finally:
             notify.close()
         atexit.register(self.stop)
+
+    @property
+    def trust(self) -> Trust:
+        """Whose the daemon's socket must be: this user's (or root's)."""
+        return Trust.of(os.geteuid(), what="this process's private tiermemd")
 
     def _wait_ready(self, notify: socket.socket, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -183,12 +199,31 @@ def _settings_toml(settings: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def candidate_sockets(socket_path: str | None, env: Mapping[str, str]) -> list[str]:
-    if socket_path:
-        return [socket_path]
-    if env.get("TIERMEM_SOCKET_PATH"):
-        return [env["TIERMEM_SOCKET_PATH"]]
-    return [NODE_SOCKET, str(default_runtime_dir(env) / "tiermemd.sock")]
+def candidate_sockets(
+    socket_path: str | None, env: Mapping[str, str], *, daemon_uid: int | None = None
+) -> list[SocketCandidate]:
+    """The sockets ``connect`` tries, in order, each with the uids its daemon must run as."""
+    return socket_candidates(
+        explicit=socket_path or env.get("TIERMEM_SOCKET_PATH") or None,
+        node_path=NODE_SOCKET,
+        per_user_path=str(default_runtime_dir(env) / "tiermemd.sock"),
+        uid=os.geteuid(),
+        service_uids=_service_uids(env),
+        daemon_uid=daemon_uid,
+    )
+
+
+def _service_uids(env: Mapping[str, str]) -> list[int]:
+    """The node daemon's uid: ``$TIERMEM_DAEMON_USER`` (a name or a number), else the shipped unit's user."""
+    named = env.get("TIERMEM_DAEMON_USER", "").strip()
+    if named.isdigit():
+        return [int(named)]
+    try:
+        return [pwd.getpwnam(named or NODE_SERVICE_USER).pw_uid]
+    except KeyError:
+        if named:
+            raise ConfigError("TIERMEM_DAEMON_USER", f"no user named {named!r} on this node") from None
+        return []  # no service user: only root's daemon is trusted on the node path
 
 
 class Client:
@@ -314,29 +349,47 @@ def connect(
     settings: Mapping[str, Any] | None = None,
     timeout_s: float | None = None,
     env: Mapping[str, str] | None = None,
+    daemon_uid: int | None = None,
 ) -> Client:
     """Connect to the node's tiermemd, or start a private one (see the module docstring).
 
     ``pool_size``, ``swap_dir`` and ``settings`` (dotted config keys) apply only to a private daemon.
+    ``daemon_uid``: the uid the daemon at ``socket_path`` (or ``$TIERMEM_SOCKET_PATH``, or the node
+    path) runs as, when it is neither root nor this user.  Raises ``UnsafePathError`` when a socket
+    named by the caller is not that daemon's, or when every candidate was refused and no private
+    daemon may be started.
     """
     env = os.environ if env is None else env
     if embed is None:
         embed = env.get("TIERMEM_NO_EMBED", "") not in ("1", "true", "yes")
     tried: list[str] = []
-    for path in candidate_sockets(socket_path, env):
+    refused: list[UnsafePathError] = []
+    for candidate in candidate_sockets(socket_path, env, daemon_uid=daemon_uid):
         try:
-            return Client(Connection.open(path, timeout_s=timeout_s), socket_path=path)
+            sock = connect_trusted(candidate.path, candidate.trust)
+        except UnsafePathError as exc:
+            if candidate.explicit:
+                raise
+            log.warning("not using %s: %s", candidate.path, exc)
+            refused.append(exc)
+            tried.append(str(exc))
         except DaemonUnavailable as exc:
             tried.append(str(exc))
+        else:
+            return Client(Connection(sock, path=candidate.path, timeout_s=timeout_s), socket_path=candidate.path)
+    if refused and not embed:
+        raise refused[0]
     if not embed or socket_path:
         raise DaemonUnavailable(
-            socket_path or candidate_sockets(None, env)[-1],
+            socket_path or candidate_sockets(None, env)[-1].path,
             "; ".join(tried) + (" (starting a private daemon is disabled)" if not embed else ""),
         )
     log.info("no tiermemd found (%s); starting a private one with a %s pool", "; ".join(tried), format_size(pool_size))
     daemon = EmbeddedDaemon(pool_size=pool_size, swap_dir=swap_dir, settings=settings)
     try:
-        return Client(Connection.open(daemon.socket, timeout_s=timeout_s), socket_path=daemon.socket, daemon=daemon)
+        sock = connect_trusted(daemon.socket, daemon.trust)
+        conn = Connection(sock, path=daemon.socket, timeout_s=timeout_s)
+        return Client(conn, socket_path=daemon.socket, daemon=daemon)
     except BaseException:
         daemon.stop()
         raise

@@ -218,7 +218,7 @@ def default_runtime_dir(env: Mapping[str, str], uid: int | None = None) -> Path:
     xdg = env.get("XDG_RUNTIME_DIR")
     if xdg:
         return Path(xdg) / "tiermem"
-    return Path("/tmp") / f"tiermem-{uid}"  # noqa: S108 - per-uid dir, created 0700 by the daemon
+    return Path("/tmp") / f"tiermem-{uid}"  # noqa: S108 - created 0700 by its owner, checked by both sides
 
 
 def default_state_dir(env: Mapping[str, str], uid: int | None = None) -> Path:
@@ -267,7 +267,7 @@ def load_config(
     return _resolve_paths(config, env)
 
 
-_ENV_IGNORED = frozenset({"TIERMEM_CONFIG", "TIERMEM_SOCKET_PATH", "TIERMEM_NO_EMBED"})
+_ENV_IGNORED = frozenset({"TIERMEM_CONFIG", "TIERMEM_SOCKET_PATH", "TIERMEM_NO_EMBED", "TIERMEM_DAEMON_USER"})
 
 
 def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
