@@ -8,8 +8,9 @@ Exit codes are a contract with the supervisor (systemd's
 1     unexpected internal error (a bug: the traceback is logged)
 2     invalid configuration (the message names the field)
 3     resources: the pool could not be allocated
-4     swap: a swap directory is unusable
-5     socket: the socket path is in use by a live daemon or cannot be bound
+4     swap: a swap or state directory is unusable, or another user could change it
+5     socket: the socket path is in use by a live daemon or cannot be bound, or
+      its directory is one another user could change (``tiermem.sockpath``)
 ====  ==================================================================
 
 Only this module configures logging (stderr, which journald captures).
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "exit codes: 0 clean shutdown, 1 internal error, 2 invalid configuration, 3 pool allocation "
-            "failed, 4 swap directory unusable, 5 socket in use or not bindable. "
+            "failed, 4 swap or state directory unusable or not private, 5 socket in use, not bindable, or in a "
+            "directory another user could change. "
             f"With no --config, {DEFAULT_NODE_CONFIG} is read when it exists (or TIERMEM_CONFIG)."
         ),
     )
