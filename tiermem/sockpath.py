@@ -273,9 +273,11 @@ class SecureDir:
     """An open directory verified to be trusted; operations on its entries go through its fd.
 
     ``open`` with ``create`` makes a missing directory (mode 0700; missing
-    ancestors 0755 under the umask); ``created`` says whether it did.  Raises
-    ``UnsafePathError`` for an untrusted directory or ancestor and ``OSError``
-    when the path cannot be a directory at all.
+    ancestors 0755 under the umask); ``created`` says whether it did.  Without
+    ``create`` the fd is ``O_PATH``: checking a directory and its entries
+    needs search permission only, as connect(2) does, not read permission.
+    Raises ``UnsafePathError`` for an untrusted directory or ancestor and
+    ``OSError`` when the path cannot be a directory at all.
     """
 
     def __init__(self, path: str, fd: int, created: bool) -> None:
@@ -296,7 +298,8 @@ class SecureDir:
                 pass
         check_ancestors(where, trust, fix=fix)
         try:
-            fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            access = os.O_RDONLY if create else os.O_PATH  # fchmod/fchown (open_up) need a real fd
+            fd = os.open(where, access | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except NotADirectoryError:  # a symlink, with O_NOFOLLOW, or a file
             st = os.lstat(where)
             if stat.S_ISLNK(st.st_mode):

@@ -496,6 +496,26 @@ def test_a_symlink_swapped_in_during_bind_never_redirects_the_chmod(tmp_path, ho
     assert bound > 0 and refused > 0, (bound, refused)
 
 
+def _connects_trusting_root(path: str) -> bool:  # pragma: no cover - child
+    connect_trusted(path, Trust.of(os.geteuid(), what="root's")).close()
+    return True
+
+
+@needs_root
+def test_a_search_only_directory_is_enough_for_the_client_checks_as_for_connect():
+    """A client may search but not list the node daemon's directory (mode 0711): the checks still run."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="tmsp-"))
+    try:
+        os.chmod(sock_dir, 0o711)
+        sock = bind_listener(sock_dir / "d.sock", mode=0o666)
+        try:
+            assert Forked(_connects_trusting_root, str(sock_dir / "d.sock"), uid=NOBODY).result() == {"ok": True}
+        finally:
+            sock.close()
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
 def test_a_trusted_connect_reaches_this_users_daemon(tmp_path):
     sock_path = tmp_path / "own" / "d.sock"
     sock = bind_listener(sock_path, mode=0o600)
