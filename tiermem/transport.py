@@ -281,7 +281,8 @@ def bind_listener(path: str | os.PathLike[str], *, mode: int = 0o660, group: str
     try:
         sdir = SecureDir.open(directory, Trust.of(uid, what="this tiermemd"), create=True, fix=fix)
     except OSError as exc:
-        raise ConfigError("server.socket", f"cannot use {directory} as the socket directory: {exc.strerror}") from None
+        why = exc.strerror or str(exc)
+        raise ConfigError("server.socket", f"cannot use {directory} as the socket directory: {why}") from None
     with sdir:
         _remove_stale(sdir, name)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -297,7 +298,7 @@ def bind_listener(path: str | os.PathLike[str], *, mode: int = 0o660, group: str
             sdir.open_up(socket_dir_mode(mode), gid)
         except OSError as exc:
             sock.close()
-            raise ConfigError("server.socket", f"cannot listen on {target}: {exc.strerror}") from None
+            raise ConfigError("server.socket", f"cannot listen on {target}: {exc.strerror or exc}") from None
         except BaseException:
             sock.close()
             raise
