@@ -10,6 +10,12 @@ Placement of a rank's state is decided at ``REGISTER``: ``nvme`` if any tensor
 asks for it, ``cpu`` if every tensor does, and for ``auto`` the pool when the
 node's pool budget has room, else NVMe.  Budgets are reserved before memory or
 disk is touched, so a job that does not fit is refused then, not mid-training.
+
+Memory a rank gets: a staging window at ATTACH (``jobs.window_size`` unless
+the client asks for a size, capped by ``jobs.max_window``; it never grows
+with the model) and, at REGISTER, the shared storage of its params and grads
+(charged to the ``storage`` budget: it is the trainer's own tensor memory,
+moved into a segment both processes map).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import TYPE_CHECKING
 from tiermem.errors import AdmissionError, InvalidState, ProtocolError, UnknownJob
 from tiermem.pool import Arena
 from tiermem.protocol import (
+    Abort,
     Attach,
     AttachOk,
     BucketReady,
@@ -36,6 +43,7 @@ from tiermem.protocol import (
     Register,
     RegisterOk,
     StateRead,
+    StateReset,
     StateWrite,
     Stats,
     StatsReply,
@@ -44,9 +52,8 @@ from tiermem.protocol import (
 from tiermem.units import PAGE_SIZE, align_up
 from tiermemd.jobs import Job, JobTable
 from tiermemd.ledger import Ledger, Resource
-from tiermemd.rank import RankOptimizer
+from tiermemd.rank import RankOptimizer, state_keys_for
 from tiermemd.server import Reply, Session, SessionState
-from tiermemd.state import STATE_BYTES_PER_ELEMENT
 
 if TYPE_CHECKING:
     from tiermemd.service import Service
@@ -72,6 +79,8 @@ class Handlers:
             FetchParams: self._fetch_params,  # type: ignore[dict-item]
             StateRead: self._state_read,  # type: ignore[dict-item]
             StateWrite: self._state_write,  # type: ignore[dict-item]
+            StateReset: self._state_reset,  # type: ignore[dict-item]
+            Abort: self._abort,  # type: ignore[dict-item]
             Stats: self._stats,  # type: ignore[dict-item]
             Detach: self._detach,  # type: ignore[dict-item]
             Ping: lambda _s, _m: Reply(Pong()),
@@ -95,7 +104,7 @@ class Handlers:
             raise AdmissionError(
                 f"window of {msg.window_nbytes} bytes exceeds jobs.max_window ({cfg.max_window} bytes)"
             )
-        window_nbytes = align_up(max(msg.window_nbytes, PAGE_SIZE))
+        window_nbytes = align_up(max(msg.window_nbytes or cfg.window_size, PAGE_SIZE))
         self._wait_for_dead_holder(msg.job_id, msg.rank)
         job, created = self.jobs.attach(
             job_id=msg.job_id,
@@ -189,28 +198,24 @@ class Handlers:
             return
         rank = job.ranks.get(session.rank)
         if rank is not None:
-            dropped = rank.abort()
+            aborted = rank.abort()
             log.info(
-                "session %d of job %r rank %d closed (%s); %d queued task(s) cancelled; state kept for %.0fs",
+                "session %d of job %r rank %d closed (%s); last step %d (%d tensor(s) of an open attempt kept); "
+                "state kept for %.0fs",
                 session.id,
                 job.job_id,
                 session.rank,
                 why,
-                dropped,
+                aborted.last_step,
+                aborted.tensors_applied,
                 self.jobs.grace_period_s,
             )
         self.jobs.session_gone(session.id)
 
     def abort(self, session: Session) -> None:
-        """The client's process exited: cancel its queued work now (its thread may be waiting on it)."""
-        if session.job_id is None or session.rank is None:
-            return
-        try:
-            rank = self.jobs.get(session.job_id).ranks.get(session.rank)
-        except UnknownJob:  # reclaimed meanwhile
-            return
-        if rank is not None:
-            rank.abort()
+        """The client's process exited (seen on the pidfd watcher's thread).  Nothing to cancel here: a
+        session thread only ever waits for update pieces, which always run to their end, and the open
+        attempt is closed on the session's own thread when it ends (``session_closed``)."""
 
     # ----------------------------------------------------------------- the rank's work
 
@@ -226,8 +231,8 @@ class Handlers:
     def _register(self, session: Session, msg: Register) -> Reply:
         job, rank = self._bound(session)
         numel = sum(spec.numel for spec in msg.tensors)
-        state_nbytes = numel * STATE_BYTES_PER_ELEMENT
         placements = {spec.placement for spec in msg.tensors}
+        dtype = msg.tensors[0].dtype if msg.tensors else "float32"
         if rank.restored is not None:
             placement = rank.restored.placement  # its state waits in the swap store
         elif "nvme" in placements:
@@ -235,18 +240,46 @@ class Handlers:
         elif placements == {"cpu"}:
             placement = "cpu"
         else:
-            placement = "cpu" if state_nbytes <= self.ledger.available(Resource.POOL) else "nvme"
-        make_state = self.service.state_factory(job, rank.rank, placement)
-        slots = rank.register(msg.tensors, msg.groups, msg.grad_buffers, make_state)
+            keys = state_keys_for(dtype, "cpu", msg.grad_buffers)
+            placement = "cpu" if numel * 4 * len(keys) <= self.ledger.available(Resource.POOL) else "nvme"
+        registration = rank.register(
+            msg.tensors,
+            msg.groups,
+            msg.grad_buffers,
+            placement,
+            self.service.state_factory(job, rank.rank, placement),
+            lambda nbytes: self._make_storage(job, rank, nbytes),
+        )
         log.info(
-            "job %r rank %d registered %d tensors, %d elements, state on %s",
+            "job %r rank %d registered %d tensors, %d elements, state %s on %s, storage %d bytes",
             job.job_id,
             rank.rank,
             len(msg.tensors),
             numel,
+            "+".join(registration.state_keys),
             placement,
+            registration.storage.nbytes,
         )
-        return Reply(RegisterOk(slots=slots))
+        return Reply(
+            RegisterOk(
+                slots=registration.slots,
+                placement=registration.placement,
+                state_keys=registration.state_keys,
+                storage_nbytes=registration.storage.nbytes,
+            ),
+            fds=(registration.storage.fd,),
+        )
+
+    def _make_storage(self, job: Job, rank: RankOptimizer, nbytes: int) -> tuple[Arena, int]:
+        """The shared storage of a rank's params and grads, reserved in the storage budget."""
+        nbytes = align_up(max(nbytes, PAGE_SIZE))
+        self.ledger.reserve(job.job_id, Resource.STORAGE, nbytes)
+        try:
+            arena = Arena.create(nbytes, name=f"tiermem-{job.job_id}-{rank.rank}-storage", mlock=False)
+        except BaseException:
+            self.ledger.release(job.job_id, Resource.STORAGE, nbytes)
+            raise
+        return arena, next(self._window_ids)
 
     def _bucket_ready(self, session: Session, msg: BucketReady) -> None:
         _, rank = self._bound(session)
@@ -269,6 +302,15 @@ class Handlers:
         _, rank = self._bound(session)
         rank.write_state(msg)
         return Reply(Ok())
+
+    def _state_reset(self, session: Session, msg: StateReset) -> Reply:
+        _, rank = self._bound(session)
+        rank.reset_state(msg.tensor_ids)
+        return Reply(Ok())
+
+    def _abort(self, session: Session, msg: Abort) -> Reply:
+        _, rank = self._bound(session)
+        return Reply(rank.abort(msg))
 
     def _stats(self, session: Session, msg: Stats) -> Reply:
         values = dict(self.service.node_stats())

@@ -29,6 +29,8 @@ class Resource(enum.Enum):
     """The daemon's private pool: fp32 state on the CPU tier, staging buffers."""
     SWAP = "swap"
     """Preallocated swap file space on the NVMe tier."""
+    STORAGE = "storage"
+    """Shared storage of the trainers' params and grads (memfds created at register)."""
 
 
 @dataclass

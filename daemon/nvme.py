@@ -29,7 +29,7 @@ from tiermem.errors import TiermemError
 from tiermem.swap.store import SwapStore
 from tiermem.tiers import TierManager
 from tiermemd.ledger import Resource
-from tiermemd.state import STATE_BYTES_PER_ELEMENT, ChunkTensors
+from tiermemd.state import ALL_KEYS, STATE_BYTES_PER_ELEMENT, ChunkTensors, split_chunk
 
 if TYPE_CHECKING:
     from tiermemd.jobs import Job
@@ -56,6 +56,9 @@ def _key(chunk: int) -> str:
 
 
 class NvmeStateChunks:
+    keys = ALL_KEYS
+    """The NVMe placement always keeps the fp32 master: it is what a restarted daemon reopens."""
+
     def __init__(self, pool: object, store: SwapStore, numel: int, chunk_numel: int, cache_nbytes: int) -> None:
         self.numel = numel
         self.chunk_numel = chunk_numel
@@ -83,8 +86,7 @@ class NvmeStateChunks:
 
     def acquire(self, chunk: int) -> ChunkTensors:
         flat = self.tiers.acquire(_key(chunk))
-        n = self._chunk_len(chunk)
-        return ChunkTensors(flat[:n], flat[n : 2 * n], flat[2 * n :])
+        return split_chunk(flat, self._chunk_len(chunk), self.keys)
 
     def release(self, chunk: int, *, dirty: bool) -> None:
         self.tiers.release(_key(chunk), dirty=dirty)

@@ -28,7 +28,7 @@ from tiermem.protocol import ParamGroup, TensorSpec
 __all__ = ["JobRecord", "RankRecord", "load_job_files", "remove_job_file", "write_job_file"]
 
 log = logging.getLogger(__name__)
-_VERSION = 1
+_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class RankRecord:
     grad_buffers: int
     steps: tuple[int, ...]
     last_step: int
+    failed_step: int = 0
+    """Nonzero: the update of this step failed part-way; the rank comes back FAILED."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -50,6 +52,7 @@ class RankRecord:
             "grad_buffers": self.grad_buffers,
             "steps": list(self.steps),
             "last_step": self.last_step,
+            "failed_step": self.failed_step,
         }
 
     @classmethod
@@ -66,6 +69,7 @@ class RankRecord:
             grad_buffers=int(d["grad_buffers"]),
             steps=steps,
             last_step=int(d["last_step"]),
+            failed_step=int(d.get("failed_step", 0)),
         )
 
 

@@ -42,7 +42,7 @@ from tiermemd.persist import JobRecord, load_job_files, remove_job_file, write_j
 from tiermemd.rank import AdamKernel, RankOptimizer
 from tiermemd.scheduler import CpuScheduler
 from tiermemd.server import Server
-from tiermemd.state import STATE_BYTES_PER_ELEMENT, CpuStateChunks, StateChunks
+from tiermemd.state import CpuStateChunks, StateChunks
 
 __all__ = ["DRAIN_TIMEOUT_S", "Service", "run_service"]
 
@@ -104,6 +104,8 @@ class Service:
                 Resource.POOL: self.pool.capacity,
                 Resource.WINDOW: window_budget,
                 Resource.SWAP: self._swap_capacity(),
+                Resource.STORAGE: config.jobs.storage_budget
+                or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
             }
         )
         self.jobs = JobTable(grace_period_s=config.jobs.grace_period_s, max_jobs=config.jobs.max_jobs)
@@ -225,13 +227,15 @@ class Service:
 
     # ----------------------------------------------------------------- state and reclaim
 
-    def state_factory(self, job: Job, rank: int, placement: str) -> Callable[[int], StateChunks]:
-        def make(numel: int) -> StateChunks:
-            nbytes = numel * STATE_BYTES_PER_ELEMENT
+    def state_factory(self, job: Job, rank: int, placement: str) -> Callable[[int, tuple[str, ...]], StateChunks]:
+        def make(numel: int, keys: tuple[str, ...]) -> StateChunks:
+            nbytes = numel * 4 * len(keys)
             if placement == "cpu":
                 self.ledger.reserve(job.job_id, Resource.POOL, nbytes)
                 try:
-                    return CpuStateChunks(self.pool, numel, self.config.adam.chunk_numel, owner=f"{job.job_id}/{rank}")
+                    return CpuStateChunks(
+                        self.pool, numel, self.config.adam.chunk_numel, owner=f"{job.job_id}/{rank}", keys=keys
+                    )
                 except BaseException:
                     self.ledger.release(job.job_id, Resource.POOL, nbytes)
                     raise

@@ -1,10 +1,11 @@
-"""Where a rank's fp32 Adam state lives: chunks of (master, exp_avg, exp_avg_sq).
+"""Where a rank's fp32 Adam state lives: chunks of its state keys (master, exp_avg, exp_avg_sq).
 
-A rank's state is three flat fp32 buffers of ``numel`` elements, cut into
-chunks of ``chunk_numel`` elements; chunk ``c`` covers elements
+A rank's state is one flat fp32 buffer of ``numel`` elements per state key,
+cut into chunks of ``chunk_numel`` elements; chunk ``c`` covers elements
 ``[c * chunk_numel, min((c + 1) * chunk_numel, numel))`` and is stored as one
-block of three consecutive sections (master | exp_avg | exp_avg_sq), so one
-I/O moves all of a chunk's state.
+block of consecutive sections, one per key in ``keys`` order (master |
+exp_avg | exp_avg_sq, or exp_avg | exp_avg_sq when the rank's fp32 params
+are their own master), so one I/O moves all of a chunk's state.
 
 ``StateChunks`` is the interface the step pipeline uses: ``acquire(c)`` returns
 the three tensors of chunk ``c`` (valid until ``release``).  ``CpuStateChunks`` keeps every chunk in the daemon's
@@ -22,20 +23,33 @@ import torch
 from tiermem.errors import InvalidArgument
 from tiermem.pool import Block, BufferPool
 
-__all__ = ["ChunkTensors", "CpuStateChunks", "StateChunks", "chunk_ranges"]
+__all__ = ["ALL_KEYS", "ChunkTensors", "CpuStateChunks", "StateChunks", "chunk_ranges", "split_chunk"]
 
-STATE_BYTES_PER_ELEMENT = 12
+ALL_KEYS = ("master", "exp_avg", "exp_avg_sq")
+STATE_BYTES_PER_ELEMENT = 4 * len(ALL_KEYS)
+"""The most a rank keeps per element (fp32 master and both moments)."""
 
 
 class ChunkTensors(NamedTuple):
-    master: torch.Tensor
+    master: torch.Tensor | None
+    """None when the rank keeps no master (its fp32 params in the shared storage are the master)."""
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
+
+    def key(self, name: str) -> torch.Tensor | None:
+        return getattr(self, name)
+
+
+def split_chunk(flat: torch.Tensor, n: int, keys: tuple[str, ...]) -> ChunkTensors:
+    """The per-key sections of one chunk's flat fp32 block (``len(keys) * n`` elements)."""
+    parts = {key: flat[i * n : (i + 1) * n] for i, key in enumerate(keys)}
+    return ChunkTensors(parts.get("master"), parts["exp_avg"], parts["exp_avg_sq"])
 
 
 class StateChunks(Protocol):
     numel: int
     chunk_numel: int
+    keys: tuple[str, ...]
 
     @property
     def nchunks(self) -> int: ...
@@ -59,17 +73,20 @@ def chunk_ranges(start: int, stop: int, chunk_numel: int) -> list[tuple[int, int
 class CpuStateChunks:
     """Every chunk resident in the pool (the ``cpu`` placement)."""
 
-    def __init__(self, pool: BufferPool, numel: int, chunk_numel: int, *, owner: str) -> None:
+    def __init__(
+        self, pool: BufferPool, numel: int, chunk_numel: int, *, owner: str, keys: tuple[str, ...] = ALL_KEYS
+    ) -> None:
         if numel <= 0 or chunk_numel <= 0:
             raise InvalidArgument(f"state needs numel > 0 and chunk_numel > 0, got {numel} and {chunk_numel}")
         self.pool = pool
         self.numel = numel
         self.chunk_numel = chunk_numel
+        self.keys = keys
         self._blocks: list[Block] = []
         self._lock = threading.Lock()
         try:
             for c in range(self.nchunks):
-                block = pool.alloc(self._chunk_len(c) * STATE_BYTES_PER_ELEMENT, owner=owner)
+                block = pool.alloc(self._chunk_len(c) * 4 * len(keys), owner=owner)
                 self._blocks.append(block)
                 with pool.pinned(block) as view:
                     torch.frombuffer(view, dtype=torch.uint8).zero_()
@@ -83,7 +100,7 @@ class CpuStateChunks:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * STATE_BYTES_PER_ELEMENT
+        return self.numel * 4 * len(self.keys)
 
     def _chunk_len(self, chunk: int) -> int:
         return min(self.chunk_numel, self.numel - chunk * self.chunk_numel)
@@ -92,8 +109,8 @@ class CpuStateChunks:
         block = self._blocks[chunk]
         n = self._chunk_len(chunk)
         self.pool.pin(block)
-        flat = self.pool.tensor(block, torch.float32, (3 * n,))
-        return ChunkTensors(flat[:n], flat[n : 2 * n], flat[2 * n :])
+        flat = self.pool.tensor(block, torch.float32, (len(self.keys) * n,))
+        return split_chunk(flat, n, self.keys)
 
     def release(self, chunk: int, *, dirty: bool) -> None:
         self.pool.unpin(self._blocks[chunk])

@@ -48,6 +48,8 @@ import torch
 from tiermem.config import default_runtime_dir
 from tiermem.errors import ConfigError, DaemonUnavailable, ProtocolError, UnsafePathError
 from tiermem.protocol import (
+    Abort,
+    Aborted,
     Attach,
     AttachOk,
     BucketReady,
@@ -60,12 +62,12 @@ from tiermem.protocol import (
     RegisterOk,
     StateChunk,
     StateRead,
+    StateReset,
     StateWrite,
     Stats,
     StatsReply,
     Step,
     StepDone,
-    TensorSlot,
     TensorSpec,
 )
 from tiermem.sockpath import SocketCandidate, Trust, socket_candidates
@@ -236,6 +238,9 @@ class Client:
         self.info: AttachInfo | None = None
         self._mmap: mmap.mmap | None = None
         self.window: torch.Tensor = torch.empty(0, dtype=torch.uint8)
+        """The staging window (bounded; state transfer goes through it)."""
+        self.storage: torch.Tensor = torch.empty(0, dtype=torch.uint8)
+        """The shared storage of the registered params and grads (mapped at ``register``)."""
 
     # ----------------------------------------------------------------- session
 
@@ -258,33 +263,56 @@ class Client:
         return self.info
 
     def register(
-        self, tensors: Sequence[TensorSpec], groups: Sequence[ParamGroup], *, grad_buffers: int = 1
-    ) -> tuple[TensorSlot, ...]:
-        reply = self.conn.request(Register(tuple(tensors), tuple(groups), grad_buffers))
-        if not isinstance(reply, RegisterOk):
-            raise ProtocolError(f"expected REGISTER_OK, got {type(reply).__name__}")
-        return reply.slots
+        self,
+        tensors: Sequence[TensorSpec],
+        groups: Sequence[ParamGroup],
+        *,
+        grad_buffers: int = 1,
+        exchange: str = "shared",
+    ) -> RegisterOk:
+        """Register the tensors; the daemon's plan comes back and its shared storage is mapped as ``storage``."""
+        reply, fds = self.conn.request_fds(Register(tuple(tensors), tuple(groups), grad_buffers, exchange))
+        if not isinstance(reply, RegisterOk) or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"expected REGISTER_OK with one storage fd, got {type(reply).__name__} with {len(fds)}")
+        try:
+            storage = mmap.mmap(fds[0], reply.storage_nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fds[0])
+        # the tensors' views keep the mapping alive after the client closes (the model keeps its params)
+        self.storage = torch.frombuffer(storage, dtype=torch.uint8)
+        return reply
 
     def bucket_ready(
         self,
         step: int,
+        attempt: int,
         bucket: int,
         tensor_ids: Sequence[int],
+        groups: Sequence[ParamGroup],
         grad_buffer: int = 0,
-        *,
-        update_with: Sequence[ParamGroup] = (),
     ) -> None:
-        """Tell the daemon a bucket's grads are in the window; with ``update_with``, update them now."""
+        """Tell the daemon a bucket's grads are final: it updates them now (the overlapped update)."""
         self.conn.send_oneway(
             BucketReady(
                 step=step,
+                attempt=attempt,
                 bucket=bucket,
                 tensor_ids=tuple(tensor_ids),
                 grad_buffer=grad_buffer,
-                update=bool(update_with),
-                groups=tuple(update_with),
+                groups=tuple(groups),
             )
         )
+
+    def abort(self, step: int, attempt: int) -> Aborted:
+        reply = self.conn.request(Abort(step=step, attempt=attempt))
+        if not isinstance(reply, Aborted):
+            raise ProtocolError(f"expected ABORTED, got {type(reply).__name__}")
+        return reply
+
+    def reset_state(self, tensor_ids: Sequence[int] = ()) -> None:
+        self.conn.request(StateReset(tensor_ids=tuple(tensor_ids)))
 
     def step(self, msg: Step) -> StepDone:
         reply = self.conn.request(msg)
@@ -321,6 +349,7 @@ class Client:
 
     def _unmap(self) -> None:
         self.window = torch.empty(0, dtype=torch.uint8)
+        self.storage = torch.empty(0, dtype=torch.uint8)
         if self._mmap is not None:
             with contextlib.suppress(BufferError):
                 self._mmap.close()

@@ -130,8 +130,11 @@ class AdamConfig:
 class JobLimits:
     """Per-job quotas and limits."""
 
+    window_size: int = _size(2 * 1024 * 1024)
+    """Staging window of a rank whose client asks for no particular size.  State transfer (``state_dict``,
+    ``load_state_dict``) moves through it piece by piece: it never grows with the model."""
     max_window: int = _size(0)
-    """Largest shared window one job may ask for; 0 allows up to the pool's free space."""
+    """Largest staging window one job may ask for; 0 allows up to the pool's free space."""
     max_jobs: int = 64
     """Jobs that may be attached at once."""
     max_pool: int = _size(0)
@@ -139,13 +142,18 @@ class JobLimits:
     max_swap: int = _size(0)
     """Swap bytes one job may hold; 0 allows all the swap directories' free space."""
     window_budget: int = _size(0)
-    """Total bytes of shared windows all jobs together may hold; 0 means as much as pool.size."""
+    """Total bytes of staging windows all jobs together may hold; 0 means as much as pool.size."""
+    storage_budget: int = _size(0)
+    """Total bytes of shared tensor storage (the trainers' params and grads, which live in shared memory
+    the daemon updates in place) all jobs together may hold; 0 means the node's physical memory."""
     grace_period_s: float = 300.0
     """How long a job whose clients all died keeps its state for a reattach with its token."""
 
     def __post_init__(self) -> None:
         _check_nonneg("jobs.max_window", self.max_window)
         _check_nonneg("jobs.window_budget", self.window_budget)
+        _check_nonneg("jobs.storage_budget", self.storage_budget)
+        _check_positive("jobs.window_size", self.window_size)
         _check_nonneg("jobs.max_pool", self.max_pool)
         _check_nonneg("jobs.max_swap", self.max_swap)
         _check_positive("jobs.max_jobs", self.max_jobs)

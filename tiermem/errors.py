@@ -31,6 +31,7 @@ __all__ = [
     "HostMemoryError",
     "InvalidArgument",
     "InvalidState",
+    "StepFailed",
     "PoolExhausted",
     "ProtocolError",
     "SwapFullError",
@@ -221,8 +222,8 @@ class BoundsError(TiermemError):
     """A (window, offset, length) reference falls outside its window."""
 
 
-class InvalidArgument(TiermemError):
-    """An argument has a bad value."""
+class InvalidArgument(TiermemError, ValueError):
+    """An argument has a bad value (a ``ValueError`` too, as torch raises for bad hyper-parameters)."""
 
 
 class DTypeError(InvalidArgument):
@@ -246,6 +247,24 @@ class HostMemoryError(TiermemError):
 
 class InvalidState(TiermemError):
     """An object was asked for a transition its current state does not allow."""
+
+
+class StepFailed(InvalidState):
+    """An update of the rank failed part-way: its state is inconsistent until it is reloaded.
+
+    Every later request of the rank names the failed step; ``load_state_dict`` (which resets and then
+    writes every tensor's state) makes the rank usable again.
+    """
+
+    fields = ("step", "reason")
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(
+            f"the update of step {step} failed part-way ({reason}); the optimizer state is inconsistent: "
+            "load a checkpoint with load_state_dict() to continue",
+            step=step,
+            reason=reason,
+        )
 
 
 class ConnectionClosed(TiermemError):

@@ -64,6 +64,7 @@ from tiermem.protocol import (
     ErrorReply,
     Message,
     MsgType,
+    Ping,
     decode_frame,
     decode_message,
     encode_message,
@@ -504,6 +505,11 @@ class Connection:
         self._next_id = 1
         self._socket_timeout: float | None = None
         self._closed_why = ""
+        self._abandoned: dict[int, MsgType] = {}
+        """Requests whose reply wait was interrupted (KeyboardInterrupt): their replies are still coming."""
+        self.late: dict[int, Message | TiermemError] = {}
+        """Replies (or errors) of abandoned requests, read before the next request went out."""
+        self.last_request_id = 0
 
     @classmethod
     def open(
@@ -545,6 +551,7 @@ class Connection:
             raise ProtocolError(f"{msg.TYPE.name} expects a reply; use request()")
         with self._lock:
             self._check_open()
+            self._drain_abandoned()
             data = encode_message(msg, self._take_id(), FLAG_ONEWAY, max_frame=self._frames.max_frame)
             self._send(data)
 
@@ -570,10 +577,16 @@ class Connection:
             raise ProtocolError(f"{msg.TYPE.name} is not a request that gets a reply")
         with self._lock:
             self._check_open()
+            self._drain_abandoned()
             request_id = self._take_id()
+            self.last_request_id = request_id
             data = encode_message(msg, request_id, max_frame=self._frames.max_frame)
+            # counted as abandoned until its reply is in hand: an interrupt (KeyboardInterrupt) anywhere in
+            # between leaves the reply to be read (or found missing) before the next request
+            self._abandoned[request_id] = msg.TYPE
             self._send(data)
             raw, fds = self._recv(msg, timeout_s if timeout_s is not None else self.timeout_s)
+            self._abandoned.pop(request_id, None)
             try:
                 frame = decode_frame(raw, max_frame=self._frames.max_frame)
                 if frame.request_id != request_id and not (frame.request_id == 0 and frame.type is MsgType.ERROR):
@@ -590,6 +603,39 @@ class Connection:
             _close_all(fds)
             raise reply.to_exception()
         return reply, fds
+
+    def take_late(self, request_id: int) -> Message | TiermemError | None:
+        """The late reply of an abandoned request, once it has been read (None: not (yet) read)."""
+        with self._lock:
+            if request_id in self._abandoned:
+                self._drain_abandoned()
+            return self.late.pop(request_id, None)
+
+    def _drain_abandoned(self) -> None:
+        """Read the replies of interrupted requests and keep them in ``late``.
+
+        A PING goes out first and frames are read until its PONG: the daemon answers a connection's
+        requests in order, so every reply still coming arrives before it.  An interrupt that landed just
+        after a reply was read leaves that request without one here (``take_late`` answers None), and its
+        caller must find out another way what the request did."""
+        if not self._abandoned:
+            return
+        ping_id = self._take_id()
+        self._abandoned[ping_id] = MsgType.PING
+        self._send(encode_message(Ping(), ping_id, max_frame=self._frames.max_frame))
+        while True:
+            raw, fds = self._recv_type(MsgType.PING, self.timeout_s)
+            _close_all(fds)
+            try:
+                frame = decode_frame(raw, max_frame=self._frames.max_frame)
+                reply = decode_message(frame)
+            except ProtocolError as exc:
+                raise self._fail(exc) from None
+            if frame.request_id == ping_id:
+                self._abandoned.clear()
+                return
+            if frame.request_id in self._abandoned and self._abandoned[frame.request_id] is not MsgType.PING:
+                self.late[frame.request_id] = reply.to_exception() if isinstance(reply, ErrorReply) else reply
 
     def _take_id(self) -> int:
         request_id = self._next_id
@@ -624,19 +670,22 @@ class Connection:
         return reply.to_exception() if isinstance(reply, ErrorReply) else None
 
     def _recv(self, msg: Message, timeout_s: float | None) -> tuple[bytes, list[int]]:
+        return self._recv_type(msg.TYPE, timeout_s)
+
+    def _recv_type(self, msg_type: MsgType, timeout_s: float | None) -> tuple[bytes, list[int]]:
         if timeout_s != self._socket_timeout:
             _set_recv_timeout(self._frames.sock, timeout_s)
             self._socket_timeout = timeout_s
         try:
             return self._frames.recv()
         except (BlockingIOError, TimeoutError):
-            why = f"no reply to {msg.TYPE.name} within {timeout_s}s"
+            why = f"no reply to {msg_type.name} within {timeout_s}s"
         except ConnectionClosed:
-            why = f"the daemon closed the connection during {msg.TYPE.name}"
+            why = f"the daemon closed the connection during {msg_type.name}"
         except ProtocolError as exc:
             raise self._fail(exc) from None
         except OSError as exc:
-            why = f"connection lost during {msg.TYPE.name}: {exc.strerror}"
+            why = f"connection lost during {msg_type.name}: {exc.strerror}"
         raise self._fail(DaemonUnavailable(self.path, why))
 
     def _fail(self, exc: Exception) -> Exception:

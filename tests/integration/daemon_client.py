@@ -31,18 +31,14 @@ import time
 import numpy as np
 
 from tiermem.errors import TiermemError
-from tiermem.layout import Layout, plan_layout
-from tiermem.layout import TensorSpec as LayoutSpec
 from tiermem.protocol import (
     Attach,
     AttachOk,
     Detach,
-    FetchParams,
     MemRef,
     ParamGroup,
     Register,
     RegisterOk,
-    StateWrite,
     Stats,
     StatsReply,
     Step,
@@ -85,13 +81,15 @@ def adamw_reference(seed: int, sizes: list[int], steps: int) -> np.ndarray:
         torch.set_num_threads(threads)
 
 
-def plan(sizes: list[int]) -> Layout:
-    """The layout the daemon computes for these tensors (both sides use ``tiermem.layout``)."""
-    return plan_layout([LayoutSpec(f"p{i}", (n,), "float32", 0) for i, n in enumerate(sizes)], bucket_nbytes=1 << 62)
+WINDOW_NBYTES = 64 * 1024
+"""The staging window these clients ask for (they move no state through it)."""
 
 
 class Trainer:
-    """One rank of one job: fp32 tensors of ``sizes`` elements, AdamW(LR, WEIGHT_DECAY)."""
+    """One rank of one job: fp32 tensors of ``sizes`` elements, AdamW(LR, WEIGHT_DECAY).
+
+    Its params and grads live in the shared storage the daemon hands over at REGISTER, as OffloadAdam's do.
+    """
 
     def __init__(
         self, socket: str, job: str, sizes: list[int], *, seed: int = 0, timeout_s: float = 60.0, progress: str = ""
@@ -100,11 +98,11 @@ class Trainer:
         self.sizes = sizes
         self.seed = seed
         self.progress_path = progress
-        self.layout = plan(sizes)
         self.conn = Connection.open(socket, timeout_s=timeout_s)
         self.token = ""
         self.window_id = 0
         self.window = np.empty(0, dtype=np.uint8)
+        self.storage = np.empty(0, dtype=np.uint8)
         self.slots: list[TensorSlot] = []
         self.last_step = 0
         self.reattached_at: int | None = None
@@ -117,7 +115,7 @@ class Trainer:
         self.window_id = reply.window_id
 
     def region(self, ref: MemRef) -> np.ndarray:
-        return self.window[ref.offset : ref.offset + ref.length].view(np.float32)
+        return self.storage[ref.offset : ref.offset + ref.length].view(np.float32)
 
     def progress(self, pending: int | None = None) -> None:
         """Record the last completed step (and ``pending``: the step whose request is about to go out)."""
@@ -128,58 +126,49 @@ class Trainer:
             json.dump({"token": self.token, "step": self.last_step, "pending": pending, "pid": os.getpid()}, f)
         os.replace(tmp, self.progress_path)
 
+    def _register(self) -> None:
+        specs = tuple(TensorSpec(f"p{i}", (n,), "float32", "cpu", 0) for i, n in enumerate(self.sizes))
+        ok, fds = self.conn.request_fds(Register(specs, (ParamGroup(lr=LR, weight_decay=WEIGHT_DECAY),), 1))
+        assert isinstance(ok, RegisterOk) and len(fds) == 1
+        mm = mmap.mmap(fds[0], ok.storage_nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fds[0])
+        self.storage = np.frombuffer(mm, dtype=np.uint8)
+        self.slots = list(ok.slots)
+
     def start_fresh(self) -> None:
-        """Attach, register, load the initial master weights (staged through the grad slots)."""
-        reply, fds = self.conn.request_fds(
-            Attach(job_id=self.job, rank=0, world_size=1, window_nbytes=self.layout.nbytes)
-        )
+        """Attach, register, write the initial params into the shared storage."""
+        reply, fds = self.conn.request_fds(Attach(job_id=self.job, rank=0, world_size=1, window_nbytes=WINDOW_NBYTES))
         assert isinstance(reply, AttachOk)
         self._map(reply, fds)
-        specs = tuple(TensorSpec(f"p{i}", (n,), "float32", "cpu", 0) for i, n in enumerate(self.sizes))
-        ok = self.conn.request(Register(specs, (ParamGroup(lr=LR, weight_decay=WEIGHT_DECAY),), 1))
-        assert isinstance(ok, RegisterOk)
-        self.slots = list(ok.slots)
-        for i, (p, slot) in enumerate(zip(init_params(self.seed, self.sizes), self.slots, strict=True)):
-            self.region(slot.grads[0])[:] = p
-            self.conn.request(StateWrite(tensor_id=i, key="master", offset=0, src=slot.grads[0], step=0))
-        self.conn.request(FetchParams(step=0, tensor_ids=()))
+        self._register()
+        for p, slot in zip(init_params(self.seed, self.sizes), self.slots, strict=True):
+            self.region(slot.param)[:] = p
         self.progress()
 
     def reattach(self, token: str) -> None:
-        """Reattach with ``token``; continue from the daemon's ``rank_last_step``.
+        """Reattach with ``token`` and register again (the same storage comes back); continue from the
+        daemon's ``rank_last_step``.
 
         No retry: while the dead process's last step is still finishing, the daemon waits for it.
         """
         reply, fds = self.conn.request_fds(
-            Attach(job_id=self.job, rank=0, world_size=1, window_nbytes=self.layout.nbytes, token=token)
+            Attach(job_id=self.job, rank=0, world_size=1, window_nbytes=WINDOW_NBYTES, token=token)
         )
         assert isinstance(reply, AttachOk)
         if not reply.reattached:
             raise SystemExit("reattach did not report reattached=True")
         self._map(reply, fds)
+        self._register()
         stats = self.conn.request(Stats())
         assert isinstance(stats, StatsReply)
         self.last_step = self.reattached_at = int(dict(stats.values)["rank_last_step"])
-        self.slots = self._slots_from_layout()
-        self.conn.request(FetchParams(step=self.last_step, tensor_ids=()))
         self.progress()
-
-    def _slots_from_layout(self) -> list[TensorSlot]:
-        """The slots REGISTER returned to the crashed process, recomputed from the shared layout."""
-        return [
-            TensorSlot(
-                s.index,
-                MemRef(self.window_id, self.layout.param_offset + s.slot_offset, s.nbytes),
-                tuple(MemRef(self.window_id, g + s.slot_offset, s.nbytes) for g in self.layout.grad_offsets),
-            )
-            for s in self.layout.slots
-        ]
 
     def step(self, step: int, grads: list[np.ndarray]) -> StepDone:
         for g, slot in zip(grads, self.slots, strict=True):
             self.region(slot.grads[0])[:] = g
         self.progress(pending=step)
-        done = self.conn.request(Step(step=step))
+        done = self.conn.request(Step(step=step, attempt=step))
         assert isinstance(done, StepDone)
         self.last_step = step
         self.progress()
@@ -203,6 +192,7 @@ class Trainer:
 
     def close(self) -> None:
         self.window = np.empty(0, dtype=np.uint8)
+        self.storage = np.empty(0, dtype=np.uint8)
         self.conn.close()
 
 

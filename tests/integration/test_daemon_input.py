@@ -15,6 +15,7 @@ import socket
 import struct
 import time
 
+import numpy as np
 import pytest
 import torch
 from conftest import MAX_CONNECTIONS_PER_UID, MAX_FRAME, DaemonProcess, RawConn, error_of
@@ -31,6 +32,7 @@ from tiermem.protocol import (
     FetchParams,
     MemRef,
     MsgType,
+    ParamGroup,
     Ping,
     Pong,
     StateRead,
@@ -40,6 +42,7 @@ from tiermem.protocol import (
     encode_message,
     peek_request_id,
 )
+from tiermem.protocol.frame import PROTOCOL_VERSION
 
 HEADER = struct.Struct("<2sBBHHII")
 SENTINEL = 0xFFFFFFFF
@@ -51,7 +54,7 @@ def frame(
     payload: bytes = b"",
     *,
     flags: int = 0,
-    version: int = 1,
+    version: int = PROTOCOL_VERSION,
     magic: bytes = b"TM",
     reserved: int = 0,
     announced: int | None = None,
@@ -94,9 +97,9 @@ def test_a_bad_frame_with_a_readable_header_gets_an_error_and_the_connection_goe
 
 
 UNREADABLE = {
-    "shorter than a header": (b"TM\x01\x0a\x00", 0),
+    "shorter than a header": (b"TM\x02\x0a\x00", 0),
     "bad magic": (frame(MsgType.PING, 9, magic=b"XX"), 0),
-    "newer version": (frame(MsgType.PING, 9, version=2), 9),
+    "newer version": (frame(MsgType.PING, 9, version=PROTOCOL_VERSION + 1), 9),
     "version zero": (frame(MsgType.PING, 9, version=0), 9),
 }
 
@@ -108,7 +111,7 @@ def test_a_frame_whose_header_is_unreadable_gets_an_error_then_the_connection_cl
         request_id, kind, message = error_of(conn.request(data))
         assert (request_id, kind) == (expected_id, "ProtocolError")
         if "version" in case:
-            assert "this side supports version(s) 1" in message
+            assert "this side supports version(s) 2" in message
         assert conn.recv() is None
 
 
@@ -159,7 +162,9 @@ def test_fds_sent_by_a_client_are_closed_and_refused(daemon):
 
 def test_an_error_from_a_one_way_message_fails_the_next_request_instead(daemon):
     with RawConn(daemon.socket_path, timeout_s=0.5) as conn:
-        bucket = encode_message(BucketReady(step=1, bucket=0, tensor_ids=(0,)), 5, 0x0001)
+        bucket = encode_message(
+            BucketReady(step=1, attempt=1, bucket=0, tensor_ids=(0,), groups=(ParamGroup(lr=0.1),)), 5, 0x0001
+        )
         assert conn.send(bucket)
         with pytest.raises(TimeoutError):
             conn.recv()  # no reply to a one-way message, not even an error
@@ -177,7 +182,7 @@ VALID_BASES = [
     encode_message(Step(step=3, max_grad_norm=1.0), 3),
     encode_message(FetchParams(step=0, tensor_ids=(1, 2)), 4),
     encode_message(StateRead(tensor_id=0, key="master", offset=0, dest=MemRef(1, 0, 64)), 5),
-    encode_message(BucketReady(step=1, bucket=0, tensor_ids=(0,)), 6, 0x0001),
+    encode_message(BucketReady(step=1, attempt=1, bucket=0, tensor_ids=(0,), groups=(ParamGroup(lr=0.1),)), 6, 0x0001),
     encode_message(Attach(job_id="fuzz", rank=0, world_size=1, window_nbytes=1 << 55), 7),
 ]
 
@@ -205,7 +210,7 @@ def hostile_frames(draw: st.DrawFn) -> bytes:
     # most cases keep a readable header, so the connection (and the probe's speed) survives them
     kind = draw(st.sampled_from(["bytes", "header", "header", "header", "mutated", "mutated", "mutated"]))
     if kind == "bytes":
-        return draw(st.sampled_from([b"", b"TM", b"TM\x01"])) + draw(st.binary(min_size=1, max_size=300))
+        return draw(st.sampled_from([b"", b"TM", b"TM\x02"])) + draw(st.binary(min_size=1, max_size=300))
     if kind == "header":
         payload = draw(st.binary(max_size=200) | JSON_OBJECTS.map(lambda v: json.dumps(v).encode()))
         return frame(
@@ -213,7 +218,7 @@ def hostile_frames(draw: st.DrawFn) -> bytes:
             draw(st.integers(0, 2**32 - 1)),
             payload,
             flags=draw(st.sampled_from([0, 1, 2, 3]) | st.integers(0, 0xFFFF)),
-            version=draw(st.sampled_from([1] * 12 + [0, 2, 255])),
+            version=draw(st.sampled_from([2] * 12 + [0, 1, 3, 255])),
             reserved=draw(st.sampled_from([0, 0, 0, 1])),
             announced=draw(st.none() | st.integers(0, 2**32 - 1)),
         )
@@ -361,15 +366,13 @@ def test_state_read_and_write_accept_exactly_the_references_inside_the_window(da
 
 def test_a_state_read_returns_what_a_state_write_stored(daemon, registered):
     trainer = registered
-    slot = trainer.slots[0]
-    staging = trainer.region(slot.grads[0])
+    ref = MemRef(trainer.window_id, 0, 4000)
+    staging = trainer.window[:4000].view(np.float32)
     staging[:] = torch.arange(1000, dtype=torch.float32).numpy()
-    trainer.conn.request(StateWrite(tensor_id=0, key="exp_avg_sq", offset=0, src=slot.grads[0], step=3))
+    trainer.conn.request(StateWrite(tensor_id=0, key="exp_avg_sq", offset=0, src=ref, step=3))
     staging[:] = 0
     chunk = trainer.conn.request(
-        StateRead(
-            tensor_id=0, key="exp_avg_sq", offset=400, dest=MemRef(slot.grads[0].window, slot.grads[0].offset, 40)
-        )
+        StateRead(tensor_id=0, key="exp_avg_sq", offset=400, dest=MemRef(trainer.window_id, 0, 40))
     )
     assert (chunk.offset, chunk.nbytes, chunk.total_nbytes, chunk.step) == (400, 40, 4000, 3)
     assert staging[:10].tolist() == list(range(100, 110))

@@ -17,6 +17,7 @@ import pytest
 from conftest import MAX_CONNECTIONS_PER_UID, NotifyRecorder, RawConn, daemon_settings, error_of
 
 from tiermem.protocol import MsgType, Stats, StatsReply
+from tiermem.protocol.frame import PROTOCOL_VERSION
 from tiermem.units import MiB
 from tiermemd.main import to_toml
 from tiermemd.service import DRAIN_TIMEOUT_S
@@ -26,7 +27,7 @@ STOP_BOUND_S = DRAIN_TIMEOUT_S + 30.0
 
 
 def ping_frame(request_id: int) -> bytes:
-    return struct.pack("<2sBBHHII", b"TM", 1, MsgType.PING, 0, 0, request_id, 0)
+    return struct.pack("<2sBBHHII", b"TM", PROTOCOL_VERSION, MsgType.PING, 0, 0, request_id, 0)
 
 
 def ping_ok(path: str, request_id: int = 1) -> tuple[RawConn, bool]:

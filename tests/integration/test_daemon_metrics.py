@@ -73,7 +73,7 @@ def test_metrics_report_pool_budgets_and_per_job_figures(tmp_path: Path) -> None
         steps = {labels["job"]: value for labels, value in busy["tiermem_rank_steps_total"]}
         assert steps == {"scraped": 3.0}
         held = {(lb["resource"], lb["kind"]): v for lb, v in busy["tiermem_budget_bytes"]}
-        assert held[("pool", "held")] == 12 * (32 * 32 + 32)
+        assert held[("pool", "held")] == 8 * (32 * 32 + 32)  # fp32 params on the CPU tier: moments only
         assert dict(busy["tiermem_rank_state_elements"][0][0]) == {"job": "scraped", "rank": "0"}
         opt.close()
         assert _scrape(port)["tiermem_jobs"] == [({}, 0.0)]

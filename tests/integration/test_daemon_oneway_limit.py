@@ -6,12 +6,14 @@ from typing import Any
 
 from conftest import RawConn, error_of
 
-from tiermem.protocol import FLAG_ONEWAY, BucketReady, Ping, encode_message
+from tiermem.protocol import FLAG_ONEWAY, BucketReady, ParamGroup, Ping, encode_message
 
 
 def test_a_flood_of_one_way_messages_closes_only_that_connection(daemon_factory: Any) -> None:
     daemon = daemon_factory({"server": {"max_inflight": 20}})
-    bucket = encode_message(BucketReady(step=1, bucket=0, tensor_ids=(0,)), 1, FLAG_ONEWAY)
+    bucket = encode_message(
+        BucketReady(step=1, attempt=1, bucket=0, tensor_ids=(0,), groups=(ParamGroup(lr=0.1),)), 1, FLAG_ONEWAY
+    )
     with RawConn(daemon.socket_path) as ok:
         for _ in range(20):  # up to the limit, then a request: fine (they fail the request: no job attached)
             assert ok.send(bucket)

@@ -12,13 +12,14 @@ from tiermem.protocol import ParamGroup, TensorSpec
 
 def test_a_job_over_its_pool_quota_is_refused_at_register(daemon_factory: Any) -> None:
     daemon = daemon_factory({"jobs": {"max_pool": "64KiB"}})
-    small = [TensorSpec("w", (1024,), "float32", "cpu", 0)]  # 12 KiB of state: fits
-    big = [TensorSpec("w", (8192,), "float32", "cpu", 0)]  # 96 KiB of state: over 64 KiB
+    # fp32 params on the CPU tier are their own master: 8 bytes of state (the two moments) per element
+    small = [TensorSpec("w", (1024,), "float32", "cpu", 0)]  # 8 KiB of state: fits
+    big = [TensorSpec("w", (12288,), "float32", "cpu", 0)]  # 96 KiB of state: over 64 KiB
     with daemon.client() as client:
         client.attach("big", window_nbytes=1 << 16)
         with pytest.raises(AdmissionError, match="quota of 64KiB"):
             client.register(big, [ParamGroup(lr=1e-3)])
     with daemon.client() as client:
         client.attach("small", window_nbytes=1 << 16)
-        assert len(client.register(small, [ParamGroup(lr=1e-3)])) == 1
+        assert len(client.register(small, [ParamGroup(lr=1e-3)]).slots) == 1
         client.detach()

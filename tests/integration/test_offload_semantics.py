@@ -288,7 +288,7 @@ def test_loading_an_older_checkpoint_into_a_used_optimizer_restores_it_exactly(
         _load(model, o, ckpt, order)
         for name, p in model.named_parameters():  # never overwritten by the optimizer's load
             torch.testing.assert_close(p, ckpt[0][name], rtol=0, atol=0, msg=lambda m, n=name: f"param {n}: {m}")
-        loaded.append(o.state_dict())
+        loaded.append(copy.deepcopy(o.state_dict()))  # AdamW hands out its live tensors
         _branch_steps(model, o, batches[5:], use_b=True)
     assert sorted(loaded[1]["state"]) == [0, 1, 2, 3]  # trunk and branch_a only
     assert_state_close(loaded[0], loaded[1])
@@ -324,20 +324,21 @@ def _assert_nothing_applied(
 
 
 def _overlap_refusal(offload: OffloadDaemon, tier: str, refused_step: Callable[[nn.Module, OffloadAdam], None]) -> None:
-    """One plain step, then a step ``refused_step`` makes (it must raise InvalidState before applying anything),
-    then a plain step: the result equals AdamW taking the two plain steps."""
+    """The first step of an overlap run is synchronous and shows what the loop does: a first step that
+    ``refused_step`` makes raises InvalidState before applying anything; then plain steps train as AdamW.
+
+    (A loop that starts plain and only later scales or accumulates cannot be refused before its early
+    updates: ``test_overlap_update_reports_a_loop_that_changes_later`` covers that.)"""
     (x1, y1), (x3, y3) = mlp_batches(2, fixed=False)
     m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, offload_only={"overlap_update": True}, **HYPER)
-    F.mse_loss(m_off(x1), y1).backward()
-    opt.step()
-    opt.zero_grad()
     before = _state_and_params(opt, m_off)
     with pytest.raises(InvalidState):
         refused_step(m_off, opt)
     _assert_nothing_applied(opt, m_off, before)
-    opt.zero_grad()
-    F.mse_loss(m_off(x3), y3).backward()
-    opt.step()  # the optimizer is still usable
+    for x, y in ((x1, y1), (x3, y3)):
+        opt.zero_grad()
+        F.mse_loss(m_off(x), y).backward()
+        opt.step()  # the optimizer is still usable
     opt.zero_grad()
     for x, y in ((x1, y1), (x3, y3)):
         F.mse_loss(m_ref(x), y).backward()
@@ -345,6 +346,27 @@ def _overlap_refusal(offload: OffloadDaemon, tier: str, refused_step: Callable[[
         ref.zero_grad()
     assert_params_close(m_off, m_ref)
     assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+def test_overlap_update_reports_a_loop_that_changes_later(offload: OffloadDaemon, tier: str) -> None:
+    """Plain steps, then one that accumulates: its first backward was already applied bucket by bucket, so
+    the step is refused naming how many tensors keep that update, and the state says exactly that."""
+    model = mlp()
+    opt = offload.make(model.parameters(), offload=tier, overlap_update=True, bucket_nbytes=4096, **HYPER)
+    batches = mlp_batches(4, fixed=False)
+    for x, y in batches[:2]:
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for x, y in batches[2:]:
+        F.mse_loss(model(x), y).backward()
+    with pytest.raises(InvalidState, match=r"\d+ tensor\(s\) were already updated"):
+        opt.step()
+    steps = [int(opt.state[p]["step"]) for p in model.parameters()]
+    assert set(steps) <= {2, 3} and 3 in steps, steps
+    opt.zero_grad()
+    F.mse_loss(model(batches[0][0]), batches[0][1]).backward()
+    opt.step()  # still usable
 
 
 def test_overlap_update_refuses_a_grad_scaler_step_before_applying_anything(offload: OffloadDaemon, tier: str) -> None:

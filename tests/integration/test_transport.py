@@ -27,6 +27,7 @@ from tiermem.protocol import (
     Attach,
     AttachOk,
     ErrorReply,
+    ParamGroup,
     Ping,
     Pong,
     Stats,
@@ -576,10 +577,10 @@ def test_oneway_send_gets_no_reply_and_requests_must_expect_one(pair):
     from tiermem.protocol import FLAG_ONEWAY, BucketReady
 
     conn, server = pair
-    conn.send_oneway(BucketReady(step=1, bucket=0, tensor_ids=(0,)))
+    conn.send_oneway(BucketReady(step=1, attempt=1, bucket=0, tensor_ids=(0,), groups=(ParamGroup(lr=0.1),)))
     frame = decode_frame(server.recv()[0])
     assert frame.flags & FLAG_ONEWAY
     with pytest.raises(ProtocolError, match="PING expects a reply"):
         conn.send_oneway(Ping())
     with pytest.raises(ProtocolError, match="BUCKET_READY is not a request that gets a reply"):
-        conn.request(BucketReady(step=1, bucket=0, tensor_ids=(0,)))
+        conn.request(BucketReady(step=1, attempt=1, bucket=0, tensor_ids=(0,), groups=(ParamGroup(lr=0.1),)))

@@ -48,12 +48,12 @@ def header(hexstr: str) -> bytes:
 
 # Golden frames: the exact bytes of protocol version 1.  A change here is a wire change: bump the version.
 GOLDEN = [
-    (Ping(), 1, 0, header("544d 01 0a 0000 0000 01000000 00000000"), b""),
+    (Ping(), 1, 0, header("544d 02 0a 0000 0000 01000000 00000000"), b""),
     (
         Attach(job_id="job-7", rank=1, world_size=2, window_nbytes=1 << 30),
         2,
         0,
-        header("544d 01 01 0000 0000 02000000 52000000"),
+        header("544d 02 01 0000 0000 02000000 52000000"),
         b'{"job_id":"job-7","rank":1,"world_size":2,"window_nbytes":1073741824,"token":null}',
     ),
     (
@@ -63,37 +63,37 @@ GOLDEN = [
             loss_scale=1024.0,
             max_grad_norm=1.0,
             tensor_ids=(0, 1),
-            buckets=2,
             grad_buffer=1,
         ),
         3,
         0,
-        header("544d 01 03 0000 0000 03000000 f3000000"),
-        b'{"step":12,"groups":[{"lr":0.001,"betas":[0.9,0.999],"eps":1e-08,"weight_decay":0.01,'
+        header("544d 02 03 0000 0000 03000000 f3000000"),
+        b'{"step":12,"attempt":0,"groups":[{"lr":0.001,"betas":[0.9,0.999],"eps":1e-08,"weight_decay":0.01,'
         b'"adamw":true,"maximize":false}],"loss_scale":1024.0,"max_grad_norm":1.0,"skip_nonfinite":false,'
         b'"tensor_ids":[0,1],'
-        b'"buckets":2,"delayed":false,"grad_buffer":1}',
+        b'"delayed":false,"grad_buffer":1}',
     ),
     (
-        BucketReady(step=12, bucket=0, tensor_ids=(3, 4), refs=(MemRef(1, 4096, 512),)),
+        BucketReady(step=12, attempt=3, bucket=0, tensor_ids=(3, 4), groups=(ParamGroup(lr=0.5),)),
         4,
         FLAG_ONEWAY,
-        header("544d 01 04 0100 0000 04000000 6a000000"),
-        b'{"step":12,"bucket":0,"tensor_ids":[3,4],"refs":[[1,4096,512]],"grad_buffer":0,"update":false,'
-        b'"groups":[]}',
+        header("544d 02 04 0100 0000 04000000 ac000000"),
+        b'{"step":12,"attempt":3,"bucket":0,"tensor_ids":[3,4],"grad_buffer":0,"groups":[{"lr":0.5,'
+        b'"betas":[0.9,0.999],"eps":1e-08,"weight_decay":0.0,"adamw":true,"maximize":false}]}',
     ),
     (
-        RegisterOk(slots=(TensorSlot(0, MemRef(1, 0, 128), (MemRef(1, 4096, 128),)),)),
+        RegisterOk(slots=(TensorSlot(0, MemRef(1, 0, 128), (MemRef(1, 4096, 128),)),), storage_nbytes=8192),
         5,
         0,
-        header("544d 01 82 0000 0000 05000000 28000000"),
-        b'{"slots":[[0,[1,0,128],[[1,4096,128]]]]}',
+        header("544d 02 82 0000 0000 05000000 7f000000"),
+        b'{"slots":[[0,[1,0,128],[[1,4096,128]]]],"placement":"cpu","state_keys":["master","exp_avg","exp_avg_sq"],'
+        b'"storage_nbytes":8192}',
     ),
     (
         ErrorReply.from_exception(BoundsError("reference [0, 8) of window 1 falls outside its 4 bytes")),
         6,
         0,
-        header("544d 01 ff 0000 0000 06000000 65000000"),
+        header("544d 02 ff 0000 0000 06000000 65000000"),
         b'{"type":"BoundsError","message":"reference [0, 8) of window 1 falls outside its 4 bytes","fields":{}}',
     ),
 ]
@@ -137,7 +137,7 @@ def test_bad_magic_is_named():
 
 
 def test_unsupported_version_lists_supported_versions():
-    assert "unsupported protocol version 7; this side supports version(s) 1" in decode_error(
+    assert "unsupported protocol version 7; this side supports version(s) 2" in decode_error(
         PING[:2] + b"\x07" + PING[3:]
     )
 
@@ -261,17 +261,29 @@ def test_attach_checks_rank_against_world_size_and_job_id_charset():
         MsgType.ATTACH, dict(good, rank=2, world_size=2)
     )
     assert "field job_id: expected a string matching" in field_error(MsgType.ATTACH, dict(good, job_id="../etc"))
-    assert "field window_nbytes" in field_error(MsgType.ATTACH, dict(good, window_nbytes=0))
+    assert "field window_nbytes" in field_error(MsgType.ATTACH, dict(good, window_nbytes=-1))
 
 
 def test_memref_fields_and_slot_shapes_are_checked():
-    bad_ref = {"step": 1, "bucket": 0, "tensor_ids": [], "refs": [[1, -5, 3]], "grad_buffer": 0}
-    assert "field refs[0][1]: expected an integer in [0, " in field_error(MsgType.BUCKET_READY, bad_ref)
-    assert "field refs[0]: expected a [window, offset, length] list" in field_error(
-        MsgType.BUCKET_READY, dict(bad_ref, refs=[[1, 2]])
+    read = {"tensor_id": 0, "key": "exp_avg", "offset": 0, "dest": [1, -5, 3]}
+    assert "field dest[1]: expected an integer in [0, " in field_error(MsgType.STATE_READ, read)
+    assert "field dest: expected a [window, offset, length] list" in field_error(
+        MsgType.STATE_READ, dict(read, dest=[1, 2])
     )
-    assert "expected tensor ids or refs" in field_error(MsgType.BUCKET_READY, dict(bad_ref, refs=[]))
-    assert "field slots[0][2][0][2]" in field_error(MsgType.REGISTER_OK, {"slots": [[0, [1, 0, 8], [[1, 8, "x"]]]]})
+    ok = RegisterOk(slots=()).to_payload()
+    bad_slots = dict(ok, slots=[[0, [1, 0, 8], [[1, 8, "x"]]]])
+    assert "field slots[0][2][0][2]" in field_error(MsgType.REGISTER_OK, bad_slots)
+    assert "field state_keys[0]: expected one of" in field_error(MsgType.REGISTER_OK, dict(ok, state_keys=["grad"]))
+
+
+def test_bucket_ready_needs_tensors_and_the_groups_to_update_with():
+    good = BucketReady(step=1, attempt=1, bucket=0, tensor_ids=(0,), groups=(ParamGroup(lr=0.1),)).to_payload()
+    assert "field tensor_ids: expected at least one tensor id" in field_error(
+        MsgType.BUCKET_READY, dict(good, tensor_ids=[])
+    )
+    assert "field groups: expected the param groups to update with" in field_error(
+        MsgType.BUCKET_READY, dict(good, groups=[])
+    )
 
 
 def test_state_chunk_range_is_within_total():
@@ -285,9 +297,10 @@ def test_state_chunk_range_is_within_total():
 
 
 def test_step_done_allows_an_infinite_grad_norm_but_not_bad_timings():
-    done = StepDone(step=4, found_inf=True, grad_norm=math.inf, timings=(("update", 0.5),))
+    done = StepDone(step=4, attempt=1, found_inf=True, grad_norm=math.inf, timings=(("update", 0.5),))
     assert decode_message(decode_frame(encode_message(done, 1))) == done
-    nan_norm = decode_message(decode_frame(encode_message(StepDone(step=4, found_inf=True, grad_norm=math.nan), 1)))
+    nan = StepDone(step=4, attempt=1, found_inf=True, grad_norm=math.nan)
+    nan_norm = decode_message(decode_frame(encode_message(nan, 1)))
     assert isinstance(nan_norm, StepDone) and math.isnan(nan_norm.grad_norm or 0.0)
     payload = dict(done.to_payload(), timings={"update": -1})
     assert "field timings.update: expected a finite number of seconds >= 0" in field_error(MsgType.STEP_DONE, payload)

@@ -17,6 +17,8 @@ from tiermem.protocol import (
     MESSAGE_CLASSES,
     PLACEMENTS,
     STATE_KEYS,
+    Abort,
+    Aborted,
     Attach,
     AttachOk,
     BucketReady,
@@ -36,6 +38,7 @@ from tiermem.protocol import (
     RegisterOk,
     StateChunk,
     StateRead,
+    StateReset,
     StateWrite,
     Stats,
     StatsReply,
@@ -86,7 +89,7 @@ def registers(draw: st.DrawFn) -> Register:
     tensors = tuple(
         TensorSpec(t.name, t.shape, t.dtype, t.placement, draw(st.integers(0, len(groups) - 1))) for t in specs
     )
-    return Register(tensors, groups, draw(st.integers(1, 2)))
+    return Register(tensors, groups, draw(st.integers(1, 2)), "shared")
 
 
 @st.composite
@@ -124,6 +127,9 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
         st.lists(
             st.builds(TensorSlot, tensor_id, memref, st.lists(memref, min_size=1, max_size=2).map(tuple)), max_size=5
         ).map(tuple),
+        st.sampled_from(["cpu", "nvme"]),
+        st.sampled_from([("exp_avg", "exp_avg_sq"), STATE_KEYS]),
+        u64,
     ),
     MsgType.STEP: st.builds(
         Step,
@@ -133,21 +139,26 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
         max_grad_norm=st.none() | positive,
         skip_nonfinite=st.booleans(),
         tensor_ids=ids,
-        buckets=st.integers(0, 1 << 20),
+        attempt=step_no,
         delayed=st.booleans(),
         grad_buffer=st.integers(0, 1),
     ),
     MsgType.BUCKET_READY: st.builds(
         BucketReady,
         step=step_no,
+        attempt=step_no,
         bucket=st.integers(0, 1 << 20),
         tensor_ids=st.lists(tensor_id, min_size=1, max_size=8).map(tuple),
-        refs=st.lists(memref, max_size=4).map(tuple),
         grad_buffer=st.integers(0, 1),
+        groups=st.lists(param_group, min_size=1, max_size=3).map(tuple),
     ),
+    MsgType.ABORT: st.builds(Abort, step_no, step_no),
+    MsgType.ABORTED: st.builds(Aborted, step_no, step_no, step_no, st.integers(0, 1 << 20)),
+    MsgType.STATE_RESET: st.builds(StateReset, ids),
     MsgType.STEP_DONE: st.builds(
         StepDone,
         step=step_no,
+        attempt=step_no,
         found_inf=st.booleans(),
         grad_norm=st.none() | st.floats(0.0, allow_nan=False),
         params_ready=st.booleans(),

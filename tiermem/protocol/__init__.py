@@ -42,6 +42,8 @@ from tiermem.protocol.messages import (
     PLACEMENTS,
     REPLY_TYPES,
     STATE_KEYS,
+    Abort,
+    Aborted,
     Attach,
     AttachOk,
     BucketReady,
@@ -59,6 +61,7 @@ from tiermem.protocol.messages import (
     RegisterOk,
     StateChunk,
     StateRead,
+    StateReset,
     StateWrite,
     Stats,
     StatsReply,
@@ -69,6 +72,8 @@ from tiermem.protocol.messages import (
 )
 
 __all__ = [
+    "Abort",
+    "Aborted",
     "DEFAULT_MAX_FRAME",
     "DTYPES",
     "FLAG_FDS",
@@ -102,6 +107,7 @@ __all__ = [
     "RegisterOk",
     "StateChunk",
     "StateRead",
+    "StateReset",
     "StateWrite",
     "Stats",
     "StatsReply",

@@ -66,8 +66,8 @@ __all__ = [
 ]
 
 MAGIC = b"TM"
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS: tuple[int, ...] = (2,)
 HEADER = struct.Struct("<2sBBHHII")
 HEADER_NBYTES = HEADER.size  # 16
 DEFAULT_MAX_FRAME = 1 * MiB
@@ -93,6 +93,8 @@ class MsgType(IntEnum):
     STATS = 0x08
     DETACH = 0x09
     PING = 0x0A
+    ABORT = 0x0B
+    STATE_RESET = 0x0C
 
     OK = 0x80
     ATTACH_OK = 0x81
@@ -102,6 +104,7 @@ class MsgType(IntEnum):
     STATE_CHUNK = 0x86
     STATS_REPLY = 0x88
     PONG = 0x8A
+    ABORTED = 0x8B
     ERROR = 0xFF
 
     @property

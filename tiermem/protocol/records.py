@@ -39,6 +39,7 @@ from tiermem.protocol.frame import MsgType
 
 __all__ = [
     "DTYPES",
+    "EXCHANGES",
     "FLOAT_MAX",
     "ID_PATTERN",
     "MAX_DIM",
@@ -69,6 +70,7 @@ __all__ = [
 # Limits of field values (docs/protocol.md, "Limits").
 DTYPES = ("float32", "float16", "bfloat16")
 PLACEMENTS = ("cpu", "nvme", "auto")
+EXCHANGES = ("shared",)
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 MAX_NAME = 256
 MAX_ID = 128

@@ -26,6 +26,7 @@ from tiermem.protocol.fields import (
 )
 from tiermem.protocol.frame import MsgType
 from tiermem.protocol.records import (
+    EXCHANGES,
     ID_PATTERN,
     MAX_GRAD_BUFFERS,
     MAX_GROUPS,
@@ -37,6 +38,7 @@ from tiermem.protocol.records import (
     MAX_TENSORS,
     MAX_WINDOW_ID,
     MAX_WORLD,
+    STATE_KEYS,
     Message,
     ParamGroup,
     TensorSlot,
@@ -61,9 +63,10 @@ __all__ = [
 
 @dataclass(slots=True)
 class Attach(Message):
-    """Join job ``job_id`` as ``rank`` of ``world_size``; the first rank sizes the job's window.
+    """Join job ``job_id`` as ``rank`` of ``world_size``, with a staging window of ``window_nbytes``.
 
-    ``token`` (from an earlier ``ATTACH_OK``) reattaches to a job kept after a crash.
+    ``window_nbytes`` 0 takes the daemon's ``jobs.window_size``.  ``token`` (from an earlier
+    ``ATTACH_OK``) reattaches to a job kept after a crash.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.ATTACH
@@ -94,7 +97,7 @@ class Attach(Message):
             job_id=get_str(d, "job_id", MAX_ID, ID_PATTERN),
             rank=rank,
             world_size=world_size,
-            window_nbytes=get_int(d, "window_nbytes", 1, MAX_NBYTES),
+            window_nbytes=get_int(d, "window_nbytes", 0, MAX_NBYTES),
             token=get_opt_str(d, "token", MAX_ID),
         )
 
@@ -144,21 +147,26 @@ class AttachOk(Message):
 class Register(Message):
     """Register the rank's tensors (once); ``groups`` are its param groups.
 
-    ``grad_buffers``: 1, or 2 for the delayed update (step t+1's grads land in
-    the other buffer while step t's update still reads its own).
+    ``exchange``: how params and grads move (``"shared"``: the daemon creates
+    the tensors' storage, params and grads, as one shared-memory segment that
+    the client's tensors then live in).  ``grad_buffers``: 1, or 2 for the
+    delayed update (step t+1's grads land in the other buffer while step t's
+    update still reads its own).
     """
 
     TYPE: ClassVar[MsgType] = MsgType.REGISTER
-    KEYS: ClassVar[frozenset[str]] = frozenset({"tensors", "groups", "grad_buffers"})
+    KEYS: ClassVar[frozenset[str]] = frozenset({"tensors", "groups", "grad_buffers", "exchange"})
     tensors: tuple[TensorSpec, ...]
     groups: tuple[ParamGroup, ...]
     grad_buffers: int = 1
+    exchange: str = "shared"
 
     def to_payload(self) -> dict[str, Any]:
         return {
             "tensors": [t.to_payload() for t in self.tensors],
             "groups": [g.to_payload() for g in self.groups],
             "grad_buffers": self.grad_buffers,
+            "exchange": self.exchange,
         }
 
     @classmethod
@@ -175,24 +183,54 @@ class Register(Message):
             if tensor.name in seen:
                 raise FieldError(f"tensors[{index}].name", "a name not used before in this message", tensor.name)
             seen.add(tensor.name)
-        return cls(tensors, groups, get_int(d, "grad_buffers", 1, MAX_GRAD_BUFFERS))
+        exchange = get_str(d, "exchange", 16)
+        if exchange not in EXCHANGES:
+            raise FieldError("exchange", f"one of {', '.join(EXCHANGES)}", exchange)
+        return cls(tensors, groups, get_int(d, "grad_buffers", 1, MAX_GRAD_BUFFERS), exchange)
 
 
 @dataclass(slots=True)
 class RegisterOk(Message):
-    """One slot per registered tensor, in request order."""
+    """The daemon's plan for the registered tensors: one slot per tensor, in request order.
+
+    With the shared exchange the reply carries one fd, the tensors' storage
+    (``storage_nbytes`` bytes; the slots' references name it).  ``placement``:
+    where the Adam state went (``cpu``/``nvme``); ``state_keys``: the fp32
+    state the daemon keeps per tensor (no ``master`` when the fp32 params in
+    the storage are the master themselves).
+    """
 
     TYPE: ClassVar[MsgType] = MsgType.REGISTER_OK
-    KEYS: ClassVar[frozenset[str]] = frozenset({"slots"})
+    KEYS: ClassVar[frozenset[str]] = frozenset({"slots", "placement", "state_keys", "storage_nbytes"})
     slots: tuple[TensorSlot, ...]
+    placement: str = "cpu"
+    state_keys: tuple[str, ...] = STATE_KEYS
+    storage_nbytes: int = 0
 
     def to_payload(self) -> dict[str, Any]:
-        return {"slots": [s.to_wire() for s in self.slots]}
+        return {
+            "slots": [s.to_wire() for s in self.slots],
+            "placement": self.placement,
+            "state_keys": list(self.state_keys),
+            "storage_nbytes": self.storage_nbytes,
+        }
 
     @classmethod
     def from_payload(cls, d: dict[str, Any]) -> RegisterOk:
         check_keys(d, cls.KEYS)
-        return cls(list_of(d, "slots", MAX_TENSORS, TensorSlot.from_wire))
+        placement = get_str(d, "placement", 16)
+        if placement not in ("cpu", "nvme"):
+            raise FieldError("placement", "cpu or nvme", placement)
+        keys = list_of(d, "state_keys", len(STATE_KEYS), lambda v: str_value(v, 16))
+        for index, key in enumerate(keys):
+            if key not in STATE_KEYS:
+                raise FieldError(f"state_keys[{index}]", f"one of {', '.join(STATE_KEYS)}", key)
+        return cls(
+            list_of(d, "slots", MAX_TENSORS, TensorSlot.from_wire),
+            placement,
+            keys,
+            get_int(d, "storage_nbytes", 0, MAX_NBYTES),
+        )
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
-"""Step-path messages: step, bucket ready, step done, fetch params; state read and write.
+"""Step-path messages: step, bucket ready, step done, abort, fetch params; state read, write and reset.
 
 Owns what these messages mean and the range of every field.  The per-step
-ones (STEP, BUCKET_READY, STEP_DONE, FETCH_PARAMS, PARAMS_READY) have a fast
+ones (STEP, STEP_DONE, FETCH_PARAMS, PARAMS_READY) have a fast
 path in ``from_payload`` for the common well-formed case, falling back to the
 field-by-field checks (``_checked``) that word the errors; a property test
 holds both to the same answers.
@@ -49,11 +49,14 @@ from tiermem.protocol.records import (
 )
 
 __all__ = [
+    "Abort",
+    "Aborted",
     "BucketReady",
     "FetchParams",
     "ParamsReady",
     "StateChunk",
     "StateRead",
+    "StateReset",
     "StateWrite",
     "Step",
     "StepDone",
@@ -67,12 +70,13 @@ def _ids_ok(ids: Any) -> bool:
 
 @dataclass(slots=True)
 class Step(Message):
-    """Apply step ``step`` using the grads now in the window.
+    """Apply step ``step`` (attempt ``attempt``) using the grads now in the rank's grad buffer.
 
     ``groups``: the hyper-parameters for this step (empty: unchanged since the
     last step or REGISTER).  ``tensor_ids``: tensors whose grads are present
-    (empty: all registered), in grad buffer ``grad_buffer``.  ``buckets``: how
-    many BUCKET_READY messages were sent for this step before it.  ``max_grad_norm``: clip to this global norm
+    (empty: all registered), in grad buffer ``grad_buffer``.  ``attempt``: the
+    client's id for this try of the step (an ABORT names it; a reply echoes it).
+    ``max_grad_norm``: clip to this global norm
     (None: no clipping).  ``skip_nonfinite``: skip the whole step when any grad
     is inf/nan (``torch.amp.GradScaler``'s rule); without it non-finite grads are
     applied as torch would.  ``delayed``: reply once the gradient statistics are
@@ -83,35 +87,35 @@ class Step(Message):
     KEYS: ClassVar[frozenset[str]] = frozenset(
         {
             "step",
+            "attempt",
             "groups",
             "loss_scale",
             "max_grad_norm",
             "skip_nonfinite",
             "tensor_ids",
-            "buckets",
             "delayed",
             "grad_buffer",
         }
     )
     step: int
+    attempt: int = 0
     groups: tuple[ParamGroup, ...] = ()
     loss_scale: float = 1.0
     max_grad_norm: float | None = None
     skip_nonfinite: bool = False
     tensor_ids: tuple[int, ...] = ()
-    buckets: int = 0
     delayed: bool = False
     grad_buffer: int = 0
 
     def to_payload(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "attempt": self.attempt,
             "groups": [g.to_payload() for g in self.groups],
             "loss_scale": self.loss_scale,
             "max_grad_norm": self.max_grad_norm,
             "skip_nonfinite": self.skip_nonfinite,
             "tensor_ids": list(self.tensor_ids),
-            "buckets": self.buckets,
             "delayed": self.delayed,
             "grad_buffer": self.grad_buffer,
         }
@@ -119,26 +123,26 @@ class Step(Message):
     @classmethod
     def from_payload(cls, d: dict[str, Any]) -> Step:
         if d.keys() == cls.KEYS:
-            step, groups, scale, clip, skip, ids, buckets, delayed, buffer = (
+            step, attempt, groups, scale, clip, skip, ids, delayed, buffer = (
                 d["step"],
+                d["attempt"],
                 d["groups"],
                 d["loss_scale"],
                 d["max_grad_norm"],
                 d["skip_nonfinite"],
                 d["tensor_ids"],
-                d["buckets"],
                 d["delayed"],
                 d["grad_buffer"],
             )
             if (
                 type(step) is int
                 and 0 <= step <= MAX_STEP
+                and type(attempt) is int
+                and 0 <= attempt <= MAX_STEP
                 and type(scale) is float
                 and 0.0 < scale <= FLOAT_MAX
                 and (clip is None or (type(clip) is float and 0.0 < clip <= FLOAT_MAX))
                 and type(skip) is bool
-                and type(buckets) is int
-                and 0 <= buckets <= MAX_TENSORS
                 and type(delayed) is bool
                 and type(buffer) is int
                 and 0 <= buffer < MAX_GRAD_BUFFERS
@@ -149,12 +153,12 @@ class Step(Message):
             ):
                 return cls(
                     step,
+                    attempt,
                     list_of(d, "groups", MAX_GROUPS, ParamGroup.from_payload),
                     scale,
                     clip,
                     skip,
                     tuple(ids),
-                    buckets,
                     delayed,
                     buffer,
                 )
@@ -171,12 +175,12 @@ class Step(Message):
             raise FieldError("max_grad_norm", "a positive number or null", max_grad_norm)
         return cls(
             step=get_int(d, "step", 0, MAX_STEP),
+            attempt=get_int(d, "attempt", 0, MAX_STEP),
             groups=list_of(d, "groups", MAX_GROUPS, as_item(ParamGroup.from_payload)),
             loss_scale=loss_scale,
             max_grad_norm=max_grad_norm,
             skip_nonfinite=get_bool(d, "skip_nonfinite"),
             tensor_ids=list_of(d, "tensor_ids", MAX_TENSORS, tensor_id_value),
-            buckets=get_int(d, "buckets", 0, MAX_TENSORS),
             delayed=get_bool(d, "delayed"),
             grad_buffer=get_int(d, "grad_buffer", 0, MAX_GRAD_BUFFERS - 1),
         )
@@ -184,83 +188,135 @@ class Step(Message):
 
 @dataclass(slots=True)
 class BucketReady(Message):
-    """Grads of ``tensor_ids`` (and/or the raw regions ``refs``) are in the window for ``step`` (usually one-way).
+    """The grads of ``tensor_ids`` are final for step ``step`` (attempt ``attempt``): update them now (one-way).
 
-    ``update``: apply Adam to these tensors now, with ``groups`` (the client's hyper-parameters at that
-    moment), instead of at STEP (the overlapped update; only for steps without loss scaling or clipping).
+    The overlapped update: the daemon applies Adam to these tensors with ``groups`` (the client's
+    hyper-parameters when backward started) while backward computes the next buckets.  Only for steps
+    without loss scaling, clipping or accumulation, which the client checks before it sends any.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.BUCKET_READY
-    KEYS: ClassVar[frozenset[str]] = frozenset(
-        {"step", "bucket", "tensor_ids", "refs", "grad_buffer", "update", "groups"}
-    )
+    KEYS: ClassVar[frozenset[str]] = frozenset({"step", "attempt", "bucket", "tensor_ids", "grad_buffer", "groups"})
     step: int
+    attempt: int
     bucket: int
-    tensor_ids: tuple[int, ...] = ()
-    refs: tuple[MemRef, ...] = ()
+    tensor_ids: tuple[int, ...]
     grad_buffer: int = 0
-    update: bool = False
     groups: tuple[ParamGroup, ...] = ()
 
     def to_payload(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "attempt": self.attempt,
             "bucket": self.bucket,
             "tensor_ids": list(self.tensor_ids),
-            "refs": [r.to_wire() for r in self.refs],
             "grad_buffer": self.grad_buffer,
-            "update": self.update,
             "groups": [g.to_payload() for g in self.groups],
         }
 
     @classmethod
     def from_payload(cls, d: dict[str, Any]) -> BucketReady:
-        if d.keys() == cls.KEYS and d["update"] is False and d["groups"] == []:
-            step, bucket, ids, refs, buffer = d["step"], d["bucket"], d["tensor_ids"], d["refs"], d["grad_buffer"]
-            if (
-                type(step) is int
-                and 0 <= step <= MAX_STEP
-                and type(bucket) is int
-                and 0 <= bucket <= MAX_TENSORS
-                and type(buffer) is int
-                and 0 <= buffer < MAX_GRAD_BUFFERS
-                and _ids_ok(ids)
-                and type(refs) is list
-                and not refs
-                and ids
-            ):
-                return cls(step, bucket, tuple(ids), (), buffer)
-        return cls._checked(d)
-
-    @classmethod
-    def _checked(cls, d: dict[str, Any]) -> BucketReady:
         check_keys(d, cls.KEYS)
         tensor_ids = list_of(d, "tensor_ids", MAX_TENSORS, tensor_id_value)
-        refs = list_of(d, "refs", MAX_TENSORS, MemRef.from_wire)
-        if not tensor_ids and not refs:
-            raise FieldError("tensor_ids", "tensor ids or refs (both are empty)", [])
-        update = get_bool(d, "update")
+        if not tensor_ids:
+            raise FieldError("tensor_ids", "at least one tensor id", [])
         groups = list_of(d, "groups", MAX_GROUPS, as_item(ParamGroup.from_payload))
-        if update and (not groups or refs):
-            raise FieldError("update", "tensor_ids and the param groups to update with", d.get("groups"))
+        if not groups:
+            raise FieldError("groups", "the param groups to update with", [])
         return cls(
             get_int(d, "step", 0, MAX_STEP),
+            get_int(d, "attempt", 0, MAX_STEP),
             get_int(d, "bucket", 0, MAX_TENSORS),
             tensor_ids,
-            refs,
             get_int(d, "grad_buffer", 0, MAX_GRAD_BUFFERS - 1),
-            update,
             groups,
         )
 
 
 @dataclass(slots=True)
+class Abort(Message):
+    """Drop attempt ``attempt`` of step ``step`` (the client was interrupted before or during it).
+
+    What was not started is dropped; an update already running ends first (state is never left
+    half-stepped).  Buckets already updated by an overlapped attempt stay applied, with their
+    per-tensor step counts, as torch leaves a param whose grad was None un-stepped.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.ABORT
+    KEYS: ClassVar[frozenset[str]] = frozenset({"step", "attempt"})
+    step: int
+    attempt: int
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"step": self.step, "attempt": self.attempt}
+
+    @classmethod
+    def from_payload(cls, d: dict[str, Any]) -> Abort:
+        check_keys(d, cls.KEYS)
+        return cls(get_int(d, "step", 0, MAX_STEP), get_int(d, "attempt", 0, MAX_STEP))
+
+
+@dataclass(slots=True)
+class Aborted(Message):
+    """Reply to ABORT: ``last_step`` is the rank's last applied step now, ``tensors_applied`` how many
+    tensors of the aborted attempt had been updated (overlap) and keep it."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ABORTED
+    KEYS: ClassVar[frozenset[str]] = frozenset({"step", "attempt", "last_step", "tensors_applied"})
+    step: int
+    attempt: int
+    last_step: int
+    tensors_applied: int
+
+    def to_payload(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "attempt": self.attempt,
+            "last_step": self.last_step,
+            "tensors_applied": self.tensors_applied,
+        }
+
+    @classmethod
+    def from_payload(cls, d: dict[str, Any]) -> Aborted:
+        check_keys(d, cls.KEYS)
+        return cls(
+            get_int(d, "step", 0, MAX_STEP),
+            get_int(d, "attempt", 0, MAX_STEP),
+            get_int(d, "last_step", 0, MAX_STEP),
+            get_int(d, "tensors_applied", 0, MAX_TENSORS),
+        )
+
+
+@dataclass(slots=True)
+class StateReset(Message):
+    """Zero the Adam state of ``tensor_ids`` (empty: all) and set their step counts to 0.
+
+    A load of a checkpoint resets the tensors it has no state for (as ``torch.optim`` does), and a
+    rank that is FAILED becomes usable again once all its tensors are reset (then loaded).
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.STATE_RESET
+    KEYS: ClassVar[frozenset[str]] = frozenset({"tensor_ids"})
+    tensor_ids: tuple[int, ...] = ()
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"tensor_ids": list(self.tensor_ids)}
+
+    @classmethod
+    def from_payload(cls, d: dict[str, Any]) -> StateReset:
+        check_keys(d, cls.KEYS)
+        return cls(list_of(d, "tensor_ids", MAX_TENSORS, tensor_id_value))
+
+
+@dataclass(slots=True)
 class StepDone(Message):
-    """Step ``step`` is applied (or skipped when ``found_inf``); ``grad_norm`` is the unclipped global norm."""
+    """Step ``step`` (attempt ``attempt``) is applied, or skipped when ``found_inf``; ``grad_norm`` is the
+    unclipped global norm (None when the step needed none)."""
 
     TYPE: ClassVar[MsgType] = MsgType.STEP_DONE
-    KEYS: ClassVar[frozenset[str]] = frozenset({"step", "found_inf", "grad_norm", "params_ready", "timings"})
+    KEYS: ClassVar[frozenset[str]] = frozenset({"step", "attempt", "found_inf", "grad_norm", "params_ready", "timings"})
     step: int
+    attempt: int
     found_inf: bool
     grad_norm: float | None = None
     params_ready: bool = True
@@ -270,6 +326,7 @@ class StepDone(Message):
     def to_payload(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "attempt": self.attempt,
             "found_inf": self.found_inf,
             "grad_norm": self.grad_norm,
             "params_ready": self.params_ready,
@@ -279,8 +336,9 @@ class StepDone(Message):
     @classmethod
     def from_payload(cls, d: dict[str, Any]) -> StepDone:
         if d.keys() == cls.KEYS:
-            step, found_inf, norm, ready, timings = (
+            step, attempt, found_inf, norm, ready, timings = (
                 d["step"],
+                d["attempt"],
                 d["found_inf"],
                 d["grad_norm"],
                 d["params_ready"],
@@ -289,6 +347,8 @@ class StepDone(Message):
             if (
                 type(step) is int
                 and 0 <= step <= MAX_STEP
+                and type(attempt) is int
+                and 0 <= attempt <= MAX_STEP
                 and type(found_inf) is bool
                 and (norm is None or (type(norm) is float and 0.0 <= norm <= FLOAT_MAX))
                 and type(ready) is bool
@@ -299,7 +359,7 @@ class StepDone(Message):
                     for k, v in timings.items()
                 )
             ):
-                return cls(step, found_inf, norm, ready, tuple(timings.items()))
+                return cls(step, attempt, found_inf, norm, ready, tuple(timings.items()))
         return cls._checked(d)
 
     @classmethod
@@ -314,6 +374,7 @@ class StepDone(Message):
             timings.append((key, float(value)))
         return cls(
             step=get_int(d, "step", 0, MAX_STEP),
+            attempt=get_int(d, "attempt", 0, MAX_STEP),
             found_inf=get_bool(d, "found_inf"),
             grad_norm=get_opt_float(d, "grad_norm", 0.0, finite=False),
             params_ready=get_bool(d, "params_ready"),

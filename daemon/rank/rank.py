@@ -1,0 +1,629 @@
+"""One rank's optimizer inside the daemon: it owns the step.
+
+A ``RankOptimizer`` owns, for one rank of one job:
+
+- the staging window (a bounded shared segment made at ATTACH, sized by
+  configuration, never by the model): state transfer (``state_dict``,
+  ``load_state_dict``) goes through it piece by piece;
+- the shared storage (made at REGISTER): the trainer's params and grads live
+  in it (``tiermem.layout``: a param region, one grad region per grad buffer),
+  so the daemon reads grads and updates params with no copy, and sees the
+  trainer's in-place edits;
+- the fp32 Adam state (``StateChunks``: pool or NVMe) with its keys: the
+  moments always, the master unless the rank's fp32 params are their own
+  master (fp32 params, state in the pool, no delayed update);
+- one ``TensorRecord`` per tensor, the rank's phase (``records``), the open
+  overlapped attempt, and the update runner.
+
+A step (``STEP``) is validated completely before anything changes; then the
+gradient statistics are taken if the step clips or may skip; an overflow skips
+the step (state and counts untouched); else the planner's pieces run.  An
+update that raises leaves the rank FAILED (``StepFailed`` for every later
+request until every tensor's state is reset and reloaded), and the job file of
+a FAILED rank says so: nothing is recorded as applied that was not.
+
+The overlapped update (``BUCKET_READY``) applies buckets as they land, under
+an ``Attempt``; ``STEP`` of the same attempt completes it and ``ABORT`` closes
+it, keeping what was applied (with its per-tensor step counts, as torch leaves
+a param without a grad un-stepped).  A delayed step's update runs on the
+rank's pipeline thread; its params are installed into the storage by the next
+``FETCH_PARAMS`` (the trainer reads the old ones meanwhile), and the next
+request of any kind waits for it first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from tiermem import dtypes
+from tiermem.errors import BoundsError, InvalidArgument, InvalidState, StepFailed, TiermemError
+from tiermem.layout import Layout, plan_layout
+from tiermem.layout import TensorSpec as LayoutSpec
+from tiermem.pool import Arena
+from tiermem.protocol import (
+    STATE_KEYS,
+    Abort,
+    Aborted,
+    BucketReady,
+    MemRef,
+    ParamGroup,
+    StateChunk,
+    StateRead,
+    StateWrite,
+    Step,
+    StepDone,
+    TensorSlot,
+    TensorSpec,
+)
+from tiermemd.persist import RankRecord
+from tiermemd.rank.planner import Piece, check_ids, plan_pieces
+from tiermemd.rank.records import Attempt, PhaseRecord, RankPhase, TensorRecord
+from tiermemd.rank.runner import AdamKernel, UpdateRunner, UpdateTarget
+from tiermemd.scheduler import CpuScheduler
+from tiermemd.state import ALL_KEYS, StateChunks, chunk_ranges
+
+__all__ = ["RankOptimizer", "Registration", "state_keys_for"]
+
+MakeState = Callable[[int, tuple[str, ...]], StateChunks]
+MakeStorage = Callable[[int], tuple[Arena, int]]
+
+
+def state_keys_for(dtype: str, placement: str, grad_buffers: int) -> tuple[str, ...]:
+    """The fp32 state a rank keeps: no master when its fp32 params in the pool-backed storage can be it.
+
+    NVMe-placed state keeps the master (what a restarted daemon reopens); a delayed update keeps it
+    (the trainer reads the old params while the update writes the new master)."""
+    if dtype == "float32" and placement == "cpu" and grad_buffers == 1:
+        return ("exp_avg", "exp_avg_sq")
+    return ALL_KEYS
+
+
+@dataclass(frozen=True)
+class Registration:
+    slots: tuple[TensorSlot, ...]
+    placement: str
+    state_keys: tuple[str, ...]
+    storage: Arena
+
+
+class RankOptimizer:
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        rank: int,
+        window: Arena,
+        window_id: int,
+        kernel: AdamKernel,
+        scheduler: CpuScheduler,
+    ) -> None:
+        self.job_id = job_id
+        self.rank = rank
+        self.window = window
+        self.window_id = window_id
+        self.kernel = kernel
+        self.scheduler = scheduler
+        self.tenant = f"{job_id}/{rank}"
+        self._window_bytes = torch.frombuffer(window.view(0, window.nbytes), dtype=torch.uint8)
+        self.restored: RankRecord | None = None
+        """Set when the rank comes from a previous daemon's job file and waits for its REGISTER."""
+        self.phase = PhaseRecord()
+        self.records: list[TensorRecord] = []
+        self.specs: tuple[TensorSpec, ...] = ()
+        self.groups: tuple[ParamGroup, ...] = ()
+        self.layout: Layout | None = None
+        self.state: StateChunks | None = None
+        self.placement = ""
+        self.storage: Arena | None = None
+        self.storage_id = 0
+        self._storage_bytes = torch.empty(0, dtype=torch.uint8)
+        self.last_step = 0
+        self.skipped_steps = 0
+        self.overlapped_tensors = 0
+        self.runner = UpdateRunner(kernel, scheduler, self.tenant)
+        self._attempt: Attempt | None = None
+        self._delayed: Future[None] | None = None
+        self._delayed_step = 0
+        self._uninstalled: set[int] = set()
+        """Tensors whose storage params do not hold their master yet (a delayed update, a restore)."""
+        self.timings: dict[str, float] = {"stats_s": 0.0, "wait_s": 0.0}
+
+    # ----------------------------------------------------------------- registration
+
+    def register(
+        self,
+        specs: Sequence[TensorSpec],
+        groups: Sequence[ParamGroup],
+        grad_buffers: int,
+        placement: str,
+        make_state: MakeState,
+        make_storage: MakeStorage,
+    ) -> Registration:
+        """Plan the storage of ``specs``, create it and their state.
+
+        Registering the same tensors again (a reattached client) returns the same plan and storage.  A
+        rank restored from a previous daemon's job file must be registered with the tensors it had; its
+        state is reopened and its params are installed from the master into the new storage.
+        """
+        if self.layout is not None:
+            self._settle()
+            if tuple(specs) != self.specs or len(self.layout.grad_offsets) != grad_buffers:
+                raise InvalidState(
+                    f"rank {self.rank} of job {self.job_id!r} is already registered with other tensors "
+                    f"({len(self.specs)} tensors, {len(self.layout.grad_offsets)} grad buffer(s))"
+                )
+            self.groups = tuple(groups)
+            return self._registration()
+        restored = self.restored
+        if restored is not None:
+            if tuple(specs) != restored.specs or grad_buffers != restored.grad_buffers:
+                raise InvalidState(
+                    f"rank {self.rank} of job {self.job_id!r} was restored with {len(restored.specs)} tensors and "
+                    f"{restored.grad_buffers} grad buffer(s); register exactly those to continue"
+                )
+            placement = restored.placement
+        if not groups:
+            raise InvalidArgument("register at least one param group")
+        for spec in specs:
+            if spec.group >= len(groups):
+                raise InvalidArgument(f"tensor {spec.name!r} names group {spec.group}, but {len(groups)} were given")
+        layout = plan_layout(
+            [LayoutSpec(s.name, tuple(s.shape), s.dtype, s.group) for s in specs],
+            bucket_nbytes=1 << 62,
+            grad_buffers=grad_buffers,
+        )
+        keys = state_keys_for(layout.dtype, placement, grad_buffers)
+        storage, storage_id = make_storage(layout.nbytes)
+        try:
+            state = make_state(layout.numel, keys)
+        except BaseException:
+            storage.close()
+            raise
+        self.storage, self.storage_id, self.state, self.layout = storage, storage_id, state, layout
+        self._storage_bytes = torch.frombuffer(storage.view(0, storage.nbytes), dtype=torch.uint8)
+        self.placement = placement
+        self.specs = tuple(specs)
+        self.groups = tuple(groups)
+        self.records = [TensorRecord(slot.index, spec, slot) for slot, spec in zip(layout.slots, specs, strict=True)]
+        if restored is not None:
+            for rec, step in zip(self.records, restored.steps, strict=True):
+                rec.step = step
+            self.last_step = restored.last_step
+            self.restored = None
+            self.phase.move(RankPhase.IDLE)
+            if restored.failed_step:
+                self.phase.fail(restored.failed_step, "recorded as failed by the previous daemon")
+            else:
+                self._install(range(len(self.records)), force=True)
+        else:
+            self.phase.move(RankPhase.IDLE)
+        return self._registration()
+
+    def _registration(self) -> Registration:
+        layout, storage = self.layout, self.storage
+        if layout is None or storage is None or self.state is None:  # pragma: no cover - callers check
+            raise InvalidState("not registered")
+        slots = tuple(
+            TensorSlot(
+                slot.index,
+                MemRef(self.storage_id, layout.param_offset + slot.slot_offset, slot.nbytes),
+                tuple(MemRef(self.storage_id, g + slot.slot_offset, slot.nbytes) for g in layout.grad_offsets),
+            )
+            for slot in layout.slots
+        )
+        return Registration(slots, self.placement, self.state.keys, storage)
+
+    def _parts(self) -> tuple[Layout, StateChunks]:
+        if self.layout is None or self.state is None:
+            raise InvalidState(f"rank {self.rank} of job {self.job_id!r} has not registered tensors yet")
+        return self.layout, self.state
+
+    def _region(self, offset: int) -> torch.Tensor:
+        layout = self.layout
+        if layout is None:  # pragma: no cover - callers check
+            raise InvalidState("not registered")
+        dtype = dtypes.by_name(layout.dtype).torch
+        return self._storage_bytes[offset : offset + layout.region_nbytes].view(dtype)
+
+    @property
+    def master_in_params(self) -> bool:
+        return self.state is not None and "master" not in self.state.keys
+
+    # ----------------------------------------------------------------- waiting and failing
+
+    def _settle(self) -> None:
+        """Before any request: wait for a delayed update (its failure fails the rank) and refuse when FAILED."""
+        if self._delayed is not None:
+            future, self._delayed = self._delayed, None
+            started = time.perf_counter()
+            try:
+                future.result()
+            except BaseException as exc:
+                self.phase.fail(self._delayed_step, _reason(exc))
+            else:
+                self.phase.move(RankPhase.IDLE)
+            finally:
+                self.timings["wait_s"] += time.perf_counter() - started
+        self.phase.check_usable()
+
+    def _close_attempt(self, attempt: Attempt) -> None:
+        """Wait for an attempt's updates; the ones that ran count, a failure fails the rank."""
+        self._attempt = None
+        error: BaseException | None = None
+        for future in attempt.futures:
+            try:
+                future.result()
+            except BaseException as exc:
+                error = error or exc
+        if attempt.applied:
+            self.last_step = max(self.last_step, attempt.step)
+        if error is not None:
+            self.phase.fail(attempt.step, _reason(error))
+        else:
+            self.phase.move(RankPhase.IDLE)
+
+    def _target(self, grad_buffer: int, *, write_params: bool) -> UpdateTarget:
+        layout, _ = self._parts()
+        return UpdateTarget(
+            grads=self._region(layout.grad_offsets[grad_buffer]),
+            params=self._region(layout.param_offset),
+            master_in_params=self.master_in_params,
+            write_params=write_params,
+        )
+
+    def _check_buffer(self, grad_buffer: int) -> None:
+        layout, _ = self._parts()
+        if grad_buffer >= len(layout.grad_offsets):
+            raise InvalidArgument(
+                f"grad_buffer {grad_buffer} does not exist (the layout has {len(layout.grad_offsets)})"
+            )
+
+    def _check_groups(self, groups: Sequence[ParamGroup]) -> None:
+        if groups and len(groups) != len(self.groups):
+            raise InvalidArgument(f"the message carries {len(groups)} param groups, {len(self.groups)} are registered")
+
+    def _advance(self, ids: Sequence[int], groups: Sequence[ParamGroup]) -> list[Piece]:
+        """The pieces of an update of ``ids``; from here on they count as stepped."""
+        _, state = self._parts()
+        pieces = plan_pieces(self.records, ids, groups, state.chunk_numel)
+        for tid in ids:
+            self.records[tid].step += 1
+        return pieces
+
+    # ----------------------------------------------------------------- the step
+
+    def bucket_ready(self, msg: BucketReady) -> None:
+        """The overlapped update: apply a bucket now, on the rank's pipeline thread."""
+        if self.phase.phase is not RankPhase.OVERLAPPING:
+            self._settle()
+        else:
+            self.phase.check_usable()
+        self._check_buffer(msg.grad_buffer)
+        self._check_groups(msg.groups)
+        ids = check_ids(msg.tensor_ids, len(self.records))
+        attempt = self._attempt
+        if attempt is None:
+            if msg.step <= self.last_step:
+                raise InvalidArgument(f"bucket for step {msg.step}, but step {self.last_step} was already applied")
+            attempt = Attempt(msg.step, msg.attempt, msg.grad_buffer, tuple(msg.groups))
+        elif (attempt.step, attempt.attempt) != (msg.step, msg.attempt):
+            raise InvalidState(
+                f"a bucket of step {msg.step} attempt {msg.attempt} while attempt {attempt.attempt} of step "
+                f"{attempt.step} is open; ABORT it first"
+            )
+        if tuple(msg.groups) != attempt.groups or msg.grad_buffer != attempt.grad_buffer:
+            raise InvalidArgument(f"buckets of step {msg.step} carry different hyper-parameters or grad buffers")
+        again = sorted(set(ids) & attempt.applied)
+        if again:
+            raise InvalidState(
+                f"tensor {again[0]} was already updated in step {msg.step}; an overlapped update needs each "
+                "gradient exactly once per step (no accumulation over several backward passes)"
+            )
+        self._install(ids)
+        if self._attempt is None:
+            self._attempt = attempt
+            self.phase.move(RankPhase.OVERLAPPING)
+        _, state = self._parts()
+        pieces = self._advance(ids, attempt.groups)
+        attempt.applied.update(ids)
+        self.overlapped_tensors += len(ids)
+        target = self._target(msg.grad_buffer, write_params=True)
+        attempt.futures.append(self.runner.submit(state, pieces, target, 1.0))
+
+    def abort(self, msg: Abort | None = None) -> Aborted:
+        """Close the open attempt (``msg`` None: the client is gone, whatever it was)."""
+        attempt = self._attempt
+        applied = 0
+        if attempt is not None and (msg is None or (attempt.step, attempt.attempt) == (msg.step, msg.attempt)):
+            applied = len(attempt.applied)
+            self._close_attempt(attempt)
+        step, number = (msg.step, msg.attempt) if msg is not None else (0, 0)
+        return Aborted(step=step, attempt=number, last_step=self.last_step, tensors_applied=applied)
+
+    def step(self, msg: Step) -> StepDone:
+        attempt = self._attempt
+        if attempt is None:
+            self._settle()
+        else:
+            self.phase.check_usable()
+            if (attempt.step, attempt.attempt) != (msg.step, msg.attempt):
+                raise InvalidState(
+                    f"STEP for step {msg.step} attempt {msg.attempt} while attempt {attempt.attempt} of step "
+                    f"{attempt.step} is open; ABORT it first"
+                )
+        layout, state = self._parts()
+        # validate everything before anything changes
+        if attempt is None and msg.step <= self.last_step:
+            raise InvalidArgument(f"step {msg.step} was already applied (last step {self.last_step})")
+        self._check_buffer(msg.grad_buffer)
+        self._check_groups(msg.groups)
+        if not (msg.loss_scale > 0 and math.isfinite(msg.loss_scale)):
+            raise InvalidArgument(f"loss_scale must be a positive finite number, got {msg.loss_scale}")
+        ids = check_ids(msg.tensor_ids, len(self.records))
+        groups = tuple(msg.groups) or self.groups
+        if attempt is not None:
+            self._close_attempt(attempt)  # the overlapped updates of this step are done (or the rank failed)
+            self.phase.check_usable()
+            if msg.loss_scale != 1.0 or msg.max_grad_norm is not None or msg.skip_nonfinite or groups != attempt.groups:
+                raise InvalidState(
+                    f"step {msg.step} asks for loss scaling, clipping or other hyper-parameters, but "
+                    f"{len(attempt.applied)} tensor(s) were already updated as their buckets landed; they keep "
+                    "that update (the step counts as applied for them only)"
+                )
+            ids = [tid for tid in ids if tid not in attempt.applied]
+        self.groups = groups
+        t0 = time.perf_counter()
+        grads = self._region(layout.grad_offsets[msg.grad_buffer])
+        inv_scale = 1.0 / msg.loss_scale
+        grad_norm: float | None = None
+        found_inf = False
+        if msg.max_grad_norm is not None or msg.skip_nonfinite:
+            grad_norm, found_inf = self._grad_stats(grads, ids, inv_scale)
+        t1 = time.perf_counter()
+        self.timings["stats_s"] += t1 - t0
+        if found_inf and msg.skip_nonfinite:
+            self.last_step = msg.step
+            self.skipped_steps += 1
+            return StepDone(step=msg.step, attempt=msg.attempt, found_inf=True, grad_norm=grad_norm)
+        clip_coef = 1.0
+        if msg.max_grad_norm is not None and grad_norm is not None:
+            clip_coef = min(1.0, msg.max_grad_norm / (grad_norm + 1e-6))
+        grad_scale = inv_scale * clip_coef
+        if msg.delayed:
+            self._install(ids)
+            if not self.master_in_params:
+                params = self._region(layout.param_offset)
+                ranges = [
+                    r
+                    for tid in ids
+                    for r in chunk_ranges(self.records[tid].start, self.records[tid].stop, state.chunk_numel)
+                ]
+                self.runner.adopt(state, ranges, params)
+            pieces = self._advance(ids, groups)
+            self.last_step = msg.step
+            self._delayed = self.runner.submit(
+                state, pieces, self._target(msg.grad_buffer, write_params=False), grad_scale
+            )
+            self._delayed_step = msg.step
+            self._uninstalled.update(ids)
+            self.phase.move(RankPhase.DELAYED)
+            return StepDone(
+                step=msg.step, attempt=msg.attempt, found_inf=found_inf, grad_norm=grad_norm, params_ready=False
+            )
+        self._install(ids)
+        pieces = self._advance(ids, groups)
+        self.last_step = msg.step
+        try:
+            self.runner.run(state, pieces, self._target(msg.grad_buffer, write_params=True), grad_scale)
+        except BaseException as exc:
+            self.phase.fail(msg.step, _reason(exc))
+            raise StepFailed(msg.step, _reason(exc)) from exc
+        t2 = time.perf_counter()
+        return StepDone(
+            step=msg.step,
+            attempt=msg.attempt,
+            found_inf=found_inf,
+            grad_norm=grad_norm,
+            timings=(("stats", t1 - t0), ("update", t2 - t1)),
+        )
+
+    def _grad_stats(self, grads: torch.Tensor, ids: Sequence[int], inv_scale: float) -> tuple[float, bool]:
+        """The global norm of the unscaled grads of ``ids`` and whether any is inf/nan."""
+        futures = []
+        for tid in ids:
+            rec = self.records[tid]
+            piece = grads[rec.start : rec.stop]
+            futures.append(self.scheduler.submit(self.tenant, lambda piece=piece: self.kernel.grad_stats(piece, 1.0)))
+        total_sq = 0.0
+        found_inf = False
+        for future in futures:
+            sq, nonfinite = future.result()
+            total_sq += sq
+            found_inf = found_inf or nonfinite
+        grad_norm = math.sqrt(total_sq) * inv_scale if math.isfinite(total_sq) else math.inf
+        return grad_norm, found_inf or not math.isfinite(grad_norm)
+
+    # ----------------------------------------------------------------- params and state
+
+    def _install(self, ids: Sequence[int] | range, *, force: bool = False) -> None:
+        """Cast the master of tensors whose storage does not hold it yet into the storage."""
+        layout, state = self._parts()
+        todo = list(ids) if force else [tid for tid in ids if tid in self._uninstalled]
+        if not todo or self.master_in_params:
+            self._uninstalled.difference_update(todo)
+            return
+        params = self._region(layout.param_offset)
+        ranges = [
+            r for tid in todo for r in chunk_ranges(self.records[tid].start, self.records[tid].stop, state.chunk_numel)
+        ]
+        self.runner.install(state, ranges, params)
+        self._uninstalled.difference_update(todo)
+
+    def write_params(self, ids: Sequence[int]) -> None:
+        """FETCH_PARAMS: wait for a delayed update and install its params (``ids`` empty: all) into the storage."""
+        self._settle()
+        self._install(check_ids(ids, len(self.records)))
+
+    def _state_span(self, tid: int, key: str, offset: int, length: int) -> tuple[int, int]:
+        if key not in STATE_KEYS:
+            raise InvalidArgument(f"unknown state key {key!r}; the keys are {', '.join(STATE_KEYS)}")
+        rec = self.records[check_ids([tid], len(self.records))[0]]
+        total = rec.spec.numel * 4
+        if offset < 0 or length < 0 or offset + length > total:
+            raise BoundsError(
+                f"state range [{offset}, {offset + length}) of tensor {tid} {key} falls outside its {total} bytes "
+                f"({rec.spec.numel} fp32 elements)"
+            )
+        if offset % 4 or length % 4:
+            raise BoundsError(f"state range [{offset}, {offset + length}) of tensor {tid} {key} is not 4-byte aligned")
+        return rec.start + offset // 4, rec.start + (offset + length) // 4
+
+    def _window_f32(self, ref: MemRef) -> torch.Tensor:
+        if ref.window != self.window_id:
+            raise BoundsError(f"window {ref.window} is not this rank's staging window ({self.window_id})")
+        ref.check_bounds(self.window.nbytes)
+        if ref.offset % 4 or ref.length % 4:
+            raise BoundsError(f"fp32 staging area at offset {ref.offset}, length {ref.length} is not 4-byte aligned")
+        return self._window_bytes[ref.offset : ref.offset + ref.length].view(torch.float32)
+
+    def _key_view(self, key: str, lo: int, hi: int, chunk: int, tensors: object) -> torch.Tensor:
+        """The fp32 values of ``key`` for flat ``[lo, hi)``: a state section, or the fp32 storage params
+        when the params are the master."""
+        _, state = self._parts()
+        if key == "master" and self.master_in_params:
+            return self._region(self.layout.param_offset)[lo:hi]  # type: ignore[union-attr]
+        c0 = chunk * state.chunk_numel
+        return getattr(tensors, key)[lo - c0 : hi - c0]
+
+    def read_state(self, msg: StateRead) -> StateChunk:
+        self._settle()
+        _, state = self._parts()
+        dest = self._window_f32(msg.dest)
+        lo, hi = self._state_span(msg.tensor_id, msg.key, msg.offset, msg.dest.length)
+        self._install([msg.tensor_id])
+        for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
+            tensors = state.acquire(chunk)
+            try:
+                dest[a - lo : b - lo].copy_(self._key_view(msg.key, a, b, chunk, tensors))
+            finally:
+                state.release(chunk, dirty=False)
+        rec = self.records[msg.tensor_id]
+        return StateChunk(
+            tensor_id=msg.tensor_id,
+            key=msg.key,
+            offset=msg.offset,
+            nbytes=msg.dest.length,
+            total_nbytes=rec.spec.numel * 4,
+            step=rec.step,
+        )
+
+    def write_state(self, msg: StateWrite) -> None:
+        """Load a piece of ``key``.  The storage params are not touched: a loaded master that the model's
+        param does not round to is replaced by the param at the next update (the model is the truth, as
+        for ``torch.optim``), so loading the optimizer before or after the model gives the same result."""
+        self._settle()
+        _, state = self._parts()
+        src = self._window_f32(msg.src)
+        lo, hi = self._state_span(msg.tensor_id, msg.key, msg.offset, msg.src.length)
+        self._install([msg.tensor_id])
+        for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
+            tensors = state.acquire(chunk)
+            try:
+                self._key_view(msg.key, a, b, chunk, tensors).copy_(src[a - lo : b - lo])
+            finally:
+                state.release(chunk, dirty=True)
+        self.records[msg.tensor_id].step = msg.step
+
+    def reset_state(self, ids: Sequence[int]) -> None:
+        """Zero the moments of ``ids`` (empty: all) and their step counts; the master takes the storage
+        params.  Resetting every tensor makes a FAILED rank usable again."""
+        if self.phase.phase is not RankPhase.FAILED:
+            self._settle()
+        else:
+            self._delayed = None
+        layout, state = self._parts()
+        wanted = check_ids(ids, len(self.records))
+        params = self._region(layout.param_offset)
+        self._uninstalled.difference_update(wanted)
+        for tid in wanted:
+            rec = self.records[tid]
+            for chunk, a, b in chunk_ranges(rec.start, rec.stop, state.chunk_numel):
+                c0 = chunk * state.chunk_numel
+                tensors = state.acquire(chunk)
+                try:
+                    tensors.exp_avg[a - c0 : b - c0].zero_()
+                    tensors.exp_avg_sq[a - c0 : b - c0].zero_()
+                    if tensors.master is not None:
+                        tensors.master[a - c0 : b - c0].copy_(params[a:b])
+                finally:
+                    state.release(chunk, dirty=True)
+            rec.step = 0
+        if self.phase.phase is RankPhase.FAILED and len(wanted) == len(self.records):
+            self.phase.move(RankPhase.IDLE)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def close_pipeline(self) -> None:
+        """Stop taking work: close an open attempt, finish a delayed update, stop the pipeline thread."""
+        if self._attempt is not None:
+            self._close_attempt(self._attempt)
+        if self._delayed is not None:
+            with contextlib.suppress(TiermemError):
+                self._settle()  # a failure is recorded in the phase
+        self.runner.close()
+
+    def close(self, *, keep_swap: bool = False) -> None:
+        """Release everything; the state is zeroed and freed (its swap files kept when ``keep_swap``)."""
+        self.close_pipeline()
+        if self.state is not None:
+            self.state.close(remove=not (keep_swap and hasattr(self.state, "persist")))
+            self.state = None
+        self._window_bytes = torch.empty(0, dtype=torch.uint8)
+        self._storage_bytes = torch.empty(0, dtype=torch.uint8)
+        if self.storage is not None:
+            self.storage.close()
+            self.storage = None
+
+    def export(self, placement: str) -> RankRecord:
+        """What a restarted daemon needs to reopen this rank (its state itself is in the swap store)."""
+        return RankRecord(
+            rank=self.rank,
+            placement=placement,
+            specs=self.specs,
+            groups=self.groups,
+            grad_buffers=len(self.layout.grad_offsets) if self.layout else 1,
+            steps=tuple(rec.step for rec in self.records),
+            last_step=self.last_step,
+            failed_step=self.phase.failed_step if self.phase.phase is RankPhase.FAILED else 0,
+        )
+
+    def stats(self) -> dict[str, float]:
+        out = {
+            "last_step": float(self.last_step),
+            "skipped_steps": float(self.skipped_steps),
+            "overlapped_tensors": float(self.overlapped_tensors),
+            "tensors": float(len(self.records)),
+            "numel": float(self.layout.numel if self.layout else 0),
+            "window_bytes": float(self.window.nbytes),
+            "storage_bytes": float(self.storage.nbytes if self.storage is not None else 0),
+            "state_keys": float(len(self.state.keys) if self.state is not None else 0),
+            "failed": 1.0 if self.phase.phase is RankPhase.FAILED else 0.0,
+            "adopted_elements": float(self.runner.adopted),
+            "update_s": self.runner.update_s,
+        }
+        out.update(self.timings)
+        state_stats = getattr(self.state, "stats", None)
+        if state_stats is not None:
+            out.update(state_stats())
+        return out
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,91 @@
+"""``OffloadAdam``'s constructor arguments: torch's rules and messages, and the contracts of the step modes.
+
+Pure: no torch tensors, no daemon.  Everything a user can get wrong at
+construction is refused here, before any connection is made.
+
+- Hyper-parameters follow ``torch.optim.AdamW`` exactly: the same defaults
+  (``weight_decay`` 0.01; ``torch.optim.Adam``'s 0 with ``adamw=False``), the
+  same checks, the same ``ValueError`` messages.
+- torch's implementation switches are accepted where they cannot change the
+  result (``foreach``, ``fused``: the daemon's update is always one fused
+  pass) and refused by name where they would (``amsgrad=True``,
+  ``capturable=True``, ``differentiable=True``).
+- The step mode is one ``StepMode``; ``overlap_update`` with ``max_grad_norm``
+  or ``delayed_update`` is refused here (an update applied as its bucket lands
+  cannot be clipped afterwards, and the delayed update already overlaps the
+  whole update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiermem.errors import InvalidArgument
+from tiermem.modes import StepMode
+
+__all__ = ["Hyper", "check_hyper", "check_torch_flags", "step_mode"]
+
+ADAMW_WEIGHT_DECAY = 1e-2
+
+
+@dataclass(frozen=True)
+class Hyper:
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
+def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float | None, *, adamw: bool) -> Hyper:
+    """torch.optim.AdamW's checks and messages (``ValueError``); ``weight_decay=None`` takes torch's default."""
+    if weight_decay is None:
+        weight_decay = ADAMW_WEIGHT_DECAY if adamw else 0.0
+    if not isinstance(lr, float | int) or isinstance(lr, bool):
+        raise InvalidArgument(f"lr must be a float (a tensor lr is not supported by OffloadAdam), got {lr!r}")
+    if not lr >= 0.0:
+        raise InvalidArgument(f"Invalid learning rate: {lr}")
+    if not eps >= 0.0:
+        raise InvalidArgument(f"Invalid epsilon value: {eps}")
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise InvalidArgument(f"betas must be a pair of floats, got {betas!r}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise InvalidArgument(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise InvalidArgument(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not weight_decay >= 0.0:
+        raise InvalidArgument(f"Invalid weight_decay value: {weight_decay}")
+    return Hyper(float(lr), (float(betas[0]), float(betas[1])), float(eps), float(weight_decay))
+
+
+def check_torch_flags(*, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
+    """Refuse, by name, the torch switches that would change what the step computes."""
+    refused = {
+        "amsgrad": (amsgrad, "the daemon's Adam keeps no max of the second moment"),
+        "capturable": (capturable, "the update runs on the host, outside any CUDA graph"),
+        "differentiable": (differentiable, "the update runs in another process, outside autograd"),
+    }
+    for name, (value, why) in refused.items():
+        if value:
+            raise InvalidArgument(f"OffloadAdam does not support {name}=True ({why}); leave {name}=False")
+
+
+def step_mode(
+    *, overlap_update: bool, delayed_update: bool, max_grad_norm: float | None, warmup_steps: int
+) -> StepMode:
+    if warmup_steps < 0:
+        raise InvalidArgument(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+    if overlap_update and delayed_update:
+        raise InvalidArgument(
+            "overlap_update=True and delayed_update=True cannot be combined: the delayed update already overlaps "
+            "the whole update with the next step's compute"
+        )
+    if overlap_update and max_grad_norm is not None:
+        raise InvalidArgument(
+            "overlap_update=True cannot clip (max_grad_norm): a bucket is updated as soon as it lands, before the "
+            "global norm is known; use overlap_update=False to clip"
+        )
+    if delayed_update:
+        return StepMode.DELAYED
+    return StepMode.OVERLAP if overlap_update else StepMode.SYNC

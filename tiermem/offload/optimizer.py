@@ -1,0 +1,605 @@
+"""``OffloadAdam``: a ``torch.optim.Optimizer`` whose Adam state lives in tiermemd, and whose step the daemon owns.
+
+A thin facade over named parts:
+
+- the link (``tiermem.client.Client``): attach, register, the staging window
+  and the shared storage;
+- the grad feed (``feed``): one record per tensor; the model's params and
+  grads live in the daemon's shared storage, so the daemon updates the model
+  in place and sees every in-place edit;
+- the step policy (``policy``, pure): delayed or not, overlap or not, and
+  the overlap contract;
+- state transfer (``transfer``): ``state_dict`` / ``load_state_dict`` in
+  ``torch.optim.AdamW``'s format, through the bounded staging window.
+
+Semantics are ``torch.optim.AdamW``'s (``adamw=False``: ``torch.optim.Adam``'s):
+the same defaults, argument checks and messages (``args``); params and grads
+edited in place between steps are honoured; ``load_state_dict`` never touches
+the model's params, so it may come before or after ``model.load_state_dict``;
+params without state in a loaded checkpoint start afresh.  The last step's
+global gradient norm (when one was computed) and overflow flag are
+``last_grad_norm`` and ``last_found_inf``.
+
+Interrupts: a ``KeyboardInterrupt`` while the daemon works on a step leaves
+that step to finish there; the next call reads its outcome, so each step is
+applied fully or not at all and the optimizer stays usable.  An update that
+fails part-way makes the daemon refuse the rank (``StepFailed``) until a
+checkpoint is loaded.
+
+Params must be on the CPU, in one dtype (float32, float16 or bfloat16), and
+all param groups are given at construction, when the tensors are registered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tiermem import dtypes
+from tiermem.client import Client, connect
+from tiermem.errors import DTypeError, InvalidArgument, InvalidState, TiermemError
+from tiermem.modes import Placement, StepMode
+from tiermem.offload.args import check_hyper, check_torch_flags, step_mode
+from tiermem.offload.feed import GradFeed, TensorEntry
+from tiermem.offload.policy import StepPolicy, plan_buckets
+from tiermem.offload.state_view import StateView
+from tiermem.offload.transfer import StateTransfer
+from tiermem.protocol import ParamGroup, Step, StepDone, TensorSpec
+from tiermem.units import MiB, align_up
+
+__all__ = ["OffloadAdam"]
+
+log = logging.getLogger(__name__)
+
+_COPY_ERROR = (
+    "OffloadAdam holds a connection to tiermemd and its state lives there; it cannot be copied or pickled. "
+    "Save opt.state_dict() (torch.save works on it) and load it into a new OffloadAdam"
+)
+
+
+@dataclass
+class _SentStep:
+    """A STEP whose reply was interrupted: its outcome is read before anything else."""
+
+    step: int
+    attempt: int
+    ids: list[int]
+    delayed: bool
+    request_id: int
+    before_id: int
+
+
+@dataclass
+class _OpenAttempt:
+    """An overlapped step: buckets already handed to the daemon during backward."""
+
+    step: int
+    attempt: int
+    groups: tuple[ParamGroup, ...]
+    applied: set[int] = field(default_factory=set)
+
+
+class OffloadAdam(torch.optim.Optimizer):
+    """Adam/AdamW with its state in tiermemd; see the module docstring."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float | None = None,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        adamw: bool = True,
+        offload: str | Placement = "auto",
+        overlap_update: bool = False,
+        delayed_update: bool = False,
+        warmup_steps: int = 10,
+        max_grad_norm: float | None = None,
+        release_grads: bool = False,
+        window_nbytes: int | None = None,
+        bucket_nbytes: int = 32 * MiB,
+        client: Client | None = None,
+        job_id: str | None = None,
+        token: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
+        check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
+        mode = step_mode(
+            overlap_update=overlap_update,
+            delayed_update=delayed_update,
+            max_grad_norm=max_grad_norm,
+            warmup_steps=warmup_steps,
+        )
+        placement = Placement.parse(offload, "offload")
+        if window_nbytes is not None and window_nbytes <= 0:
+            raise InvalidArgument(f"window_nbytes must be > 0 or None (the daemon's default), got {window_nbytes}")
+        if bucket_nbytes <= 0:
+            raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
+        defaults = {
+            "lr": hyper.lr,
+            "betas": hyper.betas,
+            "eps": hyper.eps,
+            "weight_decay": hyper.weight_decay,
+            "amsgrad": False,
+            "foreach": foreach,
+            "maximize": maximize,
+            "capturable": False,
+            "differentiable": False,
+            "fused": fused,
+            "adamw": adamw,
+            "decoupled_weight_decay": adamw,
+        }
+        self._registered = False
+        super().__init__(params, defaults)
+        self.placement = placement
+        self.policy = StepPolicy(mode, warmup_steps)
+        self.max_grad_norm = max_grad_norm
+        self.release_grads = release_grads
+        self.bucket_nbytes = bucket_nbytes
+        self.job_id = job_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.rank = 0 if rank is None else rank
+        self.world_size = 1 if world_size is None else world_size
+        self.last_grad_norm: float | None = None
+        """The global norm of the last applied step's (unscaled) grads, when that step computed one."""
+        self.last_found_inf = False
+        """Whether the last step was skipped for inf/nan grads."""
+        self._token = token
+        self._client: Client | None = None
+        self._own_client = client is None
+        self._entries: list[TensorEntry] = []
+        self._steps_sent = 0
+        self._attempts = itertools.count(1)
+        self._sent: _SentStep | None = None
+        self._open: _OpenAttempt | None = None
+        self._inflight: list[int] = []
+        """Tensors of a delayed update whose params are not installed yet."""
+        self._skipped = 0
+        self._register(client, window_nbytes)
+        self.state = StateView(self)  # type: ignore[assignment]
+
+    # ----------------------------------------------------------------- construction
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_registered", False):
+            raise InvalidState(
+                "OffloadAdam registers its tensors with tiermemd when it is made; give every param group to the "
+                "constructor"
+            )
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], adamw=group["adamw"])
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor) or p.dtype not in (d.torch for d in dtypes.DTYPES):
+                raise DTypeError(f"OffloadAdam takes float32/float16/bfloat16 params, got {getattr(p, 'dtype', p)}")
+            if p.device.type != "cpu":
+                raise InvalidArgument(
+                    f"OffloadAdam trains CPU params (their storage becomes memory shared with tiermemd); got a param "
+                    f"on {p.device}"
+                )
+
+    def _register(self, client: Client | None, window_nbytes: int | None) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not params:
+            raise InvalidArgument("OffloadAdam got an empty parameter list")
+        kinds = {p.dtype for p in params}
+        if len(kinds) != 1:
+            raise DTypeError(
+                f"OffloadAdam needs one working dtype for all params, got {sorted(str(d) for d in kinds)}; "
+                "use one OffloadAdam per dtype"
+            )
+        dtype = dtypes.by_torch(kinds.pop())
+        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        specs = [
+            TensorSpec(str(i), tuple(p.shape), dtype.name, self.placement.value, group_of[id(p)])
+            for i, p in enumerate(params)
+        ]
+        numel = sum(p.numel() for p in params)
+        if client is None:
+            pool = align_up(int(numel * 12 * 1.05) + 64 * MiB) if self.placement is not Placement.NVME else 256 * MiB
+            client = connect(pool_size=pool)
+        try:
+            info = client.attach(
+                self.job_id,
+                rank=self.rank,
+                world_size=self.world_size,
+                window_nbytes=window_nbytes or 0,
+                token=self._token,
+            )
+            self._token = info.token
+            reply = client.register(
+                specs, [self._wire_group(g) for g in self.param_groups], grad_buffers=self.policy.grad_buffers
+            )
+            storage = client.storage
+            buckets = plan_buckets([p.numel() * dtype.itemsize for p in params], self.bucket_nbytes)
+
+            def view(offset: int, length: int, p: torch.Tensor) -> torch.Tensor:
+                return storage[offset : offset + length].view(dtype.torch).view(p.shape)
+
+            self._entries = [
+                TensorEntry(
+                    i,
+                    p,
+                    view(slot.param.offset, slot.param.length, p),
+                    tuple(view(g.offset, g.length, p) for g in slot.grads),
+                    buckets.bucket_of[i],
+                )
+                for i, (p, slot) in enumerate(zip(params, reply.slots, strict=True))
+            ]
+            self.state_keys = reply.state_keys
+            self.placement_used = Placement.parse(reply.placement, "placement")
+            for e in self._entries:
+                GradFeed.bind(e.param, e.view, adopt=info.reattached)
+            self.feed = GradFeed(self._entries, buckets, release_grads=self.release_grads, on_bucket=self._on_bucket)
+            self.feed.buffer = self._next_buffer()
+            self.feed.hook()
+            if info.reattached:
+                self._steps_sent = int(client.stats().get("rank_last_step", 0))
+                self.feed.buffer = self._next_buffer()
+        except BaseException:
+            if self._own_client:
+                client.close()
+            raise
+        self._client = client
+        self.transfer = StateTransfer(client)
+        self._registered = True
+
+    @staticmethod
+    def _wire_group(group: dict[str, Any]) -> ParamGroup:
+        return ParamGroup(
+            lr=float(group["lr"]),
+            betas=(float(group["betas"][0]), float(group["betas"][1])),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            adamw=bool(group.get("adamw", True)),
+            maximize=bool(group.get("maximize", False)),
+        )
+
+    def _groups(self) -> tuple[ParamGroup, ...]:
+        return tuple(self._wire_group(g) for g in self.param_groups)
+
+    def _next_buffer(self) -> int:
+        return (self._steps_sent + 1) % 2 if self.policy.mode is StepMode.DELAYED else 0
+
+    # ----------------------------------------------------------------- properties
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            raise InvalidState("this OffloadAdam is closed")
+        return self._client
+
+    @property
+    def token(self) -> str | None:
+        """The job token (give it to ``OffloadAdam(token=...)`` to reattach after a crash)."""
+        return self._token
+
+    @property
+    def steps(self) -> int:
+        """Steps applied (or skipped on overflow) so far."""
+        return self._steps_sent
+
+    # ----------------------------------------------------------------- the step
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._settle()
+        grad_scale = getattr(self, "grad_scale", False)
+        found_inf = getattr(self, "found_inf", None)
+        scaled = grad_scale is not False
+        changed = self.feed.changed_after_landing
+        ids = self.feed.check()
+        open_attempt = self._open
+        try:
+            self.policy.check_step(
+                scaled=scaled,
+                accumulated=self.feed.accumulated,
+                changed=changed,
+                applied_early=len(open_attempt.applied) if open_attempt else 0,
+            )
+        except InvalidState:
+            self._abort_open()
+            self._new_step()
+            raise
+        if self.release_grads and grad_scale is None:
+            self._new_step()
+            raise InvalidState(
+                "GradScaler.unscale_() cannot reach grads released to tiermemd (release_grads=True); call "
+                "scaler.step(opt) without unscale_ and clip with OffloadAdam(max_grad_norm=...)"
+            )
+        if found_inf is not None and float(found_inf) > 0:
+            self._skipped += 1  # GradScaler found an overflow: skip, as torch's fused Adam does
+            self.last_found_inf = True
+            self._abort_open()
+            self._new_step()
+            return loss
+        if self._inflight:
+            self._install()
+        if not ids and open_attempt is None:
+            self._new_step()
+            return loss
+        step_no = self._steps_sent + 1
+        delayed = self.policy.delayed(step_no)
+        loss_scale = 1.0 if grad_scale is None or grad_scale is False else float(grad_scale)
+        attempt = open_attempt.attempt if open_attempt else next(self._attempts)
+        groups = open_attempt.groups if open_attempt else self._groups()
+        msg = Step(
+            step=step_no,
+            attempt=attempt,
+            groups=groups,
+            loss_scale=loss_scale,
+            max_grad_norm=self.max_grad_norm,
+            skip_nonfinite=self.release_grads and scaled,
+            tensor_ids=tuple(ids),
+            delayed=delayed,
+            grad_buffer=self.feed.buffer,
+        )
+        conn = self.client.conn
+        before = conn.last_request_id
+        try:
+            done = self.client.step(msg)
+        except KeyboardInterrupt:
+            self._sent = _SentStep(step_no, attempt, ids, delayed, conn.last_request_id, before)
+            raise
+        except TiermemError:
+            self._open = None
+            self._new_step()
+            raise
+        self._finish(done, ids, delayed)
+        return loss
+
+    def _finish(self, done: StepDone, ids: list[int], delayed: bool) -> None:
+        self._steps_sent = done.step
+        self.last_grad_norm = done.grad_norm
+        self.last_found_inf = done.found_inf
+        if delayed:
+            self._inflight = ids
+        self._open = None
+        self._new_step()
+
+    def _new_step(self) -> None:
+        self.feed.reset()
+        self.feed.buffer = self._next_buffer()
+
+    def _on_bucket(self, bucket: int, members: list[int]) -> None:
+        """A bucket's grads are final: with the overlap mode verified, the daemon updates it now."""
+        if not self.policy.overlap_now:
+            return
+        if self._open is None:
+            self._settle()
+            self._open = _OpenAttempt(self._steps_sent + 1, next(self._attempts), self._groups())
+        attempt = self._open
+        self.client.bucket_ready(attempt.step, attempt.attempt, bucket, members, attempt.groups, self.feed.buffer)
+        attempt.applied.update(members)
+
+    def _abort_open(self) -> None:
+        attempt, self._open = self._open, None
+        if attempt is not None:
+            reply = self.client.abort(attempt.step, attempt.attempt)
+            self._steps_sent = max(self._steps_sent, reply.last_step)
+
+    def _settle(self) -> None:
+        """Read the outcome of an interrupted STEP before anything else goes to the daemon."""
+        sent, self._sent = self._sent, None
+        if sent is None:
+            return
+        conn = self.client.conn
+        late = conn.take_late(sent.request_id) if sent.request_id != sent.before_id else None
+        if isinstance(late, StepDone):
+            self._finish(late, sent.ids, sent.delayed)
+            return
+        if isinstance(late, TiermemError):
+            self._open = None
+            self._new_step()
+            raise late
+        # the reply was read before the interrupt landed, or the request never left: ask the daemon
+        last = int(self.client.stats().get("rank_last_step", 0))
+        if last >= sent.step:
+            self._steps_sent = last
+            if sent.delayed:
+                self._inflight = sent.ids
+            self._open = None
+            self._new_step()
+        elif self._open is not None and self._open.attempt == sent.attempt:
+            self._abort_open()
+            self._new_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._settle()
+        if self._open is not None:
+            self._abort_open()  # a backward whose step() never came (interrupted): close its attempt
+            self._new_step()
+        self.feed.zero(set_to_none=set_to_none, next_buffer=self.feed.buffer)
+
+    def _install(self) -> None:
+        ids, self._inflight = self._inflight, []
+        self.client.fetch_params(ids)
+
+    def flush(self) -> None:
+        """Wait for a delayed update and install its params in the model."""
+        self._settle()
+        if self._inflight:
+            self._install()
+
+    def close(self, *, keep_state: bool = False) -> None:
+        """Detach from the daemon (the job's state is freed unless ``keep_state``) and close the connection.
+
+        The model keeps its params: they stay in the shared memory they were moved into, now private."""
+        if getattr(self, "feed", None) is not None:
+            self.feed.unhook()
+        client = self._client
+        if client is None:
+            return
+        try:
+            if self._registered:
+                self.flush()
+                client.detach(keep_state=keep_state)
+        except Exception as exc:  # closing must not mask the caller's own error
+            log.warning("detaching from tiermemd failed: %s", exc)
+        finally:
+            self._client = None
+            client.close()
+
+    def stats(self) -> dict[str, float]:
+        """The daemon's figures for this rank, plus the client's: skipped steps, DPU staleness, last norm."""
+        values = self.client.stats()
+        values["client_skipped_steps"] = float(self._skipped)
+        values["staleness_steps"] = 1.0 if self._inflight else 0.0
+        values["steps"] = float(self._steps_sent)
+        if self.last_grad_norm is not None:
+            values["last_grad_norm"] = self.last_grad_norm
+        return values
+
+    # ----------------------------------------------------------------- state
+
+    def _index_of(self, param: torch.Tensor) -> int | None:
+        entry = self.feed._by_param.get(id(param))
+        return None if entry is None else entry.index
+
+    def _step_of(self, index: int) -> int:
+        self._settle()
+        return self.transfer.step_of(index)
+
+    def _read_state(self, index: int, key: str) -> Any:
+        self.flush()
+        p = self._entries[index].param
+        if key == "step":
+            return torch.tensor(float(self.transfer.step_of(index)))
+        values, _ = self.transfer.pull(index, key, p.numel())
+        return values.view(p.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.AdamW``'s format (plus ``master`` for low-precision params)."""
+        self.flush()
+        if self._open is not None:
+            raise InvalidState("state_dict() during an overlapped backward; call it after step()")
+        state: dict[int, dict[str, Any]] = {}
+        for e in self._entries:
+            p = e.param
+            exp_avg, step = self.transfer.pull(e.index, "exp_avg", p.numel())
+            if step == 0:
+                continue  # torch has no state for a param that never stepped
+            exp_avg_sq, _ = self.transfer.pull(e.index, "exp_avg_sq", p.numel())
+            entry: dict[str, Any] = {
+                "step": torch.tensor(float(step)),
+                "exp_avg": exp_avg.view(p.shape),
+                "exp_avg_sq": exp_avg_sq.view(p.shape),
+            }
+            if p.dtype != torch.float32:
+                entry["master"] = self.transfer.pull(e.index, "master", p.numel())[0].view(p.shape)
+            state[e.index] = entry
+        groups = []
+        index = 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by ``OffloadAdam`` or ``torch.optim.Adam``/``AdamW``.
+
+        Everything is checked before anything changes.  Params that have no state in it start afresh
+        (step 0), as in torch; the model's params are not touched."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise InvalidArgument(
+                f"state dict has {len(groups) if isinstance(groups, list) else 'no'} param groups, "
+                f"this optimizer has {len(self.param_groups)}"
+            )
+        mapping: dict[Any, int] = {}
+        tid = 0
+        for mine, saved in zip(self.param_groups, groups, strict=True):
+            if len(mine["params"]) != len(saved["params"]):
+                raise InvalidArgument(
+                    f"a saved param group has {len(saved['params'])} params, the matching group here has "
+                    f"{len(mine['params'])}"
+                )
+            for key in saved["params"]:
+                mapping[key] = tid
+                tid += 1
+        loads: list[tuple[int, dict[str, Any], int]] = []
+        for key, entry in state_dict.get("state", {}).items():
+            if key not in mapping:
+                raise InvalidArgument(f"state for param {key!r}, which no param group lists")
+            t = mapping[key]
+            p = self._entries[t].param
+            for name in ("exp_avg", "exp_avg_sq"):
+                value = entry.get(name)
+                if not isinstance(value, torch.Tensor) or value.numel() != p.numel():
+                    raise InvalidArgument(
+                        f"state {name} of param {key!r} has "
+                        f"{value.numel() if isinstance(value, torch.Tensor) else 'no'} elements, not {p.numel()}"
+                    )
+            loads.append((t, entry, int(float(entry["step"]))))
+        for mine, saved in zip(self.param_groups, groups, strict=True):
+            saved_adamw = saved.get("adamw", saved.get("decoupled_weight_decay", mine.get("adamw", True)))
+            check_hyper(
+                saved.get("lr", mine["lr"]),
+                tuple(saved.get("betas", mine["betas"])),
+                saved.get("eps", mine["eps"]),
+                saved.get("weight_decay", mine["weight_decay"]),
+                adamw=bool(saved_adamw),
+            )
+        # checked: now change things
+        self.flush()
+        self._abort_open()
+        self._new_step()
+        for mine, saved in zip(self.param_groups, groups, strict=True):
+            for name in ("lr", "betas", "eps", "weight_decay", "maximize", "foreach", "fused"):
+                if name in saved:
+                    mine[name] = tuple(saved[name]) if name == "betas" else saved[name]
+            if "adamw" in saved:
+                mine["adamw"] = bool(saved["adamw"])
+            elif "decoupled_weight_decay" in saved:
+                mine["adamw"] = bool(saved["decoupled_weight_decay"])
+            mine["decoupled_weight_decay"] = mine["adamw"]
+        self.client.reset_state()
+        keep_master = "master" in self.state_keys
+        for t, entry, step in loads:
+            self.transfer.push(t, "exp_avg", entry["exp_avg"], step=step)
+            self.transfer.push(t, "exp_avg_sq", entry["exp_avg_sq"], step=step)
+            if keep_master and "master" in entry and self._entries[t].param.dtype != torch.float32:
+                self.transfer.push(t, "master", entry["master"], step=step)
+
+    # ----------------------------------------------------------------- copying
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadAdam:
+        raise TypeError(_COPY_ERROR)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_COPY_ERROR)
+
+    def __getstate__(self) -> Any:
+        raise TypeError(_COPY_ERROR)
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            if self._client is not None and self._client.daemon is not None:
+                self._client.close()
+        except Exception:  # noqa: S110 - never raise from a finalizer
+            pass
