@@ -1,28 +1,27 @@
-"""Message codec cost: today's hand-written codec against the declared one (``tiermem.protocol.spec``) and msgspec.
+"""Message codec cost: the declarative codec of ``tiermem.protocol`` against a plain json-only baseline (and msgspec).
 
 For STEP (one group, clipping, 64 tensor ids), BUCKET_READY (64 tensor ids, one
-group), STEP_DONE (two timings) and REGISTER (200 tensors, two groups), the CPU
-time of this thread per message to encode a whole frame (header + JSON
-payload) and to decode one with every field checked:
+group), STEP_DONE (two timings), REGISTER (200 tensors, two groups) and
+REGISTER_OK (200 slots), the CPU time of this thread per message to encode a
+whole frame (header + JSON payload) and to decode one:
 
-- ``today``: ``encode_message`` / ``decode_message(decode_frame(...))``, the
-  hand-written ``to_payload``/``from_payload`` of ``tiermem.protocol``;
-- ``spec``: the same frame and JSON functions around the declared classes of
-  ``tests/spec_messages.py`` (the generated ``to_payload``/``from_payload``,
-  the ones the equivalence tests hold to today's answers);
-- ``spec, closures``: the same declarations compiled into nested closures
-  (one small function per field kind, written in this script) instead of
-  generated source: the design ``tiermem.protocol.spec`` did not take;
-- ``spec, checks only``: decoding through the interpreted checks alone
-  (``RecordSpec.decode_checked``), the cost of a declarative layer without
-  generated code: what a payload needing conversion (an int for a float) or
-  carrying an error pays;
+- ``json only``: the baseline, the same frame functions and ``json`` with no
+  message classes at all: encode a ready payload dict, decode to a dict, no
+  field checked.  What is left above it is the codec's own cost (building the
+  payload from the object, checking every field, building the objects);
+- ``declared``: ``encode_message`` / ``decode_message(decode_frame(...))``,
+  the ``to_payload``/``from_payload`` that ``@wire`` generates from each
+  message's declaration (``tiermem.protocol.spec``);
+- ``declared, checks only``: decoding through the interpreted checks alone
+  (``RecordSpec.decode_checked``), what a payload needing conversion (an int
+  for a float) or carrying an error pays;
 - ``msgspec`` (when importable): ``msgspec.json`` with ``Struct`` types and
   ``Meta`` constraints, which parses and validates in one C pass.  It differs
   on the wire: it refuses the ``NaN``/``Infinity`` tokens the protocol allows
-  (``STEP_DONE.grad_norm``) and encodes non-finite floats as ``null``.
+  (``STEP_DONE.grad_norm``), encodes non-finite floats as ``null`` and writes
+  ``1e-08`` as ``1e-8``.
 
-A second table isolates the field checks: payload dict -> object, no JSON.
+The ``checks`` column isolates the field checks: payload dict -> object, no JSON.
 
 Run from the repository root (msgspec rows only where msgspec is installed;
 a side install works: ``pip install --target DIR msgspec`` and ``PYTHONPATH=DIR``):
@@ -37,19 +36,22 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import spec_messages as declared
-
 from tiermem.protocol import (
-    MESSAGE_CLASSES,
-    MsgType,
+    BucketReady,
+    MemRef,
+    Message,
+    ParamGroup,
+    Register,
+    RegisterOk,
+    Step,
+    StepDone,
+    TensorSlot,
+    TensorSpec,
     decode_frame,
     decode_message,
     decode_payload,
@@ -59,53 +61,56 @@ from tiermem.protocol import (
 )
 from tiermem.protocol.records import (
     DTYPES,
-    FLOAT_MAX,
     MAX_DIM,
     MAX_GROUPS,
     MAX_NAME,
+    MAX_NBYTES,
     MAX_NDIM,
     MAX_STEP,
     MAX_TENSORS,
     MAX_TIMINGS,
+    MAX_WINDOW_ID,
     PLACEMENTS,
+    STATE_KEYS,
 )
-from tiermem.protocol.spec import Bool, Choice, Float, Int, Kind, List, Map, Opt, RecordSpec, Str, Tuple
+from tiermem.protocol.spec import FLOAT_MAX
 
 try:
     import msgspec
 except ImportError:  # the msgspec rows are left out
     msgspec = None  # type: ignore[assignment]
 
+BASELINE = "json only"
 
 # --------------------------------------------------------------------------- the messages
 
 
-def messages() -> list[tuple[str, Any]]:
-    """(name, declared message); today's and msgspec's are decoded from its payload."""
-    group = declared.ParamGroup(lr=3e-4, weight_decay=0.1)
-    groups = (group, declared.ParamGroup(lr=1e-4, weight_decay=0.0, adamw=False))
+def messages() -> list[tuple[str, Message]]:
+    group = ParamGroup(lr=3e-4, weight_decay=0.1)
+    groups = (group, ParamGroup(lr=1e-4, weight_decay=0.0, adamw=False))
     tensors = tuple(
-        declared.TensorSpec(f"model.layers.{i // 8}.mlp.w{i % 8}", (4096, 4096), "bfloat16", "auto", i % 2)
-        for i in range(200)
+        TensorSpec(f"model.layers.{i // 8}.mlp.w{i % 8}", (4096, 4096), "bfloat16", "auto", i % 2) for i in range(200)
+    )
+    slots = tuple(
+        TensorSlot(i, MemRef(1, i << 25, 1 << 25), (MemRef(1, (i << 25) + (1 << 24), 1 << 24),)) for i in range(200)
     )
     return [
         (
             "STEP (1 group, clipping, 64 ids)",
-            declared.Step(
-                step=1000, groups=(group,), loss_scale=65536.0, max_grad_norm=1.0, tensor_ids=tuple(range(64))
-            ),
+            Step(step=1000, groups=(group,), loss_scale=65536.0, max_grad_norm=1.0, tensor_ids=tuple(range(64))),
         ),
         (
             "BUCKET_READY (64 ids, 1 group)",
-            declared.BucketReady(step=1000, attempt=0, bucket=3, tensor_ids=tuple(range(64)), groups=(group,)),
+            BucketReady(step=1000, attempt=0, bucket=3, tensor_ids=tuple(range(64)), groups=(group,)),
         ),
         (
             "STEP_DONE (2 timings)",
-            declared.StepDone(
+            StepDone(
                 step=1000, attempt=0, found_inf=False, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312))
             ),
         ),
-        ("REGISTER (200 tensors)", declared.Register(tensors=tensors, groups=groups)),
+        ("REGISTER (200 tensors)", Register(tensors=tensors, groups=groups)),
+        ("REGISTER_OK (200 slots)", RegisterOk(slots=slots, storage_nbytes=200 << 25)),
     ]
 
 
@@ -117,6 +122,7 @@ if msgspec is not None:
 
     StepNo = Annotated[int, Meta(ge=0, le=MAX_STEP)]
     TensorId = Annotated[int, Meta(ge=0, le=MAX_TENSORS - 1)]
+    NBytes = Annotated[int, Meta(ge=0, le=MAX_NBYTES)]
     NonNeg = Annotated[float, Meta(ge=0.0, le=FLOAT_MAX)]
     Beta = Annotated[float, Meta(ge=0.0, lt=1.0)]
     Positive = Annotated[float, Meta(gt=0.0, le=FLOAT_MAX)]
@@ -154,6 +160,22 @@ if msgspec is not None:
                     raise ValueError(f"tensors[{index}].name: expected a name not used before in this message")
                 seen.add(tensor.name)
 
+    class MMemRef(Struct, array_like=True, frozen=True):
+        window: Annotated[int, Meta(ge=0, le=MAX_WINDOW_ID)]
+        offset: NBytes
+        length: NBytes
+
+    class MTensorSlot(Struct, array_like=True, frozen=True):
+        tensor_id: TensorId
+        param: MMemRef
+        grads: Annotated[tuple[MMemRef, ...], Meta(min_length=1, max_length=2)]
+
+    class MRegisterOk(Struct, forbid_unknown_fields=True):
+        slots: Annotated[tuple[MTensorSlot, ...], Meta(max_length=MAX_TENSORS)]
+        placement: Literal["cpu", "nvme"]
+        state_keys: Annotated[tuple[Literal[STATE_KEYS], ...], Meta(max_length=len(STATE_KEYS))]
+        storage_nbytes: NBytes
+
     class MStep(Struct, forbid_unknown_fields=True):
         step: StepNo
         attempt: StepNo
@@ -186,96 +208,8 @@ if msgspec is not None:
         "BucketReady": MBucketReady,
         "StepDone": MStepDone,
         "Register": MRegister,
+        "RegisterOk": MRegisterOk,
     }
-
-
-# --------------------------------------------------------------------------- the closure alternative
-
-_FAIL: Any = object()
-
-
-def closure(kind: Kind) -> Callable[[Any], Any]:
-    """A function checking and decoding one value of ``kind``: the value, or ``_FAIL`` (no error wording)."""
-    if isinstance(kind, Int):
-        lo, hi = kind.lo, kind.hi
-        return lambda v: v if type(v) is int and lo <= v <= hi else _FAIL
-    if isinstance(kind, Float):
-        return lambda v: v if type(v) is float and _passes(kind, v) else _FAIL
-    if kind is Bool:
-        return lambda v: v if type(v) is bool else _FAIL
-    if isinstance(kind, Str) and kind.pattern is None:
-        short, long = kind.min_len, kind.max_len
-        return lambda v: v if type(v) is str and short <= len(v) <= long else _FAIL
-    if isinstance(kind, Choice) and kind.plain:
-        names = frozenset(kind.names)
-        return lambda v: v if type(v) is str and v in names else _FAIL
-    if isinstance(kind, Opt):
-        inner = closure(kind.kind)
-        return lambda v: None if v is None else inner(v)
-    if isinstance(kind, List):
-        return _list_closure(closure(kind.item), kind.min_len, kind.max_len)
-    if isinstance(kind, Tuple):
-        items = [closure(k) for k in kind.items]
-        return lambda v: _tuple_of(items, v) if type(v) is list and len(v) == len(items) else _FAIL
-    if isinstance(kind, Map):
-        key, value, most = closure(kind.key), closure(kind.value), kind.max_len
-        return lambda v: _map_of(key, value, v) if type(v) is dict and len(v) <= most else _FAIL
-    if isinstance(kind, RecordSpec) and not kind.array:
-        return _record_closure(kind)
-    raise NotImplementedError(kind)
-
-
-def _passes(kind: Float, v: float) -> bool:
-    lo, hi = max(kind.lo, -FLOAT_MAX), min(kind.hi, FLOAT_MAX)
-    return (v > lo if kind.lo_open else v >= lo) and (v < hi if kind.hi_open else v <= hi)
-
-
-def _list_closure(item: Callable[[Any], Any], short: int, long: int) -> Callable[[Any], Any]:
-    def decode(v: Any) -> Any:
-        if type(v) is not list or not short <= len(v) <= long:
-            return _FAIL
-        out = []
-        for x in v:
-            y = item(x)
-            if y is _FAIL:
-                return _FAIL
-            out.append(y)
-        return tuple(out)
-
-    return decode
-
-
-def _tuple_of(items: list[Callable[[Any], Any]], v: list[Any]) -> Any:
-    out = tuple([f(x) for f, x in zip(items, v, strict=True)])
-    return _FAIL if any(y is _FAIL for y in out) else out
-
-
-def _map_of(key: Callable[[Any], Any], value: Callable[[Any], Any], v: dict[str, Any]) -> Any:
-    out = tuple([(key(k), value(x)) for k, x in v.items()])
-    return _FAIL if any(k is _FAIL or x is _FAIL for k, x in out) else out
-
-
-def _record_closure(spec: RecordSpec) -> Callable[[Any], Any]:
-    fields = [(f.key, closure(f.kind)) for f in spec.fields]
-    count, ctor, validates = len(fields), spec.cls, spec.validates
-
-    def decode(d: Any, ctor: Any = ctor) -> Any:
-        if type(d) is not dict or len(d) != count:
-            return _FAIL
-        values = []
-        for key, f in fields:
-            if key not in d:
-                return _FAIL
-            value = f(d[key])
-            if value is _FAIL:
-                return _FAIL
-            values.append(value)
-        obj = ctor(*values)
-        if validates:
-            obj.validate()
-        return obj
-
-    return decode
 
 
 # --------------------------------------------------------------------------- codecs
@@ -305,50 +239,25 @@ def medians_us(fns: dict[Any, Callable[[], object]], runs: int, run_s: float) ->
     return {key: statistics.median(t) for key, t in times.items()}
 
 
-Codec = tuple[Callable[[], bytes] | None, Callable[[bytes], Any], Callable[[Any], Any]]
+Codec = tuple[Callable[[], bytes] | None, Callable[[bytes], Any], Callable[[Any], Any] | None]
 
 
-def codecs(msg: Any) -> dict[str, Codec]:
-    """name -> (encode this message to a frame (None: as the row above), decode a frame, payload dict -> object)."""
-    cls = type(msg)
-    msg_type: MsgType = cls.TYPE
+def codecs(msg: Message) -> dict[str, Codec]:
+    """name -> (encode this message to a frame (None: as ``declared``), decode a frame, payload dict -> object)."""
+    cls, msg_type = type(msg), msg.TYPE
     payload = json.loads(json.dumps(msg.to_payload()))
-    old_cls = MESSAGE_CLASSES[msg_type]
-    old = old_cls.from_payload(payload)
     spec = cls.__wire__
 
-    def spec_decode(data: bytes) -> Any:
-        return cls.from_payload(decode_payload(decode_frame(data).payload))
-
-    by_closures = _record_closure(spec)
-
-    def closure_from_dict(d: Any) -> Any:
-        obj = by_closures(d, cls)
-        return spec.decode_checked(cls, d) if obj is _FAIL else obj
-
-    def closure_decode(data: bytes) -> Any:
-        return closure_from_dict(decode_payload(decode_frame(data).payload))
+    def json_decode(data: bytes) -> Any:
+        return decode_payload(decode_frame(data).payload)
 
     def checked_decode(data: bytes) -> Any:
         return spec.decode_checked(cls, decode_payload(decode_frame(data).payload))
 
     out: dict[str, Codec] = {
-        "today": (
-            lambda: encode_message(old, 1),
-            lambda data: decode_message(decode_frame(data)),
-            old_cls.from_payload,
-        ),
-        "spec": (
-            lambda: encode_frame(msg_type, 1, encode_payload(msg.to_payload())),
-            spec_decode,
-            cls.from_payload,
-        ),
-        "spec, closures": (None, closure_decode, closure_from_dict),
-        "spec, checks only": (
-            None,
-            checked_decode,
-            lambda d: spec.decode_checked(cls, d),
-        ),
+        BASELINE: (lambda: encode_frame(msg_type, 1, encode_payload(payload)), json_decode, None),
+        "declared": (lambda: encode_message(msg, 1), lambda data: decode_message(decode_frame(data)), cls.from_payload),
+        "declared, checks only": (None, checked_decode, lambda d: spec.decode_checked(cls, d)),
     }
     if msgspec is not None:
         mtype = MSGSPEC_TYPES[cls.__name__]
@@ -366,63 +275,62 @@ def codecs(msg: Any) -> dict[str, Codec]:
     return out
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Equal wire content (objects of different classes compared through their JSON)."""
-
-    def plain(x: Any) -> Any:
-        if msgspec is not None and isinstance(x, msgspec.Struct):
-            return json.loads(msgspec.json.encode(x))
-        return json.loads(json.dumps(x.to_payload()))
-
-    return bool(plain(a) == plain(b))
+def _plain(x: Any) -> Any:
+    """The wire content of a decoded message (a dict, a declared message or a msgspec Struct)."""
+    if isinstance(x, dict):
+        return x
+    if msgspec is not None and isinstance(x, msgspec.Struct):
+        return json.loads(msgspec.json.encode(x))
+    return json.loads(json.dumps(x.to_payload()))
 
 
 def measure(runs: int, run_s: float) -> list[dict[str, Any]]:
     rows = []
     for name, msg in messages():
-        if MESSAGE_CLASSES[msg.TYPE].KEYS != type(msg).KEYS:
-            print(f"{name}: skipped, tiermem.protocol declares it with other fields than tests/spec_messages.py")
-            continue
         table = codecs(msg)
-        reference = encode_message(MESSAGE_CLASSES[msg.TYPE].from_payload(msg.to_payload()), 1)
+        reference = encode_message(msg, 1)
         payload = decode_payload(decode_frame(reference).payload)
         fns: dict[tuple[str, str], Callable[[], object]] = {}
         for codec, (encode, decode, from_dict) in table.items():
             frame = encode() if encode is not None else reference
-            decoded = decode(reference)
-            if not _same(decoded, decode(frame)) or not _same(decoded, table["today"][1](reference)):
-                raise SystemExit(f"{codec} decodes {name} differently from today's codec")
+            expected = _plain(decode_message(decode_frame(reference)))
+            if _plain(decode(reference)) != expected or _plain(decode(frame)) != expected:
+                raise SystemExit(f"{codec} decodes {name} differently from the declared codec")
             if encode is not None:
                 fns[codec, "encode"] = encode
             fns[codec, "decode"] = lambda d=reference, f=decode: f(d)
-            fns[codec, "checks"] = lambda p=payload, f=from_dict: f(p)
-            rows.append(
-                {"message": name, "codec": codec, "frame_bytes": len(frame), "same_bytes_as_today": frame == reference}
-            )
+            if from_dict is not None:
+                fns[codec, "checks"] = lambda p=payload, f=from_dict: f(p)
+            rows.append({"message": name, "codec": codec, "frame_bytes": len(frame), "same_bytes": frame == reference})
         times = medians_us(fns, runs, run_s)
         for row in rows[-len(table) :]:
             for what in ("encode", "decode", "checks"):
-                mine, base = times.get((row["codec"], what)), times[("today", what)]
-                row[f"{what}_us"] = mine
-                row[f"{what}_vs_today"] = None if mine is None else mine / base
+                row[f"{what}_us"] = times.get((row["codec"], what))
+            for what in ("encode", "decode"):
+                mine, base = row[f"{what}_us"], times[(BASELINE, what)]
+                row[f"{what}_vs_json"] = None if mine is None else mine / base
     return rows
 
 
-def _us(value: float) -> str:
+def _us(value: float | None) -> str:
+    if value is None:
+        return ""
     return f"{value / 1000:.2f} ms" if value >= 1000 else f"{value:.1f} us"
 
 
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print("| message | codec | bytes | encode | decode | encode / today | decode / today | checks | checks / today |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| message | codec | bytes | encode | decode | encode / json | decode / json | checks |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        same = "" if r["same_bytes_as_today"] else " (differ)"
-        encode = "" if r["encode_us"] is None else _us(r["encode_us"])
-        encode_ratio = "" if r["encode_vs_today"] is None else f"{r['encode_vs_today']:.2f}"
+        same = "" if r["same_bytes"] else " (differ)"
         print(
-            f"| {r['message']} | {r['codec']} | {r['frame_bytes']}{same} | {encode} | "
-            f"{_us(r['decode_us'])} | {encode_ratio} | {r['decode_vs_today']:.2f} | "
-            f"{_us(r['checks_us'])} | {r['checks_vs_today']:.2f} |"
+            f"| {r['message']} | {r['codec']} | {r['frame_bytes']}{same} | {_us(r['encode_us'])} | "
+            f"{_us(r['decode_us'])} | {_ratio(r['encode_vs_json'])} | {_ratio(r['decode_vs_json'])} | "
+            f"{_us(r['checks_us'])} |"
         )
 
 

@@ -2,8 +2,11 @@
 
 Pure: imports no sockets (``tiermem.transport`` moves the bytes).  The frame
 layout is in ``frame``; the messages in ``session`` and ``step``, the values
-inside them and the limits in ``records``, the registry in ``messages``; the
-field checks in ``fields``.  docs/protocol.md is the reference for both sides.
+inside them and the limits in ``records``, the registry in ``messages``.  Each
+message's fields are declared once (``spec``: ``@wire`` and the field kinds of
+``kinds``), and its encoder and validating decoder are generated from that;
+``fields`` has the ``FieldError`` they raise.  docs/protocol.md is the
+reference for both sides.
 
     data = encode_message(Step(step=3), request_id=7)
     frame = decode_frame(data, max_frame=1 << 20)      # header checks

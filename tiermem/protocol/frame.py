@@ -18,11 +18,12 @@ Frame layout (little-endian, 16-byte header, then ``payload_nbytes`` bytes)::
   ``max_frame - 16`` bytes.
 
 Why JSON: the payloads are control messages of tens to hundreds of bytes,
-a handful per training step.  ``json`` is implemented in C; with every field
-checked, a STEP costs about 8 us to encode and 17 us to decode on a quiet
-2-vCPU node (``benchmarks/bench_ipc.py`` prints the figure per message type),
-PING/PONG/OK nothing beyond the header, against a step that takes tens of
-milliseconds or more.  A hand-written TLV in pure Python pays interpreter time
+a handful per training step.  ``json`` is implemented in C; with the encoder
+and the checking decoder that ``tiermem.protocol.spec`` generates from each
+message's declaration, a STEP costs about 10 us to encode and 13 us to decode
+with every field checked, 1 and 5 us more than ``json`` alone, on a 2-vCPU
+node (``benchmarks/bench_codec.py``), PING/PONG/OK nothing beyond the header,
+against a step that takes tens of milliseconds or more.  A hand-written TLV in pure Python pays interpreter time
 per field and is a larger attack surface; fixed ``struct`` layouts would be
 about 5x cheaper for STEP but give two encodings to document, test and keep in
 step, for microseconds per training step.  ``json.loads`` of untrusted bytes builds only dicts, lists, strings

@@ -9,8 +9,7 @@ Each kind has two faces that must agree (a property test holds them to it):
 or returns the decoded value; and the code it contributes to a record's
 generated decoder, which only answers "this value, decoded" or ``FAIL``
 ("not this way": the record then runs the ``check``s to word the error or
-convert the value).  The wording and the rules are those of
-``tiermem.protocol.fields``.
+convert the value).  ``tiermem.protocol.fields`` has the error they raise.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
-from tiermem.protocol.fields import FieldError, int_value
+from tiermem.protocol.fields import FieldError
 
 __all__ = [
     "FAIL",
@@ -137,7 +136,9 @@ class Int(Kind):
         self.lo, self.hi = lo, hi
 
     def check(self, value: Any, path: str) -> int:
-        return int_value(value, self.lo, self.hi, path)
+        if type(value) is not int or not self.lo <= value <= self.hi:
+            raise FieldError(path, f"an integer in [{self.lo}, {self.hi}]", value)
+        return value
 
     def test(self, gen: Source, v: str) -> str:
         return f"type({v}) is int and {self.lo!r} <= {v} <= {self.hi!r}"

@@ -1,6 +1,10 @@
 """Session messages: attach, register, stats, detach, ping, ok, and error replies.
 
-Owns what these messages mean and the range of every field.
+Owns what these messages mean and the range of every field, each declared
+once with ``tiermem.protocol.spec`` (``@wire`` derives the codec; the shared
+kinds and limits are in ``records``), and the three field kinds only these
+messages use: an alignment (a power of two), a stats value (any JSON number,
+kept as sent) and an error fact (a scalar or a flat list of scalars).
 Unknown fields are refused: a payload change is a protocol version change
 (docs/protocol.md).  Pure: no I/O.  ``from_payload`` raises ``FieldError``,
 which ``decode_message`` reports as a ``ProtocolError`` naming the message and
@@ -10,21 +14,12 @@ the field.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from tiermem.errors import TiermemError, error_from_wire
-from tiermem.protocol.fields import (
-    FieldError,
-    check_keys,
-    get_bool,
-    get_dict,
-    get_int,
-    get_opt_str,
-    get_str,
-    list_of,
-    str_value,
-)
+from tiermem.protocol.fields import FieldError
 from tiermem.protocol.frame import MsgType
+from tiermem.protocol.kinds import Kind, Source
 from tiermem.protocol.records import (
     EXCHANGES,
     ID_PATTERN,
@@ -38,13 +33,16 @@ from tiermem.protocol.records import (
     MAX_TENSORS,
     MAX_WINDOW_ID,
     MAX_WORLD,
+    NAME,
+    NBYTES,
+    STATE_KEY,
     STATE_KEYS,
     Message,
     ParamGroup,
     TensorSlot,
     TensorSpec,
-    as_item,
 )
+from tiermem.protocol.spec import Choice, Int, List, Map, Opt, Str, WireName, wire
 
 __all__ = [
     "Attach",
@@ -60,7 +58,63 @@ __all__ = [
     "StatsReply",
 ]
 
+MAX_FACTS = 64
+"""Facts per error reply, and items per fact that is a list."""
 
+
+class PowerOfTwo(Int):
+    """An integer in [lo, hi] that is a power of two (an alignment)."""
+
+    __slots__ = ()
+
+    def check(self, value: Any, path: str) -> int:
+        number = super().check(value, path)
+        if number & (number - 1):
+            raise FieldError(path, "a power of two", number)
+        return number
+
+    def test(self, gen: Source, v: str) -> str:
+        return f"{super().test(gen, v)} and not {v} & ({v} - 1)"
+
+
+class Number(Kind):
+    """A JSON number, int or float, kept as sent (STATS_REPLY's values)."""
+
+    __slots__ = ()
+
+    def check(self, value: Any, path: str) -> Any:
+        if type(value) is not int and type(value) is not float:
+            raise FieldError(path, "a number", value)
+        return value
+
+    def test(self, gen: Source, v: str) -> str:
+        return f"type({v}) is int or type({v}) is float"
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+class Fact(Kind):
+    """One fact of an error (a path, a size, a key): a scalar, or a list of at most ``MAX_FACTS`` scalars."""
+
+    __slots__ = ()
+
+    def check(self, value: Any, path: str) -> Any:
+        if type(value) in _SCALARS:
+            return value
+        if type(value) is list and len(value) <= MAX_FACTS and all(type(v) in _SCALARS for v in value):
+            return value
+        raise FieldError(path, f"a scalar or a list of at most {MAX_FACTS} scalars", value)
+
+    def test(self, gen: Source, v: str) -> str:
+        scalars, x = gen.const(_SCALARS), gen.var("x")
+        return (
+            f"type({v}) in {scalars} or (type({v}) is list and len({v}) <= {MAX_FACTS}"
+            f" and all(type({x}) in {scalars} for {x} in {v}))"
+        )
+
+
+@wire
 @dataclass(slots=True)
 class Attach(Message):
     """Join job ``job_id`` as ``rank`` of ``world_size``, with a staging window of ``window_nbytes``.
@@ -70,79 +124,32 @@ class Attach(Message):
     """
 
     TYPE: ClassVar[MsgType] = MsgType.ATTACH
-    KEYS: ClassVar[frozenset[str]] = frozenset({"job_id", "rank", "world_size", "window_nbytes", "token"})
-    job_id: str
-    rank: int
-    world_size: int
-    window_nbytes: int
-    token: str | None = None
+    job_id: Annotated[str, Str(MAX_ID, pattern=ID_PATTERN)]
+    rank: Annotated[int, Int(0, MAX_WORLD - 1)]
+    world_size: Annotated[int, Int(1, MAX_WORLD)]
+    window_nbytes: Annotated[int, NBYTES]
+    token: Annotated[str | None, Opt(Str(MAX_ID))] = None
 
-    def to_payload(self) -> dict[str, Any]:
-        return {
-            "job_id": self.job_id,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "window_nbytes": self.window_nbytes,
-            "token": self.token,
-        }
-
-    @classmethod
-    def from_payload(cls, d: dict[str, Any]) -> Attach:
-        check_keys(d, cls.KEYS)
-        world_size = get_int(d, "world_size", 1, MAX_WORLD)
-        rank = get_int(d, "rank", 0, MAX_WORLD - 1)
-        if rank >= world_size:
-            raise FieldError("rank", f"an integer in [0, world_size={world_size})", rank)
-        return cls(
-            job_id=get_str(d, "job_id", MAX_ID, ID_PATTERN),
-            rank=rank,
-            world_size=world_size,
-            window_nbytes=get_int(d, "window_nbytes", 0, MAX_NBYTES),
-            token=get_opt_str(d, "token", MAX_ID),
-        )
+    def validate(self) -> None:
+        if self.rank >= self.world_size:
+            raise FieldError("rank", f"an integer in [0, world_size={self.world_size})", self.rank)
 
 
+@wire
 @dataclass(slots=True)
 class AttachOk(Message):
     """Attached.  The frame carries the window's memfd (``FLAG_FDS``), mapped ``window_nbytes`` long."""
 
     TYPE: ClassVar[MsgType] = MsgType.ATTACH_OK
-    KEYS: ClassVar[frozenset[str]] = frozenset(
-        {"job_token", "window_id", "window_nbytes", "alignment", "max_frame", "reattached"}
-    )
-    job_token: str
-    window_id: int
-    window_nbytes: int
-    alignment: int
-    max_frame: int
+    job_token: Annotated[str, Str(MAX_ID)]
+    window_id: Annotated[int, Int(0, MAX_WINDOW_ID)]
+    window_nbytes: Annotated[int, Int(1, MAX_NBYTES)]
+    alignment: Annotated[int, PowerOfTwo(1, 1 << 30)]
+    max_frame: Annotated[int, Int(4096, 1 << 30)]
     reattached: bool = False
 
-    def to_payload(self) -> dict[str, Any]:
-        return {
-            "job_token": self.job_token,
-            "window_id": self.window_id,
-            "window_nbytes": self.window_nbytes,
-            "alignment": self.alignment,
-            "max_frame": self.max_frame,
-            "reattached": self.reattached,
-        }
 
-    @classmethod
-    def from_payload(cls, d: dict[str, Any]) -> AttachOk:
-        check_keys(d, cls.KEYS)
-        alignment = get_int(d, "alignment", 1, 1 << 30)
-        if alignment & (alignment - 1):
-            raise FieldError("alignment", "a power of two", alignment)
-        return cls(
-            job_token=get_str(d, "job_token", MAX_ID),
-            window_id=get_int(d, "window_id", 0, MAX_WINDOW_ID),
-            window_nbytes=get_int(d, "window_nbytes", 1, MAX_NBYTES),
-            alignment=alignment,
-            max_frame=get_int(d, "max_frame", 4096, 1 << 30),
-            reattached=get_bool(d, "reattached"),
-        )
-
-
+@wire
 @dataclass(slots=True)
 class Register(Message):
     """Register the rank's tensors (once); ``groups`` are its param groups.
@@ -155,40 +162,23 @@ class Register(Message):
     """
 
     TYPE: ClassVar[MsgType] = MsgType.REGISTER
-    KEYS: ClassVar[frozenset[str]] = frozenset({"tensors", "groups", "grad_buffers", "exchange"})
-    tensors: tuple[TensorSpec, ...]
-    groups: tuple[ParamGroup, ...]
-    grad_buffers: int = 1
-    exchange: str = "shared"
+    tensors: Annotated[tuple[TensorSpec, ...], List(TensorSpec, MAX_TENSORS)]
+    groups: Annotated[tuple[ParamGroup, ...], List(ParamGroup, MAX_GROUPS, min_len=1)]
+    grad_buffers: Annotated[int, Int(1, MAX_GRAD_BUFFERS)] = 1
+    exchange: Annotated[str, Choice(EXCHANGES)] = "shared"
 
-    def to_payload(self) -> dict[str, Any]:
-        return {
-            "tensors": [t.to_payload() for t in self.tensors],
-            "groups": [g.to_payload() for g in self.groups],
-            "grad_buffers": self.grad_buffers,
-            "exchange": self.exchange,
-        }
-
-    @classmethod
-    def from_payload(cls, d: dict[str, Any]) -> Register:
-        check_keys(d, cls.KEYS)
-        groups = list_of(d, "groups", MAX_GROUPS, as_item(ParamGroup.from_payload))
-        if not groups:
-            raise FieldError("groups", "at least one param group", [])
-        tensors = list_of(d, "tensors", MAX_TENSORS, as_item(TensorSpec.from_payload))
+    def validate(self) -> None:
+        """Each tensor names one of ``groups``, and no name is used twice."""
         seen: set[str] = set()
-        for index, tensor in enumerate(tensors):
-            if tensor.group >= len(groups):
-                raise FieldError(f"tensors[{index}].group", f"a group index < {len(groups)}", tensor.group)
+        for index, tensor in enumerate(self.tensors):
+            if tensor.group >= len(self.groups):
+                raise FieldError(f"tensors[{index}].group", f"a group index < {len(self.groups)}", tensor.group)
             if tensor.name in seen:
                 raise FieldError(f"tensors[{index}].name", "a name not used before in this message", tensor.name)
             seen.add(tensor.name)
-        exchange = get_str(d, "exchange", 16)
-        if exchange not in EXCHANGES:
-            raise FieldError("exchange", f"one of {', '.join(EXCHANGES)}", exchange)
-        return cls(tensors, groups, get_int(d, "grad_buffers", 1, MAX_GRAD_BUFFERS), exchange)
 
 
+@wire
 @dataclass(slots=True)
 class RegisterOk(Message):
     """The daemon's plan for the registered tensors: one slot per tensor, in request order.
@@ -201,38 +191,13 @@ class RegisterOk(Message):
     """
 
     TYPE: ClassVar[MsgType] = MsgType.REGISTER_OK
-    KEYS: ClassVar[frozenset[str]] = frozenset({"slots", "placement", "state_keys", "storage_nbytes"})
-    slots: tuple[TensorSlot, ...]
-    placement: str = "cpu"
-    state_keys: tuple[str, ...] = STATE_KEYS
-    storage_nbytes: int = 0
-
-    def to_payload(self) -> dict[str, Any]:
-        return {
-            "slots": [s.to_wire() for s in self.slots],
-            "placement": self.placement,
-            "state_keys": list(self.state_keys),
-            "storage_nbytes": self.storage_nbytes,
-        }
-
-    @classmethod
-    def from_payload(cls, d: dict[str, Any]) -> RegisterOk:
-        check_keys(d, cls.KEYS)
-        placement = get_str(d, "placement", 16)
-        if placement not in ("cpu", "nvme"):
-            raise FieldError("placement", "cpu or nvme", placement)
-        keys = list_of(d, "state_keys", len(STATE_KEYS), lambda v: str_value(v, 16))
-        for index, key in enumerate(keys):
-            if key not in STATE_KEYS:
-                raise FieldError(f"state_keys[{index}]", f"one of {', '.join(STATE_KEYS)}", key)
-        return cls(
-            list_of(d, "slots", MAX_TENSORS, TensorSlot.from_wire),
-            placement,
-            keys,
-            get_int(d, "storage_nbytes", 0, MAX_NBYTES),
-        )
+    slots: Annotated[tuple[TensorSlot, ...], List(TensorSlot, MAX_TENSORS)]
+    placement: Annotated[str, Choice(("cpu", "nvme"))] = "cpu"
+    state_keys: Annotated[tuple[str, ...], List(STATE_KEY, len(STATE_KEYS))] = STATE_KEYS
+    storage_nbytes: Annotated[int, NBYTES] = 0
 
 
+@wire
 @dataclass(slots=True)
 class Stats(Message):
     """Ask for the daemon's numbers as seen by this job."""
@@ -240,57 +205,37 @@ class Stats(Message):
     TYPE: ClassVar[MsgType] = MsgType.STATS
 
 
+@wire
 @dataclass(slots=True)
 class StatsReply(Message):
     """Named numbers (ints or floats), e.g. {"pool_free_bytes": 1.2e9}."""
 
     TYPE: ClassVar[MsgType] = MsgType.STATS_REPLY
-    KEYS: ClassVar[frozenset[str]] = frozenset({"values"})
-    values: tuple[tuple[str, int | float], ...]
-
-    def to_payload(self) -> dict[str, Any]:
-        return {"values": dict(self.values)}
-
-    @classmethod
-    def from_payload(cls, d: dict[str, Any]) -> StatsReply:
-        check_keys(d, cls.KEYS)
-        out: list[tuple[str, int | float]] = []
-        for key, value in get_dict(d, "values", MAX_STATS).items():
-            path = f"values.{key}"
-            str_value(key, MAX_NAME, path)
-            if type(value) not in (int, float):
-                raise FieldError(path, "a number", value)
-            out.append((key, value))
-        return cls(tuple(out))
+    values: Annotated[tuple[tuple[str, int | float], ...], Map(NAME, Number(), MAX_STATS)]
 
 
+@wire
 @dataclass(slots=True)
 class Detach(Message):
     """Leave the job; ``keep_state`` keeps it for a reattach with its token during the grace period."""
 
     TYPE: ClassVar[MsgType] = MsgType.DETACH
-    KEYS: ClassVar[frozenset[str]] = frozenset({"keep_state"})
     keep_state: bool = False
 
-    def to_payload(self) -> dict[str, Any]:
-        return {"keep_state": self.keep_state}
 
-    @classmethod
-    def from_payload(cls, d: dict[str, Any]) -> Detach:
-        check_keys(d, cls.KEYS)
-        return cls(get_bool(d, "keep_state"))
-
-
+@wire
 @dataclass(slots=True)
 class Ping(Message):
     TYPE: ClassVar[MsgType] = MsgType.PING
 
 
+@wire
 @dataclass(slots=True)
 class Pong(Message):
     TYPE: ClassVar[MsgType] = MsgType.PONG
 
 
+@wire
 @dataclass(slots=True)
 class Ok(Message):
     """A request succeeded and has nothing to return (STATE_WRITE, DETACH)."""
@@ -298,43 +243,21 @@ class Ok(Message):
     TYPE: ClassVar[MsgType] = MsgType.OK
 
 
+@wire
 @dataclass(slots=True)
 class ErrorReply(Message):
     """A request failed: ``error`` is ``TiermemError.to_wire()``; the client raises ``to_exception()``."""
 
     TYPE: ClassVar[MsgType] = MsgType.ERROR
-    KEYS: ClassVar[frozenset[str]] = frozenset({"type", "message", "fields"})
-    kind: str
+    kind: Annotated[str, Str(MAX_NAME, pattern=ID_PATTERN), WireName("type")]
     """The error class name (``BoundsError``); the wire field is ``type``."""
-    message: str
-    fields: tuple[tuple[str, Any], ...] = ()
+    message: Annotated[str, Str(MAX_MESSAGE)]
+    fields: Annotated[tuple[tuple[str, Any], ...], Map(NAME, Fact(), MAX_FACTS)] = ()
 
     @classmethod
     def from_exception(cls, exc: TiermemError) -> ErrorReply:
-        wire = exc.to_wire()
-        return cls(wire["type"], wire["message"], tuple(wire["fields"].items()))
+        sent = exc.to_wire()
+        return cls(sent["type"], sent["message"], tuple(sent["fields"].items()))
 
     def to_exception(self) -> TiermemError:
         return error_from_wire(self.to_payload())
-
-    def to_payload(self) -> dict[str, Any]:
-        return {"type": self.kind, "message": self.message, "fields": dict(self.fields)}
-
-    @classmethod
-    def from_payload(cls, d: dict[str, Any]) -> ErrorReply:
-        check_keys(d, cls.KEYS)
-        fields = get_dict(d, "fields", 64)
-        for key, value in fields.items():
-            str_value(key, MAX_NAME, f"fields.{key}")
-            _check_scalar(value, f"fields.{key}")
-        return cls(get_str(d, "type", MAX_NAME, ID_PATTERN), get_str(d, "message", MAX_MESSAGE), tuple(fields.items()))
-
-
-def _check_scalar(value: Any, path: str) -> None:
-    """Error facts are scalars or flat lists of scalars (paths, sizes, keys)."""
-    scalar = (str, int, float, bool, type(None))
-    if type(value) in scalar:
-        return
-    if type(value) is list and len(value) <= 64 and all(type(v) in scalar for v in value):
-        return
-    raise FieldError(path, "a scalar or a list of at most 64 scalars", value)

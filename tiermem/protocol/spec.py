@@ -28,7 +28,7 @@ and ``KEYS``.  The Python type in ``Annotated`` is for the type checker; the
 kind is what the wire sees.  Declare records at module level (their
 annotations are resolved in the module's namespace).
 
-Decoding rules, the same as ``tiermem.protocol.fields``: every declared key
+Decoding rules (those of every message in ``tiermem.protocol``): every declared key
 must be present and no other; an int is a JSON integer (``true`` is not an
 int); a float accepts a JSON integer or number and is returned as ``float``;
 non-finite floats are refused unless the kind says ``finite=False``; strings,
@@ -129,7 +129,7 @@ class _Field:
 
 
 def _join(parent: str, child: str) -> str:
-    """``FieldError.within``'s convention: ``a.b``, ``a[0]``, and an empty side adds nothing."""
+    """How a path grows into a field: ``a.b``, ``a[0]``, and an empty side adds nothing."""
     if not child:
         return parent
     if not parent or child.startswith("["):
