@@ -240,7 +240,7 @@ class Handlers:
         elif placements == {"cpu"}:
             placement = "cpu"
         else:
-            keys = state_keys_for(dtype, "cpu", msg.grad_buffers)
+            keys = state_keys_for(dtype, "cpu", msg.grad_buffers, msg.exchange)
             placement = "cpu" if numel * 4 * len(keys) <= self.ledger.available(Resource.POOL) else "nvme"
         registration = rank.register(
             msg.tensors,
@@ -249,7 +249,9 @@ class Handlers:
             placement,
             self.service.state_factory(job, rank.rank, placement),
             lambda nbytes: self._make_storage(job, rank, nbytes),
+            msg.exchange,
         )
+        storage = registration.storage
         log.info(
             "job %r rank %d registered %d tensors, %d elements, state %s on %s, storage %d bytes",
             job.job_id,
@@ -258,16 +260,16 @@ class Handlers:
             numel,
             "+".join(registration.state_keys),
             placement,
-            registration.storage.nbytes,
+            storage.nbytes if storage is not None else 0,
         )
         return Reply(
             RegisterOk(
                 slots=registration.slots,
                 placement=registration.placement,
                 state_keys=registration.state_keys,
-                storage_nbytes=registration.storage.nbytes,
+                storage_nbytes=storage.nbytes if storage is not None else 0,
             ),
-            fds=(registration.storage.fd,),
+            fds=(storage.fd,) if storage is not None else (),
         )
 
     def _make_storage(self, job: Job, rank: RankOptimizer, nbytes: int) -> tuple[Arena, int]:
@@ -275,7 +277,8 @@ class Handlers:
         nbytes = align_up(max(nbytes, PAGE_SIZE))
         self.ledger.reserve(job.job_id, Resource.STORAGE, nbytes)
         try:
-            arena = Arena.create(nbytes, name=f"tiermem-{job.job_id}-{rank.rank}-storage", mlock=False)
+            # not reserved up front: the trainer's params move in one by one, freeing their old memory as they go
+            arena = Arena.create(nbytes, name=f"tiermem-{job.job_id}-{rank.rank}-storage", mlock=False, reserve=False)
         except BaseException:
             self.ledger.release(job.job_id, Resource.STORAGE, nbytes)
             raise

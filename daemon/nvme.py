@@ -29,7 +29,7 @@ from tiermem.errors import TiermemError
 from tiermem.swap.store import SwapStore
 from tiermem.tiers import TierManager
 from tiermemd.ledger import Resource
-from tiermemd.state import ALL_KEYS, STATE_BYTES_PER_ELEMENT, ChunkTensors, split_chunk
+from tiermemd.state import ALL_KEYS, ChunkTensors, split_chunk
 
 if TYPE_CHECKING:
     from tiermemd.jobs import Job
@@ -56,17 +56,24 @@ def _key(chunk: int) -> str:
 
 
 class NvmeStateChunks:
-    keys = ALL_KEYS
-    """The NVMe placement always keeps the fp32 master: it is what a restarted daemon reopens."""
-
-    def __init__(self, pool: object, store: SwapStore, numel: int, chunk_numel: int, cache_nbytes: int) -> None:
+    def __init__(
+        self,
+        pool: object,
+        store: SwapStore,
+        numel: int,
+        chunk_numel: int,
+        cache_nbytes: int,
+        keys: tuple[str, ...] = ALL_KEYS,
+    ) -> None:
+        """``keys`` always include the fp32 master on this placement: it is what a restarted daemon reopens."""
+        self.keys = keys
         self.numel = numel
         self.chunk_numel = chunk_numel
         self.store = store
         self.tiers = TierManager(pool, store, cache_nbytes)
         try:
             for c in range(self.nchunks):
-                self.tiers.register(_key(c), torch.float32, (3 * self._chunk_len(c),))
+                self.tiers.register(_key(c), torch.float32, (len(keys) * self._chunk_len(c),))
             self.tiers.prefetch([_key(c) for c in range(self.nchunks)], PREFETCH_DEPTH)
         except BaseException:
             self.tiers.close()
@@ -122,11 +129,14 @@ def remove_store(service: Service, job_id: str, rank: int) -> None:
     store.close(remove=True)
 
 
-def make_nvme_state(service: Service, job: Job, rank: int, numel: int) -> NvmeStateChunks:
+def make_nvme_state(
+    service: Service, job: Job, rank: int, numel: int, keys: tuple[str, ...] = ALL_KEYS
+) -> NvmeStateChunks:
     """Reserve cache and swap for ``numel`` elements of ``job``'s ``rank`` and open its store."""
     chunk_numel = service.config.adam.chunk_numel
-    state_nbytes = numel * STATE_BYTES_PER_ELEMENT
-    cache_nbytes = min(state_nbytes, CACHE_CHUNKS * chunk_numel * STATE_BYTES_PER_ELEMENT) + 4096 * CACHE_CHUNKS
+    per_element = 4 * len(keys)
+    state_nbytes = numel * per_element
+    cache_nbytes = min(state_nbytes, CACHE_CHUNKS * chunk_numel * per_element) + 4096 * CACHE_CHUNKS
     # out-of-place writes keep the old version until the next commit: room for the state and the cache again
     swap_nbytes = state_nbytes + cache_nbytes
     service.ledger.reserve(job.job_id, Resource.POOL, cache_nbytes)
@@ -144,7 +154,7 @@ def make_nvme_state(service: Service, job: Job, rank: int, numel: int) -> NvmeSt
             fsync=service.config.swap.fsync,
         )
         try:
-            return NvmeStateChunks(service.pool, store, numel, chunk_numel, cache_nbytes)
+            return NvmeStateChunks(service.pool, store, numel, chunk_numel, cache_nbytes, keys)
         except BaseException:
             store.close(remove=True)
             raise

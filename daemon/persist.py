@@ -42,6 +42,7 @@ class RankRecord:
     last_step: int
     failed_step: int = 0
     """Nonzero: the update of this step failed part-way; the rank comes back FAILED."""
+    exchange: str = "shared"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -53,6 +54,7 @@ class RankRecord:
             "steps": list(self.steps),
             "last_step": self.last_step,
             "failed_step": self.failed_step,
+            "exchange": self.exchange,
         }
 
     @classmethod
@@ -70,6 +72,7 @@ class RankRecord:
             steps=steps,
             last_step=int(d["last_step"]),
             failed_step=int(d.get("failed_step", 0)),
+            exchange=str(d.get("exchange", "shared")),
         )
 
 

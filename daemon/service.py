@@ -241,7 +241,7 @@ class Service:
                     raise
             from tiermemd.nvme import make_nvme_state
 
-            return make_nvme_state(self, job, rank, numel)
+            return make_nvme_state(self, job, rank, numel, keys)
 
         return make
 

@@ -23,11 +23,13 @@ import torch
 from tiermem.errors import InvalidArgument
 from tiermem.pool import Block, BufferPool
 
-__all__ = ["ALL_KEYS", "ChunkTensors", "CpuStateChunks", "StateChunks", "chunk_ranges", "split_chunk"]
+__all__ = ["ALL_KEYS", "STAGED_KEYS", "ChunkTensors", "CpuStateChunks", "StateChunks", "chunk_ranges", "split_chunk"]
 
 ALL_KEYS = ("master", "exp_avg", "exp_avg_sq")
+STAGED_KEYS = (*ALL_KEYS, "grad")
+"""A rank whose params do not live in the shared storage (the staged exchange) also keeps its grads."""
 STATE_BYTES_PER_ELEMENT = 4 * len(ALL_KEYS)
-"""The most a rank keeps per element (fp32 master and both moments)."""
+"""What a rank with a master keeps per element (fp32 master and both moments)."""
 
 
 class ChunkTensors(NamedTuple):
@@ -35,15 +37,14 @@ class ChunkTensors(NamedTuple):
     """None when the rank keeps no master (its fp32 params in the shared storage are the master)."""
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-
-    def key(self, name: str) -> torch.Tensor | None:
-        return getattr(self, name)
+    grad: torch.Tensor | None = None
+    """The staged exchange's fp32 grads (None: the grads are in the shared storage)."""
 
 
 def split_chunk(flat: torch.Tensor, n: int, keys: tuple[str, ...]) -> ChunkTensors:
     """The per-key sections of one chunk's flat fp32 block (``len(keys) * n`` elements)."""
     parts = {key: flat[i * n : (i + 1) * n] for i, key in enumerate(keys)}
-    return ChunkTensors(parts.get("master"), parts["exp_avg"], parts["exp_avg_sq"])
+    return ChunkTensors(parts.get("master"), parts["exp_avg"], parts["exp_avg_sq"], parts.get("grad"))
 
 
 class StateChunks(Protocol):

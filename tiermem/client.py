@@ -270,12 +270,18 @@ class Client:
         grad_buffers: int = 1,
         exchange: str = "shared",
     ) -> RegisterOk:
-        """Register the tensors; the daemon's plan comes back and its shared storage is mapped as ``storage``."""
+        """Register the tensors; the daemon's plan comes back and, with the shared exchange, its shared storage
+        is mapped as ``storage``."""
         reply, fds = self.conn.request_fds(Register(tuple(tensors), tuple(groups), grad_buffers, exchange))
-        if not isinstance(reply, RegisterOk) or len(fds) != 1:
+        want = 1 if exchange == "shared" else 0
+        if not isinstance(reply, RegisterOk) or len(fds) != want:
             for fd in fds:
                 os.close(fd)
-            raise ProtocolError(f"expected REGISTER_OK with one storage fd, got {type(reply).__name__} with {len(fds)}")
+            raise ProtocolError(
+                f"expected REGISTER_OK with {want} storage fd(s), got {type(reply).__name__} with {len(fds)}"
+            )
+        if not fds:
+            return reply
         try:
             storage = mmap.mmap(fds[0], reply.storage_nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:

@@ -6,15 +6,18 @@ Their ``value`` is the wire spelling.
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 from tiermem.errors import InvalidArgument
+
+_T = TypeVar("_T", bound="_Named")
 
 __all__ = ["Exchange", "Placement", "StepMode"]
 
 
 class _Named(enum.Enum):
     @classmethod
-    def parse(cls, value: object, what: str) -> _Named:
+    def parse(cls: type[_T], value: object, what: str) -> _T:
         if isinstance(value, cls):
             return value
         for member in cls:
@@ -52,3 +55,7 @@ class Exchange(_Named):
 
     SHARED = "shared"
     """CPU params: the params' and grads' storage is shared memory the daemon updates in place."""
+    STAGED = "staged"
+    """Params on a device (CUDA): grads in and params out through the bounded staging window."""
+    AUTO = "auto"
+    """``shared`` when every param is on the CPU, else ``staged``."""

@@ -67,7 +67,7 @@ from tiermemd.rank.planner import Piece, check_ids, plan_pieces
 from tiermemd.rank.records import Attempt, PhaseRecord, RankPhase, TensorRecord
 from tiermemd.rank.runner import AdamKernel, UpdateRunner, UpdateTarget
 from tiermemd.scheduler import CpuScheduler
-from tiermemd.state import ALL_KEYS, StateChunks, chunk_ranges
+from tiermemd.state import ALL_KEYS, STAGED_KEYS, StateChunks, chunk_ranges
 
 __all__ = ["RankOptimizer", "Registration", "state_keys_for"]
 
@@ -75,11 +75,14 @@ MakeState = Callable[[int, tuple[str, ...]], StateChunks]
 MakeStorage = Callable[[int], tuple[Arena, int]]
 
 
-def state_keys_for(dtype: str, placement: str, grad_buffers: int) -> tuple[str, ...]:
+def state_keys_for(dtype: str, placement: str, grad_buffers: int, exchange: str = "shared") -> tuple[str, ...]:
     """The fp32 state a rank keeps: no master when its fp32 params in the pool-backed storage can be it.
 
     NVMe-placed state keeps the master (what a restarted daemon reopens); a delayed update keeps it
-    (the trainer reads the old params while the update writes the new master)."""
+    (the trainer reads the old params while the update writes the new master); the staged exchange
+    (params on a device, not in the storage) keeps the master and the grads."""
+    if exchange == "staged":
+        return STAGED_KEYS
     if dtype == "float32" and placement == "cpu" and grad_buffers == 1:
         return ("exp_avg", "exp_avg_sq")
     return ALL_KEYS
@@ -88,9 +91,10 @@ def state_keys_for(dtype: str, placement: str, grad_buffers: int) -> tuple[str, 
 @dataclass(frozen=True)
 class Registration:
     slots: tuple[TensorSlot, ...]
+    """Empty for the staged exchange (no storage)."""
     placement: str
     state_keys: tuple[str, ...]
-    storage: Arena
+    storage: Arena | None
 
 
 class RankOptimizer:
@@ -121,6 +125,7 @@ class RankOptimizer:
         self.layout: Layout | None = None
         self.state: StateChunks | None = None
         self.placement = ""
+        self.exchange = "shared"
         self.storage: Arena | None = None
         self.storage_id = 0
         self._storage_bytes = torch.empty(0, dtype=torch.uint8)
@@ -145,6 +150,7 @@ class RankOptimizer:
         placement: str,
         make_state: MakeState,
         make_storage: MakeStorage,
+        exchange: str = "shared",
     ) -> Registration:
         """Plan the storage of ``specs``, create it and their state.
 
@@ -154,7 +160,7 @@ class RankOptimizer:
         """
         if self.layout is not None:
             self._settle()
-            if tuple(specs) != self.specs or len(self.layout.grad_offsets) != grad_buffers:
+            if tuple(specs) != self.specs or len(self.layout.grad_offsets) != grad_buffers or exchange != self.exchange:
                 raise InvalidState(
                     f"rank {self.rank} of job {self.job_id!r} is already registered with other tensors "
                     f"({len(self.specs)} tensors, {len(self.layout.grad_offsets)} grad buffer(s))"
@@ -163,7 +169,7 @@ class RankOptimizer:
             return self._registration()
         restored = self.restored
         if restored is not None:
-            if tuple(specs) != restored.specs or grad_buffers != restored.grad_buffers:
+            if tuple(specs) != restored.specs or grad_buffers != restored.grad_buffers or exchange != restored.exchange:
                 raise InvalidState(
                     f"rank {self.rank} of job {self.job_id!r} was restored with {len(restored.specs)} tensors and "
                     f"{restored.grad_buffers} grad buffer(s); register exactly those to continue"
@@ -179,16 +185,19 @@ class RankOptimizer:
             bucket_nbytes=1 << 62,
             grad_buffers=grad_buffers,
         )
-        keys = state_keys_for(layout.dtype, placement, grad_buffers)
-        storage, storage_id = make_storage(layout.nbytes)
+        keys = state_keys_for(layout.dtype, placement, grad_buffers, exchange)
+        storage, storage_id = make_storage(layout.nbytes) if exchange == "shared" else (None, 0)
         try:
             state = make_state(layout.numel, keys)
         except BaseException:
-            storage.close()
+            if storage is not None:
+                storage.close()
             raise
         self.storage, self.storage_id, self.state, self.layout = storage, storage_id, state, layout
-        self._storage_bytes = torch.frombuffer(storage.view(0, storage.nbytes), dtype=torch.uint8)
+        if storage is not None:
+            self._storage_bytes = torch.frombuffer(storage.view(0, storage.nbytes), dtype=torch.uint8)
         self.placement = placement
+        self.exchange = exchange
         self.specs = tuple(specs)
         self.groups = tuple(groups)
         self.records = [TensorRecord(slot.index, spec, slot) for slot, spec in zip(layout.slots, specs, strict=True)]
@@ -208,8 +217,10 @@ class RankOptimizer:
 
     def _registration(self) -> Registration:
         layout, storage = self.layout, self.storage
-        if layout is None or storage is None or self.state is None:  # pragma: no cover - callers check
+        if layout is None or self.state is None:  # pragma: no cover - callers check
             raise InvalidState("not registered")
+        if storage is None:
+            return Registration((), self.placement, self.state.keys, None)
         slots = tuple(
             TensorSlot(
                 slot.index,
@@ -235,6 +246,12 @@ class RankOptimizer:
     @property
     def master_in_params(self) -> bool:
         return self.state is not None and "master" not in self.state.keys
+
+    @property
+    def staged(self) -> bool:
+        """The params live on the trainer's device, not in the storage: grads and params are staged
+        through the window (the ``grad`` and ``master`` keys)."""
+        return self.storage is None
 
     # ----------------------------------------------------------------- waiting and failing
 
@@ -271,6 +288,8 @@ class RankOptimizer:
 
     def _target(self, grad_buffer: int, *, write_params: bool) -> UpdateTarget:
         layout, _ = self._parts()
+        if self.staged:
+            return UpdateTarget(grads=None, params=None, master_in_params=False, write_params=False)
         return UpdateTarget(
             grads=self._region(layout.grad_offsets[grad_buffer]),
             params=self._region(layout.param_offset),
@@ -380,7 +399,7 @@ class RankOptimizer:
             ids = [tid for tid in ids if tid not in attempt.applied]
         self.groups = groups
         t0 = time.perf_counter()
-        grads = self._region(layout.grad_offsets[msg.grad_buffer])
+        grads = None if self.staged else self._region(layout.grad_offsets[msg.grad_buffer])
         inv_scale = 1.0 / msg.loss_scale
         grad_norm: float | None = None
         found_inf = False
@@ -398,7 +417,7 @@ class RankOptimizer:
         grad_scale = inv_scale * clip_coef
         if msg.delayed:
             self._install(ids)
-            if not self.master_in_params:
+            if not self.master_in_params and not self.staged:
                 params = self._region(layout.param_offset)
                 ranges = [
                     r
@@ -434,13 +453,23 @@ class RankOptimizer:
             timings=(("stats", t1 - t0), ("update", t2 - t1)),
         )
 
-    def _grad_stats(self, grads: torch.Tensor, ids: Sequence[int], inv_scale: float) -> tuple[float, bool]:
-        """The global norm of the unscaled grads of ``ids`` and whether any is inf/nan."""
+    def _grad_stats(self, grads: torch.Tensor | None, ids: Sequence[int], inv_scale: float) -> tuple[float, bool]:
+        """The global norm of the unscaled grads of ``ids`` (in the storage, or staged in the ``grad`` key)
+        and whether any is inf/nan."""
         futures = []
+        _, state = self._parts()
         for tid in ids:
             rec = self.records[tid]
-            piece = grads[rec.start : rec.stop]
-            futures.append(self.scheduler.submit(self.tenant, lambda piece=piece: self.kernel.grad_stats(piece, 1.0)))
+            if grads is not None:
+                piece = grads[rec.start : rec.stop]
+                futures.append(
+                    self.scheduler.submit(self.tenant, lambda piece=piece: self.kernel.grad_stats(piece, 1.0))
+                )
+                continue
+            for chunk, a, b in chunk_ranges(rec.start, rec.stop, state.chunk_numel):
+                futures.append(
+                    self.scheduler.submit(self.tenant, lambda c=chunk, a=a, b=b: self._staged_stats(c, a, b))
+                )
         total_sq = 0.0
         found_inf = False
         for future in futures:
@@ -450,13 +479,24 @@ class RankOptimizer:
         grad_norm = math.sqrt(total_sq) * inv_scale if math.isfinite(total_sq) else math.inf
         return grad_norm, found_inf or not math.isfinite(grad_norm)
 
+    def _staged_stats(self, chunk: int, a: int, b: int) -> tuple[float, bool]:
+        _, state = self._parts()
+        c0 = chunk * state.chunk_numel
+        tensors = state.acquire(chunk)
+        try:
+            if tensors.grad is None:
+                raise InvalidState("the rank keeps no staged grads")
+            return self.kernel.grad_stats(tensors.grad[a - c0 : b - c0], 1.0)
+        finally:
+            state.release(chunk, dirty=False)
+
     # ----------------------------------------------------------------- params and state
 
     def _install(self, ids: Sequence[int] | range, *, force: bool = False) -> None:
         """Cast the master of tensors whose storage does not hold it yet into the storage."""
         layout, state = self._parts()
         todo = list(ids) if force else [tid for tid in ids if tid in self._uninstalled]
-        if not todo or self.master_in_params:
+        if not todo or self.master_in_params or self.staged:
             self._uninstalled.difference_update(todo)
             return
         params = self._region(layout.param_offset)
@@ -474,6 +514,9 @@ class RankOptimizer:
     def _state_span(self, tid: int, key: str, offset: int, length: int) -> tuple[int, int]:
         if key not in STATE_KEYS:
             raise InvalidArgument(f"unknown state key {key!r}; the keys are {', '.join(STATE_KEYS)}")
+        _, state = self._parts()
+        if key not in state.keys and not (key == "master" and self.master_in_params):
+            raise InvalidArgument(f"this rank keeps no {key!r} state (its keys are {', '.join(state.keys)})")
         rec = self.records[check_ids([tid], len(self.records))[0]]
         total = rec.spec.numel * 4
         if offset < 0 or length < 0 or offset + length > total:
@@ -539,7 +582,8 @@ class RankOptimizer:
                 self._key_view(msg.key, a, b, chunk, tensors).copy_(src[a - lo : b - lo])
             finally:
                 state.release(chunk, dirty=True)
-        self.records[msg.tensor_id].step = msg.step
+        if msg.key in ("exp_avg", "exp_avg_sq"):
+            self.records[msg.tensor_id].step = msg.step
 
     def reset_state(self, ids: Sequence[int]) -> None:
         """Zero the moments of ``ids`` (empty: all) and their step counts; the master takes the storage
@@ -550,7 +594,7 @@ class RankOptimizer:
             self._delayed = None
         layout, state = self._parts()
         wanted = check_ids(ids, len(self.records))
-        params = self._region(layout.param_offset)
+        params = None if self.staged else self._region(layout.param_offset)
         self._uninstalled.difference_update(wanted)
         for tid in wanted:
             rec = self.records[tid]
@@ -560,7 +604,9 @@ class RankOptimizer:
                 try:
                     tensors.exp_avg[a - c0 : b - c0].zero_()
                     tensors.exp_avg_sq[a - c0 : b - c0].zero_()
-                    if tensors.master is not None:
+                    if tensors.grad is not None:
+                        tensors.grad[a - c0 : b - c0].zero_()
+                    if tensors.master is not None and params is not None:
                         tensors.master[a - c0 : b - c0].copy_(params[a:b])
                 finally:
                     state.release(chunk, dirty=True)
@@ -602,6 +648,7 @@ class RankOptimizer:
             steps=tuple(rec.step for rec in self.records),
             last_step=self.last_step,
             failed_step=self.phase.failed_step if self.phase.phase is RankPhase.FAILED else 0,
+            exchange=self.exchange,
         )
 
     def stats(self) -> dict[str, float]:

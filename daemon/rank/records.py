@@ -61,8 +61,8 @@ class RankPhase(enum.Enum):
 
 
 _MOVES: dict[RankPhase, frozenset[RankPhase]] = {
-    RankPhase.UNREGISTERED: frozenset({RankPhase.IDLE, RankPhase.FAILED}),
-    RankPhase.IDLE: frozenset({RankPhase.OVERLAPPING, RankPhase.DELAYED, RankPhase.FAILED, RankPhase.IDLE}),
+    RankPhase.UNREGISTERED: frozenset({RankPhase.IDLE}),
+    RankPhase.IDLE: frozenset({RankPhase.OVERLAPPING, RankPhase.DELAYED, RankPhase.FAILED}),
     RankPhase.OVERLAPPING: frozenset({RankPhase.IDLE, RankPhase.FAILED}),
     RankPhase.DELAYED: frozenset({RankPhase.IDLE, RankPhase.FAILED}),
     RankPhase.FAILED: frozenset({RankPhase.IDLE, RankPhase.FAILED}),

@@ -39,6 +39,7 @@ from typing import Protocol
 
 import torch
 
+from tiermem.errors import InvalidState
 from tiermem.protocol import ParamGroup
 from tiermemd.rank.planner import Piece
 from tiermemd.scheduler import CpuScheduler
@@ -72,10 +73,12 @@ class AdamKernel(Protocol):
 
 @dataclass(frozen=True)
 class UpdateTarget:
-    grads: torch.Tensor
-    """The step's grad buffer (working dtype, the rank's flat element space)."""
-    params: torch.Tensor
-    """The storage params (working dtype, same indexing)."""
+    grads: torch.Tensor | None
+    """The step's grad buffer (working dtype, the rank's flat element space); None: the state's ``grad``
+    key (the staged exchange)."""
+    params: torch.Tensor | None
+    """The storage params (working dtype, same indexing); None: the staged exchange, whose params are
+    read from the master by the client."""
     master_in_params: bool
     """The params are fp32 and are the master (the state has no master key)."""
     write_params: bool
@@ -118,7 +121,8 @@ class UpdateRunner:
                 try:
                     future.result()
                 except CancelledError:
-                    pass
+                    # nothing of that piece was applied: the update is incomplete, which is a failure
+                    error = error or InvalidState("update pieces were cancelled (the scheduler is shutting down)")
                 except BaseException as exc:
                     error = error or exc
             self.update_s += time.perf_counter() - started
@@ -169,19 +173,28 @@ class UpdateRunner:
 
         def work() -> None:
             try:
-                params = target.params[a:b]
-                if target.master_in_params:
-                    master, out = params, None
+                params = target.params[a:b] if target.params is not None else None
+                out: torch.Tensor | None = None
+                if target.master_in_params and params is not None:
+                    master = params
                 else:
+                    if tensors.master is None:
+                        raise InvalidState("the rank keeps no master, but its params are not in the storage")
                     master = tensors.master[a - c0 : b - c0]
-                    if target.write_params:
+                    if target.write_params and params is not None:
                         self.adopted += adopt_edits(master, params)
-                    out = params if target.write_params else None
+                        out = params
+                if target.grads is not None:
+                    grads = target.grads[a:b]
+                elif tensors.grad is not None:
+                    grads = tensors.grad[a - c0 : b - c0]
+                else:
+                    raise InvalidState("the rank has neither a grad buffer nor staged grads")
                 self.kernel.update(
                     master,
                     tensors.exp_avg[a - c0 : b - c0],
                     tensors.exp_avg_sq[a - c0 : b - c0],
-                    target.grads[a:b],
+                    grads,
                     out,
                     group=piece.group,
                     step=piece.step,
@@ -190,6 +203,10 @@ class UpdateRunner:
             finally:
                 state.release(piece.chunk, dirty=True)
 
-        future = self.scheduler.submit(self.tenant, work)
+        try:
+            future = self.scheduler.submit(self.tenant, work)
+        except BaseException:
+            state.release(piece.chunk, dirty=False)
+            raise
         future.add_done_callback(lambda f: f.cancelled() and state.release(piece.chunk, dirty=False))
         return future

@@ -25,7 +25,8 @@ def test_shipped_example_config_parses() -> None:
     assert config.server.socket == "/run/tiermem/tiermemd.sock"
     assert config.server.socket_mode == 0o660
     assert config.swap.dirs == ("/var/lib/tiermem/swap",)
-    assert config.jobs.max_window == 16 * GiB
+    assert config.jobs.max_window == 1 * GiB
+    assert config.jobs.window_size == 2 * MiB
     assert config.metrics.port == 9464
 
 

@@ -273,7 +273,7 @@ def test_memref_fields_and_slot_shapes_are_checked():
     ok = RegisterOk(slots=()).to_payload()
     bad_slots = dict(ok, slots=[[0, [1, 0, 8], [[1, 8, "x"]]]])
     assert "field slots[0][2][0][2]" in field_error(MsgType.REGISTER_OK, bad_slots)
-    assert "field state_keys[0]: expected one of" in field_error(MsgType.REGISTER_OK, dict(ok, state_keys=["grad"]))
+    assert "field state_keys[0]: expected one of" in field_error(MsgType.REGISTER_OK, dict(ok, state_keys=["momentum"]))
 
 
 def test_bucket_ready_needs_tensors_and_the_groups_to_update_with():

@@ -48,6 +48,8 @@ def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay:
         raise InvalidArgument(f"Invalid epsilon value: {eps}")
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise InvalidArgument(f"betas must be a pair of floats, got {betas!r}")
+    if not all(isinstance(b, float) for b in betas):
+        raise InvalidArgument("betas must be either both floats or both Tensors")
     if not 0.0 <= betas[0] < 1.0:
         raise InvalidArgument(f"Invalid beta parameter at index 0: {betas[0]}")
     if not 0.0 <= betas[1] < 1.0:

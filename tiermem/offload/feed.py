@@ -126,11 +126,7 @@ class GradFeed:
             raise DTypeError(f"{entry.describe()} got a {grad.dtype} gradient; params and grads must share a dtype")
         target = entry.grad_views[self.buffer]
         if grad.data_ptr() != target.data_ptr() or grad.shape != target.shape:
-            with torch.no_grad():
-                if entry.landed and self.release_grads:
-                    target.add_(grad)
-                else:
-                    target.copy_(grad)
+            self._copy_in(target, grad, accumulate=entry.landed and self.release_grads)
         if entry.landed:
             self.accumulated = True
         entry.landed = True
@@ -144,6 +140,15 @@ class GradFeed:
         if self.landed_version is None or not self.entries:
             return False
         return bool(self.entries[0].grad_views[self.buffer]._version != self.landed_version)
+
+    @staticmethod
+    def _copy_in(target: torch.Tensor, grad: torch.Tensor, *, accumulate: bool) -> None:
+        """The one copy of the grad path: a fresh grad into the shared grad buffer."""
+        with torch.no_grad():
+            if accumulate:
+                target.add_(grad)
+            else:
+                target.copy_(grad)
 
     def check(self) -> list[int]:
         """At ``step()``: bind replaced params again, land grads the hooks did not see; ids with a grad."""

@@ -46,10 +46,11 @@ import torch
 from tiermem import dtypes
 from tiermem.client import Client, connect
 from tiermem.errors import DTypeError, InvalidArgument, InvalidState, TiermemError
-from tiermem.modes import Placement, StepMode
+from tiermem.modes import Exchange, Placement, StepMode
 from tiermem.offload.args import check_hyper, check_torch_flags, step_mode
 from tiermem.offload.feed import GradFeed, TensorEntry
 from tiermem.offload.policy import StepPolicy, plan_buckets
+from tiermem.offload.staged import StagedEntry, StagedFeed
 from tiermem.offload.state_view import StateView
 from tiermem.offload.transfer import StateTransfer
 from tiermem.protocol import ParamGroup, Step, StepDone, TensorSpec
@@ -108,6 +109,7 @@ class OffloadAdam(torch.optim.Optimizer):
         fused: bool | None = None,
         adamw: bool = True,
         offload: str | Placement = "auto",
+        exchange: str | Exchange = "auto",
         overlap_update: bool = False,
         delayed_update: bool = False,
         warmup_steps: int = 10,
@@ -130,6 +132,7 @@ class OffloadAdam(torch.optim.Optimizer):
             warmup_steps=warmup_steps,
         )
         placement = Placement.parse(offload, "offload")
+        self._exchange_asked = Exchange.parse(exchange, "exchange")
         if window_nbytes is not None and window_nbytes <= 0:
             raise InvalidArgument(f"window_nbytes must be > 0 or None (the daemon's default), got {window_nbytes}")
         if bucket_nbytes <= 0:
@@ -165,7 +168,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._token = token
         self._client: Client | None = None
         self._own_client = client is None
-        self._entries: list[TensorEntry] = []
+        self._entries: list[Any] = []
+        """One record per tensor: ``TensorEntry`` (shared exchange) or ``StagedEntry``."""
+        self.feed: GradFeed | StagedFeed
         self._steps_sent = 0
         self._attempts = itertools.count(1)
         self._sent: _SentStep | None = None
@@ -190,11 +195,6 @@ class OffloadAdam(torch.optim.Optimizer):
         for p in group["params"]:
             if not isinstance(p, torch.Tensor) or p.dtype not in (d.torch for d in dtypes.DTYPES):
                 raise DTypeError(f"OffloadAdam takes float32/float16/bfloat16 params, got {getattr(p, 'dtype', p)}")
-            if p.device.type != "cpu":
-                raise InvalidArgument(
-                    f"OffloadAdam trains CPU params (their storage becomes memory shared with tiermemd); got a param "
-                    f"on {p.device}"
-                )
 
     def _register(self, client: Client | None, window_nbytes: int | None) -> None:
         params = [p for g in self.param_groups for p in g["params"]]
@@ -207,6 +207,21 @@ class OffloadAdam(torch.optim.Optimizer):
                 "use one OffloadAdam per dtype"
             )
         dtype = dtypes.by_torch(kinds.pop())
+        on_cpu = all(p.device.type == "cpu" for p in params)
+        exchange = self._exchange_asked
+        if exchange is Exchange.AUTO:
+            exchange = Exchange.SHARED if on_cpu else Exchange.STAGED
+        if exchange is Exchange.SHARED and not on_cpu:
+            raise InvalidArgument(
+                "exchange='shared' needs every param on the CPU (their storage becomes memory shared with tiermemd); "
+                f"got params on {sorted({str(p.device) for p in params})}"
+            )
+        if exchange is Exchange.STAGED and (self.policy.mode is StepMode.OVERLAP or self.release_grads):
+            raise InvalidArgument(
+                "overlap_update=True and release_grads=True need the shared exchange (CPU params): with params on a "
+                "device the grads are staged at step(), after backward"
+            )
+        self.exchange = exchange
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         specs = [
             TensorSpec(str(i), tuple(p.shape), dtype.name, self.placement.value, group_of[id(p)])
@@ -214,8 +229,7 @@ class OffloadAdam(torch.optim.Optimizer):
         ]
         numel = sum(p.numel() for p in params)
         if client is None:
-            pool = align_up(int(numel * 12 * 1.05) + 64 * MiB) if self.placement is not Placement.NVME else 256 * MiB
-            client = connect(pool_size=pool)
+            client = connect(pool_size=self._private_pool_nbytes(numel, dtype.name, exchange, window_nbytes))
         try:
             info = client.attach(
                 self.job_id,
@@ -226,31 +240,25 @@ class OffloadAdam(torch.optim.Optimizer):
             )
             self._token = info.token
             reply = client.register(
-                specs, [self._wire_group(g) for g in self.param_groups], grad_buffers=self.policy.grad_buffers
+                specs,
+                [self._wire_group(g) for g in self.param_groups],
+                grad_buffers=self.policy.grad_buffers,
+                exchange=exchange.value,
             )
-            storage = client.storage
-            buckets = plan_buckets([p.numel() * dtype.itemsize for p in params], self.bucket_nbytes)
-
-            def view(offset: int, length: int, p: torch.Tensor) -> torch.Tensor:
-                return storage[offset : offset + length].view(dtype.torch).view(p.shape)
-
-            self._entries = [
-                TensorEntry(
-                    i,
-                    p,
-                    view(slot.param.offset, slot.param.length, p),
-                    tuple(view(g.offset, g.length, p) for g in slot.grads),
-                    buckets.bucket_of[i],
-                )
-                for i, (p, slot) in enumerate(zip(params, reply.slots, strict=True))
-            ]
             self.state_keys = reply.state_keys
             self.placement_used = Placement.parse(reply.placement, "placement")
-            for e in self._entries:
-                GradFeed.bind(e.param, e.view, adopt=info.reattached)
-            self.feed = GradFeed(self._entries, buckets, release_grads=self.release_grads, on_bucket=self._on_bucket)
-            self.feed.buffer = self._next_buffer()
-            self.feed.hook()
+            self.transfer = StateTransfer(client)
+            self._pinned = self._pin_window(client, params)
+            if exchange is Exchange.STAGED:
+                staged = [StagedEntry(i, p, p.dtype, p.device, p.shape) for i, p in enumerate(params)]
+                self._entries = staged
+                feed = self.feed = StagedFeed(staged, self.transfer)
+                if info.reattached:
+                    feed.pull_params(range(len(staged)))
+                else:
+                    feed.push_params(only_edited=False)
+            else:
+                self._bind_shared(client, params, reply.slots, dtype, reattached=info.reattached)
             if info.reattached:
                 self._steps_sent = int(client.stats().get("rank_last_step", 0))
                 self.feed.buffer = self._next_buffer()
@@ -259,8 +267,63 @@ class OffloadAdam(torch.optim.Optimizer):
                 client.close()
             raise
         self._client = client
-        self.transfer = StateTransfer(client)
         self._registered = True
+
+    def _private_pool_nbytes(self, numel: int, dtype: str, exchange: Exchange, window_nbytes: int | None) -> int:
+        """The pool a private daemon needs for this optimizer alone: its state (or NVMe chunk cache) and its
+        staging window, plus room for the allocator (the pool is allocated and pre-faulted at once, so more
+        would cost memory for nothing)."""
+        mode = self.policy.mode
+        if exchange is Exchange.STAGED:
+            per_element = 16
+        elif dtype == "float32" and self.placement is Placement.CPU and mode is not StepMode.DELAYED:
+            per_element = 8  # the fp32 params in the shared storage are the master
+        else:
+            per_element = 12
+        state = numel * per_element
+        if self.placement is Placement.NVME:
+            # the NVMe tier's chunk cache (6 chunks, nvme.py) and one chunk more: chunks of unequal size
+            # (the last one is short) leave holes between pinned blocks that compaction cannot close
+            state = min(state, 7 * 4194304 * per_element + 7 * 4096)
+        window = window_nbytes or 2 * MiB
+        return align_up(int(state * 1.02) + window + 32 * MiB)
+
+    def _bind_shared(
+        self, client: Client, params: list[torch.nn.Parameter], slots: Any, dtype: Any, *, reattached: bool
+    ) -> None:
+        storage = client.storage
+        buckets = plan_buckets([p.numel() * dtype.itemsize for p in params], self.bucket_nbytes)
+
+        def view(offset: int, length: int, p: torch.Tensor) -> torch.Tensor:
+            return storage[offset : offset + length].view(dtype.torch).view(p.shape)
+
+        self._entries = [
+            TensorEntry(
+                i,
+                p,
+                view(slot.param.offset, slot.param.length, p),
+                tuple(view(g.offset, g.length, p) for g in slot.grads),
+                buckets.bucket_of[i],
+            )
+            for i, (p, slot) in enumerate(zip(params, slots, strict=True))
+        ]
+        for e in self._entries:
+            GradFeed.bind(e.param, e.view, adopt=reattached)
+        self.feed = GradFeed(self._entries, buckets, release_grads=self.release_grads, on_bucket=self._on_bucket)
+        self.feed.buffer = self._next_buffer()
+        self.feed.hook()
+
+    @staticmethod
+    def _pin_window(client: Client, params: list[torch.nn.Parameter]) -> bool:
+        """Register the staging window with CUDA when params are on a GPU (copies from it are then DMA)."""
+        if not any(p.is_cuda for p in params):
+            return False
+        from tiermem.pool.pinning import default_pinner
+
+        result = default_pinner().register(client.window.data_ptr(), client.window.numel())
+        if not result.registered:
+            log.warning("the staging window could not be registered with CUDA (%s); copies will be staged", result)
+        return result.registered
 
     @staticmethod
     def _wire_group(group: dict[str, Any]) -> ParamGroup:
@@ -341,6 +404,9 @@ class OffloadAdam(torch.optim.Optimizer):
         if not ids and open_attempt is None:
             self._new_step()
             return loss
+        if isinstance(self.feed, StagedFeed):
+            self.feed.push_params()
+            self.feed.push_grads(ids)
         step_no = self._steps_sent + 1
         delayed = self.policy.delayed(step_no)
         loss_scale = 1.0 if grad_scale is None or grad_scale is False else float(grad_scale)
@@ -377,6 +443,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self.last_found_inf = done.found_inf
         if delayed:
             self._inflight = ids
+        elif isinstance(self.feed, StagedFeed) and not done.found_inf:
+            self.feed.pull_params(ids)
         self._open = None
         self._new_step()
 
@@ -437,6 +505,8 @@ class OffloadAdam(torch.optim.Optimizer):
     def _install(self) -> None:
         ids, self._inflight = self._inflight, []
         self.client.fetch_params(ids)
+        if isinstance(self.feed, StagedFeed):
+            self.feed.pull_params(ids)
 
     def flush(self) -> None:
         """Wait for a delayed update and install its params in the model."""
@@ -456,6 +526,11 @@ class OffloadAdam(torch.optim.Optimizer):
         try:
             if self._registered:
                 self.flush()
+                if getattr(self, "_pinned", False):
+                    from tiermem.pool.pinning import default_pinner
+
+                    default_pinner().unregister(client.window.data_ptr())  # before the window is unmapped
+                    self._pinned = False
                 client.detach(keep_state=keep_state)
         except Exception as exc:  # closing must not mask the caller's own error
             log.warning("detaching from tiermemd failed: %s", exc)
@@ -580,6 +655,8 @@ class OffloadAdam(torch.optim.Optimizer):
             mine["decoupled_weight_decay"] = mine["adamw"]
         self.client.reset_state()
         keep_master = "master" in self.state_keys
+        if isinstance(self.feed, StagedFeed):
+            self.feed.push_params(only_edited=False)  # the model is the truth
         for t, entry, step in loads:
             self.transfer.push(t, "exp_avg", entry["exp_avg"], step=step)
             self.transfer.push(t, "exp_avg_sq", entry["exp_avg_sq"], step=step)

@@ -31,9 +31,12 @@ class StateTransfer:
         return MemRef(info.window_id, 0, length), self.client.window[:length].view(torch.float32)
 
     def push(self, tid: int, key: str, values: torch.Tensor, *, step: int) -> None:
-        """Write fp32 state ``key`` of tensor ``tid`` (and set its step count)."""
+        """Write fp32 state ``key`` of tensor ``tid`` (``step`` sets its count when ``key`` is a moment).
+
+        ``values`` may be of any float dtype and on any device: each piece is converted as it is copied
+        into the window, so no full-size host copy is made."""
         ref, buf = self._stage()
-        flat = values.detach().reshape(-1).to("cpu", torch.float32)
+        flat = values.detach().reshape(-1)
         per = buf.numel()
         if flat.numel() == 0:
             self.client.write_state(tid, key, 0, MemRef(ref.window, ref.offset, 0), step)
@@ -54,6 +57,21 @@ class StateTransfer:
             out[start : start + n].copy_(buf[:n])
             step = chunk.step
         return out, step
+
+    def pull_into(self, tid: int, key: str, dest: torch.Tensor) -> int:
+        """Read fp32 state ``key`` of tensor ``tid`` into ``dest`` (any float dtype, any device: converted
+        piece by piece on the copy out of the window); returns the tensor's step count."""
+        ref, buf = self._stage()
+        flat = dest.view(-1)
+        numel = flat.numel()
+        per = buf.numel()
+        step = self.step_of(tid) if numel == 0 else 0
+        for start in range(0, numel, per):
+            n = min(per, numel - start)
+            chunk = self.client.read_state(tid, key, start * 4, MemRef(ref.window, ref.offset, n * 4))
+            flat[start : start + n].copy_(buf[:n])
+            step = chunk.step
+        return step
 
     def step_of(self, tid: int) -> int:
         """The tensor's Adam step count (a zero-length read)."""

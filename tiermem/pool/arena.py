@@ -91,10 +91,12 @@ def memlock_warning(refused: list[MlockRefusal], total: int, what: str = "host m
 class Arena:
     """One shared-memory segment, mapped read-write (or read-only), of a fixed size."""
 
-    def __init__(self, fd: int, nbytes: int, *, writable: bool, name: str) -> None:
-        """Map ``fd`` (which the arena then owns); use ``create`` or ``from_fd``."""
+    def __init__(self, fd: int, nbytes: int, *, writable: bool, name: str, populate: bool = True) -> None:
+        """Map ``fd`` (which the arena then owns); use ``create`` or ``from_fd``.  ``populate`` pre-faults
+        the mapping (MAP_POPULATE), which for shared memory allocates every page."""
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=flags, prot=prot)
         self._fd = fd
         self._close_fd = weakref.finalize(self, os.close, fd)
         self._base: memoryview | None = memoryview(self._mm)
@@ -110,12 +112,18 @@ class Arena:
     # ------------------------------------------------------------------ making
 
     @classmethod
-    def create(cls, nbytes: int, *, name: str = "tiermem", mlock: bool = True, warn: bool = True) -> Arena:
+    def create(
+        cls, nbytes: int, *, name: str = "tiermem", mlock: bool = True, warn: bool = True, reserve: bool = True
+    ) -> Arena:
         """A new sealed, pre-faulted arena of ``nbytes`` rounded up to 4 KiB.
 
         With ``mlock``, locks it where RLIMIT_MEMLOCK allows; otherwise it runs
         unlocked and, with ``warn``, logs one warning saying how to raise the limit.
         Raises ``HostMemoryError`` when the node cannot supply the memory.
+        ``reserve=False`` (only without ``mlock``) neither reserves nor pre-faults:
+        pages are allocated as they are first written, for memory that replaces memory the
+        client already holds (a trainer's params moving into shared storage),
+        where reserving it all first would double the footprint meanwhile.
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise InvalidArgument(f"arena size must be a positive number of bytes, got {nbytes!r}")
@@ -124,11 +132,12 @@ class Arena:
         try:
             os.ftruncate(fd, size)
             try:
-                os.posix_fallocate(fd, 0, size)
+                if reserve or mlock:
+                    os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 raise HostMemoryError(size, exc.errno or errno.ENOMEM, what=f"arena {name!r}") from None
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            arena = cls(fd, size, writable=True, name=name)
+            arena = cls(fd, size, writable=True, name=name, populate=reserve or mlock)
         except BaseException:
             os.close(fd)
             raise

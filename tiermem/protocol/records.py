@@ -68,8 +68,8 @@ __all__ = [
 # Limits of field values (docs/protocol.md, "Limits").
 DTYPES = ("float32", "float16", "bfloat16")
 PLACEMENTS = ("cpu", "nvme", "auto")
-EXCHANGES = ("shared",)
-STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+EXCHANGES = ("shared", "staged")
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "grad")
 MAX_NAME = 256
 MAX_ID = 128
 MAX_NDIM = 16

@@ -156,7 +156,9 @@ class Register(Message):
 
     ``exchange``: how params and grads move (``"shared"``: the daemon creates
     the tensors' storage, params and grads, as one shared-memory segment that
-    the client's tensors then live in).  ``grad_buffers``: 1, or 2 for the
+    the client's tensors then live in; ``"staged"``: the tensors stay on the
+    client's device and move through the staging window as the ``grad`` and
+    ``master`` state keys).  ``grad_buffers``: 1, or 2 for the
     delayed update (step t+1's grads land in the other buffer while step t's
     update still reads its own).
     """
@@ -184,16 +186,17 @@ class RegisterOk(Message):
     """The daemon's plan for the registered tensors: one slot per tensor, in request order.
 
     With the shared exchange the reply carries one fd, the tensors' storage
-    (``storage_nbytes`` bytes; the slots' references name it).  ``placement``:
-    where the Adam state went (``cpu``/``nvme``); ``state_keys``: the fp32
-    state the daemon keeps per tensor (no ``master`` when the fp32 params in
-    the storage are the master themselves).
+    (``storage_nbytes`` bytes; the slots' references name it); the staged
+    exchange gets no storage, no slots and no fd.  ``placement``: where the
+    Adam state went (``cpu``/``nvme``); ``state_keys``: the fp32 state the
+    daemon keeps per tensor (no ``master`` when the fp32 params in the storage
+    are the master themselves; ``grad`` for the staged exchange).
     """
 
     TYPE: ClassVar[MsgType] = MsgType.REGISTER_OK
     slots: Annotated[tuple[TensorSlot, ...], List(TensorSlot, MAX_TENSORS)]
     placement: Annotated[str, Choice(("cpu", "nvme"))] = "cpu"
-    state_keys: Annotated[tuple[str, ...], List(STATE_KEY, len(STATE_KEYS))] = STATE_KEYS
+    state_keys: Annotated[tuple[str, ...], List(STATE_KEY, len(STATE_KEYS))] = STATE_KEYS[:3]
     storage_nbytes: Annotated[int, NBYTES] = 0
 
 

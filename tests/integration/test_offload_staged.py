@@ -1,0 +1,191 @@
+"""The staged exchange (params on a device: CUDA), run here on CPU params with ``exchange="staged"``.
+
+The params stay where they are (not in shared storage); grads go in and
+params come out through the bounded staging window, and the daemon keeps the
+master and the grads as state keys.  These tests hold it to the same results
+as ``torch.optim.AdamW`` (default fp32 tolerance, as the other MLP parity
+tests) and ``CPUAdam`` (bitwise, bf16), on both tiers, with a window far
+smaller than the model; the CUDA specifics (pinned window, device copies)
+are in ``benchmarks/gpu_check.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from offload_helpers import (
+    OffloadDaemon,
+    assert_params_close,
+    assert_params_equal,
+    assert_state_close,
+    cpu_adam,
+    mlp,
+    mlp_batches,
+    mlp_loss,
+    offload_daemon,
+    replicas,
+    train,
+)
+from torch import nn
+from torch.nn import functional as F
+
+from tiermem.errors import InvalidArgument
+
+HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+WINDOW = 8192
+"""Far below the MLP's params (about 22 KiB of fp32 per large layer): every transfer takes several pieces."""
+
+
+@pytest.fixture(scope="module")
+def offload() -> Iterator[OffloadDaemon]:
+    with offload_daemon(settings={"jobs.max_jobs": 128}) as daemon:
+        yield daemon
+
+
+@pytest.fixture(params=["cpu", "nvme"])
+def tier(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def staged(offload: OffloadDaemon, params: Any, tier: str, **kwargs: Any) -> Any:
+    return offload.make(params, offload=tier, exchange="staged", window_nbytes=WINDOW, **kwargs)
+
+
+def test_staged_training_equals_adamw_and_keeps_no_storage(offload: OffloadDaemon, tier: str) -> None:
+    m_off, m_ref = replicas(mlp(), 2)
+    opt = staged(offload, m_off.parameters(), tier, **HYPER)
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    batches = mlp_batches(8, fixed=False)
+    train(m_off, opt, batches, mlp_loss)
+    train(m_ref, ref, batches, mlp_loss)
+    assert_params_close(m_off, m_ref)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+    stats = opt.stats()
+    assert stats["rank_storage_bytes"] == 0
+    assert stats["rank_window_bytes"] == WINDOW
+    assert opt.state_keys == ("master", "exp_avg", "exp_avg_sq", "grad")
+
+
+def test_staged_honours_param_and_grad_edits(offload: OffloadDaemon, tier: str) -> None:
+    """``.data`` edits of params (clamp, rebinding) and of grads are seen, as with AdamW."""
+    m_off, m_ref = replicas(mlp(), 2)
+    opt = staged(offload, m_off.parameters(), tier, **HYPER)
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    batches = mlp_batches(6, fixed=False)
+    for i, batch in enumerate(batches):
+        for model, o in ((m_off, opt), (m_ref, ref)):
+            mlp_loss(model, batch).backward()
+            for p in model.parameters():
+                p.grad.data.clamp_(-5e-3, 5e-3)  # type: ignore[union-attr]
+            o.step()
+            o.zero_grad()
+            if i == 1:
+                for p in model.parameters():
+                    p.data.clamp_(-0.05, 0.05)
+            if i == 3:
+                first = next(model.parameters())
+                first.data = torch.full_like(first, 0.01)
+    assert_params_close(m_off, m_ref)
+
+
+def test_staged_checkpoint_resumes_in_either_load_order(offload: OffloadDaemon, tier: str) -> None:
+    base = mlp()
+    batches = mlp_batches(6, fixed=False)
+    m_ref = replicas(base, 1)[0]
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    train(m_ref, ref, batches[:3], mlp_loss)
+    ckpt = (copy.deepcopy(m_ref.state_dict()), copy.deepcopy(ref.state_dict()))
+    train(m_ref, ref, batches[3:], mlp_loss)
+    for order in ("optimizer-first", "model-first"):
+        model = replicas(base, 1)[0]
+        opt = staged(offload, model.parameters(), tier, **HYPER)
+        if order == "optimizer-first":
+            opt.load_state_dict(ckpt[1])
+            model.load_state_dict(ckpt[0])
+        else:
+            model.load_state_dict(ckpt[0])
+            opt.load_state_dict(ckpt[1])
+        train(model, opt, batches[3:], mlp_loss)
+        assert_params_close(model, m_ref)
+
+
+def test_staged_clipping_and_grad_scaler_match_torch(offload: OffloadDaemon, tier: str) -> None:
+    m_off, m_ref = replicas(mlp(), 2)
+    opt = staged(offload, m_off.parameters(), tier, max_grad_norm=0.05, **HYPER)
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    norms = []
+    for batch in mlp_batches(5, fixed=False):
+        mlp_loss(m_off, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        mlp_loss(m_ref, batch).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(m_ref.parameters(), 0.05)))
+        ref.step()
+        ref.zero_grad()
+        assert opt.last_grad_norm == pytest.approx(norms[-1], rel=1e-5)
+    assert_params_close(m_off, m_ref)
+    scaler_off, scaler_ref = (
+        torch.amp.GradScaler("cpu", init_scale=2.0**10),
+        torch.amp.GradScaler("cpu", init_scale=2.0**10),
+    )
+    m_off, m_ref = replicas(mlp(), 2)
+    opt = staged(offload, m_off.parameters(), tier, **HYPER)
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    for batch in mlp_batches(4, fixed=False):
+        for model, o, scaler in ((m_off, opt, scaler_off), (m_ref, ref, scaler_ref)):
+            scaler.scale(mlp_loss(model, batch)).backward()
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+    assert_params_close(m_off, m_ref)
+
+
+def test_staged_delayed_update_matches_the_synchronous_engine_one_step_late(offload: OffloadDaemon, tier: str) -> None:
+    """With no warm-up, step t's update is applied at step t+1: after a flush the params equal a synchronous
+    run whose grads were taken one update behind (checked against the shared exchange's delayed mode)."""
+    base = mlp()
+    batches = mlp_batches(6, fixed=False)
+    m_staged, m_shared = replicas(base, 2)
+    a = staged(offload, m_staged.parameters(), tier, delayed_update=True, warmup_steps=1, **HYPER)
+    b = offload.make(m_shared.parameters(), offload=tier, delayed_update=True, warmup_steps=1, **HYPER)
+    train(m_staged, a, batches, mlp_loss)
+    train(m_shared, b, batches, mlp_loss)
+    a.flush()
+    b.flush()
+    assert_params_equal(m_staged, m_shared)
+
+
+def test_staged_bf16_equals_cpu_adam(offload: OffloadDaemon, tier: str) -> None:
+    base = mlp()
+    m_off, m_eng = (m.to(torch.bfloat16) for m in replicas(base, 2))
+    opt = staged(offload, m_off.parameters(), tier, **HYPER)
+    eng = cpu_adam(m_eng.parameters(), **HYPER)
+    batches = mlp_batches(5, fixed=False)
+    train(m_off, opt, batches, mlp_loss)
+    train(m_eng, eng, batches, mlp_loss)
+    assert_params_equal(m_off, m_eng)
+
+
+def test_staged_refuses_overlap_and_release_grads(offload: OffloadDaemon) -> None:
+    for kwargs in ({"overlap_update": True}, {"release_grads": True}):
+        with pytest.raises(InvalidArgument, match="shared exchange"):
+            staged(offload, mlp().parameters(), "cpu", **kwargs)
+
+
+def test_shared_exchange_refuses_params_off_the_cpu(offload: OffloadDaemon) -> None:
+    meta = nn.Linear(4, 4, device="meta")
+    with pytest.raises(InvalidArgument, match="needs every param on the CPU"):
+        offload.make(meta.parameters(), exchange="shared")
+
+
+def test_staged_sparse_grads_are_refused_naming_sparse(offload: OffloadDaemon) -> None:
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = staged(offload, emb.parameters(), "cpu")
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(InvalidArgument, match="sparse"):
+        opt.step()
+    F.mse_loss(torch.zeros(1), torch.zeros(1))  # the process goes on
