@@ -411,34 +411,32 @@ def measure_codec() -> list[dict[str, Any]]:
 def copies_per_gradient_byte(steps: int = 20) -> dict[str, float]:
     """Bytes moved per byte of gradient on the step path, counted on a real OffloadAdam and tiermemd.
 
-    Every copy the client makes is counted where it happens (``OffloadAdam._copy_grad``: model grad ->
-    window; ``_copy_params``: window -> model params), and every byte that crosses the socket in either
-    direction (``FrameSocket.send``/``recv`` of the client's connection).  The daemon reads grads from
-    the window in place and writes params into it in the update's own pass, so it makes no copy of
-    its own.  Target: 1 grad copy and 1 param copy per byte, and socket bytes a vanishing fraction
-    (no tensor is serialised).
+    Every copy the client makes is counted where it happens (``GradFeed._copy_in``: a fresh grad into
+    the shared grad buffer; there is no param copy: the params live in the shared storage the daemon
+    updates in place), and every byte that crosses the socket in either direction (``FrameSocket.send``/
+    ``recv`` of the client's connection).  The daemon reads grads and writes params in place in the
+    update's own pass, so it makes no copy of its own.  With ``zero_grad(set_to_none=True)`` each
+    backward makes fresh grads: 1 grad copy per byte; with ``set_to_none=False`` backward accumulates
+    straight into the shared buffer: 0.  Socket bytes are a vanishing fraction (no tensor is serialised).
     """
     import torch
 
     from tiermem.client import connect
     from tiermem.offload import OffloadAdam
+    from tiermem.offload.feed import GradFeed
     from tiermem.transport import FrameSocket
 
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
     grad_bytes_per_step = sum(p.numel() * p.element_size() for p in model.parameters())
-    counted = {"grad": 0, "param": 0, "socket": 0}
+    counted = {"grad": 0, "socket": 0}
     client = connect(pool_size=256 << 20, settings={"adam.compile": False})
     opt = OffloadAdam(model.parameters(), lr=1e-3, client=client, bucket_nbytes=1 << 20)
-    orig_grad, orig_param = OffloadAdam._copy_grad, OffloadAdam._copy_params
+    orig_copy = GradFeed._copy_in
     orig_send, orig_recv = FrameSocket.send, FrameSocket.recv
 
-    def copy_grad(self: Any, tid: int, grad: Any) -> None:
+    def copy_in(target: Any, grad: Any, *, accumulate: bool) -> None:
         counted["grad"] += grad.numel() * grad.element_size()
-        orig_grad(self, tid, grad)
-
-    def copy_params(self: Any, ids: list[int]) -> None:
-        counted["param"] += sum(self._params[t].numel() * self._params[t].element_size() for t in ids)
-        orig_param(self, ids)
+        orig_copy(target, grad, accumulate=accumulate)
 
     def send(self: Any, data: bytes, fds: Any = ()) -> None:
         counted["socket"] += len(data)
@@ -450,10 +448,10 @@ def copies_per_gradient_byte(steps: int = 20) -> dict[str, float]:
         return data, fds
 
     x = torch.randn(64, 512)
-    model(x).square().mean().backward()  # the first step registers and loads the master weights: not counted
+    model(x).square().mean().backward()  # the first step: not counted
     opt.step()
     opt.zero_grad()
-    OffloadAdam._copy_grad, OffloadAdam._copy_params = copy_grad, copy_params  # type: ignore[method-assign]
+    GradFeed._copy_in = staticmethod(copy_in)  # type: ignore[method-assign,assignment]
     FrameSocket.send, FrameSocket.recv = send, recv  # type: ignore[method-assign]
     try:
         for _ in range(steps):
@@ -461,7 +459,7 @@ def copies_per_gradient_byte(steps: int = 20) -> dict[str, float]:
             opt.step()
             opt.zero_grad()
     finally:
-        OffloadAdam._copy_grad, OffloadAdam._copy_params = orig_grad, orig_param  # type: ignore[method-assign]
+        GradFeed._copy_in = staticmethod(orig_copy)  # type: ignore[method-assign,assignment]
         FrameSocket.send, FrameSocket.recv = orig_send, orig_recv  # type: ignore[method-assign]
         opt.close()
         client.close()
@@ -470,7 +468,7 @@ def copies_per_gradient_byte(steps: int = 20) -> dict[str, float]:
         "steps": steps,
         "gradient_bytes_per_step": grad_bytes_per_step,
         "grad_copies_per_byte": counted["grad"] / total,
-        "param_copies_per_byte": counted["param"] / total,
+        "param_copies_per_byte": 0.0,
         "socket_bytes_per_gradient_byte": counted["socket"] / total,
         "socket_bytes_per_step": counted["socket"] / steps,
     }

@@ -17,18 +17,21 @@ in memory at a time, for the largest sizes):
 
 The daemon is a private ``tiermemd`` child (what ``tiermem.client.connect``
 starts), one per run, with a pool sized for the largest model (per mode and
-param: 12 bytes of state, a window of fp32 params and one grad buffer, two
-for DPU); each mode detaches (frees its state) when its size is done.
+param: 8 bytes of state for fp32 params on the CPU tier, which are their own
+master, 12 with the delayed update; the model's params and grads live in the
+shared storage, outside the pool); each mode detaches (frees its state) when
+its size is done.
 
 Per step, medians over the steps after ``--warmup``:
 
 - ``step``: forward + backward + ``optimizer.step()`` + ``zero_grad``;
 - ``fwd+bwd``: forward and backward (for OffloadAdam this includes the
-  post-accumulate-grad hooks that copy grads into the shared window);
+  post-accumulate-grad hooks that move fresh grads into the shared storage);
 - ``opt.step``: the ``step()`` call;
-- ``grad copy`` / ``param copy``: time inside ``OffloadAdam``'s copies of grads
-  into the window (hooks and re-copies) and of params out of it, measured by
-  wrapping those methods of the optimizer instance from here;
+- ``grad copy``: time inside ``OffloadAdam``'s one copy (``GradFeed._copy_in``:
+  a fresh grad into the shared grad buffer), measured by wrapping it on the
+  optimizer's feed from here; ``param copy`` is always empty now: the daemon
+  updates the params in the shared storage in place;
 - ``wait``: time blocked on the daemon: the STEP round trip (sync modes; it
   includes the update) plus FETCH_PARAMS (DPU: waiting for the in-flight update);
 - ``d.update`` / ``d.stats`` / ``d.wait``: the daemon's own figures per step
@@ -139,8 +142,7 @@ class Runner:
         self.before: dict[str, float] = {}
         if isinstance(self.opt, OffloadAdam):
             self.before = self.opt.stats()  # connects and registers: the client exists and can be wrapped
-            self.timer.wrap(self.opt, "_copy_grad", "grad_copy")
-            self.timer.wrap(self.opt, "_copy_params", "param_copy")
+            self.timer.wrap(self.opt.feed, "_copy_in", "grad_copy")
             self.timer.wrap(self.opt.client, "step", "wait")
             self.timer.wrap(self.opt.client, "fetch_params", "wait")
 
@@ -263,10 +265,11 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 
 def pool_bytes(configs: list[tuple[str, GPTConfig]], modes: list[str], *, sequential: bool) -> int:
-    """Pool for the largest size: per mode, fp32 state (12 B/param) and window (params + 1 or 2 grad buffers)."""
+    """Pool for the largest size: per mode, its fp32 state (8 B/param on the CPU tier, 12 with a master)
+    or NVMe chunk cache, and a 2 MiB staging window."""
     n = max(cfg.num_params() for _, cfg in configs)
     cache = min(12 * n, 6 * AdamConfig().chunk_numel * 12)
-    need = {"torch": 0, "cpu": 20 * n, "overlap": 20 * n, "nvme": 8 * n + cache, "dpu": 24 * n}
+    need = {"torch": 0, "cpu": 8 * n, "overlap": 8 * n, "nvme": cache, "dpu": 12 * n}
     per_mode = [need[m] for m in modes]
     total = max(per_mode) if sequential else sum(per_mode)
     return align_up(int(total * 1.1) + 256 * MiB, GiB)

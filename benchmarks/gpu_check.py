@@ -1,0 +1,202 @@
+"""The CUDA paths on a machine with an NVIDIA GPU: parity, copy bandwidth from the window, overlap.
+
+One script, a few minutes, figures as JSON under the directory given on the
+command line (``gpu_check.json``), a table on stdout:
+
+1. parity: a small MLP on CUDA trained by ``OffloadAdam`` (the staged
+   exchange: grads in and params out through the CUDA-registered staging
+   window) against ``torch.optim.AdamW`` on the same GPU, synchronous and with
+   the delayed update (against the same one-step-late rule in plain torch);
+   ``overlap_update=True`` is reported as refused for CUDA params (per-bucket
+   readiness on the device is not built);
+2. bandwidth: H2D and D2H copies of 64 MiB between a GPU tensor and (a) the
+   staging window, registered with ``cudaHostRegister``, (b) a
+   ``torch.empty(pin_memory=True)`` buffer, (c) pageable memory;
+3. overlap: the step time (CUDA events around forward + backward + step) of a
+   larger MLP, synchronous against delayed, with the daemon's update time.
+
+    python benchmarks/gpu_check.py OUT_DIR [--steps 20]
+
+Without CUDA it writes ``{"cuda": false}`` and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tiermem.client import connect
+from tiermem.errors import InvalidArgument
+from tiermem.offload import OffloadAdam
+from tiermem.pool.pinning import default_pinner
+
+MiB = 1 << 20
+
+
+def mlp(width: int, depth: int, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 8))
+
+
+def batches(n: int, width: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(64, width, generator=g).to(device), torch.randn(64, 8, generator=g).to(device)) for _ in range(n)
+    ]
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def parity(socket: str, steps: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    data = batches(steps, 64, "cuda")
+    base = mlp(64, 3).cuda()
+    for mode in ("sync", "delayed"):
+        m_off, m_ref = copy.deepcopy(base), copy.deepcopy(base)
+        opt = OffloadAdam(
+            m_off.parameters(), lr=1e-3, client=connect(socket), delayed_update=mode == "delayed", warmup_steps=2
+        )
+        ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-3)
+        master = copy.deepcopy(m_ref)  # the delayed rule: update t computed on grads taken at update t-1's params
+        ref_master = torch.optim.AdamW(master.parameters(), lr=1e-3)
+        for i, (x, y) in enumerate(data):
+            F.mse_loss(m_off(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            F.mse_loss(m_ref(x), y).backward()
+            if mode == "sync":
+                ref.step()
+                ref.zero_grad()
+                continue
+            for p, q in zip(m_ref.parameters(), master.parameters(), strict=True):
+                q.grad, p.grad = p.grad, None
+            if i < 2:
+                ref_master.step()
+                with torch.no_grad():
+                    for p, q in zip(m_ref.parameters(), master.parameters(), strict=True):
+                        p.copy_(q)
+            else:
+                with torch.no_grad():
+                    for p, q in zip(m_ref.parameters(), master.parameters(), strict=True):
+                        p.copy_(q)
+                ref_master.step()
+            ref_master.zero_grad()
+        opt.flush()
+        if mode == "delayed":
+            with torch.no_grad():
+                for p, q in zip(m_ref.parameters(), master.parameters(), strict=True):
+                    p.copy_(q)
+        out[mode] = {"max_abs_param_diff": max_diff(m_off, m_ref), "exchange": opt.exchange.value}
+        opt.close()
+    try:
+        OffloadAdam(mlp(64, 1).cuda().parameters(), overlap_update=True, client=connect(socket))
+        out["overlap"] = {"status": "accepted"}
+    except InvalidArgument as exc:
+        out["overlap"] = {"status": "refused", "why": str(exc)}
+    return out
+
+
+def bandwidth(socket: str, nbytes: int = 64 * MiB, repeats: int = 10) -> dict[str, Any]:
+    client = connect(socket)
+    client.attach("gpu-check-bandwidth", window_nbytes=nbytes)
+    window = client.window[:nbytes]
+    pin = default_pinner().register(window.data_ptr(), window.numel())
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    hosts = {
+        "window (cudaHostRegister)": window,
+        "torch pinned": torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+        "pageable": torch.empty(nbytes, dtype=torch.uint8),
+    }
+    rows: dict[str, Any] = {"registered": pin.registered, "nbytes": nbytes}
+    for name, host in hosts.items():
+        for direction in ("h2d", "d2h"):
+            src, dst = (host, dev) if direction == "h2d" else (dev, host)
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            rows[f"{name} {direction} GB/s"] = nbytes * repeats / (start.elapsed_time(end) / 1e3) / 1e9
+    if pin.registered:
+        default_pinner().unregister(window.data_ptr())
+    client.detach()
+    client.close()
+    return rows
+
+
+def overlap(socket: str, steps: int) -> dict[str, Any]:
+    data = batches(steps, 1024, "cuda")
+    out: dict[str, Any] = {}
+    for mode in ("sync", "delayed"):
+        model = mlp(1024, 8).cuda()
+        opt = OffloadAdam(
+            model.parameters(), lr=1e-4, client=connect(socket), delayed_update=mode == "delayed", warmup_steps=1
+        )
+        times = []
+        for i, (x, y) in enumerate(data):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            end.record()
+            end.synchronize()
+            if i >= 2:
+                times.append(start.elapsed_time(end))
+        stats = opt.stats()
+        out[mode] = {
+            "step_ms_median": sorted(times)[len(times) // 2],
+            "daemon_update_s_total": stats.get("rank_update_s", 0.0),
+            "params": sum(p.numel() for p in model.parameters()),
+        }
+        opt.close()
+    out["delayed_over_sync"] = out["delayed"]["step_ms_median"] / out["sync"]["step_ms_median"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"cuda": torch.cuda.is_available(), "torch": torch.__version__}
+    if not result["cuda"]:
+        print("no CUDA device: nothing to check")
+        (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+        return
+    result["device"] = torch.cuda.get_device_name()
+    t0 = time.perf_counter()
+    owner = connect(pool_size=4 << 30, settings={"swap.fsync": False})
+    try:
+        for name, fn in (("parity", parity), ("bandwidth", bandwidth), ("overlap", overlap)):
+            try:
+                result[name] = fn(owner.socket_path, args.steps) if name != "bandwidth" else fn(owner.socket_path)
+            except Exception as exc:  # one failing part must not hide the others' figures
+                result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"{name}: {json.dumps(result[name], indent=2)}", flush=True)
+    finally:
+        owner.close()
+    result["seconds"] = time.perf_counter() - t0
+    (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
