@@ -74,8 +74,12 @@ from tiermem.protocol import (
 from tiermem.transport import Connection, Listener, Peer
 
 ECHO_NBYTES = 64
-STEP = Step(step=1000, groups=(ParamGroup(lr=3e-4, weight_decay=0.1),), loss_scale=65536.0, max_grad_norm=1.0)
-STEP_DONE = StepDone(step=1000, found_inf=False, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312)))
+STEP = Step(
+    step=1000, attempt=1000, groups=(ParamGroup(lr=3e-4, weight_decay=0.1),), loss_scale=65536.0, max_grad_norm=1.0
+)
+STEP_DONE = StepDone(
+    step=1000, attempt=1000, found_inf=False, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312))
+)
 
 
 # --------------------------------------------------------------------------- servers (run in a child process)
@@ -365,7 +369,10 @@ def codec_cases() -> list[tuple[str, Message]]:
         ("PING", Ping()),
         ("STEP (1 group, clipping)", STEP),
         ("STEP_DONE (2 timings)", STEP_DONE),
-        ("BUCKET_READY (64 tensor ids)", BucketReady(step=1000, bucket=3, tensor_ids=tuple(range(64)))),
+        (
+            "BUCKET_READY (64 tensor ids)",
+            BucketReady(step=1000, attempt=1000, bucket=3, tensor_ids=tuple(range(64)), groups=STEP.groups),
+        ),
         ("REGISTER (1000 tensors)", Register(tensors=tensors, groups=(ParamGroup(lr=3e-4),))),
         ("REGISTER_OK (1000 slots)", RegisterOk(slots=slots)),
     ]
