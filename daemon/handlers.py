@@ -240,7 +240,7 @@ class Handlers:
         elif placements == {"cpu"}:
             placement = "cpu"
         else:
-            keys = state_keys_for(dtype, "cpu", msg.grad_buffers, msg.exchange)
+            keys = state_keys_for(dtype, "cpu", msg.grad_buffers, msg.exchange, msg.grads_in_state)
             placement = "cpu" if numel * 4 * len(keys) <= self.ledger.available(Resource.POOL) else "nvme"
         registration = rank.register(
             msg.tensors,
@@ -250,6 +250,7 @@ class Handlers:
             self.service.state_factory(job, rank.rank, placement),
             lambda nbytes: self._make_storage(job, rank, nbytes),
             msg.exchange,
+            msg.grads_in_state,
         )
         storage = registration.storage
         log.info(

@@ -43,6 +43,7 @@ class RankRecord:
     failed_step: int = 0
     """Nonzero: the update of this step failed part-way; the rank comes back FAILED."""
     exchange: str = "shared"
+    grads_in_state: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -55,6 +56,7 @@ class RankRecord:
             "last_step": self.last_step,
             "failed_step": self.failed_step,
             "exchange": self.exchange,
+            "grads_in_state": self.grads_in_state,
         }
 
     @classmethod
@@ -73,6 +75,7 @@ class RankRecord:
             last_step=int(d["last_step"]),
             failed_step=int(d.get("failed_step", 0)),
             exchange=str(d.get("exchange", "shared")),
+            grads_in_state=bool(d.get("grads_in_state", False)),
         )
 
 

@@ -269,10 +269,13 @@ class Client:
         *,
         grad_buffers: int = 1,
         exchange: str = "shared",
+        grads_in_state: bool = False,
     ) -> RegisterOk:
         """Register the tensors; the daemon's plan comes back and, with the shared exchange, its shared storage
         is mapped as ``storage``."""
-        reply, fds = self.conn.request_fds(Register(tuple(tensors), tuple(groups), grad_buffers, exchange))
+        reply, fds = self.conn.request_fds(
+            Register(tuple(tensors), tuple(groups), grad_buffers, exchange, grads_in_state)
+        )
         want = 1 if exchange == "shared" else 0
         if not isinstance(reply, RegisterOk) or len(fds) != want:
             for fd in fds:
@@ -337,8 +340,12 @@ class Client:
             raise ProtocolError(f"expected STATE_CHUNK, got {type(reply).__name__}")
         return reply
 
-    def write_state(self, tensor_id: int, key: str, offset: int, src: MemRef, step: int) -> None:
-        self.conn.request(StateWrite(tensor_id=tensor_id, key=key, offset=offset, src=src, step=step))
+    def write_state(
+        self, tensor_id: int, key: str, offset: int, src: MemRef, step: int, *, accumulate: bool = False
+    ) -> None:
+        self.conn.request(
+            StateWrite(tensor_id=tensor_id, key=key, offset=offset, src=src, step=step, accumulate=accumulate)
+        )
 
     def stats(self) -> dict[str, float]:
         reply = self.conn.request(Stats())

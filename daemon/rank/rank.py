@@ -75,7 +75,9 @@ MakeState = Callable[[int, tuple[str, ...]], StateChunks]
 MakeStorage = Callable[[int], tuple[Arena, int]]
 
 
-def state_keys_for(dtype: str, placement: str, grad_buffers: int, exchange: str = "shared") -> tuple[str, ...]:
+def state_keys_for(
+    dtype: str, placement: str, grad_buffers: int, exchange: str = "shared", grads_in_state: bool = False
+) -> tuple[str, ...]:
     """The fp32 state a rank keeps: no master when its fp32 params in the pool-backed storage can be it.
 
     NVMe-placed state keeps the master (what a restarted daemon reopens); a delayed update keeps it
@@ -83,9 +85,10 @@ def state_keys_for(dtype: str, placement: str, grad_buffers: int, exchange: str 
     (params on a device, not in the storage) keeps the master and the grads."""
     if exchange == "staged":
         return STAGED_KEYS
+    grad = ("grad",) if grads_in_state else ()
     if dtype == "float32" and placement == "cpu" and grad_buffers == 1:
-        return ("exp_avg", "exp_avg_sq")
-    return ALL_KEYS
+        return ("exp_avg", "exp_avg_sq", *grad)
+    return (*ALL_KEYS, *grad)
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ class RankOptimizer:
         make_state: MakeState,
         make_storage: MakeStorage,
         exchange: str = "shared",
+        grads_in_state: bool = False,
     ) -> Registration:
         """Plan the storage of ``specs``, create it and their state.
 
@@ -160,7 +164,12 @@ class RankOptimizer:
         """
         if self.layout is not None:
             self._settle()
-            if tuple(specs) != self.specs or len(self.layout.grad_offsets) != grad_buffers or exchange != self.exchange:
+            if (
+                tuple(specs) != self.specs
+                or len(self.layout.grad_offsets) != grad_buffers
+                or exchange != self.exchange
+                or grads_in_state != self.grads_in_state
+            ):
                 raise InvalidState(
                     f"rank {self.rank} of job {self.job_id!r} is already registered with other tensors "
                     f"({len(self.specs)} tensors, {len(self.layout.grad_offsets)} grad buffer(s))"
@@ -169,7 +178,12 @@ class RankOptimizer:
             return self._registration()
         restored = self.restored
         if restored is not None:
-            if tuple(specs) != restored.specs or grad_buffers != restored.grad_buffers or exchange != restored.exchange:
+            if (
+                tuple(specs) != restored.specs
+                or grad_buffers != restored.grad_buffers
+                or exchange != restored.exchange
+                or grads_in_state != restored.grads_in_state
+            ):
                 raise InvalidState(
                     f"rank {self.rank} of job {self.job_id!r} was restored with {len(restored.specs)} tensors and "
                     f"{restored.grad_buffers} grad buffer(s); register exactly those to continue"
@@ -185,7 +199,7 @@ class RankOptimizer:
             bucket_nbytes=1 << 62,
             grad_buffers=grad_buffers,
         )
-        keys = state_keys_for(layout.dtype, placement, grad_buffers, exchange)
+        keys = state_keys_for(layout.dtype, placement, grad_buffers, exchange, grads_in_state)
         storage, storage_id = make_storage(layout.nbytes) if exchange == "shared" else (None, 0)
         try:
             state = make_state(layout.numel, keys)
@@ -248,6 +262,11 @@ class RankOptimizer:
         return self.state is not None and "master" not in self.state.keys
 
     @property
+    def grads_in_state(self) -> bool:
+        """The grads are in the ``grad`` state key (staged, or released by the client as they land)."""
+        return self.state is not None and "grad" in self.state.keys
+
+    @property
     def staged(self) -> bool:
         """The params live on the trainer's device, not in the storage: grads and params are staged
         through the window (the ``grad`` and ``master`` keys)."""
@@ -291,7 +310,7 @@ class RankOptimizer:
         if self.staged:
             return UpdateTarget(grads=None, params=None, master_in_params=False, write_params=False)
         return UpdateTarget(
-            grads=self._region(layout.grad_offsets[grad_buffer]),
+            grads=None if self.grads_in_state else self._region(layout.grad_offsets[grad_buffer]),
             params=self._region(layout.param_offset),
             master_in_params=self.master_in_params,
             write_params=write_params,
@@ -399,7 +418,7 @@ class RankOptimizer:
             ids = [tid for tid in ids if tid not in attempt.applied]
         self.groups = groups
         t0 = time.perf_counter()
-        grads = None if self.staged else self._region(layout.grad_offsets[msg.grad_buffer])
+        grads = None if self.grads_in_state else self._region(layout.grad_offsets[msg.grad_buffer])
         inv_scale = 1.0 / msg.loss_scale
         grad_norm: float | None = None
         found_inf = False
@@ -579,7 +598,11 @@ class RankOptimizer:
         for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
             tensors = state.acquire(chunk)
             try:
-                self._key_view(msg.key, a, b, chunk, tensors).copy_(src[a - lo : b - lo])
+                view = self._key_view(msg.key, a, b, chunk, tensors)
+                if msg.accumulate:
+                    view.add_(src[a - lo : b - lo])
+                else:
+                    view.copy_(src[a - lo : b - lo])
             finally:
                 state.release(chunk, dirty=True)
         if msg.key in ("exp_avg", "exp_avg_sq"):
@@ -649,6 +672,7 @@ class RankOptimizer:
             last_step=self.last_step,
             failed_step=self.phase.failed_step if self.phase.phase is RankPhase.FAILED else 0,
             exchange=self.exchange,
+            grads_in_state=self.grads_in_state,
         )
 
     def stats(self) -> dict[str, float]:

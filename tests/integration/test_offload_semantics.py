@@ -467,3 +467,41 @@ def test_bf16_param_edits_are_adopted_by_the_fp32_master(offload: OffloadDaemon,
         references[adoption] = m_eng
     diffs = {name: max_param_diff(m_off, m) for name, m in references.items()}
     assert min(diffs.values()) == 0.0, f"max abs param difference to each reference: {diffs}"
+
+
+# ----------------------------------------------------------------------------- released grads
+
+
+def test_released_grads_accumulate_in_the_daemon_like_adamw(offload: OffloadDaemon, tier: str) -> None:
+    """``release_grads=True``: grads go to the daemon's ``grad`` state key as they land (p.grad is None after
+    backward); two backward passes per step add up there: the same params as AdamW with the same loop.  A
+    GradScaler, which must see the grads to check them, is refused with a clear error."""
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, offload_only={"release_grads": True}, **HYPER)
+    assert "grad" in opt.state_keys
+    micro = mlp_batches(6, fixed=False)
+    for i in range(0, 6, 2):
+        for model, o in ((m_off, opt), (m_ref, ref)):
+            for batch in micro[i : i + 2]:
+                (mlp_loss(model, batch) / 2).backward()
+            if o is opt:
+                assert all(p.grad is None for p in model.parameters())
+            o.step()
+            o.zero_grad()
+    assert_params_close(m_off, m_ref)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler.scale(mlp_loss(m_off, micro[0])).backward()
+    with pytest.raises(InvalidState, match="GradScaler"):
+        scaler.step(opt)
+    for name in ("grad_scale", "found_inf"):
+        opt.__dict__.pop(name, None)
+
+
+def test_released_grads_with_the_overlapped_update_train_like_adamw(offload: OffloadDaemon, tier: str) -> None:
+    kwargs = {"release_grads": True, "overlap_update": True, "bucket_nbytes": 4096}
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, offload_only=kwargs, **HYPER)
+    batches = mlp_batches(5, fixed=False)
+    train(m_off, opt, batches, mlp_loss)
+    train(m_ref, ref, batches, mlp_loss)
+    assert_params_close(m_off, m_ref)
+    assert opt.stats()["rank_overlapped_tensors"] > 0

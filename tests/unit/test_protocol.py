@@ -227,7 +227,13 @@ def test_field_errors_name_message_field_expected_and_got():
 def register_payload(**tensor_changes):
     tensor = TensorSpec("w", (4, 4), "float16").to_payload()
     tensor.update(tensor_changes)
-    return {"tensors": [tensor], "groups": [ParamGroup(lr=0.1).to_payload()], "grad_buffers": 1, "exchange": "shared"}
+    return {
+        "tensors": [tensor],
+        "groups": [ParamGroup(lr=0.1).to_payload()],
+        "grad_buffers": 1,
+        "exchange": "shared",
+        "grads_in_state": False,
+    }
 
 
 @pytest.mark.parametrize(

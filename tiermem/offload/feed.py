@@ -10,9 +10,10 @@ daemon sees.  Grads land in the storage's grad buffer:
   view and makes ``p.grad`` that view (the fresh grad is freed); later
   backward passes accumulate into it in place, so grads edited afterwards,
   through ``.data`` too (``p.grad.data.clamp_()``), are what the daemon reads;
-- with ``release_grads`` the hook hands the grad over and sets ``p.grad`` to
-  None (DeepSpeed's engine does the same); further backward passes of the
-  step add into the grad view;
+- with ``release_grads`` the hook hands the grad to the daemon, into its
+  ``grad`` state key through the staging window (paged with the rest of the
+  state on the NVMe tier), and sets ``p.grad`` to None (DeepSpeed's engine
+  does the same); further backward passes of the step add into it there;
 - ``check`` (at ``step()``) catches what the hooks could not see: a grad set
   by hand, a param whose storage was replaced (``p.data = t``: its values are
   copied in and it is bound again), and refuses dtype, device or shape
@@ -61,6 +62,9 @@ class GradFeed:
     """The grad buffer this step's grads land in."""
     on_bucket: Callable[[int, list[int]], None] | None = None
     """Called when every tensor of a bucket has landed (the overlapped update)."""
+    push: Callable[[int, torch.Tensor, bool], None] | None = None
+    """With ``release_grads``: hand a grad to the daemon's ``grad`` state key (tensor id, grad, accumulate)
+    instead of the storage's grad buffer, so no grad memory stays on this side."""
     accumulated: bool = False
     """A grad landed twice in this step (gradient accumulation)."""
     landed_version: int | None = None
@@ -124,6 +128,12 @@ class GradFeed:
             )
         if grad.dtype != entry.view.dtype:
             raise DTypeError(f"{entry.describe()} got a {grad.dtype} gradient; params and grads must share a dtype")
+        if self.push is not None:
+            self.push(entry.index, grad, entry.landed)
+            self.accumulated = self.accumulated or entry.landed
+            entry.landed = True
+            entry.param.grad = None
+            return
         target = entry.grad_views[self.buffer]
         if grad.data_ptr() != target.data_ptr() or grad.shape != target.shape:
             self._copy_in(target, grad, accumulate=entry.landed and self.release_grads)

@@ -216,6 +216,11 @@ class OffloadAdam(torch.optim.Optimizer):
                 "exchange='shared' needs every param on the CPU (their storage becomes memory shared with tiermemd); "
                 f"got params on {sorted({str(p.device) for p in params})}"
             )
+        if self.release_grads and self.policy.mode is StepMode.DELAYED:
+            raise InvalidArgument(
+                "release_grads=True cannot be combined with delayed_update=True: the delayed update reads the "
+                "released grads while the next step's land"
+            )
         if exchange is Exchange.STAGED and (self.policy.mode is StepMode.OVERLAP or self.release_grads):
             raise InvalidArgument(
                 "overlap_update=True and release_grads=True need the shared exchange (CPU params): with params on a "
@@ -244,6 +249,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 [self._wire_group(g) for g in self.param_groups],
                 grad_buffers=self.policy.grad_buffers,
                 exchange=exchange.value,
+                grads_in_state=exchange is Exchange.SHARED and self.release_grads,
             )
             self.state_keys = reply.state_keys
             self.placement_used = Placement.parse(reply.placement, "placement")
@@ -280,6 +286,8 @@ class OffloadAdam(torch.optim.Optimizer):
             per_element = 8  # the fp32 params in the shared storage are the master
         else:
             per_element = 12
+        if self.release_grads and exchange is Exchange.SHARED:
+            per_element += 4  # the released grads, in the daemon's grad key
         state = numel * per_element
         if self.placement is Placement.NVME:
             # the NVMe tier's chunk cache (6 chunks, nvme.py) and one chunk more: chunks of unequal size
@@ -309,7 +317,18 @@ class OffloadAdam(torch.optim.Optimizer):
         ]
         for e in self._entries:
             GradFeed.bind(e.param, e.view, adopt=reattached)
-        self.feed = GradFeed(self._entries, buckets, release_grads=self.release_grads, on_bucket=self._on_bucket)
+        transfer = self.transfer
+
+        def push(tid: int, grad: torch.Tensor, accumulate: bool) -> None:
+            transfer.push(tid, "grad", grad, step=0, accumulate=accumulate)
+
+        self.feed = GradFeed(
+            self._entries,
+            buckets,
+            release_grads=self.release_grads,
+            on_bucket=self._on_bucket,
+            push=push if self.release_grads else None,
+        )
         self.feed.buffer = self._next_buffer()
         self.feed.hook()
 
@@ -387,11 +406,13 @@ class OffloadAdam(torch.optim.Optimizer):
             self._abort_open()
             self._new_step()
             raise
-        if self.release_grads and grad_scale is None:
+        if self.release_grads and scaled:
+            self._abort_open()
             self._new_step()
             raise InvalidState(
-                "GradScaler.unscale_() cannot reach grads released to tiermemd (release_grads=True); call "
-                "scaler.step(opt) without unscale_ and clip with OffloadAdam(max_grad_norm=...)"
+                "torch.amp.GradScaler checks the grads for inf/nan itself, and grads released to tiermemd "
+                "(release_grads=True) are not there to check; train without a GradScaler (bf16 needs none) or "
+                "with release_grads=False"
             )
         if found_inf is not None and float(found_inf) > 0:
             self._skipped += 1  # GradScaler found an overflow: skip, as torch's fused Adam does

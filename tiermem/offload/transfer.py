@@ -30,7 +30,7 @@ class StateTransfer:
             raise InvalidState("the staging window is empty")
         return MemRef(info.window_id, 0, length), self.client.window[:length].view(torch.float32)
 
-    def push(self, tid: int, key: str, values: torch.Tensor, *, step: int) -> None:
+    def push(self, tid: int, key: str, values: torch.Tensor, *, step: int, accumulate: bool = False) -> None:
         """Write fp32 state ``key`` of tensor ``tid`` (``step`` sets its count when ``key`` is a moment).
 
         ``values`` may be of any float dtype and on any device: each piece is converted as it is copied
@@ -39,11 +39,14 @@ class StateTransfer:
         flat = values.detach().reshape(-1)
         per = buf.numel()
         if flat.numel() == 0:
-            self.client.write_state(tid, key, 0, MemRef(ref.window, ref.offset, 0), step)
+            self.client.write_state(tid, key, 0, MemRef(ref.window, ref.offset, 0), step, accumulate=accumulate)
         for start in range(0, flat.numel(), per):
             piece = flat[start : start + per]
             buf[: piece.numel()].copy_(piece)
-            self.client.write_state(tid, key, start * 4, MemRef(ref.window, ref.offset, piece.numel() * 4), step)
+            nbytes = piece.numel() * 4
+            self.client.write_state(
+                tid, key, start * 4, MemRef(ref.window, ref.offset, nbytes), step, accumulate=accumulate
+            )
 
     def pull(self, tid: int, key: str, numel: int) -> tuple[torch.Tensor, int]:
         """Read fp32 state ``key`` of tensor ``tid``; returns (values, the tensor's step count)."""

@@ -158,7 +158,7 @@ class Register(Message):
     the tensors' storage, params and grads, as one shared-memory segment that
     the client's tensors then live in; ``"staged"``: the tensors stay on the
     client's device and move through the staging window as the ``grad`` and
-    ``master`` state keys).  ``grad_buffers``: 1, or 2 for the
+    ``master`` state keys).  ``grads_in_state``: see the field.  ``grad_buffers``: 1, or 2 for the
     delayed update (step t+1's grads land in the other buffer while step t's
     update still reads its own).
     """
@@ -168,6 +168,9 @@ class Register(Message):
     groups: Annotated[tuple[ParamGroup, ...], List(ParamGroup, MAX_GROUPS, min_len=1)]
     grad_buffers: Annotated[int, Int(1, MAX_GRAD_BUFFERS)] = 1
     exchange: Annotated[str, Choice(EXCHANGES)] = "shared"
+    grads_in_state: bool = False
+    """The grads go into the daemon's ``grad`` state key as they land (the client releases them), not into
+    the storage's grad buffers: with the NVMe placement they are paged like the rest of the state."""
 
     def validate(self) -> None:
         """Each tensor names one of ``groups``, and no name is used twice."""

@@ -209,7 +209,9 @@ class StateChunk(Message):
 @wire
 @dataclass(slots=True)
 class StateWrite(Message):
-    """Load fp32 state ``key`` of ``tensor_id`` from ``src`` at byte ``offset``; ``step`` sets Adam's count."""
+    """Load fp32 state ``key`` of ``tensor_id`` from ``src`` at byte ``offset``; ``step`` sets Adam's count
+    (for a moment).  ``accumulate``: add into the state instead of replacing it (a grad landing again in
+    the same step, gradient accumulation)."""
 
     TYPE: ClassVar[MsgType] = MsgType.STATE_WRITE
     tensor_id: Annotated[int, TENSOR_ID]
@@ -217,3 +219,4 @@ class StateWrite(Message):
     offset: Annotated[int, NBYTES]
     src: MemRef
     step: Annotated[int, STEP_NO]
+    accumulate: bool = False
