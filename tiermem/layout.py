@@ -1,30 +1,30 @@
-"""Where each registered tensor lives: flat state ranges, window slots, buckets.
+"""Where each registered tensor lives: flat state ranges and its place in a rank's shared storage.
 
-Pure: shared by the client (which copies grads in and params out) and the
-daemon (which updates state), so both compute the same layout from the same
-registration.
+Pure.  The daemon plans it once at REGISTER (``tiermemd.rank``) and hands the
+client the result as slots (``REGISTER_OK``); the client never plans it.
 
 Given tensors in registration order, ``plan_layout`` assigns:
 
-- a range ``[start, stop)`` of the rank's flat fp32 element space (master, exp_avg
-  and exp_avg_sq are three flat buffers indexed the same way);
+- a range ``[start, stop)`` of the rank's flat fp32 element space (each state
+  key, master, exp_avg, exp_avg_sq, grad, is a flat buffer indexed the same way);
 - buckets: consecutive runs of tensors of about ``bucket_nbytes`` of gradient,
-  in reverse registration order (backward produces the last layers' grads first,
-  so the first bucket to fill is the last tensors');
-- a window layout (regions 4 KiB aligned, tensors packed densely inside)::
+  in reverse registration order (the daemon plans with one bucket; the client
+  groups its own for the overlapped update, ``tiermem.offload.policy``);
+- the storage layout (regions 4 KiB aligned, tensors packed densely inside)::
 
       +-------------------+-------------------+-------------------+
       | params (working)  | grads, buffer 0   | grads, buffer 1   |
       +-------------------+-------------------+-------------------+
       0                   grad_offset[0]      grad_offset[1]      nbytes
 
-  The param region holds the working-precision params the daemon writes after
-  an update; a grad buffer holds the working-precision grads of one step.  Two
-  grad buffers exist when the job uses the delayed update (the next step's
-  grads land while the previous step's are still being read).  Inside a region
-  a tensor's bytes sit at ``slot_offset`` = ``start * itemsize`` (the same in
-  every region), so region + slot_offset addresses it, and a run of tensors is
-  one contiguous range of both the flat state and each region.
+  The param region is the model's params themselves (the client's tensors are
+  views of it, and the daemon updates them in place); a grad buffer holds the
+  working-precision grads of one step.  Two grad buffers exist when the job
+  uses the delayed update (the next step's grads land while the previous
+  step's are still being read).  Inside a region a tensor's bytes sit at
+  ``slot_offset`` = ``start * itemsize`` (the same in every region), so region
+  + slot_offset addresses it, and a run of tensors is one contiguous range of
+  both the flat state and each region.
 
 A bucket covers a contiguous element range of the flat space and a contiguous
 byte range of each region, so the update of a bucket is one chunked call.
