@@ -21,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiermem.errors import InvalidArgument
-from tiermem.modes import StepMode
+from tiermem.modes import Exchange, Placement, StepMode
+from tiermem.units import MiB, align_up
 
-__all__ = ["Hyper", "check_hyper", "check_torch_flags", "step_mode"]
+__all__ = ["Hyper", "check_hyper", "check_torch_flags", "private_pool_nbytes", "step_mode"]
 
 ADAMW_WEIGHT_DECAY = 1e-2
 
@@ -91,3 +92,34 @@ def step_mode(
     if delayed_update:
         return StepMode.DELAYED
     return StepMode.OVERLAP if overlap_update else StepMode.SYNC
+
+
+def private_pool_nbytes(
+    numel: int,
+    *,
+    dtype: str,
+    placement: Placement,
+    mode: StepMode,
+    exchange: Exchange,
+    release_grads: bool,
+    window_nbytes: int | None,
+) -> int:
+    """The pool a private daemon needs for one optimizer: its state (or NVMe chunk cache) and its staging
+    window, plus room for the allocator.  The pool is allocated and pre-faulted at once, so more would cost
+    memory for nothing."""
+    if exchange is Exchange.STAGED:
+        per_element = 16
+    elif dtype == "float32" and placement is Placement.CPU and mode is not StepMode.DELAYED:
+        per_element = 8  # the fp32 params in the shared storage are the master
+    else:
+        per_element = 12
+    if release_grads and exchange is Exchange.SHARED:
+        per_element += 4  # the released grads, in the daemon's grad key
+    state = numel * per_element
+    if placement is Placement.NVME:
+        # the NVMe tier's chunk cache (6 chunks of the default adam.chunk_numel, tiermemd.nvme) and one chunk
+        # more: chunks of unequal size (the last one is short) leave holes between pinned blocks that
+        # compaction cannot close
+        state = min(state, 7 * 4194304 * per_element + 7 * 4096)
+    window = window_nbytes or 2 * MiB
+    return align_up(int(state * 1.02) + window + 32 * MiB)

@@ -47,14 +47,14 @@ from tiermem import dtypes
 from tiermem.client import Client, connect
 from tiermem.errors import DTypeError, InvalidArgument, InvalidState, TiermemError
 from tiermem.modes import Exchange, Placement, StepMode
-from tiermem.offload.args import check_hyper, check_torch_flags, step_mode
+from tiermem.offload.args import check_hyper, check_torch_flags, private_pool_nbytes, step_mode
 from tiermem.offload.feed import GradFeed, TensorEntry
 from tiermem.offload.policy import StepPolicy, plan_buckets
 from tiermem.offload.staged import StagedEntry, StagedFeed
 from tiermem.offload.state_view import StateView
-from tiermem.offload.transfer import StateTransfer
+from tiermem.offload.transfer import StateTransfer, plan_load
 from tiermem.protocol import ParamGroup, Step, StepDone, TensorSpec
-from tiermem.units import MiB, align_up
+from tiermem.units import MiB
 
 __all__ = ["OffloadAdam"]
 
@@ -234,7 +234,17 @@ class OffloadAdam(torch.optim.Optimizer):
         ]
         numel = sum(p.numel() for p in params)
         if client is None:
-            client = connect(pool_size=self._private_pool_nbytes(numel, dtype.name, exchange, window_nbytes))
+            client = connect(
+                pool_size=private_pool_nbytes(
+                    numel,
+                    dtype=dtype.name,
+                    placement=self.placement,
+                    mode=self.policy.mode,
+                    exchange=exchange,
+                    release_grads=self.release_grads,
+                    window_nbytes=window_nbytes,
+                )
+            )
         try:
             info = client.attach(
                 self.job_id,
@@ -274,27 +284,6 @@ class OffloadAdam(torch.optim.Optimizer):
             raise
         self._client = client
         self._registered = True
-
-    def _private_pool_nbytes(self, numel: int, dtype: str, exchange: Exchange, window_nbytes: int | None) -> int:
-        """The pool a private daemon needs for this optimizer alone: its state (or NVMe chunk cache) and its
-        staging window, plus room for the allocator (the pool is allocated and pre-faulted at once, so more
-        would cost memory for nothing)."""
-        mode = self.policy.mode
-        if exchange is Exchange.STAGED:
-            per_element = 16
-        elif dtype == "float32" and self.placement is Placement.CPU and mode is not StepMode.DELAYED:
-            per_element = 8  # the fp32 params in the shared storage are the master
-        else:
-            per_element = 12
-        if self.release_grads and exchange is Exchange.SHARED:
-            per_element += 4  # the released grads, in the daemon's grad key
-        state = numel * per_element
-        if self.placement is Placement.NVME:
-            # the NVMe tier's chunk cache (6 chunks, nvme.py) and one chunk more: chunks of unequal size
-            # (the last one is short) leave holes between pinned blocks that compaction cannot close
-            state = min(state, 7 * 4194304 * per_element + 7 * 4096)
-        window = window_nbytes or 2 * MiB
-        return align_up(int(state * 1.02) + window + 32 * MiB)
 
     def _bind_shared(
         self, client: Client, params: list[torch.nn.Parameter], slots: Any, dtype: Any, *, reattached: bool
@@ -621,46 +610,8 @@ class OffloadAdam(torch.optim.Optimizer):
 
         Everything is checked before anything changes.  Params that have no state in it start afresh
         (step 0), as in torch; the model's params are not touched."""
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
-            raise InvalidArgument(
-                f"state dict has {len(groups) if isinstance(groups, list) else 'no'} param groups, "
-                f"this optimizer has {len(self.param_groups)}"
-            )
-        mapping: dict[Any, int] = {}
-        tid = 0
-        for mine, saved in zip(self.param_groups, groups, strict=True):
-            if len(mine["params"]) != len(saved["params"]):
-                raise InvalidArgument(
-                    f"a saved param group has {len(saved['params'])} params, the matching group here has "
-                    f"{len(mine['params'])}"
-                )
-            for key in saved["params"]:
-                mapping[key] = tid
-                tid += 1
-        loads: list[tuple[int, dict[str, Any], int]] = []
-        for key, entry in state_dict.get("state", {}).items():
-            if key not in mapping:
-                raise InvalidArgument(f"state for param {key!r}, which no param group lists")
-            t = mapping[key]
-            p = self._entries[t].param
-            for name in ("exp_avg", "exp_avg_sq"):
-                value = entry.get(name)
-                if not isinstance(value, torch.Tensor) or value.numel() != p.numel():
-                    raise InvalidArgument(
-                        f"state {name} of param {key!r} has "
-                        f"{value.numel() if isinstance(value, torch.Tensor) else 'no'} elements, not {p.numel()}"
-                    )
-            loads.append((t, entry, int(float(entry["step"]))))
-        for mine, saved in zip(self.param_groups, groups, strict=True):
-            saved_adamw = saved.get("adamw", saved.get("decoupled_weight_decay", mine.get("adamw", True)))
-            check_hyper(
-                saved.get("lr", mine["lr"]),
-                tuple(saved.get("betas", mine["betas"])),
-                saved.get("eps", mine["eps"]),
-                saved.get("weight_decay", mine["weight_decay"]),
-                adamw=bool(saved_adamw),
-            )
+        loads = plan_load(state_dict, self.param_groups, [e.param.numel() for e in self._entries])
+        groups: list[dict[str, Any]] = state_dict["param_groups"]  # checked by plan_load
         # checked: now change things
         self.flush()
         self._abort_open()

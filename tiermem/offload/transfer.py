@@ -8,13 +8,64 @@ one STATE_READ / STATE_WRITE round trip.  ``state_dict`` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from tiermem.client import Client
-from tiermem.errors import InvalidState
+from tiermem.errors import InvalidArgument, InvalidState
+from tiermem.offload.args import check_hyper
 from tiermem.protocol import MemRef
 
-__all__ = ["StateTransfer"]
+__all__ = ["StateTransfer", "plan_load"]
+
+
+def plan_load(
+    state_dict: Any, param_groups: Sequence[dict[str, Any]], numels: Sequence[int]
+) -> list[tuple[int, dict[str, Any], int]]:
+    """Check a ``torch.optim.AdamW``-format state dict against this optimizer's groups and tensor sizes, before
+    anything is changed; returns ``(tensor id, state entry, step)`` per param that has state in it."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(param_groups):
+        raise InvalidArgument(
+            f"state dict has {len(groups) if isinstance(groups, list) else 'no'} param groups, "
+            f"this optimizer has {len(param_groups)}"
+        )
+    mapping: dict[Any, int] = {}
+    tid = 0
+    for mine, saved in zip(param_groups, groups, strict=True):
+        if len(mine["params"]) != len(saved["params"]):
+            raise InvalidArgument(
+                f"a saved param group has {len(saved['params'])} params, the matching group here has "
+                f"{len(mine['params'])}"
+            )
+        for key in saved["params"]:
+            mapping[key] = tid
+            tid += 1
+    loads: list[tuple[int, dict[str, Any], int]] = []
+    for key, entry in state_dict.get("state", {}).items():
+        if key not in mapping:
+            raise InvalidArgument(f"state for param {key!r}, which no param group lists")
+        t = mapping[key]
+        for name in ("exp_avg", "exp_avg_sq"):
+            value = entry.get(name)
+            if not isinstance(value, torch.Tensor) or value.numel() != numels[t]:
+                raise InvalidArgument(
+                    f"state {name} of param {key!r} has "
+                    f"{value.numel() if isinstance(value, torch.Tensor) else 'no'} elements, not {numels[t]}"
+                )
+        loads.append((t, entry, int(float(entry["step"]))))
+    for mine, saved in zip(param_groups, groups, strict=True):
+        saved_adamw = saved.get("adamw", saved.get("decoupled_weight_decay", mine.get("adamw", True)))
+        check_hyper(
+            saved.get("lr", mine["lr"]),
+            tuple(saved.get("betas", mine["betas"])),
+            saved.get("eps", mine["eps"]),
+            saved.get("weight_decay", mine["weight_decay"]),
+            adamw=bool(saved_adamw),
+        )
+    return loads
 
 
 class StateTransfer:
