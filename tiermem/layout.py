@@ -37,7 +37,7 @@ from math import prod
 
 from tiermem.errors import DTypeError, InvalidArgument
 
-__all__ = ["DTYPE_NBYTES", "Bucket", "Layout", "TensorSlot", "TensorSpec", "plan_layout"]
+__all__ = ["DTYPE_NBYTES", "Bucket", "Layout", "TensorSlot", "TensorSpec", "group_buckets", "plan_layout"]
 
 DTYPE_NBYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _REGION_ALIGN = 4096
@@ -115,6 +115,24 @@ class Layout:
         raise InvalidArgument(f"no tensor named {name!r} is registered")
 
 
+def group_buckets(nbytes: list[int], bucket_nbytes: int) -> list[list[int]]:
+    """Buckets of tensor indices: walk the tensors from the last to the first (backward produces the last
+    layers' grads first), closing a bucket once it reaches ``bucket_nbytes``; members ascending, buckets in
+    that (backward) order."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for index in range(len(nbytes) - 1, -1, -1):
+        current.append(index)
+        size += nbytes[index]
+        if size >= bucket_nbytes:
+            groups.append(sorted(current))
+            current, size = [], 0
+    if current:
+        groups.append(sorted(current))
+    return groups
+
+
 def plan_layout(specs: list[TensorSpec], *, bucket_nbytes: int, grad_buffers: int = 1) -> Layout:
     """Lay out ``specs``; all tensors share one working dtype (a job's model precision)."""
     if not specs:
@@ -136,19 +154,7 @@ def plan_layout(specs: list[TensorSpec], *, bucket_nbytes: int, grad_buffers: in
     (dtype,) = dtypes
     itemsize = DTYPE_NBYTES[dtype]
 
-    # Buckets: walk tensors from the last to the first, closing a bucket once it
-    # reaches bucket_nbytes.  Then number buckets in that (backward) order.
-    groups: list[list[int]] = []
-    current: list[int] = []
-    current_nbytes = 0
-    for index in range(len(specs) - 1, -1, -1):
-        current.append(index)
-        current_nbytes += specs[index].numel * itemsize
-        if current_nbytes >= bucket_nbytes:
-            groups.append(sorted(current))
-            current, current_nbytes = [], 0
-    if current:
-        groups.append(sorted(current))
+    groups = group_buckets([s.numel * itemsize for s in specs], bucket_nbytes)
     bucket_of = {i: b for b, members in enumerate(groups) for i in members}
 
     slots: list[TensorSlot] = []

@@ -324,6 +324,13 @@ class RankOptimizer(StateIO):
         if groups and len(groups) != len(self.groups):
             raise InvalidArgument(f"the message carries {len(groups)} param groups, {len(self.groups)} are registered")
 
+    def _chunk_ranges(self, ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """The ``(chunk, lo, hi)`` ranges of the tensors ``ids``."""
+        _, state = self._parts()
+        return [
+            r for tid in ids for r in chunk_ranges(self.records[tid].start, self.records[tid].stop, state.chunk_numel)
+        ]
+
     def _advance(self, ids: Sequence[int], groups: Sequence[ParamGroup]) -> list[Piece]:
         """The pieces of an update of ``ids``; from here on they count as stepped."""
         _, state = self._parts()
@@ -435,12 +442,7 @@ class RankOptimizer(StateIO):
             self._install(ids)
             if not self.master_in_params and not self.staged:
                 params = self._region(layout.param_offset)
-                ranges = [
-                    r
-                    for tid in ids
-                    for r in chunk_ranges(self.records[tid].start, self.records[tid].stop, state.chunk_numel)
-                ]
-                self.runner.adopt(state, ranges, params)
+                self.runner.adopt(state, self._chunk_ranges(ids), params)
             pieces = self._advance(ids, groups)
             self.last_step = msg.step
             self._delayed = self.runner.submit(
@@ -516,10 +518,7 @@ class RankOptimizer(StateIO):
             self._uninstalled.difference_update(todo)
             return
         params = self._region(layout.param_offset)
-        ranges = [
-            r for tid in todo for r in chunk_ranges(self.records[tid].start, self.records[tid].stop, state.chunk_numel)
-        ]
-        self.runner.install(state, ranges, params)
+        self.runner.install(state, self._chunk_ranges(todo), params)
         self._uninstalled.difference_update(todo)
 
     def write_params(self, ids: Sequence[int]) -> None:

@@ -90,7 +90,7 @@ def adopt_edits(master: torch.Tensor, params: torch.Tensor) -> int:
     edited = params != master.to(params.dtype)
     count = int(edited.sum())
     if count:
-        master.copy_(torch.where(edited, params.to(torch.float32), master))
+        master[edited] = params[edited].to(torch.float32)  # only the edited elements are written
     return count
 
 

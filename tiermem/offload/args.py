@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tiermem.config import AdamConfig
 from tiermem.errors import InvalidArgument
 from tiermem.modes import Exchange, Placement, StepMode
 from tiermem.units import MiB, align_up
@@ -120,6 +121,7 @@ def private_pool_nbytes(
         # the NVMe tier's chunk cache (6 chunks of the default adam.chunk_numel, tiermemd.nvme) and one chunk
         # more: chunks of unequal size (the last one is short) leave holes between pinned blocks that
         # compaction cannot close
-        state = min(state, 7 * 4194304 * per_element + 7 * 4096)
+        chunk_numel = AdamConfig().chunk_numel
+        state = min(state, 7 * chunk_numel * per_element + 7 * 4096)
     window = window_nbytes or 2 * MiB
     return align_up(int(state * 1.02) + window + 32 * MiB)

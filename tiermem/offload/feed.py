@@ -192,7 +192,7 @@ class GradFeed:
 
     # ----------------------------------------------------------------- zeroing
 
-    def zero(self, *, set_to_none: bool, next_buffer: int) -> None:
+    def zero(self, *, set_to_none: bool) -> None:
         """``zero_grad``: with ``set_to_none=False`` the grads become the next step's zeroed grad views (in
         the delayed mode the current buffer is still being read by the update)."""
         for e in self.entries:
@@ -201,7 +201,7 @@ class GradFeed:
             if set_to_none:
                 e.param.grad = None
             else:
-                view = e.grad_views[next_buffer]
+                view = e.grad_views[self.buffer]
                 view.zero_()
                 e.param.grad = view
 

@@ -510,7 +510,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._open is not None:
             self._abort_open()  # a backward whose step() never came (interrupted): close its attempt
             self._new_step()
-        self.feed.zero(set_to_none=set_to_none, next_buffer=self.feed.buffer)
+        self.feed.zero(set_to_none=set_to_none)
 
     def _install(self) -> None:
         ids, self._inflight = self._inflight, []

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tiermem.errors import InvalidArgument, InvalidState
+from tiermem.layout import group_buckets
 from tiermem.modes import StepMode
 
 __all__ = ["Buckets", "StepPolicy", "plan_buckets"]
@@ -34,17 +35,7 @@ class Buckets:
 def plan_buckets(nbytes: Sequence[int], bucket_nbytes: int) -> Buckets:
     if bucket_nbytes <= 0:
         raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
-    groups: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for index in range(len(nbytes) - 1, -1, -1):
-        current.append(index)
-        size += nbytes[index]
-        if size >= bucket_nbytes:
-            groups.append(sorted(current))
-            current, size = [], 0
-    if current:
-        groups.append(sorted(current))
+    groups = group_buckets(list(nbytes), bucket_nbytes)
     bucket_of = [0] * len(nbytes)
     for b, members in enumerate(groups):
         for index in members:

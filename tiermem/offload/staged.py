@@ -95,7 +95,7 @@ class StagedFeed:
             ids.append(e.index)
         return ids
 
-    def zero(self, *, set_to_none: bool, next_buffer: int) -> None:
+    def zero(self, *, set_to_none: bool) -> None:
         for e in self.entries:
             if e.param.grad is None:
                 continue
