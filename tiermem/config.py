@@ -137,6 +137,9 @@ class JobLimits:
     """Largest staging window one job may ask for; 0 allows up to the pool's free space."""
     max_jobs: int = 64
     """Jobs that may be attached at once."""
+    max_jobs_per_uid: int = 0
+    """Jobs one uid may hold at once, so that one user cannot fill ``max_jobs`` for everyone; 0 means half of
+    ``max_jobs`` (rounded up)."""
     max_pool: int = _size(0)
     """Pool bytes one job may hold (its CPU-tier state and NVMe chunk cache); 0 allows the whole pool."""
     max_swap: int = _size(0)
@@ -147,7 +150,12 @@ class JobLimits:
     """Total bytes of shared tensor storage (the trainers' params and grads, which live in shared memory
     the daemon updates in place) all jobs together may hold; 0 means the node's physical memory."""
     grace_period_s: float = 300.0
-    """How long a job whose clients all died keeps its state for a reattach with its token."""
+    """How long a job whose clients all died keeps its state for a reattach with its token; also how long
+    swap and job files that no job owns, found at start, are kept before they are removed."""
+    commit_every: int = 0
+    """Commit the state of NVMe-placed ranks every this many steps (swap data synced, manifest and job file
+    written), so a daemon killed without a clean stop loses at most this many steps; 0 commits at shutdown
+    only.  What a restart lost is reported either way (the reattach reply carries the step the state is at)."""
 
     def __post_init__(self) -> None:
         _check_nonneg("jobs.max_window", self.max_window)
@@ -157,6 +165,8 @@ class JobLimits:
         _check_nonneg("jobs.max_pool", self.max_pool)
         _check_nonneg("jobs.max_swap", self.max_swap)
         _check_positive("jobs.max_jobs", self.max_jobs)
+        _check_nonneg("jobs.max_jobs_per_uid", self.max_jobs_per_uid)
+        _check_nonneg("jobs.commit_every", self.commit_every)
         if self.grace_period_s < 0:
             raise ConfigError("jobs.grace_period_s", f"must be >= 0, got {self.grace_period_s}")
 

@@ -25,6 +25,7 @@ __all__ = [
     "ConfigError",
     "ConnectionClosed",
     "CorruptionError",
+    "DaemonTimeout",
     "DaemonUnavailable",
     "DataLostError",
     "DTypeError",
@@ -35,6 +36,7 @@ __all__ = [
     "PoolExhausted",
     "ProtocolError",
     "SwapFullError",
+    "StaleStateError",
     "SwapIOError",
     "TiermemError",
     "UnknownJob",
@@ -267,6 +269,26 @@ class StepFailed(InvalidState):
         )
 
 
+class StaleStateError(InvalidState):
+    """The daemon holds a rank's state at an older step than the client's (a restart lost steps).
+
+    ``state_step`` is the step the daemon's state is at, ``client_step`` the step the client has reached.
+    Continuing from the older state needs an explicit roll-back (``OffloadAdam(rollback=True)``).
+    """
+
+    fields = ("state_step", "client_step")
+
+    def __init__(self, job_id: str, rank: int, state_step: int, client_step: int, why: str = "") -> None:
+        super().__init__(
+            f"tiermemd holds the state of job {job_id!r} rank {rank} at step {state_step}, older than this "
+            f"client's step {client_step}" + (f" ({why})" if why else "") + f": steps {state_step + 1}.."
+            f"{client_step} are not in it; pass rollback=True to continue from step {state_step}, or load a "
+            "checkpoint",
+            state_step=state_step,
+            client_step=client_step,
+        )
+
+
 class ConnectionClosed(TiermemError):
     """The peer closed the connection (or the connection was closed after a fatal error)."""
 
@@ -278,3 +300,25 @@ class DaemonUnavailable(TiermemError):
 
     def __init__(self, path: str, why: str) -> None:
         super().__init__(f"no tiermemd at {path}: {why}", path=path)
+
+
+class DaemonTimeout(DaemonUnavailable):
+    """The daemon went silent during a request: neither its reply nor a heartbeat came for ``timeout_s``.
+
+    Names the socket (``path``), the request (``request``, its message type) and how long the client
+    waited (``timeout_s``).  The connection is closed; the daemon may be stopped (SIGSTOP), wedged or
+    overloaded past its heartbeats.
+    """
+
+    fields = ("path", "request", "timeout_s")
+
+    def __init__(self, path: str, request: str, timeout_s: float) -> None:
+        TiermemError.__init__(
+            self,
+            f"no tiermemd at {path}: no reply to {request} and no heartbeat within {timeout_s:g}s "
+            "(the daemon is stopped, wedged or overloaded; raise the client timeout, timeout_s= or "
+            "TIERMEM_CLIENT_TIMEOUT_S, only if it is known to be busy)",
+            path=path,
+            request=request,
+            timeout_s=timeout_s,
+        )
