@@ -3,6 +3,8 @@
 Subcommands:
   demo      train a small GPT with its Adam state offloaded through tiermem and
             compare with in-process torch.optim.AdamW
+  estimate  memory per GPU, host and NVMe for a model under each ZeRO stage and
+            offload choice, and whether it fits this node
   version   print the version
 
 The CLI configures logging for itself; the library never prints.
@@ -51,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--swap-dir", help="directory for the NVMe tier (default: a temporary directory on disk)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(func=_demo)
+
+    from tiermem.estimate_cli import add_estimate_command
+
+    add_estimate_command(sub)
 
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=lambda _args: print(f"tiermem {__version__}") or 0)
