@@ -105,7 +105,7 @@ class Handlers:
                 f"window of {msg.window_nbytes} bytes exceeds jobs.max_window ({cfg.max_window} bytes)"
             )
         window_nbytes = align_up(max(msg.window_nbytes or cfg.window_size, PAGE_SIZE))
-        self._wait_for_dead_holder(msg.job_id, msg.rank)
+        self._wait_for_dead_holder(msg.job_id, msg.rank, session.cred.uid)
         job, created = self.jobs.attach(
             job_id=msg.job_id,
             rank=msg.rank,
@@ -118,14 +118,14 @@ class Handlers:
             if created:
                 for resource, quota in ((Resource.POOL, cfg.max_pool), (Resource.SWAP, cfg.max_swap)):
                     if quota:
-                        self.ledger.set_quota(job.job_id, resource, quota)
+                        self.ledger.set_quota(job.key, resource, quota)
             rank: RankOptimizer | None = job.ranks.get(msg.rank)
             if rank is None:
-                self.ledger.reserve(job.job_id, Resource.WINDOW, window_nbytes)
+                self.ledger.reserve(job.key, Resource.WINDOW, window_nbytes)
                 try:
                     window = Arena.create(window_nbytes, name=f"tiermem-{job.job_id}-{msg.rank}", mlock=True)
                 except BaseException:
-                    self.ledger.release(job.job_id, Resource.WINDOW, window_nbytes)
+                    self.ledger.release(job.key, Resource.WINDOW, window_nbytes)
                     raise
                 rank = RankOptimizer(
                     job_id=job.job_id,
@@ -140,7 +140,7 @@ class Handlers:
         except BaseException:
             self.jobs.session_gone(session.id)
             if created:
-                self.service.reclaim(self.jobs.discard(job.job_id))
+                self.service.reclaim(self.jobs.discard(job.job_id, job.owner_uid))
             raise
         session.job_id, session.rank = job.job_id, msg.rank
         session.transition(SessionState.ATTACHED)
@@ -170,13 +170,13 @@ class Handlers:
         job, rank = self._bound(session)
         if msg.keep_state:
             self.jobs.session_gone(session.id)
-        elif self.jobs.detach(job.job_id, rank.rank, session.id):
+        elif self.jobs.detach(job.job_id, rank.rank, session.id, job.owner_uid):
             self.service.reclaim([job])
         session.job_id = session.rank = None
         session.transition(SessionState.OPEN)
         return Reply(Ok())
 
-    def _wait_for_dead_holder(self, job_id: str, rank: int) -> None:
+    def _wait_for_dead_holder(self, job_id: str, rank: int, uid: int) -> None:
         """A restarted process may attach while its dead predecessor's session still finishes the request it
         was in: wait for that session to end (bounded), rather than refuse the rank as taken."""
         server = getattr(self.service, "server", None)
@@ -184,7 +184,7 @@ class Handlers:
             return
         deadline = time.monotonic() + _TAKEOVER_WAIT_S
         while time.monotonic() < deadline:
-            holder = self.jobs.holder(job_id, rank)
+            holder = self.jobs.holder(job_id, rank, uid)
             if holder is None or server.session_alive(holder):
                 return
             time.sleep(0.01)
@@ -193,7 +193,7 @@ class Handlers:
         if session.job_id is None or session.rank is None:
             return
         try:
-            job = self.jobs.get(session.job_id)
+            job = self.jobs.get(session.job_id, session.cred.uid)
         except UnknownJob:  # the job was reclaimed already
             return
         rank = job.ranks.get(session.rank)
@@ -222,7 +222,7 @@ class Handlers:
     def _bound(self, session: Session) -> tuple[Job, RankOptimizer]:
         if session.state is not SessionState.ATTACHED or session.job_id is None or session.rank is None:
             raise InvalidState("attach to a job first")
-        job = self.jobs.get(session.job_id)
+        job = self.jobs.get(session.job_id, session.cred.uid)
         rank = job.ranks.get(session.rank)
         if rank is None:
             raise InvalidState(f"rank {session.rank} of job {job.job_id!r} has no state")
@@ -276,12 +276,12 @@ class Handlers:
     def _make_storage(self, job: Job, rank: RankOptimizer, nbytes: int) -> tuple[Arena, int]:
         """The shared storage of a rank's params and grads, reserved in the storage budget."""
         nbytes = align_up(max(nbytes, PAGE_SIZE))
-        self.ledger.reserve(job.job_id, Resource.STORAGE, nbytes)
+        self.ledger.reserve(job.key, Resource.STORAGE, nbytes)
         try:
             # not reserved up front: the trainer's params move in one by one, freeing their old memory as they go
             arena = Arena.create(nbytes, name=f"tiermem-{job.job_id}-{rank.rank}-storage", mlock=False, reserve=False)
         except BaseException:
-            self.ledger.release(job.job_id, Resource.STORAGE, nbytes)
+            self.ledger.release(job.key, Resource.STORAGE, nbytes)
             raise
         return arena, next(self._window_ids)
 

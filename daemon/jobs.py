@@ -1,11 +1,14 @@
 """Jobs: who owns what, tokens, and the grace period after a crash.
 
-One ``Job`` record per training job on the node.  A job is created by the first
-attach that names a new job id; the creator's uid becomes its owner and the
-attach reply carries a random token.  Every later attach to that job (another
-rank, or a restarted process) must come from the same uid *and* present the
-token: a process of another job cannot join it by guessing the id, and a
-process of another uid can never attach to it at all.
+One ``Job`` record per training job on the node.  Job ids are scoped per uid:
+a job is ``(owner uid, job id)``, so two users who pick the same id get two
+jobs, and no uid can claim (or block) an id another uid uses.  A job is
+created by the first attach of its uid that names a new id; the attach reply
+carries a random token.  Every later attach to that job (another rank, or a
+restarted process) must present the token: a process of another job cannot
+join it by guessing the id, and a process of another uid never reaches it (it
+names its own job of that id).  ``max_jobs`` bounds the node's jobs and
+``max_jobs_per_uid`` one uid's, so one user cannot fill the node for everyone.
 
 States (``JobState``)::
 
@@ -32,7 +35,7 @@ from typing import Any
 
 from tiermem.errors import AdmissionError, AuthError, InvalidArgument, InvalidState, UnknownJob
 
-__all__ = ["Job", "JobState", "JobTable"]
+__all__ = ["Job", "JobState", "JobTable", "job_key"]
 
 _JOB_ID_MAX = 128
 
@@ -66,6 +69,11 @@ class Job:
     restored: dict[int, Any] = field(default_factory=dict)
     """rank -> ``RankRecord`` of a job reopened from a previous daemon's job file, until the rank re-registers."""
 
+    @property
+    def key(self) -> str:
+        """The job's name on this node (its budget account): the owner uid and the job id."""
+        return job_key(self.owner_uid, self.job_id)
+
     def transition(self, to: JobState, now: float) -> None:
         if to not in _MOVES[self.state]:
             raise InvalidState(f"job {self.job_id!r} cannot go from {self.state.value} to {to.value}")
@@ -73,46 +81,67 @@ class Job:
         self.orphaned_at = now if to is JobState.ORPHANED else None
 
 
+def job_key(uid: int, job_id: str) -> str:
+    return f"{uid}/{job_id}"
+
+
 class JobTable:
     """All jobs of the daemon; thread-safe."""
 
-    def __init__(self, *, grace_period_s: float, max_jobs: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        grace_period_s: float,
+        max_jobs: int,
+        max_jobs_per_uid: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``max_jobs_per_uid`` 0: half of ``max_jobs``, rounded up."""
         self.grace_period_s = grace_period_s
         self.max_jobs = max_jobs
+        self.max_jobs_per_uid = max_jobs_per_uid
         self._clock = clock
-        self._jobs: dict[str, Job] = {}
+        self._jobs: dict[tuple[int, str], Job] = {}
         self._lock = threading.RLock()
+
+    @property
+    def per_uid_limit(self) -> int:
+        return self.max_jobs_per_uid or -(-self.max_jobs // 2)
 
     def attach(
         self, *, job_id: str, rank: int, world_size: int, uid: int, token: str | None, session: int
     ) -> tuple[Job, bool]:
         """Bind ``session`` to ``(job_id, rank)``; returns the job and whether it was created.
 
-        Raises ``AuthError`` for a wrong uid or token, ``InvalidArgument`` for a
-        bad rank, ``AdmissionError`` when the node holds ``max_jobs`` jobs or the
-        rank is driven by another live session.
+        Raises ``AuthError`` for a wrong token, ``InvalidArgument`` for a bad
+        rank, ``AdmissionError`` when the node holds ``max_jobs`` jobs, the uid
+        holds ``max_jobs_per_uid``, or the rank is driven by another live session.
         """
         if not job_id or len(job_id) > _JOB_ID_MAX or not job_id.isprintable():
             raise InvalidArgument(f"job id must be 1..{_JOB_ID_MAX} printable characters, got {job_id!r}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise InvalidArgument(f"rank {rank} is not in [0, world_size={world_size})")
         with self._lock:
-            job = self._jobs.get(job_id)
+            job = self._jobs.get((uid, job_id))
             if job is None:
                 if token:
                     raise UnknownJob(
-                        f"job {job_id!r} does not exist (its grace period may have ended and its state was "
+                        f"uid {uid} has no job {job_id!r} (its grace period may have ended and its state was "
                         "reclaimed); attach without a token to start it anew"
                     )
-                live = sum(1 for j in self._jobs.values() if j.state is not JobState.RECLAIMED)
-                if live >= self.max_jobs:
-                    raise AdmissionError(f"the node already holds {live} jobs (jobs.max_jobs = {self.max_jobs})")
+                live = [j for j in self._jobs.values() if j.state is not JobState.RECLAIMED]
+                if len(live) >= self.max_jobs:
+                    raise AdmissionError(f"the node already holds {len(live)} jobs (jobs.max_jobs = {self.max_jobs})")
+                mine = sum(1 for j in live if j.owner_uid == uid)
+                if mine >= self.per_uid_limit:
+                    raise AdmissionError(
+                        f"uid {uid} already holds {mine} jobs (jobs.max_jobs_per_uid = {self.per_uid_limit}); "
+                        "close or detach one first"
+                    )
                 job = Job(job_id, uid, world_size, secrets.token_hex(16))
-                self._jobs[job_id] = job
+                self._jobs[(uid, job_id)] = job
                 created = True
             else:
-                if uid != job.owner_uid:
-                    raise AuthError(f"job {job_id!r} belongs to uid {job.owner_uid}; uid {uid} may not attach to it")
                 if not token or not hmac.compare_digest(token, job.token):
                     raise AuthError(
                         f"job {job_id!r} exists; attaching to it needs its token (returned by the first attach)"
@@ -132,17 +161,17 @@ class JobTable:
     def restore(self, *, job_id: str, owner_uid: int, token: str, world_size: int, ranks: dict[int, Any]) -> Job:
         """Re-create a job from a previous daemon's job file, ORPHANED: it waits for its token (grace period)."""
         with self._lock:
-            if job_id in self._jobs:
-                raise InvalidState(f"job {job_id!r} exists already")
+            if (owner_uid, job_id) in self._jobs:
+                raise InvalidState(f"job {job_id!r} of uid {owner_uid} exists already")
             job = Job(job_id, owner_uid, world_size, token, restored=dict(ranks))
             job.transition(JobState.ORPHANED, self._clock())
-            self._jobs[job_id] = job
+            self._jobs[(owner_uid, job_id)] = job
             return job
 
-    def holder(self, job_id: str, rank: int) -> int | None:
-        """The session driving ``rank`` of ``job_id``, if any."""
+    def holder(self, job_id: str, rank: int, uid: int) -> int | None:
+        """The session driving ``rank`` of uid ``uid``'s job ``job_id``, if any."""
         with self._lock:
-            job = self._jobs.get(job_id)
+            job = self._jobs.get((uid, job_id))
             return None if job is None else job.attached.get(rank)
 
     def session_gone(self, session: int) -> list[Job]:
@@ -159,10 +188,10 @@ class JobTable:
                         job.transition(JobState.ORPHANED, self._clock())
         return touched
 
-    def detach(self, job_id: str, rank: int, session: int) -> bool:
+    def detach(self, job_id: str, rank: int, session: int, uid: int) -> bool:
         """Clean detach of one rank; returns True when the whole job is finished (every rank detached)."""
         with self._lock:
-            job = self.get(job_id)
+            job = self.get(job_id, uid)
             if job.attached.get(rank) != session:
                 raise InvalidState(f"rank {rank} of job {job_id!r} is not attached by this connection")
             del job.attached[rank]
@@ -189,10 +218,10 @@ class JobTable:
                 self._reclaim(job)
             return due
 
-    def discard(self, job_id: str) -> list[Job]:
+    def discard(self, job_id: str, uid: int) -> list[Job]:
         """Reclaim one job now (a failed first attach); returns it for cleanup, or nothing."""
         with self._lock:
-            job = self._jobs.get(job_id)
+            job = self._jobs.get((uid, job_id))
             if job is None:
                 return []
             self._reclaim(job)
@@ -205,11 +234,11 @@ class JobTable:
                 self._reclaim(job)
             return jobs
 
-    def get(self, job_id: str) -> Job:
+    def get(self, job_id: str, uid: int) -> Job:
         with self._lock:
-            job = self._jobs.get(job_id)
+            job = self._jobs.get((uid, job_id))
             if job is None:
-                raise UnknownJob(f"no job {job_id!r} on this daemon")
+                raise UnknownJob(f"uid {uid} has no job {job_id!r} on this daemon")
             return job
 
     def jobs(self) -> list[Job]:
@@ -218,4 +247,4 @@ class JobTable:
 
     def _reclaim(self, job: Job) -> None:
         job.transition(JobState.RECLAIMED, self._clock())
-        self._jobs.pop(job.job_id, None)
+        self._jobs.pop((job.owner_uid, job.job_id), None)

@@ -44,11 +44,11 @@ CACHE_CHUNKS = 6
 PREFETCH_DEPTH = 2
 
 
-def store_name(job_id: str, rank: int) -> str:
-    """A file-system-safe, collision-free name for one rank's swap files."""
+def store_name(job_id: str, rank: int, uid: int) -> str:
+    """A file-system-safe, collision-free name for the swap files of one rank of uid ``uid``'s job."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", job_id).lstrip(".")[:80] or "job"
-    digest = hashlib.sha256(job_id.encode()).hexdigest()[:10]
-    return f"{safe}-{digest}.r{rank}"
+    digest = hashlib.sha256(f"{uid}/{job_id}".encode()).hexdigest()[:10]
+    return f"u{uid}-{safe}-{digest}.r{rank}"
 
 
 def _key(chunk: int) -> str:
@@ -119,12 +119,12 @@ class NvmeStateChunks:
         self.store.close(remove=remove)
 
 
-def remove_store(service: Service, job_id: str, rank: int) -> None:
+def remove_store(service: Service, job: Job, rank: int) -> None:
     """Delete the swap files of a rank that was never reopened (its job was reclaimed)."""
     try:
-        store = SwapStore.open(service.swap_dirs, store_name(job_id, rank), service.io_engine, 0)
+        store = SwapStore.open(service.swap_dirs, store_name(job.job_id, rank, job.owner_uid), service.io_engine, 0)
     except TiermemError as exc:
-        log.warning("could not remove the swap files of job %r rank %d: %s", job_id, rank, exc)
+        log.warning("could not remove the swap files of job %r rank %d: %s", job.job_id, rank, exc)
         return
     store.close(remove=True)
 
@@ -139,16 +139,16 @@ def make_nvme_state(
     cache_nbytes = min(state_nbytes, CACHE_CHUNKS * chunk_numel * per_element) + 4096 * CACHE_CHUNKS
     # out-of-place writes keep the old version until the next commit: room for the state and the cache again
     swap_nbytes = state_nbytes + cache_nbytes
-    service.ledger.reserve(job.job_id, Resource.POOL, cache_nbytes)
+    service.ledger.reserve(job.key, Resource.POOL, cache_nbytes)
     try:
-        service.ledger.reserve(job.job_id, Resource.SWAP, swap_nbytes)
+        service.ledger.reserve(job.key, Resource.SWAP, swap_nbytes)
     except BaseException:
-        service.ledger.release(job.job_id, Resource.POOL, cache_nbytes)
+        service.ledger.release(job.key, Resource.POOL, cache_nbytes)
         raise
     try:
         store = SwapStore.open(
             service.swap_dirs,
-            store_name(job.job_id, rank),
+            store_name(job.job_id, rank, job.owner_uid),
             service.io_engine,
             swap_nbytes,
             fsync=service.config.swap.fsync,
@@ -159,6 +159,6 @@ def make_nvme_state(
             store.close(remove=True)
             raise
     except BaseException:
-        service.ledger.release(job.job_id, Resource.POOL, cache_nbytes)
-        service.ledger.release(job.job_id, Resource.SWAP, swap_nbytes)
+        service.ledger.release(job.key, Resource.POOL, cache_nbytes)
+        service.ledger.release(job.key, Resource.SWAP, swap_nbytes)
         raise

@@ -110,15 +110,15 @@ class JobRecord:
         )
 
 
-def _path(directory: Path, job_id: str) -> Path:
+def _path(directory: Path, job_id: str, uid: int) -> Path:
     from tiermemd.nvme import store_name
 
-    return directory / f"{store_name(job_id, 0).rsplit('.r', 1)[0]}.job.json"
+    return directory / f"{store_name(job_id, 0, uid).rsplit('.r', 1)[0]}.job.json"
 
 
 def write_job_file(directory: Path, record: JobRecord) -> Path:
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    final = _path(directory, record.job_id)
+    final = _path(directory, record.job_id, record.owner_uid)
     tmp = final.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
@@ -135,9 +135,9 @@ def write_job_file(directory: Path, record: JobRecord) -> Path:
     return final
 
 
-def remove_job_file(directory: Path, job_id: str) -> None:
+def remove_job_file(directory: Path, job_id: str, uid: int) -> None:
     with contextlib.suppress(FileNotFoundError):
-        _path(directory, job_id).unlink()
+        _path(directory, job_id, uid).unlink()
 
 
 def load_job_files(directory: Path) -> list[JobRecord]:

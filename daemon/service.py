@@ -108,7 +108,11 @@ class Service:
                 or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
             }
         )
-        self.jobs = JobTable(grace_period_s=config.jobs.grace_period_s, max_jobs=config.jobs.max_jobs)
+        self.jobs = JobTable(
+            grace_period_s=config.jobs.grace_period_s,
+            max_jobs=config.jobs.max_jobs,
+            max_jobs_per_uid=config.jobs.max_jobs_per_uid,
+        )
         self.scheduler = CpuScheduler()
         if kernel is None:
             from tiermemd.kernel import default_kernel
@@ -231,13 +235,13 @@ class Service:
         def make(numel: int, keys: tuple[str, ...]) -> StateChunks:
             nbytes = numel * 4 * len(keys)
             if placement == "cpu":
-                self.ledger.reserve(job.job_id, Resource.POOL, nbytes)
+                self.ledger.reserve(job.key, Resource.POOL, nbytes)
                 try:
                     return CpuStateChunks(
                         self.pool, numel, self.config.adam.chunk_numel, owner=f"{job.job_id}/{rank}", keys=keys
                     )
                 except BaseException:
-                    self.ledger.release(job.job_id, Resource.POOL, nbytes)
+                    self.ledger.release(job.key, Resource.POOL, nbytes)
                     raise
             from tiermemd.nvme import make_nvme_state
 
@@ -258,11 +262,11 @@ class Service:
                 from tiermemd.nvme import remove_store
 
                 for rank_no in job.restored:
-                    remove_store(self, job.job_id, rank_no)
-                remove_job_file(self.jobs_dir, job.job_id)
+                    remove_store(self, job, rank_no)
+                remove_job_file(self.jobs_dir, job.job_id, job.owner_uid)
             job.restored.clear()
             self.scheduler.forget_prefix(f"{job.job_id}/")
-            held = self.ledger.release_all(job.job_id)
+            held = self.ledger.release_all(job.key)
             log.info(
                 "reclaimed job %r (%s)",
                 job.job_id,
@@ -336,9 +340,10 @@ class Service:
             return
         self.jobs.grace_period_s = fresh.jobs.grace_period_s
         self.jobs.max_jobs = fresh.jobs.max_jobs
+        self.jobs.max_jobs_per_uid = fresh.jobs.max_jobs_per_uid
         self.server.config = fresh.server
         log.info(
-            "SIGHUP: reloaded jobs.grace_period_s, jobs.max_jobs, server.allowed_uids/gids, "
+            "SIGHUP: reloaded jobs.grace_period_s, jobs.max_jobs, jobs.max_jobs_per_uid, server.allowed_uids/gids, "
             "server.max_connections_per_uid (other settings take effect on restart)"
         )
         self.notifier.ready("reloaded")

@@ -30,12 +30,35 @@ def test_first_attach_creates_the_job_and_later_ranks_need_the_token() -> None:
     assert again is job and not created
 
 
-def test_another_uid_can_never_attach_even_with_the_token() -> None:
+def test_job_ids_are_scoped_per_uid_so_another_uid_never_reaches_or_claims_a_job() -> None:
     jobs = table(Clock())
     job, _ = jobs.attach(job_id="a", rank=0, world_size=1, uid=1000, token=None, session=1)
     jobs.session_gone(1)
-    with pytest.raises(AuthError, match="belongs to uid 1000"):
+    # the same id from another uid names that uid's own job: with the first job's token there is none
+    with pytest.raises(UnknownJob, match="uid 1001 has no job 'a'"):
         jobs.attach(job_id="a", rank=0, world_size=1, uid=1001, token=job.token, session=2)
+    theirs, created = jobs.attach(job_id="a", rank=0, world_size=1, uid=1001, token=None, session=2)
+    assert created and theirs is not job and theirs.key != job.key and theirs.token != job.token
+    # and the first uid still reattaches to its own job, untouched
+    again, created = jobs.attach(job_id="a", rank=0, world_size=1, uid=1000, token=job.token, session=3)
+    assert again is job and not created
+    assert jobs.get("a", 1000) is job and jobs.get("a", 1001) is theirs
+
+
+def test_one_uid_cannot_fill_max_jobs_for_everyone() -> None:
+    jobs = table(Clock(), max_jobs=4)
+    assert jobs.per_uid_limit == 2
+    for i in range(2):
+        jobs.attach(job_id=f"j{i}", rank=0, world_size=1, uid=1000, token=None, session=i)
+    with pytest.raises(AdmissionError, match="uid 1000 already holds 2 jobs"):
+        jobs.attach(job_id="j2", rank=0, world_size=1, uid=1000, token=None, session=9)
+    for i in range(2):
+        jobs.attach(job_id=f"j{i}", rank=0, world_size=1, uid=1001, token=None, session=10 + i)
+    with pytest.raises(AdmissionError, match=r"jobs\.max_jobs = 4"):
+        jobs.attach(job_id="x", rank=0, world_size=1, uid=1002, token=None, session=20)
+    jobs.max_jobs_per_uid = 3
+    jobs.max_jobs = 8
+    jobs.attach(job_id="j2", rank=0, world_size=1, uid=1000, token=None, session=21)
 
 
 def test_a_live_rank_cannot_be_taken_over() -> None:
@@ -76,13 +99,14 @@ def test_detach_of_every_rank_finishes_the_job() -> None:
     job, _ = jobs.attach(job_id="a", rank=0, world_size=2, uid=0, token=None, session=1)
     jobs.attach(job_id="a", rank=1, world_size=2, uid=0, token=job.token, session=2)
     job.ranks.update({0: object(), 1: object()})
-    assert jobs.detach("a", 0, 1) is False
-    assert jobs.detach("a", 1, 2) is True
+    assert jobs.detach("a", 0, 1, 0) is False
+    assert jobs.detach("a", 1, 2, 0) is True
     assert job.state is JobState.RECLAIMED
 
 
 def test_bad_ranks_ids_and_the_job_limit_are_refused() -> None:
     jobs = table(Clock(), max_jobs=1)
+    assert jobs.per_uid_limit == 1
     with pytest.raises(InvalidArgument, match="rank 2"):
         jobs.attach(job_id="a", rank=2, world_size=2, uid=0, token=None, session=1)
     with pytest.raises(InvalidArgument, match="job id"):
