@@ -7,8 +7,8 @@
 # Setup (idempotent, fast the second time): a virtual environment in .venv;
 # torch reused when the system Python can import one, else the CPU build
 # torch==2.13.0+cpu (never a CUDA build on a machine without a GPU); the
-# project installed editable with its test extra; Debian's libaio1 installed
-# when missing and we are root.
+# project installed editable with its dev extra (tests, lint, matplotlib for
+# the plots); Debian's libaio1 installed when missing and we are root.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -81,5 +81,5 @@ case "$cmd" in
     bench) setup; name=$1; shift; exec "$VENV/bin/python" "benchmarks/bench_$name.py" "$@" ;;
     lint) setup; "$VENV/bin/ruff" check tiermem daemon tests benchmarks; "$VENV/bin/mypy" ;;
     shell) setup; exec "$VENV/bin/python" "$@" ;;
-    *) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; [ "$cmd" = help ] ;;
+    *) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; [ "$cmd" = help ] ;;
 esac

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Trains the same small GPT-style model on a generated text corpus several times from the same "
             "seed: with in-process torch.optim.AdamW (the reference), and with its Adam state offloaded "
-            "through tiermem. Prints loss and step time side by side."
+            "through tiermem. Shows each run's progress, prints loss and step time side by side, and writes the "
+            "runs' loss curves to a PNG."
         ),
     )
     demo.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
@@ -52,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--swap-dir", help="directory for the NVMe tier (default: a temporary directory on disk)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.add_argument(
+        "--plot",
+        default="tiermem-demo-loss.png",
+        metavar="PATH",
+        help="loss-curve PNG of the runs, written after the table (default tiermem-demo-loss.png in the current "
+        "directory; needs matplotlib)",
+    )
+    demo.add_argument("--no-plot", dest="plot", action="store_const", const="", help="write no loss-curve PNG")
     demo.set_defaults(func=_demo)
 
     from tiermem.estimate_cli import add_estimate_command

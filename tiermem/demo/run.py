@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -53,18 +53,28 @@ def _describe(optimizer: torch.optim.Optimizer) -> dict[str, str]:
     stats = getattr(optimizer, "stats", None)
     if stats is None:
         return {}
-    values = stats()
-    paged = values.get("rank_nvme_bytes_in", 0.0) + values.get("rank_nvme_bytes_out", 0.0)
-    return {"paged": format_size(paged)}
+    return {"paged": format_size(_paged_nbytes(stats()))}
+
+
+def _paged_nbytes(stats: object) -> int:
+    """Bytes of Adam state the rank moved between the pool and NVMe, from ``OffloadAdam.stats()``.
+
+    Reads the typed figures (``stats.rank.nvme``: read and written bytes) and the flat mapping of the
+    first protocol (``rank_nvme_bytes_in`` / ``_out``).
+    """
+    if isinstance(stats, Mapping):
+        return int(stats.get("rank_nvme_bytes_in", 0) + stats.get("rank_nvme_bytes_out", 0))
+    nvme = getattr(getattr(stats, "rank", None), "nvme", None)
+    return 0 if nvme is None else int(nvme.read_nbytes + nvme.written_nbytes)
 
 
 def _close(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     close = getattr(optimizer, "close", None)
     if close is None:
         return {}
-    values = optimizer.stats()  # type: ignore[attr-defined]
+    stats = optimizer.stats()  # type: ignore[attr-defined]
     close()
-    return {k: v for k, v in values.items() if k.startswith("rank_")}
+    return {"paged_nbytes": float(_paged_nbytes(stats))}
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -115,7 +125,24 @@ def run_demo(args: argparse.Namespace) -> int:
         if daemon is not None:
             daemon.stop()
     _report(results)
+    if args.plot:
+        _plot(results, args.plot, cfg)
     return 0
+
+
+def _plot(results: list[RunResult], path: str, cfg: GPTConfig) -> None:
+    from tiermem.demo.plot import PlotUnavailable, plot_losses
+
+    title = f"tiermem demo: GPT {cfg.num_params() / 1e6:.1f}M params, the same data and seed under each optimizer"
+    try:
+        written = plot_losses(results, path, title=title)
+    except PlotUnavailable as exc:
+        print(f"loss curves: not written: {exc}")
+        return
+    except OSError as exc:
+        print(f"loss curves: not written: cannot write {path}: {exc.strerror or exc}")
+        return
+    print(f"loss curves: {written}")
 
 
 def _report(results: list[RunResult]) -> None:
@@ -127,7 +154,7 @@ def _report(results: list[RunResult]) -> None:
     for r in results:
         dl = (r.final_loss - base.final_loss) / base.final_loss * 100
         ratio = r.median_step_s / base.median_step_s
-        paged = r.extra.get("rank_nvme_bytes_in", 0.0) + r.extra.get("rank_nvme_bytes_out", 0.0)
+        paged = r.extra.get("paged_nbytes", 0.0)
         print(
             f"{r.name:<14} {r.final_loss:>10.4f} {dl:>+12.2f}% {r.median_step_s * 1e3:>9.1f} {ratio:>12.2f}x "
             f"{format_size(paged):>9}"

@@ -9,14 +9,15 @@ update; step time is the cost).
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from tiermem.demo.model import GPT, CharCorpus, GPTConfig
-from tiermem.demo.progress import Progress
 
 __all__ = ["RunResult", "train_run"]
 
@@ -61,7 +62,17 @@ def train_run(
     optimizer = make_optimizer(model.parameters())
     data_gen = torch.Generator().manual_seed(seed + 1)
     result = RunResult(name)
-    progress = Progress(steps, name) if show else None
+    # on a terminal the bar redraws in place; in a log (CI, a pipe) a line every 10 s at most
+    interactive = sys.stderr.isatty()
+    progress = tqdm(
+        total=steps,
+        desc=f"{name:<12}",
+        unit="step",
+        file=sys.stderr,
+        disable=not show,
+        dynamic_ncols=interactive,
+        mininterval=0.1 if interactive else 10.0,
+    )
     try:
         for _ in range(steps):
             x, y = corpus.batch(batch_size, cfg.block_size, data_gen)
@@ -72,12 +83,14 @@ def train_run(
             optimizer.zero_grad(set_to_none=True)
             result.step_s.append(time.perf_counter() - start)
             result.losses.append(loss.item())
-            if progress is not None:
+            if show:
                 fields = {"loss": f"{loss.item():.3f}", "step": f"{result.step_s[-1] * 1e3:.0f}ms"}
                 if describe is not None:
                     fields.update(describe(optimizer))
-                progress.update(fields)
+                progress.set_postfix(fields, refresh=False)
+                progress.update()
     finally:
+        progress.close()
         if close is not None:
             result.extra.update(close(optimizer))
     return result

@@ -1,0 +1,62 @@
+"""``tiermem demo`` end to end: its progress display, its table and its loss-curve PNG."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def demo(*args: str, cwd) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    return subprocess.run(
+        [sys.executable, "-m", "tiermem.cli", "demo", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    rows = [line.split() for line in stdout.splitlines() if re.match(r"^(adamw|cpuadam|offload)", line)]
+    return {row[0]: row for row in rows}
+
+
+def test_demo_shows_progress_prints_its_table_and_writes_the_loss_png(tmp_path):
+    done = demo("--runs", "adamw", "--steps", "12", "--params", "1e5", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"adamw\s*: 100%\|.*\| 12/12 .*loss=", done.stderr)  # tqdm's bar, with the loss
+    assert "adamw" in table_rows(done.stdout)
+    png = tmp_path / "tiermem-demo-loss.png"  # the default: the current directory
+    assert f"loss curves: {png}" in done.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_quiet_names_an_unwritable_plot_path(tmp_path):
+    target = tmp_path / "missing" / "loss.png"
+    done = demo("--runs", "adamw", "--steps", "6", "--params", "1e5", "--quiet", "--plot", str(target), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "%|" not in done.stderr  # no progress bar
+    assert f"loss curves: not written: cannot write {target}" in done.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_plot_clears_the_path():
+    from tiermem.cli import build_parser
+
+    assert build_parser().parse_args(["demo"]).plot == "tiermem-demo-loss.png"
+    assert build_parser().parse_args(["demo", "--no-plot"]).plot == ""
+
+
+@pytest.mark.slow
+def test_demo_offloaded_runs_match_adamw_and_share_the_png(tmp_path):
+    done = demo(
+        "--runs", "adamw,offload-cpu,offload-nvme", "--steps", "20", "--params", "2e5",
+        "--swap-dir", str(tmp_path / "swap"), "--plot", str(tmp_path / "runs.png"), cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = table_rows(done.stdout)
+    assert set(rows) == {"adamw", "offload-cpu", "offload-nvme"}
+    assert rows["offload-cpu"][1] == rows["adamw"][1]  # the same final loss to 4 decimals
+    assert (tmp_path / "runs.png").stat().st_size > 0
