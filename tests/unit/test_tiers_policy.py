@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiermem.errors import InvalidArgument, InvalidState
-from tiermem.tiers.policy import AccessOrder, Candidate, choose_victims
+from tiermem.tiers.policy import AccessOrder, Candidate, NodeCandidate, choose_node_victims, choose_victims
 from tiermem.tiers.records import TensorRecord, TensorState
 
 
@@ -83,3 +83,26 @@ def test_tensor_states_reject_illegal_moves() -> None:
     r.move(TensorState.CPU)
     r.move(TensorState.PAGING_OUT)
     r.move(TensorState.NVME)
+
+
+def node(tenant: str, key: str, next_use_s: float, nbytes: int = 10, clean: bool = False) -> NodeCandidate:
+    return NodeCandidate(tenant, key, nbytes, next_use_s, clean)
+
+
+def test_node_victims_are_the_furthest_next_use_across_tenants() -> None:
+    offered = [node("a", "a1", 1.0), node("a", "a2", 9.0), node("b", "b1", 5.0), node("b", "b2", 0.5)]
+    got = choose_node_victims(offered, 20, {"a": 100, "b": 100})
+    assert [(v.tenant, v.key) for v in got] == [("a", "a2"), ("b", "b1")]
+
+
+def test_node_victims_never_take_a_tenant_below_its_floor() -> None:
+    offered = [node("a", "a1", 9.0), node("a", "a2", 8.0), node("b", "b1", 1.0), node("c", "c1", 99.0)]
+    # a holds 10 bytes above its floor: one tensor; c holds nothing above its floor (absent from spare)
+    got = choose_node_victims(offered, 30, {"a": 10, "b": 10})
+    assert [v.key for v in got] == ["a1", "b1"]
+    assert choose_node_victims(offered, 30, {}) == []
+
+
+def test_node_victims_prefer_clean_tensors_among_equal_next_uses() -> None:
+    offered = [node("a", "dirty", 3.0), node("b", "clean", 3.0, clean=True)]
+    assert [v.key for v in choose_node_victims(offered, 10, {"a": 10, "b": 10})] == ["clean"]

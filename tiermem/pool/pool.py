@@ -135,11 +135,12 @@ class BufferPool:
 
     # ------------------------------------------------------------------ blocks
 
-    def try_alloc(self, nbytes: int, *, owner: str = "") -> Block | None:
-        """A block of at least ``nbytes`` (best fit, then compaction, then eviction), or None."""
+    def try_alloc(self, nbytes: int, *, owner: str = "", evict: bool = True) -> Block | None:
+        """A block of at least ``nbytes`` (best fit, then compaction, then eviction unless ``evict`` is
+        False: memory borrowed above a guarantee must not push anyone out), or None."""
         with self._lock:
             self._require_open()
-            return allocate(self._allocators, nbytes, owner, self._evict)
+            return allocate(self._allocators, nbytes, owner, self._evict if evict else None)
 
     def alloc(self, nbytes: int, *, owner: str = "") -> Block:
         """Like ``try_alloc`` but raises ``PoolExhausted(requested, free, largest_free)``."""

@@ -177,11 +177,18 @@ class SwapStore:
         version = Version(number, nbytes, extents, ())
         outer: Future[int] = Future()
         try:
-            view = _view(address, nbytes)
-            version.crcs = tuple(self._checksum(view, key, number, extents, i) for i in range(len(extents)))
             futures = self._engine.submit(self._requests(IOOp.WRITE, version, address, keepalive))
         except BaseException as exc:
             self._write_done(record, version, exc, outer)
+            raise
+        # checksum while the disk writes the same (unchanging) memory; the version becomes readable only in
+        # gather's callback, attached once the checksums are set
+        try:
+            view = _view(address, nbytes)
+            version.crcs = tuple(self._checksum(view, key, number, extents, i) for i in range(len(extents)))
+        except BaseException as exc:
+            failed = exc  # the name ``exc`` is gone once this block ends; the callback runs later
+            gather(futures, lambda _err: self._write_done(record, version, failed, outer))
             raise
         gather(futures, lambda err: self._write_done(record, version, err, outer))
         return outer

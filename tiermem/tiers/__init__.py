@@ -2,11 +2,25 @@
 
 - ``records``: ``TensorRecord``, ``TensorState``, ``TierStats``;
 - ``policy``: pure eviction/prefetch policy (``AccessOrder``, ``choose_victims``);
-- ``manager``: ``TierManager`` (acquire/release, prefetch, the pool's evict callback).
+- ``manager``: ``TierManager`` (acquire/release, prefetch, the pool's evict callback);
+- ``shares``: ``PoolShares``, the node's owner of pool memory borrowed above the managers' floors.
 """
 
 from tiermem.tiers.manager import TierManager
-from tiermem.tiers.policy import AccessOrder, Candidate, choose_victims
+from tiermem.tiers.policy import AccessOrder, Candidate, NodeCandidate, choose_node_victims, choose_victims
 from tiermem.tiers.records import TensorRecord, TensorState, TierStats
+from tiermem.tiers.shares import PoolShares, SharesStats
 
-__all__ = ["AccessOrder", "Candidate", "TensorRecord", "TensorState", "TierManager", "TierStats", "choose_victims"]
+__all__ = [
+    "AccessOrder",
+    "Candidate",
+    "NodeCandidate",
+    "PoolShares",
+    "SharesStats",
+    "TensorRecord",
+    "TensorState",
+    "TierManager",
+    "TierStats",
+    "choose_node_victims",
+    "choose_victims",
+]

@@ -17,6 +17,13 @@ How it works:
 - ``evict(nbytes_needed)`` is the pool's eviction callback: it runs on the
   allocating thread with the pool's lock held and pages idle tensors out
   synchronously.
+- Elastic budget: the budget (``cpu_budget_nbytes``) is the guaranteed floor;
+  with ``ceiling_nbytes`` above it the manager also borrows free pool memory
+  up to the ceiling.  Page-ins beyond the floor allocate without eviction
+  (borrowing never takes memory from anyone); when one finds no room the
+  manager works within what it holds until its next pass.  The node's owner
+  of the pool (``shares.PoolShares``) takes borrowed memory back when another
+  allocation needs it (``node_candidates``, ``give_back``), never below the floor.
 
 Locking rule (deadlock freedom): the manager's lock is never held while calling
 the pool or the store, and I/O completions (which arrive on the engine's and
@@ -38,7 +45,7 @@ from typing import Any
 
 from tiermem.errors import InvalidArgument, InvalidState, PoolExhausted, TiermemError, UnknownKey
 from tiermem.swap.store import SwapStore
-from tiermem.tiers.policy import AccessOrder, Candidate, choose_victims
+from tiermem.tiers.policy import AccessOrder, Candidate, NodeCandidate, choose_victims
 from tiermem.tiers.records import TensorRecord, TensorState, TierStats
 from tiermem.units import align_up
 
@@ -57,13 +64,23 @@ class TierManager:
         store: SwapStore,
         cpu_budget_nbytes: int,
         *,
+        ceiling_nbytes: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if cpu_budget_nbytes <= 0:
             raise InvalidArgument(f"cpu_budget_nbytes must be > 0, got {cpu_budget_nbytes}")
+        ceiling = cpu_budget_nbytes if ceiling_nbytes is None else ceiling_nbytes
+        if ceiling < cpu_budget_nbytes:
+            raise InvalidArgument(
+                f"ceiling_nbytes ({ceiling}) must be at least cpu_budget_nbytes ({cpu_budget_nbytes})"
+            )
         self._pool = pool
         self._store = store
         self._budget = cpu_budget_nbytes
+        self._ceiling = ceiling
+        self._limit = ceiling  # what the pager plans to: the ceiling, or what it held when borrowing failed
+        self._use_s = 0.0  # moving average of the seconds between two acquires (0: not measured yet)
+        self._last_acquire_t: float | None = None
         self._clock = clock
         self._records: dict[str, TensorRecord] = {}
         self._lock = threading.Lock()
@@ -81,7 +98,19 @@ class TierManager:
         self._kicked = False
         self._closed = False
         self._counts: dict[str, Any] = dict.fromkeys(
-            ("acquires", "hits", "page_ins", "page_outs", "bytes_in", "bytes_out", "evictions", "io_errors"), 0
+            (
+                "acquires",
+                "hits",
+                "page_ins",
+                "page_outs",
+                "bytes_in",
+                "bytes_out",
+                "evictions",
+                "io_errors",
+                "given_back",
+                "grow_refused",
+            ),
+            0,
         )
         self._counts["wait_s"] = 0.0
         self._pager = threading.Thread(target=self._run, name="tiermem-pager", daemon=True)
@@ -195,26 +224,25 @@ class TierManager:
             self._kick_locked()
 
     def flush(self) -> None:
-        """Write every modified resident tensor to NVMe (keeping it resident), then commit the swap store."""
+        """Write every modified resident tensor to NVMe (keeping it resident), then commit the swap store.
+
+        Every write is submitted before the first is waited for, so the disk's queue stays full across
+        tensors and each checksum runs while earlier writes are on the disk.
+        """
         with self._lock:
             todo = [r for r in self._records.values() if r.state is T.CPU and (r.dirty or not r.on_nvme)]
             for r in todo:
                 r.move(T.PAGING_OUT)
         errors: list[BaseException] = []
-        for r in todo:
-            self._pool.pin(r.block)
-            try:
-                self._write(r).result()
-            except TiermemError as exc:
-                errors.append(exc)
-            else:
-                with self._lock:
+        for r, error in self._write_all(todo):
+            self._pool.unpin(r.block)
+            with self._cond:
+                if error is None:
                     r.dirty, r.on_nvme = False, True
-            finally:
-                self._pool.unpin(r.block)
-                with self._cond:
-                    r.move(T.CPU)
-                    self._kick_locked()
+                else:
+                    errors.append(error)
+                r.move(T.CPU)
+                self._kick_locked()
         if errors:
             raise errors[0]
         self._store.commit()
@@ -225,23 +253,86 @@ class TierManager:
         """The pool's callback: page idle tensors out now until ``nbytes_needed`` are freed; True if any was."""
         with self._lock:
             victims = self._victims(nbytes_needed, protect=set(), sooner_than=None)
-            records = [self._records[v.key] for v in victims]
-            for r in records:
+        return self.page_out([v.key for v in victims])
+
+    def page_out(self, keys: Sequence[str]) -> bool:
+        """Page the idle ones of ``keys`` out now (writing the dirty ones) and free their blocks; True if any was.
+
+        Synchronous: the caller (the pool's eviction callback, with the pool's lock held) waits for the
+        writes; they are all submitted before the first is waited for.  Keys that are in use, being paged
+        or no longer resident are skipped.
+        """
+        with self._lock:
+            records = []
+            for key in keys:
+                r = self._records.get(key)
+                if r is None or r.state is not T.CPU or r.waiters or r.write_failed or r.error is not None:
+                    continue
                 r.move(T.PAGING_OUT)
                 self._outgoing += r.padded_nbytes
+                records.append(r)
+        clean = [r for r in records if not r.dirty and r.on_nvme]
+        results = [(r, None) for r in clean] + self._write_all([r for r in records if r not in clean])
         freed = False
-        for r in records:
-            error: BaseException | None = None
-            if r.dirty or not r.on_nvme:
-                self._pool.pin(r.block)
-                try:
-                    self._write(r).result()
-                except TiermemError as exc:
-                    error = exc
-                finally:
-                    self._pool.unpin(r.block)
+        for r, error in results:
+            if r not in clean:
+                self._pool.unpin(r.block)
             freed = self._finish_page_out(r, error) or freed
         return freed
+
+    def node_candidates(self, tenant: str) -> tuple[int, list[NodeCandidate]]:
+        """For the node's pool owner: bytes held above the floor, and the idle tensors it could take back.
+
+        The estimate of a tensor's next use is its distance in the access order times the measured
+        seconds between two acquires (without an order: the uses since its last use, least recent
+        first); tensors an acquire waits for are never offered.
+        """
+        with self._lock:
+            spare = self._cpu - self._outgoing - self._budget
+            if spare <= 0:
+                return 0, []
+            per_use = self._use_s or 1e-3
+            out = []
+            for r in self._records.values():
+                if r.state is not T.CPU or r.waiters or r.write_failed or r.error is not None:
+                    continue
+                if self._order is not None:
+                    uses = self._order.distance(r.key, self._position)
+                else:
+                    uses = self._tick - r.last_use
+                out.append(NodeCandidate(tenant, r.key, r.padded_nbytes, uses * per_use, r.on_nvme and not r.dirty))
+            return spare, out
+
+    def give_back(self, keys: Sequence[str]) -> bool:
+        """Page ``keys`` out for another allocation of the node (see ``page_out``); no borrowing until the
+        next pass.  True if anything was freed."""
+        freed = self.page_out(keys)
+        with self._cond:
+            self._limit = max(self._budget, self._cpu)
+            self._counts["given_back"] += len(keys) if freed else 0
+        return freed
+
+    def _write_all(self, records: Sequence[TensorRecord]) -> list[tuple[TensorRecord, BaseException | None]]:
+        """Write each record's block (pinned here; the caller unpins), all submitted first; each with its error."""
+        futures: list[tuple[TensorRecord, Future[int] | BaseException]] = []
+        for r in records:
+            self._pool.pin(r.block)
+            try:
+                futures.append((r, self._write(r)))
+            except TiermemError as exc:
+                futures.append((r, exc))
+        out: list[tuple[TensorRecord, BaseException | None]] = []
+        for r, f in futures:
+            if isinstance(f, BaseException):
+                out.append((r, f))
+                continue
+            try:
+                f.result()
+            except TiermemError as exc:
+                out.append((r, exc))
+            else:
+                out.append((r, None))
+        return out
 
     # ------------------------------------------------------------------ facts
 
@@ -256,6 +347,12 @@ class TierManager:
                 tensors=len(self._records),
                 cpu_nbytes=self._cpu,
                 cpu_budget_nbytes=self._budget,
+                ceiling_nbytes=self._ceiling,
+                limit_nbytes=max(self._budget, self._limit),
+                given_back=c["given_back"],
+                grow_refused=c["grow_refused"],
+                prefetch_depth=self._depth,
+                use_s=self._use_s,
                 acquires=c["acquires"],
                 hits=c["hits"],
                 page_ins=c["page_ins"],
@@ -294,6 +391,12 @@ class TierManager:
     def _note_use(self, record: TensorRecord) -> None:
         self._tick += 1
         record.last_use = self._tick
+        now = self._clock()
+        if self._last_acquire_t is not None:
+            gap = now - self._last_acquire_t
+            self._use_s = gap if self._use_s == 0.0 else 0.8 * self._use_s + 0.2 * gap
+        self._last_acquire_t = now
+        previous = self._position
         if self._order is None:
             if record.key in self._traced:  # a second pass began: the first one is the order
                 self._order = AccessOrder(self._trace)
@@ -303,6 +406,8 @@ class TierManager:
                 self._traced.add(record.key)
         if self._order is not None and record.key in self._order:
             self._position = self._order.position_after(record.key, self._position) or 0
+            if self._position <= previous:  # a new pass: try borrowing up to the ceiling again
+                self._limit = self._ceiling
 
     def _kick_locked(self) -> None:
         self._kicked = True
@@ -333,16 +438,18 @@ class TierManager:
         return wanted
 
     def _plan(self) -> tuple[str, list[TensorRecord]] | None:
-        """The pager's next action: ("in", [record]) or ("out", victims); None when there is nothing to do now."""
+        """The pager's next action: ("in", [record]) within the floor, ("borrow", [record]) above it, or
+        ("out", victims); None when there is nothing to do now."""
+        limit = max(self._budget, self._limit)
         for key in self._wanted():
             record = self._records[key]
             need = record.padded_nbytes
-            if self._cpu + need <= self._budget:
+            if self._cpu + need <= limit:
                 record.move(T.PAGING_IN)
                 self._cpu += need
                 self._demand.pop(key, None)
-                return "in", [record]
-            if self._cpu - self._outgoing + need <= self._budget:
+                return ("in" if self._cpu <= self._budget else "borrow"), [record]
+            if self._cpu - self._outgoing + need <= limit:
                 return None  # page-outs in flight will make the room
             demand = key in self._demand
             protect = set(self._demand)
@@ -350,7 +457,7 @@ class TierManager:
             if not demand and self._order is not None:  # prefetch: keep what is needed sooner than this key
                 protect |= set(self._order.window(self._position, self._depth))
                 distance = self._order.distance(key, self._position)
-            deficit = self._cpu - self._outgoing + need - self._budget
+            deficit = self._cpu - self._outgoing + need - limit
             victims = self._victims(deficit, protect=protect, sooner_than=distance)
             if sum(v.nbytes for v in victims) >= deficit or (victims and demand):
                 records = [self._records[v.key] for v in victims]
@@ -389,8 +496,8 @@ class TierManager:
                     break
                 kind, records = step
                 for r in records:
-                    if kind == "in":
-                        self._page_in(r)
+                    if kind != "out":
+                        self._page_in(r, borrow=kind == "borrow")
                     else:
                         self._page_out(r)
             if self._closed:
@@ -406,9 +513,15 @@ class TierManager:
 
         return done
 
-    def _page_in(self, record: TensorRecord) -> None:
+    def _page_in(self, record: TensorRecord, *, borrow: bool = False) -> None:
         try:
-            block = self._pool.alloc(record.padded_nbytes, owner=f"tier:{record.key}")
+            if borrow:
+                block = self._pool.try_alloc(record.padded_nbytes, owner=f"tier:{record.key}", evict=False)
+                if block is None:
+                    self._borrow_refused(record)
+                    return
+            else:
+                block = self._pool.alloc(record.padded_nbytes, owner=f"tier:{record.key}")
         except TiermemError as exc:
             self._finish_page_in(record, None, exc)
             return
@@ -423,6 +536,17 @@ class TierManager:
             self._finish_page_in(record, block, exc)
             return
         future.add_done_callback(self._complete(lambda: self._finish_page_in(record, block, future.exception())))
+
+    def _borrow_refused(self, record: TensorRecord) -> None:
+        """The pool had no free room above the floor: work within what is held until the next pass."""
+        with self._cond:
+            self._cpu -= record.padded_nbytes
+            record.move(T.NVME if record.on_nvme else T.EMPTY)
+            if record.waiters:
+                self._demand.setdefault(record.key, None)
+            self._limit = max(self._budget, self._cpu)
+            self._counts["grow_refused"] += 1
+            self._kick_locked()
 
     def _finish_page_in(self, record: TensorRecord, block: Any, error: BaseException | None) -> None:
         if block is not None:

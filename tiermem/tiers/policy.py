@@ -13,6 +13,12 @@ when an order is known, else least recently used; among equals, clean tensors
 (whose NVMe copy is current, so eviction needs no write) first.  With
 ``sooner_than``, a tensor whose next use comes before that distance is never
 chosen: prefetching must not evict what is needed before what it fetches.
+
+``choose_node_victims`` is the same rule across the tier managers of a node
+(the pool's last resort, see ``shares``): each tenant offers its idle tensors
+with an estimate of the seconds until their next use (distances of different
+jobs are not comparable, times are), and a tenant gives up at most what it
+holds above its guaranteed floor.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 
 from tiermem.errors import InvalidArgument
 
-__all__ = ["AccessOrder", "Candidate", "choose_victims"]
+__all__ = ["AccessOrder", "Candidate", "NodeCandidate", "choose_node_victims", "choose_victims"]
 
 
 class AccessOrder:
@@ -110,6 +116,39 @@ def choose_victims(
     for c in ranked:
         if total >= nbytes_needed:
             break
+        victims.append(c)
+        total += c.nbytes
+    return victims
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCandidate:
+    """An idle tensor one tenant (a tier manager of the node) offers for eviction."""
+
+    tenant: str
+    key: str
+    nbytes: int
+    next_use_s: float
+    """Estimated seconds until its next use (inf: not expected again)."""
+    clean: bool
+
+
+def choose_node_victims(
+    candidates: Iterable[NodeCandidate], nbytes_needed: int, spare: dict[str, int]
+) -> list[NodeCandidate]:
+    """Victims across tenants, furthest next use first (clean first among equals), adding up to at least
+    ``nbytes_needed`` (fewer if not enough qualify); a tenant never gives more than ``spare[tenant]`` bytes
+    (what it holds above its guaranteed floor; missing: nothing)."""
+    left = dict(spare)
+    ranked = sorted(candidates, key=lambda c: (-c.next_use_s, not c.clean, c.tenant, c.key))
+    victims: list[NodeCandidate] = []
+    total = 0
+    for c in ranked:
+        if total >= nbytes_needed:
+            break
+        if c.nbytes > left.get(c.tenant, 0):
+            continue
+        left[c.tenant] -= c.nbytes
         victims.append(c)
         total += c.nbytes
     return victims

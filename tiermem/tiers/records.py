@@ -108,3 +108,14 @@ class TierStats:
     wait_s: float
     """Time ``acquire`` spent waiting for page-ins (I/O the prefetch did not hide)."""
     io_errors: int
+    ceiling_nbytes: int = 0
+    """Most pool bytes it may hold, borrowing above ``cpu_budget_nbytes`` (its guaranteed floor)."""
+    limit_nbytes: int = 0
+    """What the pager plans to now: the ceiling, or what it held when borrowing last failed."""
+    given_back: int = 0
+    """Tensors paged out because another allocation of the node needed the memory."""
+    grow_refused: int = 0
+    """Page-ins above the floor that found no free pool room (the manager then evicts its own)."""
+    prefetch_depth: int = 0
+    use_s: float = 0.0
+    """Moving average of the seconds between two acquires (what prefetch must stay ahead of)."""
