@@ -18,6 +18,13 @@ allocated, and which is stopped (SIGTERM, then waited for) when the client
 closes or the process exits; the child's ``--exit-with-parent`` stops it if
 this process dies first.
 
+Every reply wait is bounded by a timeout of the daemon's *silence* (see
+``tiermem.transport``: the daemon sends heartbeats while it works on a
+request, so long requests are not cut short): ``timeout_s=`` of ``connect``,
+else ``$TIERMEM_CLIENT_TIMEOUT_S`` (seconds; ``inf`` waits forever), else
+``DEFAULT_TIMEOUT_S`` (60 s).  Past it a request raises ``DaemonTimeout``
+naming the socket, the request and the time waited.
+
 A ``Client`` is one connection.  After ``attach`` it maps the job's window
 (the memfd the daemon sends) and exposes it as a ``torch.uint8`` tensor; all
 bulk data moves through that window, never through the socket.
@@ -46,7 +53,7 @@ from typing import Any
 import torch
 
 from tiermem.config import default_runtime_dir
-from tiermem.errors import ConfigError, DaemonUnavailable, ProtocolError, UnsafePathError
+from tiermem.errors import ConfigError, DaemonUnavailable, InvalidArgument, ProtocolError, UnsafePathError
 from tiermem.protocol import (
     Abort,
     Aborted,
@@ -71,10 +78,10 @@ from tiermem.protocol import (
     TensorSpec,
 )
 from tiermem.sockpath import SocketCandidate, Trust, socket_candidates
-from tiermem.transport import Connection, connect_trusted
+from tiermem.transport import DEFAULT_TIMEOUT_S, Connection, connect_trusted
 from tiermem.units import GiB, format_size
 
-__all__ = ["AttachInfo", "Client", "EmbeddedDaemon", "connect"]
+__all__ = ["DEFAULT_TIMEOUT_S", "AttachInfo", "Client", "EmbeddedDaemon", "client_timeout", "connect"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +98,10 @@ class AttachInfo:
     window_id: int
     window_nbytes: int
     reattached: bool
+    state_step: int = 0
+    """The step the rank's state is at (0: none yet)."""
+    state_from: str = "new"
+    """Where it comes from: ``new``, ``live``, ``shutdown`` or ``commit`` (see ``ATTACH_OK``)."""
 
 
 class EmbeddedDaemon:
@@ -347,11 +358,12 @@ class Client:
             StateWrite(tensor_id=tensor_id, key=key, offset=offset, src=src, step=step, accumulate=accumulate)
         )
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> StatsReply:
+        """The daemon's figures: the node, the jobs this uid may see, and this connection's rank (once attached)."""
         reply = self.conn.request(Stats())
         if not isinstance(reply, StatsReply):
             raise ProtocolError(f"expected STATS_REPLY, got {type(reply).__name__}")
-        return {k: float(v) for k, v in reply.values}
+        return reply
 
     def request(self, msg: Message) -> Message:
         return self.conn.request(msg)

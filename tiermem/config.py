@@ -194,6 +194,13 @@ class ServerConfig:
     a client past it is disconnected.  Requests themselves are answered one at a time per connection."""
     max_connections_per_uid: int = 256
     """Connections one uid may hold open."""
+    send_timeout_s: float = 10.0
+    """How long a reply may wait for room on a client's socket before the session is closed (a client that
+    sends requests without reading their replies).  A client that reads each reply never waits."""
+    stall_timeout_s: float = 120.0
+    """A worker thread (a session handling a request, the CPU scheduler, a rank's pipeline, the pidfd
+    watcher) busy this long without progress is wedged: it is logged by name, the systemd watchdog is no
+    longer fed, and heartbeats to clients waiting on it stop (their timeout fires)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.socket_mode <= 0o777:
@@ -202,6 +209,10 @@ class ServerConfig:
             raise ConfigError("server.max_frame", f"must be at least 4KiB, got {self.max_frame}")
         _check_positive("server.max_inflight", self.max_inflight)
         _check_positive("server.max_connections_per_uid", self.max_connections_per_uid)
+        if not self.send_timeout_s > 0:
+            raise ConfigError("server.send_timeout_s", f"must be > 0 seconds, got {self.send_timeout_s}")
+        if not self.stall_timeout_s > 0:
+            raise ConfigError("server.stall_timeout_s", f"must be > 0 seconds, got {self.stall_timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,7 +296,10 @@ def load_config(
     return _resolve_paths(config, env)
 
 
-_ENV_IGNORED = frozenset({"TIERMEM_CONFIG", "TIERMEM_SOCKET_PATH", "TIERMEM_NO_EMBED", "TIERMEM_DAEMON_USER"})
+_ENV_IGNORED = frozenset(
+    {"TIERMEM_CONFIG", "TIERMEM_SOCKET_PATH", "TIERMEM_NO_EMBED", "TIERMEM_DAEMON_USER", "TIERMEM_CLIENT_TIMEOUT_S"}
+)
+"""Variables the client reads (``tiermem.client``), not daemon settings."""
 
 
 def _read_toml(path: Path) -> dict[str, dict[str, Any]]:

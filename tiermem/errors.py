@@ -25,6 +25,7 @@ __all__ = [
     "ConfigError",
     "ConnectionClosed",
     "CorruptionError",
+    "DaemonTimeout",
     "DaemonUnavailable",
     "DataLostError",
     "DTypeError",
@@ -295,7 +296,29 @@ class ConnectionClosed(TiermemError):
 class DaemonUnavailable(TiermemError):
     """The client could not reach a daemon; names the socket path and why."""
 
-    fields = ("path",)
+    fields: ClassVar[tuple[str, ...]] = ("path",)
 
     def __init__(self, path: str, why: str) -> None:
         super().__init__(f"no tiermemd at {path}: {why}", path=path)
+
+
+class DaemonTimeout(DaemonUnavailable):
+    """The daemon went silent during a request: neither its reply nor a heartbeat came for ``timeout_s``.
+
+    Names the socket (``path``), the request (``request``, its message type) and how long the client
+    waited (``timeout_s``).  The connection is closed; the daemon may be stopped (SIGSTOP), wedged or
+    overloaded past its heartbeats.
+    """
+
+    fields: ClassVar[tuple[str, ...]] = ("path", "request", "timeout_s")
+
+    def __init__(self, path: str, request: str, timeout_s: float) -> None:
+        TiermemError.__init__(
+            self,
+            f"no tiermemd at {path}: no reply to {request} and no heartbeat within {timeout_s:g}s "
+            "(the daemon is stopped, wedged or overloaded; raise the client timeout, timeout_s= or "
+            "TIERMEM_CLIENT_TIMEOUT_S, only if it is known to be busy)",
+            path=path,
+            request=request,
+            timeout_s=timeout_s,
+        )

@@ -26,7 +26,18 @@ frames of ``tiermem.protocol``.  Invariants:
   readable when that process exits even if forked children keep the socket open.
 
 ``Connection`` is the blocking client: one request and its reply at a time
-under a lock (an optimizer thread and a hook thread may share it).
+under a lock (an optimizer thread and a hook thread may share it).  Its reply
+wait is bounded by ``timeout_s`` of *silence*: while the daemon works on a
+request it sends a heartbeat (a PONG with request id 0, see
+``docs/protocol.md``) every second, and each one restarts the wait, so a long
+request (a STEP paging state from NVMe, a wait for a delayed update) lives as
+long as the daemon makes progress, while a stopped or wedged daemon fails
+the request with ``DaemonTimeout`` after ``timeout_s`` (default
+``DEFAULT_TIMEOUT_S``).
+
+Memory per connection: the receive buffer (``max_frame``) is an anonymous
+mapping, so only the pages a frame touched are resident, and they are given
+back after a large frame; an idle connection costs a few KiB, not ``max_frame``.
 ``Listener``/``Peer`` are the daemon's side, usable from a thread per peer
 (blocking) or from an event loop (``Peer.set_blocking(False)`` plus
 ``loop.add_reader``; asyncio's stream API does not support SEQPACKET).
@@ -38,6 +49,7 @@ import array
 import contextlib
 import errno
 import grp
+import mmap
 import os
 import socket
 import stat
@@ -50,7 +62,9 @@ from types import TracebackType
 from tiermem.errors import (
     ConfigError,
     ConnectionClosed,
+    DaemonTimeout,
     DaemonUnavailable,
+    InvalidArgument,
     ProtocolError,
     TiermemError,
     UnsafePathError,
@@ -65,6 +79,7 @@ from tiermem.protocol import (
     Message,
     MsgType,
     Ping,
+    Pong,
     decode_frame,
     decode_message,
     encode_message,
@@ -81,6 +96,9 @@ from tiermem.sockpath import (
 )
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "HEARTBEAT",
+    "LISTEN_BACKLOG",
     "MAX_FDS",
     "Connection",
     "FrameSocket",
@@ -91,13 +109,28 @@ __all__ = [
     "bind_listener",
     "connect_socket",
     "connect_trusted",
+    "is_heartbeat",
     "open_peer_pidfd",
     "peer_cred",
+    "set_send_timeout",
     "size_send_buffer",
 ]
 
 MAX_FDS = 4
 """Most fds one frame may carry (the daemon sends one: the window memfd)."""
+DEFAULT_TIMEOUT_S = 60.0
+"""A client's default reply wait: the longest the daemon may stay silent (no reply, no heartbeat).
+
+The daemon sends a heartbeat every second while it works on a request, so this bounds silence, not the
+length of a request.  60 missed heartbeats ride out what a busy node does to a healthy daemon (CPU
+contention, a swap storm, a long garbage collection); a stopped or wedged daemon fails the training
+step within a minute with an error naming it, well before a collective's timeout (torch.distributed
+waits 10-30 minutes) would hide the cause."""
+HEARTBEAT = encode_message(Pong(), 0)
+"""What the daemon sends while a request runs: a PONG frame with request id 0 (which no request uses)."""
+LISTEN_BACKLOG = 4096
+"""Connections the kernel queues before ``accept`` (capped by ``net.core.somaxconn``)."""
+_LARGE_FRAME = 64 * 1024  # after a frame this large, the receive buffer's pages are given back
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+
 _SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 _UCRED = struct.Struct("3i")
@@ -180,7 +213,8 @@ class FrameSocket:
         self.max_frame = max_frame
         self.accept_fds = accept_fds
         self.max_send = size_send_buffer(sock, max_frame)
-        self._buf = bytearray(max_frame)
+        # anonymous memory: untouched pages cost nothing, so an idle connection does not hold max_frame
+        self._buf = mmap.mmap(-1, max_frame, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._view = memoryview(self._buf)
 
     def fileno(self) -> int:
@@ -188,9 +222,22 @@ class FrameSocket:
 
     def close(self) -> None:
         self.sock.close()
+        self._view.release()
+        with contextlib.suppress(BufferError):  # a caller still holding a view keeps the mapping alive
+            self._buf.close()
+
+    def send_nowait(self, data: bytes) -> bool:
+        """Send one small frame only if the socket has room now (a heartbeat); False when it was not sent."""
+        try:
+            self.sock.send(data, socket.MSG_DONTWAIT)
+        except OSError:
+            return False
+        return True
 
     def send(self, data: bytes, fds: Sequence[int] = ()) -> None:
-        """Send one frame (and ``fds`` with it).  ``ProtocolError`` when the frame exceeds what may be sent."""
+        """Send one frame (and ``fds`` with it).  ``ProtocolError`` when the frame exceeds what may be sent;
+        ``ConnectionClosed`` when the peer is gone, or has not made room within the socket's send timeout
+        (``set_send_timeout``: a peer that does not read its replies)."""
         if len(data) > self.max_send:
             raise ProtocolError(
                 f"frame of {len(data)} bytes exceeds the sendable maximum {self.max_send} "
@@ -206,6 +253,8 @@ class FrameSocket:
                 raise ProtocolError(f"frame of {len(data)} bytes refused by the kernel: {exc.strerror}") from None
             if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
                 raise ConnectionClosed(f"peer closed the connection: {exc.strerror}") from None
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK) or isinstance(exc, TimeoutError):
+                raise ConnectionClosed("peer does not read: no room for a frame within the send timeout") from None
             raise
 
     def recv(self) -> tuple[bytes, list[int]]:
@@ -231,8 +280,15 @@ class FrameSocket:
             raise ProtocolError(f"peer sent more than {MAX_FDS} file descriptors or other ancillary data")
         if nbytes > self.max_frame:
             _close_all(fds)
+            self._give_back(self.max_frame)
             raise ProtocolError(f"oversize frame: {nbytes} bytes, max_frame is {self.max_frame}; frame discarded")
-        return bytes(self._view[:nbytes]), fds
+        data = bytes(self._view[:nbytes])
+        self._give_back(nbytes)
+        return data, fds
+
+    def _give_back(self, nbytes: int) -> None:
+        if nbytes >= _LARGE_FRAME:
+            self._buf.madvise(mmap.MADV_DONTNEED)
 
     def set_blocking(self, blocking: bool) -> None:
         self.sock.setblocking(blocking)
@@ -245,6 +301,18 @@ def _collect_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
             usable = len(data) - len(data) % 4
             fds.extend(array.array("i", data[:usable]))
     return fds
+
+
+def set_send_timeout(sock: socket.socket, timeout_s: float | None) -> None:
+    """A kernel send timeout (``SO_SNDTIMEO``) on a blocking socket: a send the peer leaves no room for
+    fails with EAGAIN after ``timeout_s`` (None: wait forever)."""
+    micros = 0 if timeout_s is None else max(1, round(timeout_s * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", micros // 1_000_000, micros % 1_000_000))
+
+
+def is_heartbeat(raw: bytes) -> bool:
+    """Whether a frame read by a client is the daemon's heartbeat (not a reply)."""
+    return raw == HEARTBEAT
 
 
 def _close_all(fds: Sequence[int]) -> None:
@@ -295,7 +363,7 @@ def bind_listener(path: str | os.PathLike[str], *, mode: int = 0o660, group: str
                     directory, "was replaced while the socket was being bound", fix="check who can rename its parents"
                 )
             sdir.set_socket_access(name, mode=mode, gid=gid)
-            sock.listen(128)
+            sock.listen(LISTEN_BACKLOG)
             sdir.open_up(socket_dir_mode(mode), gid)
         except OSError as exc:
             sock.close()
@@ -417,16 +485,20 @@ class Listener:
 
 
 def connect_socket(path: str | os.PathLike[str], *, timeout_s: float | None = 5.0) -> socket.socket:
-    """A SEQPACKET socket connected to ``path``; ``DaemonUnavailable`` says why not."""
+    """A SEQPACKET socket connected to ``path``; ``DaemonUnavailable`` says why not.
+
+    The connect is blocking with a kernel send timeout (``SO_SNDTIMEO``), so when the daemon's backlog
+    is full (a connection storm) the kernel queues this connect until there is room, for up to
+    ``timeout_s``, instead of failing at once with EAGAIN as a non-blocking connect does."""
     where = os.fspath(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sock.settimeout(timeout_s)
     try:
+        set_send_timeout(sock, timeout_s)
         sock.connect(where)
+        set_send_timeout(sock, None)
     except OSError as exc:
         sock.close()
         raise DaemonUnavailable(where, _connect_reason(exc, timeout_s)) from None
-    sock.settimeout(None)
     return sock
 
 
@@ -467,7 +539,7 @@ def _connect_reason(exc: OSError, timeout_s: float | None) -> str:
         errno.EPERM: "permission denied",
         errno.ENOTDIR: "a component of the path is not a directory",
         errno.EPROTOTYPE: "the socket is not a SOCK_SEQPACKET socket (not a tiermemd socket)",
-        errno.EAGAIN: "the daemon's connection backlog is full",
+        errno.EAGAIN: f"the daemon's connection backlog stayed full for {timeout_s}s (overloaded or hung)",
     }
     name = errno.errorcode.get(exc.errno, str(exc.errno))
     return f"{name}: {reasons.get(exc.errno, exc.strerror)}"
@@ -492,12 +564,20 @@ class Connection:
     not read its id: an oversize frame, fds attached).  A lost
     or silent daemon, or a reply that breaks the protocol, closes the connection
     and raises ``DaemonUnavailable`` (or ``ProtocolError``); later calls raise
-    ``DaemonUnavailable``.
+    ``DaemonUnavailable``.  A daemon silent for ``timeout_s`` during a request
+    (no reply, no heartbeat) raises ``DaemonTimeout``; ``timeout_s=None`` waits forever.
     """
 
     def __init__(
-        self, sock: socket.socket, *, path: str = "", max_frame: int = DEFAULT_MAX_FRAME, timeout_s: float | None = None
+        self,
+        sock: socket.socket,
+        *,
+        path: str = "",
+        max_frame: int = DEFAULT_MAX_FRAME,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
     ) -> None:
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be > 0 seconds (or None: wait forever), got {timeout_s!r}")
         self.path = path
         self.timeout_s = timeout_s
         self._frames = FrameSocket(sock, max_frame=max_frame, accept_fds=True)
@@ -516,11 +596,12 @@ class Connection:
         cls,
         path: str | os.PathLike[str],
         *,
-        timeout_s: float | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
         connect_timeout_s: float = 5.0,
         max_frame: int = DEFAULT_MAX_FRAME,
     ) -> Connection:
-        """Connect to the daemon at ``path``; ``timeout_s`` bounds each reply wait (None: wait forever)."""
+        """Connect to the daemon at ``path``; ``timeout_s`` bounds the daemon's silence during each reply
+        wait (None: wait forever)."""
         sock = connect_socket(path, timeout_s=connect_timeout_s)
         return cls(sock, path=os.fspath(path), max_frame=max_frame, timeout_s=timeout_s)
 
@@ -677,9 +758,12 @@ class Connection:
             _set_recv_timeout(self._frames.sock, timeout_s)
             self._socket_timeout = timeout_s
         try:
-            return self._frames.recv()
+            while True:
+                raw, fds = self._frames.recv()  # each heartbeat restarts the kernel's receive timeout
+                if fds or not is_heartbeat(raw):
+                    return raw, fds
         except (BlockingIOError, TimeoutError):
-            why = f"no reply to {msg_type.name} within {timeout_s}s"
+            raise self._fail(DaemonTimeout(self.path, msg_type.name, timeout_s or 0.0)) from None
         except ConnectionClosed:
             why = f"the daemon closed the connection during {msg_type.name}"
         except ProtocolError as exc:
