@@ -46,6 +46,7 @@ back after a large frame; an idle connection costs a few KiB, not ``max_frame``.
 from __future__ import annotations
 
 import array
+import collections
 import contextlib
 import errno
 import grp
@@ -55,7 +56,7 @@ import socket
 import stat
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -626,6 +627,76 @@ class Connection:
         """Like ``request``, also returning the fds sent with the reply (the caller owns them)."""
         return self._exchange(msg, timeout_s)
 
+    def pipeline(
+        self,
+        requests: Iterable[Message],
+        *,
+        depth: int,
+        on_reply: Callable[[int, Message], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Send ``requests`` with up to ``depth`` of them outstanding; read their replies in order.
+
+        Request ``i`` is drawn from ``requests`` only once the reply of request ``i - depth`` was read and
+        handed to ``on_reply(i - depth, reply)``: a caller that stages request ``i``'s data in slot
+        ``i % depth`` of a buffer as it yields the request never overwrites bytes the daemon may still be
+        reading, and ``on_reply`` may copy a reply's data out of that slot before it is reused.  The daemon
+        answers a connection's requests in order, so this costs one round trip per ``depth`` requests
+        while both sides copy.  An error reply (or an error raised by ``requests`` or ``on_reply``) stops
+        the drawing of requests; the replies still coming are read, so the stream stays in step, and the
+        first error is raised.  The requests already sent after the failed one (at most ``depth - 1``) were
+        carried out by the daemon; their replies are not handed to ``on_reply``.  Returns the number of
+        requests sent."""
+        if depth < 1:
+            raise InvalidArgument(f"pipeline depth must be >= 1, got {depth}")
+        wait_s = timeout_s if timeout_s is not None else self.timeout_s
+        with self._lock:
+            self._check_open()
+            self._drain_abandoned()
+            pending: collections.deque[tuple[int, int, Message]] = collections.deque()
+            source = iter(requests)
+            sent = 0
+            error: Exception | None = None
+            exhausted = False
+            while True:
+                if not exhausted and error is None and len(pending) < depth:
+                    try:
+                        msg = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        continue
+                    except Exception as exc:
+                        error = exc
+                        continue
+                    if REPLY_TYPES.get(msg.TYPE) is None:
+                        error = ProtocolError(f"{msg.TYPE.name} is not a request that gets a reply")
+                        continue
+                    request_id = self._take_id()
+                    self.last_request_id = request_id
+                    data = encode_message(msg, request_id, max_frame=self._frames.max_frame)
+                    self._abandoned[request_id] = msg.TYPE  # until its reply is in hand (see _exchange)
+                    self._send(data)
+                    pending.append((sent, request_id, msg))
+                    sent += 1
+                    continue
+                if not pending:
+                    break
+                index, request_id, msg = pending.popleft()
+                reply, fds = self._read_reply(msg, request_id, wait_s)
+                if fds:
+                    _close_all(fds)
+                    raise self._fail(ProtocolError(f"{reply.TYPE.name} reply carried {len(fds)} unexpected fd(s)"))
+                if isinstance(reply, ErrorReply):
+                    error = error or reply.to_exception()
+                elif on_reply is not None and error is None:
+                    try:
+                        on_reply(index, reply)
+                    except Exception as exc:
+                        error = exc
+        if error is not None:
+            raise error
+        return sent
+
     def send_oneway(self, msg: Message) -> None:
         """Send a message that gets no reply (``BUCKET_READY``); its errors fail the next request."""
         if REPLY_TYPES.get(msg.TYPE, MsgType.OK) is not None:
@@ -666,24 +737,30 @@ class Connection:
             # between leaves the reply to be read (or found missing) before the next request
             self._abandoned[request_id] = msg.TYPE
             self._send(data)
-            raw, fds = self._recv(msg, timeout_s if timeout_s is not None else self.timeout_s)
-            self._abandoned.pop(request_id, None)
-            try:
-                frame = decode_frame(raw, max_frame=self._frames.max_frame)
-                if frame.request_id != request_id and not (frame.request_id == 0 and frame.type is MsgType.ERROR):
-                    raise ProtocolError(f"reply for request {frame.request_id} while waiting for {request_id}")
-                if frame.type is not expected and frame.type is not MsgType.ERROR:
-                    raise ProtocolError(f"{msg.TYPE.name} got a {frame.type.name} reply, expected {expected.name}")
-                if bool(fds) != bool(frame.flags & FLAG_FDS):
-                    raise ProtocolError(f"{frame.type.name}: {len(fds)} fd(s) received, flags {frame.flags:#x}")
-                reply = decode_message(frame)
-            except ProtocolError as exc:
-                _close_all(fds)
-                raise self._fail(exc) from None
+            reply, fds = self._read_reply(msg, request_id, timeout_s if timeout_s is not None else self.timeout_s)
         if isinstance(reply, ErrorReply):
             _close_all(fds)
             raise reply.to_exception()
         return reply, fds
+
+    def _read_reply(self, msg: Message, request_id: int, timeout_s: float | None) -> tuple[Message, list[int]]:
+        """Read the reply of ``request_id`` (an ``ErrorReply`` is returned, not raised); under the lock."""
+        expected = REPLY_TYPES.get(msg.TYPE)
+        raw, fds = self._recv(msg, timeout_s)
+        self._abandoned.pop(request_id, None)
+        try:
+            frame = decode_frame(raw, max_frame=self._frames.max_frame)
+            if frame.request_id != request_id and not (frame.request_id == 0 and frame.type is MsgType.ERROR):
+                raise ProtocolError(f"reply for request {frame.request_id} while waiting for {request_id}")
+            if frame.type is not expected and frame.type is not MsgType.ERROR:
+                name = expected.name if expected is not None else "none"
+                raise ProtocolError(f"{msg.TYPE.name} got a {frame.type.name} reply, expected {name}")
+            if bool(fds) != bool(frame.flags & FLAG_FDS):
+                raise ProtocolError(f"{frame.type.name}: {len(fds)} fd(s) received, flags {frame.flags:#x}")
+            return decode_message(frame), fds
+        except ProtocolError as exc:
+            _close_all(fds)
+            raise self._fail(exc) from None
 
     def take_late(self, request_id: int) -> Message | TiermemError | None:
         """The late reply of an abandoned request, once it has been read (None: not (yet) read)."""

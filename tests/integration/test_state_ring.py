@@ -1,0 +1,99 @@
+"""The staging window as a ring of slots: pipelined state transfer against a real tiermemd.
+
+``StateTransfer`` cuts the window into slots and keeps up to one request per
+slot outstanding (``Connection.pipeline``).  These tests hold it to exact
+round trips for every slot count and piece size (tensors smaller than, equal
+to and many times a slot, empty ones), and show that an error in the middle
+of a pipeline is raised once and leaves the connection usable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from offload_helpers import OffloadDaemon, offload_daemon
+
+from tiermem.errors import InvalidArgument
+from tiermem.protocol import MemRef, Ping, StateRead
+
+WINDOW = 4096
+SIZES = [0, 1, 511, 512, 513, 1024, 3000, 7]
+"""Elements: with two 2 KiB slots a slot holds 512 fp32, so these are empty, sub-slot, exact and multi-slot."""
+
+
+@pytest.fixture(scope="module")
+def offload() -> Iterator[OffloadDaemon]:
+    with offload_daemon() as daemon:
+        yield daemon
+
+
+def optimizer(offload: OffloadDaemon) -> tuple[list[torch.nn.Parameter], object]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in SIZES]
+    opt = offload.make(params, lr=1e-3, window_nbytes=WINDOW)
+    return params, opt
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 8])
+def test_push_many_then_pull_many_round_trips_exactly(offload: OffloadDaemon, slots: int) -> None:
+    params, opt = optimizer(offload)
+    transfer = opt.transfer  # type: ignore[attr-defined]
+    transfer.slots = slots
+    values = [torch.randn(n) for n in SIZES]
+    sent = transfer.push_many([(i, "exp_avg", v, 7, False) for i, v in enumerate(values)])
+    per = WINDOW // (slots if WINDOW >= slots * 64 else 1) // 64 * 64 // 4
+    assert sent == sum(max(1, -(-n // per)) for n in SIZES)
+    out = [torch.full((n,), float("nan")) for n in SIZES]
+    steps = transfer.pull_many_into([(i, "exp_avg", o) for i, o in enumerate(out)])
+    assert steps == [7] * len(SIZES)
+    for v, o in zip(values, out, strict=True):
+        torch.testing.assert_close(o, v, rtol=0, atol=0)
+    # accumulate adds piece by piece, into the right offsets
+    transfer.push_many([(i, "exp_avg", v, 7, True) for i, v in enumerate(values)])
+    for i, v in enumerate(values):
+        got, _ = transfer.pull(i, "exp_avg", v.numel())
+        torch.testing.assert_close(got, 2 * v, rtol=0, atol=0)
+    opt.close()  # type: ignore[attr-defined]
+
+
+def test_a_bad_request_mid_pipeline_is_raised_and_the_connection_stays_in_step(offload: OffloadDaemon) -> None:
+    params, opt = optimizer(offload)
+    transfer = opt.transfer  # type: ignore[attr-defined]
+    good = torch.arange(1, 3001, dtype=torch.float32)
+    bad = torch.ones(1)
+    items = [(6, "exp_avg", good, 1, False), (99, "exp_avg", bad, 1, False), (6, "exp_avg_sq", good, 1, False)]
+    with pytest.raises(InvalidArgument, match="99"):
+        transfer.push_many(items)
+    conn = transfer.client.conn
+    assert not conn.closed
+    conn.request(Ping())  # the replies of the requests after the bad one were read: the stream is in step
+    # what came before the bad request was written; of what came after, only the requests already out
+    # (depth - 1 = one piece of 512 elements) were carried out, nothing was drawn after the error reply
+    got, _ = transfer.pull(6, "exp_avg", 3000)
+    torch.testing.assert_close(got, good, rtol=0, atol=0)
+    after, _ = transfer.pull(6, "exp_avg_sq", 3000)
+    assert int((after[512:] != 0).sum()) == 0
+    assert int((after[:512] != 0).sum()) in (0, 512)
+
+
+def test_an_error_in_the_callers_copy_drains_the_pipeline(offload: OffloadDaemon) -> None:
+    params, opt = optimizer(offload)
+    transfer = opt.transfer  # type: ignore[attr-defined]
+    conn = transfer.client.conn
+    info = transfer.client.info
+    seen: list[int] = []
+
+    def on_reply(i: int, _reply: object) -> None:
+        seen.append(i)
+        if i == 1:
+            raise RuntimeError("copy failed")
+
+    reads = (StateRead(tensor_id=6, key="exp_avg", offset=0, dest=MemRef(info.window_id, 0, 64)) for _ in range(6))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        conn.pipeline(reads, depth=2, on_reply=on_reply)
+    assert seen == [0, 1]  # no callback after the error; the request already out was read, not handed over
+    conn.request(Ping())
+    with pytest.raises(InvalidArgument, match="depth"):
+        conn.pipeline([], depth=0)
