@@ -65,6 +65,7 @@ __all__ = [
     "estimate",
     "estimate_all",
     "fit",
+    "format_count",
     "format_gb",
     "parse_params",
     "render_table",
@@ -308,6 +309,14 @@ def format_gb(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def format_count(n: int) -> str:
+    """A parameter count as people write it: 7.5B, 350M, 1.2T, 125K."""
+    for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.4g}{unit}"
+    return str(n)
+
+
 def _verdict(f: Fit) -> str:
     failed = [name for name, ok in (("GPU", f.gpu), ("host", f.host), ("NVMe", f.nvme)) if ok is False]
     if failed:
@@ -321,7 +330,7 @@ def _verdict(f: Fit) -> str:
 def render_table(shape: RunShape, rows: list[tuple[Estimate, Fit]], node: NodeCapacity) -> str:
     """The human report: one line per configuration, then what the node offers."""
     head = (
-        f"{shape.params:.4g} params, {shape.gpus} GPUs on {shape.nodes} node(s) "
+        f"{format_count(shape.params)} params, {shape.gpus} GPUs on {shape.nodes} node(s) "
         f"({shape.gpus_per_node} ranks per node); mixed-precision Adam, 16 B/param of model states"
     )
     columns = ("offload", "stage", "GPU/device", "host/rank", "NVMe/rank", "host/node", "NVMe/node", "fits this node")

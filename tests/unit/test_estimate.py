@@ -203,6 +203,7 @@ def test_the_table_and_the_json_carry_the_same_figures():
     )
     rows = [(e, fit(e, node)) for e in estimate_all(PAPER)]
     text = render_table(PAPER, rows, node)
+    assert text.startswith("7.5B params, 64 GPUs on 1 node(s) (64 ranks per node)")
     lines = [line.split() for line in text.splitlines()]
     none_rows = [line for line in lines if line[:1] == ["none"]]
     assert [r[2] for r in none_rows] == ["120.0", "31.4", "16.6", "1.9"]
