@@ -69,6 +69,8 @@ class Daemon:
             (paths / "tiermem").symlink_to(src / "tiermem")
             (paths / "tiermemd").symlink_to(src / "daemon")
             env["PYTHONPATH"] = str(paths)
+        self.env = dict(env)
+        """The environment of this revision's processes (its clients speak its protocol version)."""
         notify_path = str(self.root / "notify")
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(notify_path)
@@ -153,22 +155,51 @@ def burst(daemon: Daemon, count: int, settle_s: float) -> dict[str, Any]:
     }
 
 
+def worker(daemon: Daemon, *args: str) -> Any:
+    """Run this script's client side as ``daemon``'s revision (its own library and protocol)."""
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *args, daemon.socket],
+        cwd=daemon.root,
+        env=daemon.env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def ping_worker(path: str, requests: int) -> list[float]:
+    with Connection.open(path, timeout_s=60.0) as conn:
+        for _ in range(100):
+            conn.request(Ping())
+        times = []
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            conn.request(Ping())
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def unread_worker(path: str, count: int) -> int:
+    """Pipeline ``count`` PINGs without reading a reply; then stay connected (until killed)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(path)
+    sock.settimeout(2.0)
+    sent = 0
+    with contextlib.suppress(OSError):
+        for i in range(1, count + 1):
+            sock.send(encode_message(Ping(), i))
+            sent += 1
+    print(json.dumps(sent), flush=True)
+    time.sleep(3600)
+    return sent
+
+
 def ping_rounds(daemons: list[Daemon], requests: int, rounds: int) -> list[dict[str, Any]]:
     samples: dict[str, list[float]] = {d.label: [] for d in daemons}
-    conns = {d.label: Connection.open(d.socket, timeout_s=60.0) for d in daemons}
-    try:
-        for _ in range(rounds):
-            for d in daemons:
-                conn = conns[d.label]
-                for _ in range(100):
-                    conn.request(Ping())
-                for _ in range(requests):
-                    t0 = time.perf_counter()
-                    conn.request(Ping())
-                    samples[d.label].append(time.perf_counter() - t0)
-    finally:
-        for conn in conns.values():
-            conn.close()
+    for _ in range(rounds):
+        for d in daemons:
+            samples[d.label].extend(worker(d, "--ping-worker", str(requests)))
     out = []
     for label, values in samples.items():
         values.sort()
@@ -185,22 +216,22 @@ def ping_rounds(daemons: list[Daemon], requests: int, rounds: int) -> list[dict[
 
 def drain(label: str, src: Path | None, unread: int) -> dict[str, Any]:
     idle = Daemon(label, src)
-    conn = Connection.open(idle.socket, timeout_s=60.0)
-    conn.request(Ping())
+    worker(idle, "--ping-worker", "10")
     idle_s = idle.stop()
-    conn.close()
     busy = Daemon(label, src)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sock.connect(busy.socket)
-    sock.settimeout(2.0)
-    sent = 0
-    with contextlib.suppress(OSError):
-        for i in range(1, unread + 1):
-            sock.send(encode_message(Ping(), i))
-            sent += 1
+    client = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--unread-worker", str(unread), busy.socket],
+        cwd=busy.root,
+        env=busy.env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert client.stdout is not None
+    sent = json.loads(client.stdout.readline())
     time.sleep(0.5)
     busy_s = busy.stop()
-    sock.close()
+    client.kill()
+    client.wait()
     return {"daemon": label, "idle_client_s": idle_s, "unread_client_s": busy_s, "pings_sent": sent}
 
 
@@ -213,7 +244,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--unread", type=int, default=2000, help="PINGs the non-reading client sends")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--ping-worker", type=int, metavar="N", help=argparse.SUPPRESS)
+    parser.add_argument("--unread-worker", type=int, metavar="N", help=argparse.SUPPRESS)
+    parser.add_argument("socket", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ping_worker:
+        print(json.dumps(ping_worker(args.socket, args.ping_worker)))
+        return
+    if args.unread_worker:
+        unread_worker(args.socket, args.unread_worker)
+        return
     sources: list[tuple[str, Path | None]] = [("this", None)]
     if args.baseline_src:
         sources.insert(0, ("baseline", Path(args.baseline_src).resolve()))
