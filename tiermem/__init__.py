@@ -18,10 +18,21 @@ _LAZY = {
     "CPUAdam": "tiermem.optim",
     "Client": "tiermem.client",
     "OffloadAdam": "tiermem.offload",
+    "ParamPager": "tiermem.offload",
     "connect": "tiermem.client",
+    "offload_params": "tiermem.offload",
 }
 
-__all__ = ["BufferPool", "CPUAdam", "Client", "OffloadAdam", "__version__", "connect"]
+__all__ = [
+    "BufferPool",
+    "CPUAdam",
+    "Client",
+    "OffloadAdam",
+    "ParamPager",
+    "__version__",
+    "connect",
+    "offload_params",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -49,6 +49,7 @@ from tiermem.errors import DTypeError, InvalidArgument, InvalidState, TiermemErr
 from tiermem.modes import Exchange, Placement, StepMode
 from tiermem.offload.args import check_hyper, check_torch_flags, private_pool_nbytes, step_mode
 from tiermem.offload.feed import GradFeed, TensorEntry
+from tiermem.offload.paging import ParamPager
 from tiermem.offload.policy import StepPolicy, plan_buckets
 from tiermem.offload.staged import StagedEntry, StagedFeed
 from tiermem.offload.state_view import StateView
@@ -170,7 +171,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._own_client = client is None
         self._entries: list[Any] = []
         """One record per tensor: ``TensorEntry`` (shared exchange) or ``StagedEntry``."""
-        self.feed: GradFeed | StagedFeed
+        self.feed: GradFeed | StagedFeed | ParamPager
         self._steps_sent = 0
         self._attempts = itertools.count(1)
         self._sent: _SentStep | None = None
@@ -271,8 +272,8 @@ class OffloadAdam(torch.optim.Optimizer):
                 feed = self.feed = StagedFeed(staged, self.transfer)
                 if info.reattached:
                     feed.pull_params(range(len(staged)))
-                else:
-                    feed.push_params(only_edited=False)
+                else:  # params made on the meta device get their values later (tiermem.offload_params)
+                    feed.push_params([e for e in staged if not e.param.is_meta], only_edited=False)
             else:
                 self._bind_shared(client, params, reply.slots, dtype, reattached=info.reattached)
             if info.reattached:
@@ -400,8 +401,8 @@ class OffloadAdam(torch.optim.Optimizer):
             self._new_step()
             raise InvalidState(
                 "torch.amp.GradScaler checks the grads for inf/nan itself, and grads released to tiermemd "
-                "(release_grads=True) are not there to check; train without a GradScaler (bf16 needs none) or "
-                "with release_grads=False"
+                "(release_grads=True, or params paged by offload_params) are not there to check; train without a "
+                "GradScaler (bf16 needs none) or with release_grads=False"
             )
         if found_inf is not None and float(found_inf) > 0:
             self._skipped += 1  # GradScaler found an overflow: skip, as torch's fused Adam does
@@ -480,7 +481,10 @@ class OffloadAdam(torch.optim.Optimizer):
             self._steps_sent = max(self._steps_sent, reply.last_step)
 
     def _settle(self) -> None:
-        """Read the outcome of an interrupted STEP before anything else goes to the daemon."""
+        """Read the outcome of an interrupted STEP (and wait for the param pager's transfers) before anything
+        else goes to the daemon."""
+        if isinstance(getattr(self, "feed", None), ParamPager):
+            self.feed.drain()  # type: ignore[union-attr]
         sent, self._sent = self._sent, None
         if sent is None:
             return

@@ -1,0 +1,499 @@
+"""Param paging (``tiermem.offload_params``): params live in a real private tiermemd and visit the trainer a
+submodule at a time.
+
+The device here is the trainer's memory with a budget.  The seed network (the
+first seed's four scalar layers) checks the gradients against its analytic
+formulas and the fetch / prefetch / release order against its pipeline; the
+demo GPT, 4x the budget, trains bitwise like the same optimizer without paging
+(the same engine), also with its state on NVMe past the pool budget; tied
+weights, a shared block, a root's own param, activation checkpointing, eval
+under ``no_grad``, ``state_dict`` through ``torch.save`` and a model made on
+the meta device come after.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from offload_helpers import BATCH, OffloadDaemon, corpus, offload_daemon
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+import tiermem
+from tiermem.demo.model import GPT, GPTConfig
+from tiermem.errors import InvalidArgument, InvalidState
+from tiermem.offload import ParamPager
+
+HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+WINDOW = 4096
+"""Smaller than most of the GPT's params: every fetch takes several pieces."""
+PAGING_GPT = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16)
+"""About 59k params (236 KiB): the largest submodule (the token embedding, 32 KiB) is a seventh of it."""
+
+
+@pytest.fixture(scope="module")
+def offload() -> Iterator[OffloadDaemon]:
+    with offload_daemon(settings={"jobs.max_jobs": 128}) as daemon:
+        yield daemon
+
+
+def make_opt(offload: OffloadDaemon, model: nn.Module, tier: str = "cpu", **kwargs: Any) -> Any:
+    return offload.make(
+        model.parameters(), offload=tier, exchange="staged", window_nbytes=WINDOW, **{**HYPER, **kwargs}
+    )
+
+
+def param_nbytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- the seed network
+
+
+def seed_net(
+    weights: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8), biases: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4)
+) -> nn.Sequential:
+    """Three Linear(1, 1) + ReLU layers and a last Linear(1, 1), with the given weights and biases."""
+    net = nn.Sequential(
+        nn.Linear(1, 1), nn.ReLU(), nn.Linear(1, 1), nn.ReLU(), nn.Linear(1, 1), nn.ReLU(), nn.Linear(1, 1)
+    )
+    with torch.no_grad():
+        for layer, w, b in zip(net[::2], weights, biases, strict=True):
+            layer.weight.fill_(w)
+            layer.bias.fill_(b)
+    return net
+
+
+def seed_loss(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (net(x) - x).pow(2).sum()
+
+
+def seed_gradients(x: float, w: list[float], b: list[float]) -> dict[str, float]:
+    """The first seed's formulas: forward h_m = ReLU(w_m h_{m-1} + b_m), y = w_4 h_3 + b_4, L = (y - x)^2 / 2,
+    and its backward, layer by layer (I is the indicator of a positive activation)."""
+    h1 = max(0.0, w[0] * x + b[0])
+    h2 = max(0.0, w[1] * h1 + b[1])
+    h3 = max(0.0, w[2] * h2 + b[2])
+    y = w[3] * h3 + b[3]
+    dy = y - x
+    dh3 = dy * w[3]
+    i3, i2, i1 = float(h3 > 0), float(h2 > 0), float(h1 > 0)
+    dh2 = dh3 * w[2] * i3
+    dh1 = dh2 * w[1] * i2
+    return {
+        "6.weight": dy * h3,
+        "6.bias": dy,
+        "4.weight": dh3 * h2 * i3,
+        "4.bias": dh3 * i3,
+        "2.weight": dh2 * h1 * i2,
+        "2.bias": dh2 * i2,
+        "0.weight": dh1 * x * i1,
+        "0.bias": dh1 * i1,
+    }
+
+
+def daemon_grads(pager: ParamPager) -> dict[str, float]:
+    """The grads as the daemon holds them (its ``grad`` state key), read back through the window."""
+    pager.drain()
+    out = {}
+    for e in pager.entries:
+        values, _ = pager.transfer.pull(e.index, "grad", e.shape.numel())
+        out[e.name] = float(values[0])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("x", "weights", "biases"),
+    [
+        (1.5, (0.5, 0.6, 0.7, 0.8), (0.1, 0.2, 0.3, 0.4)),  # every ReLU active
+        (2.0, (0.9, -1.2, 0.7, -0.6), (0.3, 0.1, 0.5, 0.2)),  # the second ReLU is dead: I(h2 > 0) = 0
+    ],
+)
+def test_seed_network_gradients_equal_the_seeds_formulas(
+    offload: OffloadDaemon, x: float, weights: tuple[float, ...], biases: tuple[float, ...]
+) -> None:
+    net = seed_net(weights, biases)
+    opt = make_opt(offload, net)
+    pager = tiermem.offload_params(net, opt, device_budget=16, prefetch=1)
+    seed_loss(net, torch.tensor([[x]])).backward()
+    expected = seed_gradients(x, list(weights), list(biases))
+    got = daemon_grads(pager)
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
+    assert all(p.grad is None for p in net.parameters())  # the grads went to the daemon as they landed
+
+
+def _seed_pipeline() -> list[tuple[str, str]]:
+    """The first seed's ZeRO-3 pipeline for one step after the first, one layer fetched ahead (layer k is
+    module ``2k - 2``): forward fetches layer 1 and, while each layer computes, the next, releasing each after
+    use; layer 4 is kept for backward ("if forward did not release it, the fetch is skipped").  Backward
+    computes layer m with layer m's weight (the grad of its input), so it fetches layers 4, 3, 2 in that order,
+    each while the one after it computes, and releases each once its grads are out; layer 1, whose input
+    needs no grad, is not fetched again."""
+    w, b = "weight", "bias"
+    events = [("fetch", f"0.{w}"), ("fetch", f"0.{b}")]
+    for layer in (1, 2, 3):
+        nxt = f"{2 * layer}"
+        events += [("prefetch", f"{nxt}.{w}"), ("prefetch", f"{nxt}.{b}")]
+        prev = f"{2 * layer - 2}"
+        events += [("release", f"{prev}.{w}"), ("release", f"{prev}.{b}")]
+    events += [("release", f"6.{b}")]  # end of forward: layer 4's weight is kept for its backward
+    for layer, prev in ((4, 3), (3, 2), (2, None)):
+        mod = f"{2 * layer - 2}"
+        if prev is not None:
+            events += [("prefetch", f"{2 * prev - 2}.{w}")]
+        events += [("grad", f"{mod}.{b}"), ("grad", f"{mod}.{w}"), ("release", f"{mod}.{w}")]
+    events += [("grad", f"0.{b}"), ("grad", f"0.{w}")]
+    return events
+
+
+def test_seed_network_fetch_and_release_follow_the_seeds_pipeline(offload: OffloadDaemon) -> None:
+    net = seed_net()
+    opt = make_opt(offload, net)
+    pager = tiermem.offload_params(net, opt, device_budget=16, prefetch=1)  # two layers' params
+    x = torch.tensor([[1.5]])
+    logs = []
+    for _ in range(3):
+        pager.events.clear()
+        seed_loss(net, x).backward()
+        logs.append(list(pager.events))
+        opt.step()
+        opt.zero_grad()
+    first = logs[0]
+    assert not [e for e in first if e[0] == "prefetch"]  # nothing recorded yet: every fetch waits
+    backward = first[first.index(("release", "6.bias")) + 1 :]
+    assert [n for ev, n in backward if ev == "fetch"] == ["6.weight", "4.weight", "2.weight"]
+    assert logs[1] == _seed_pipeline()
+    assert logs[2] == _seed_pipeline()
+    assert pager.peak_nbytes <= 16
+    assert pager.trace.missed == 0
+
+
+def test_seed_network_trains_like_torch(offload: OffloadDaemon) -> None:
+    net, ref = seed_net(), seed_net()
+    opt = make_opt(offload, net)
+    tiermem.offload_params(net, opt, device_budget=16, prefetch=1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    x = torch.tensor([[1.5]])
+    for _ in range(20):
+        for model, o in ((net, opt), (ref, ref_opt)):
+            seed_loss(model, x).backward()
+            o.step()
+            o.zero_grad()
+    for (name, got), want in zip(net.state_dict().items(), ref.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------- a transformer 4x the budget
+
+
+def paging_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(PAGING_GPT)
+
+
+def batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [corpus().batch(BATCH, PAGING_GPT.block_size, g) for _ in range(steps)]
+
+
+def run(model: nn.Module, opt: Any, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    losses = []
+    for x, y in data:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def assert_state_equal(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_gpt_four_times_the_budget_trains_bitwise_like_unpaged(offload: OffloadDaemon, prefetch: int) -> None:
+    paged, plain = paging_gpt(), paging_gpt()
+    budget = param_nbytes(paged) // 4
+    opt = make_opt(offload, paged)
+    pager = tiermem.offload_params(paged, opt, device_budget=budget, prefetch=prefetch)
+    data = batches(4)
+    assert run(paged, opt, data) == run(plain, make_opt(offload, plain), data)
+    assert_state_equal(paged, plain)
+    assert 0 < pager.peak_nbytes <= budget
+    assert pager.peak_grad_nbytes <= budget
+    if prefetch:
+        assert pager.counters["prefetches"] > 0 and pager.trace.missed == 0
+
+
+def test_nvme_state_past_the_pool_budget_with_paged_params_equals_the_in_memory_run() -> None:
+    data = batches(3)
+    results = []
+    for tier, settings in (("nvme", {"jobs.max_pool": "320KiB"}), ("cpu", {})):
+        with offload_daemon(settings={"jobs.max_jobs": 8, **settings}) as daemon:
+            model = paging_gpt()
+            state_nbytes = 16 * sum(p.numel() for p in model.parameters())  # master, moments, grad in fp32
+            opt = make_opt(daemon, model, tier)
+            if tier == "nvme":
+                assert opt.placement_used.value == "nvme"
+                assert state_nbytes >= 4 * 320 * 1024 * 0.7
+            pager = tiermem.offload_params(model, opt, device_budget=param_nbytes(model) // 4)
+            results.append((run(model, opt, data), model.state_dict()))
+            assert pager.peak_nbytes <= param_nbytes(model) // 4
+    (nvme_losses, nvme_state), (cpu_losses, cpu_state) = results
+    assert nvme_losses == cpu_losses
+    for name, value in cpu_state.items():
+        assert torch.equal(nvme_state[name], value), name
+
+
+# ----------------------------------------------------------------------------- reuse, checkpointing, eval
+
+
+class SharedBlockNet(nn.Module):
+    """A block applied twice, an embedding tied to the output projection, and a param of the root itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.block = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU())
+        self.scale = nn.Parameter(torch.full((16,), 0.5))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = x + self.block(x)
+        x = x + self.block(x) * self.scale
+        logits = F.linear(x, self.emb.weight)
+        return F.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1))
+
+
+def shared_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        (torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(steps)
+    ]
+
+
+def test_tied_weights_shared_block_and_root_param_train_like_unpaged(offload: OffloadDaemon) -> None:
+    torch.manual_seed(0)
+    paged = SharedBlockNet()
+    plain = copy.deepcopy(paged)
+    opt = make_opt(offload, paged)
+    budget = param_nbytes(paged) - 128  # all but the LayerNorm: the embedding is held through backward
+    pager = tiermem.offload_params(paged, opt, device_budget=budget, prefetch=1)
+    data = shared_batches(4)
+    assert run(paged, opt, data) == run(plain, make_opt(offload, plain), data)
+    assert_state_equal(paged, plain)
+    assert pager.peak_nbytes <= budget < param_nbytes(plain)
+
+
+class CheckpointedGPT(GPT):
+    """The demo GPT with each block under ``torch.utils.checkpoint``."""
+
+    reentrant = False
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        _, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        assert targets is not None
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_refetches_during_recomputation(offload: OffloadDaemon, reentrant: bool) -> None:
+    torch.manual_seed(0)
+    paged = CheckpointedGPT(PAGING_GPT)
+    paged.reentrant = reentrant
+    plain = copy.deepcopy(paged)
+    # a recomputed block keeps all its params until their grads land (the checkpoint holds its recomputed
+    # tensors), next to the tied embedding, held through backward: half the model here
+    budget = param_nbytes(paged) // 2
+    opt = make_opt(offload, paged)
+    pager = tiermem.offload_params(paged, opt, device_budget=budget, prefetch=2)
+    data = batches(3)
+    pager.events.clear()
+    plain_opt = make_opt(offload, plain)
+    assert run(paged, opt, data[:1]) == run(plain, plain_opt, data[:1])
+    fetched = [n for ev, n in pager.events if ev in ("fetch", "prefetch")]
+    # forward, then the recomputation in backward: every block's qkv weight comes twice
+    assert all(fetched.count(f"blocks.{i}.qkv.weight") >= 2 for i in range(PAGING_GPT.n_layer))
+    assert run(paged, opt, data[1:]) == run(plain, plain_opt, data[1:])
+    assert_state_equal(paged, plain)
+    assert pager.peak_nbytes <= budget
+
+
+def test_eval_under_no_grad_pages_and_matches_unpaged(offload: OffloadDaemon) -> None:
+    paged, plain = paging_gpt(), paging_gpt()
+    budget = param_nbytes(paged) // 4
+    opt = make_opt(offload, paged)
+    pager = tiermem.offload_params(paged, opt, device_budget=budget)
+    paged.eval()
+    plain.eval()
+    x, _ = batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(paged(x), plain(x))
+        assert torch.equal(paged(x), plain(x))
+    assert pager.peak_nbytes <= budget
+    assert pager.nbytes <= budget
+    assert all(p.grad is None for p in paged.parameters())
+
+
+# ----------------------------------------------------------------------------- state dicts, meta init
+
+
+def test_state_dict_round_trip_through_torch_save(offload: OffloadDaemon) -> None:
+    trained, plain = paging_gpt(0), paging_gpt(0)
+    opt = make_opt(offload, trained)
+    tiermem.offload_params(trained, opt, device_budget=param_nbytes(trained) // 4)
+    run(trained, opt, batches(2))
+    saved = trained.state_dict()
+    assert list(saved) == list(plain.state_dict())  # torch's keys
+    assert all(saved[k].shape == v.shape for k, v in plain.state_dict().items())
+    buf = io.BytesIO()
+    torch.save(saved, buf)
+    buf.seek(0)
+    restored = torch.load(buf)
+    other = paging_gpt(5)
+    other_opt = make_opt(offload, other)
+    pager = tiermem.offload_params(other, other_opt, device_budget=param_nbytes(other) // 4)
+    other.load_state_dict(restored)
+    for name, value in other.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    plain.load_state_dict(restored)
+    x, _ = batches(1, seed=7)[0]
+    with torch.no_grad():
+        assert torch.equal(other(x), plain(x))
+    assert pager.peak_nbytes <= param_nbytes(other) // 4
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        other.load_state_dict({**restored, "ln_f.weight": torch.ones(3)})
+
+
+def test_a_model_made_on_the_meta_device_is_initialized_into_the_daemon(offload: OffloadDaemon) -> None:
+    with torch.device("meta"):
+        model = GPT(PAGING_GPT)
+    opt = make_opt(offload, model)
+    budget = param_nbytes(model) // 4
+    torch.manual_seed(0)
+    pager = tiermem.offload_params(model, opt, device_budget=budget, init=GPT._init)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    state = model.state_dict()
+    assert torch.equal(state["ln_f.weight"], torch.ones(PAGING_GPT.n_embd))
+    assert torch.equal(state["blocks.0.qkv.bias"], torch.zeros(3 * PAGING_GPT.n_embd))
+    assert 0.015 < float(state["blocks.0.fc.weight"].std()) < 0.025  # GPT._init: normal(0, 0.02)
+    losses = run(model, opt, batches(3))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert pager.peak_nbytes <= budget
+
+
+def test_meta_params_without_an_initializer_are_refused(offload: OffloadDaemon) -> None:
+    class Bare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4))
+
+    with torch.device("meta"):
+        model = Bare()
+    opt = make_opt(offload, model)
+    with pytest.raises(InvalidArgument, match="no reset_parameters"):
+        tiermem.offload_params(model, opt, device_budget="1KiB")
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_arguments_are_refused_by_name(offload: OffloadDaemon) -> None:
+    net = seed_net()
+    with pytest.raises(InvalidArgument, match="exchange='staged'"):
+        tiermem.offload_params(net, offload.make(net.parameters(), exchange="shared"), device_budget=16)
+    net = seed_net()
+    opt = make_opt(offload, net)
+    with pytest.raises(InvalidArgument, match="smaller than the params of one submodule"):
+        tiermem.offload_params(net, opt, device_budget=4)
+    with pytest.raises(InvalidArgument, match="device_budget"):
+        tiermem.offload_params(net, opt, device_budget="lots")
+    with pytest.raises(InvalidArgument, match="prefetch"):
+        tiermem.offload_params(net, opt, device_budget=16, prefetch=-1)
+    bigger = nn.Sequential(net, nn.Linear(1, 1))
+    with pytest.raises(InvalidArgument, match="not in the optimizer"):
+        tiermem.offload_params(bigger, opt, device_budget=16)
+    tiermem.offload_params(net, opt, device_budget=16)
+    with pytest.raises(InvalidState, match="already paged"):
+        tiermem.offload_params(net, opt, device_budget=16)
+
+
+def test_a_use_past_the_budget_is_refused_naming_what_is_held(offload: OffloadDaemon) -> None:
+    class Outer(nn.Module):
+        """Owns ``w`` and, while it runs, also uses another module's weight."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(8, 8))
+            self.inner = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(F.linear(x, self.w), self.inner.weight)
+
+    model = Outer()
+    opt = make_opt(offload, model)
+    pager = tiermem.offload_params(model, opt, device_budget=300)  # one unit (at most 288 bytes), not two
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            InvalidState,
+            match=r"device_budget 300B cannot hold inner.weight \(256B\) as well: 256B are in use by 1 params \(w\)",
+        ),
+    ):
+        model(torch.ones(2, 8))
+    assert pager.peak_nbytes <= 300
+
+
+# ----------------------------------------------------------------------------- the trainer's memory
+
+
+def _rss_nbytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def test_the_trainers_memory_grows_by_the_budget_not_by_the_model() -> None:
+    """24 layers of 4 MiB (96 MiB of params) made on the meta device and paged through an 8 MiB budget: the
+    process's peak resident memory grows by a few times the budget (params, grads waiting for the I/O
+    thread, what the C allocator keeps of freed grads), far less than the model."""
+    layers, width = 24, 1024
+    with offload_daemon(settings={"adam.chunk_numel": 1 << 20}, pool_size=500 << 20) as daemon:
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(0))
+        warm = nn.Linear(width, width)  # torch's own first-use allocations are not the model's
+        warm(x).square().mean().backward()
+        del warm
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak resident set (VmHWM) to the current one
+        before = _rss_nbytes("VmRSS")
+        with torch.device("meta"):
+            model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+        opt = daemon.make(model.parameters(), offload="cpu", exchange="staged", window_nbytes=1 << 20, **HYPER)
+        budget = 8 << 20
+        pager = tiermem.offload_params(model, opt, device_budget=budget, prefetch=1)
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        growth = _rss_nbytes("VmHWM") - before
+        model_nbytes = param_nbytes(model)
+        assert pager.peak_nbytes <= budget and pager.peak_grad_nbytes <= budget
+        assert growth < model_nbytes // 2, f"peak RSS grew by {growth} bytes for a {model_nbytes}-byte model"
