@@ -51,4 +51,7 @@ class EngineKernel:
 
 
 def default_kernel(config: AdamConfig) -> EngineKernel:
-    return EngineKernel(AdamEngine.from_config(config, warmup=()))
+    engine = AdamEngine.from_config(config, warmup=())
+    # the native fp32 path and the eager one parallelise over torch's intra-op threads: as many as the engine's
+    torch.set_num_threads(engine.threads)
+    return EngineKernel(engine)

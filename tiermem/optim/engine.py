@@ -19,6 +19,17 @@ at least ``min_piece_numel`` elements each) that run on the engine's pool; the
 compiled kernels release the GIL, so an event loop in the same process keeps
 running.  With ``threads=1`` the update runs in the calling thread.
 
+The native path: an fp32 update with no output and no grad scaling (fp32
+params that are their own master, nothing to unscale or clip) runs torch's own
+fused CPU kernel (``torch._fused_adamw_`` / ``torch._fused_adam_``) over the
+whole range in the calling thread, parallel over torch's intra-op threads.
+It moves the same 28 bytes per param as the compiled kernel, costs a few
+microseconds per call instead of a compiled graph's guard checks, and needs
+no compiler in the process (the daemon of an fp32 job never imports inductor
+or runs a C++ compiler: about 250 MB less at peak).  With a grad scale the
+compiled kernel runs instead, because torch's fused kernel writes the
+unscaled grad back into ``.grad``.  ``native=False`` turns the path off.
+
 Overflow and clipping: ``grad_stats`` is one cheap read of a gradient piece,
 run per bucket as buckets arrive; once all are in, ``combine_grad_stats`` and
 ``clip_coefficient`` (``adam_math``) give the skip decision and the
@@ -92,6 +103,7 @@ class AdamEngine:
         cache_dir: str | None = None,
         warmup: Iterable[tuple[torch.dtype, torch.dtype | None]] = DEFAULT_WARMUP,
         min_piece_numel: int = 1 << 16,
+        native: bool = True,
     ) -> None:
         """``threads`` 0 uses every core this process may run on; ``compile`` False forces the eager path.
 
@@ -105,6 +117,7 @@ class AdamEngine:
             raise InvalidArgument(f"min_piece_numel must be >= 1, got {min_piece_numel}")
         self.threads = threads or len(os.sched_getaffinity(0))
         self.min_piece_numel = min_piece_numel
+        self.native = native and hasattr(torch, "_fused_adamw_")
         self._kernels = KernelSet(compile=compile, cache_dir=cache_dir or None)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tiermem-adam") if self.threads > 1 else None
         self.warm_up(warmup)
@@ -204,7 +217,19 @@ class AdamEngine:
         stop = numel if stop is None else stop
         if not 0 <= start <= stop <= numel:
             raise InvalidArgument(f"range [{start}, {stop}) is not within [0, {numel}]")
-        scalars = step_scalars(AdamHyper.of(group), step, grad_scale)
+        hyper = AdamHyper.of(group)
+        if self.native and out is None and grad.dtype == torch.float32 and grad_scale == 1.0:
+            native: Future[None] = Future()
+            try:
+                if stop > start:
+                    _run_native(
+                        master[start:stop], grad[start:stop], exp_avg[start:stop], exp_avg_sq[start:stop], hyper, step
+                    )
+                native.set_result(None)
+            except Exception as exc:
+                native.set_exception(exc)
+            return PendingUpdate([native])
+        scalars = step_scalars(hyper, step, grad_scale)
         rec = self._kernels.get(kernel_key(grad.dtype, None if out is None else out.dtype), hot=True)
         coef = torch.tensor(scalars, dtype=torch.float32)
         cuts = self._cuts(start, stop, compiled=rec.fn is not None)
@@ -252,6 +277,27 @@ def _run_piece(rec: KernelRecord, piece: _Piece, scalars: AdamScalars, coef: tor
         except Exception as exc:  # a compiler failure at call time: fall back, once
             rec.fail(exc)
     run_eager(p, g, m, v, out, scalars)
+
+
+def _run_native(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hyper: AdamHyper, step: int
+) -> None:
+    fused = torch._fused_adamw_ if hyper.adamw else torch._fused_adam_
+    fused(
+        [p],
+        [g],
+        [m],
+        [v],
+        [],
+        [torch.tensor(float(step))],
+        lr=hyper.lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=hyper.maximize,
+    )
 
 
 def kernel_key(grad_dtype: torch.dtype, out_dtype: torch.dtype | None) -> KernelKey:
