@@ -25,7 +25,7 @@ and variance: 16 bytes per parameter) per device under each ZeRO stage (0: 16P;
 choice (none; cpu: the optimizer states in tiermemd's pool; nvme: on its swap files,
 paged through a chunk cache), with what tiermem then keeps on the host and on NVMe per
 rank and per node, and whether that fits this node: its GPU memory, its available host
-memory (or the cgroup's limit when lower), or the free pool budget of a running tiermemd,
+memory (or its memory cgroup's headroom when lower), or the free pool budget of a running tiermemd,
 and the free disk of the swap directories (or the daemon's swap budget). Figures are in
 GB = 1e9 bytes, as the ZeRO paper counts them; activations and temporary buffers are not
 included. Example (the paper's): tiermem estimate --params 7.5e9 --gpus 64 --offload none
@@ -68,30 +68,45 @@ def add_estimate_command(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--params", type=_params, required=True, help="model parameters: 7.5e9, 7500000000 or 7.5B (K, M, B, T)"
+        "--params",
+        type=_params,
+        required=True,
+        metavar="N",
+        help="model parameters: 7.5e9, 7500000000 or 7.5B (K, M, B, T)",
     )
-    p.add_argument("--gpus", type=_positive_int, required=True, help="GPUs in the data-parallel group, all nodes")
     p.add_argument(
-        "--nodes", type=_positive_int, default=1, help="nodes they run on, the same number per node (default 1)"
+        "--gpus", type=_positive_int, required=True, metavar="N", help="GPUs in the data-parallel group, all nodes"
+    )
+    p.add_argument(
+        "--nodes",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="nodes they run on, the same number per node (default 1)",
     )
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="one ZeRO stage (default: all four)")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), help="one offload choice (default: all three)")
     p.add_argument(
         "--gpu-memory",
         type=_size,
+        metavar="SIZE",
         help="memory of one GPU, e.g. 80GB (default: the first CUDA device's, when torch sees one)",
     )
     p.add_argument(
         "--swap-dir",
         action="append",
+        metavar="DIR",
         help="swap directory to check for free disk (repeatable; default: the daemon settings' swap.dirs)",
     )
     p.add_argument(
         "--config",
+        metavar="PATH",
         help=f"tiermemd settings to read swap.dirs, jobs.window_size and adam.chunk_numel from "
         f"(default: $TIERMEM_CONFIG, else {DEFAULT_NODE_CONFIG} when it exists)",
     )
-    p.add_argument("--socket", help="tiermemd socket to ask for its budget (default: the one the client would use)")
+    p.add_argument(
+        "--socket", metavar="PATH", help="tiermemd socket to ask for its budget (default: the one the client would use)"
+    )
     p.add_argument("--no-daemon", action="store_true", help="do not ask a running tiermemd for its budget")
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table")
     p.set_defaults(func=_run, parser=p)
