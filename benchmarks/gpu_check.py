@@ -13,7 +13,13 @@ command line (``gpu_check.json``), a table on stdout:
    staging window, registered with ``cudaHostRegister``, (b) a
    ``torch.empty(pin_memory=True)`` buffer, (c) pageable memory;
 3. overlap: the step time (CUDA events around forward + backward + step) of a
-   larger MLP, synchronous against delayed, with the daemon's update time.
+   larger MLP, synchronous against delayed, with the daemon's update time;
+4. paging: the demo GPT on CUDA with its params paged by
+   ``tiermem.offload_params`` (copy stream and events) through a device budget
+   a quarter of its params, against the same optimizer without paging: the
+   largest difference of the params after the steps, the pager's peak of
+   materialized params, and ``torch.cuda.max_memory_allocated`` over the paged
+   steps against the unpaged ones.
 
     python benchmarks/gpu_check.py OUT_DIR [--steps 20]
 
@@ -170,6 +176,44 @@ def overlap(socket: str, steps: int) -> dict[str, Any]:
     return out
 
 
+def paging(socket: str, steps: int) -> dict[str, Any]:
+    from tiermem.demo.model import GPT, GPTConfig
+    from tiermem.offload import offload_params
+
+    cfg = GPTConfig(n_layer=8, n_head=8, n_embd=512, block_size=128)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=g).cuda() for _ in range(steps)]
+    out: dict[str, Any] = {}
+    models = {}
+    for name in ("unpaged", "paged"):
+        torch.manual_seed(0)
+        model = GPT(cfg).cuda()
+        param_nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        opt = OffloadAdam(model.parameters(), lr=1e-4, exchange="staged", client=connect(socket))
+        pager = offload_params(model, opt, device_budget=param_nbytes // 4) if name == "paged" else None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for tokens in data:
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        out[name] = {
+            "step_s": (time.perf_counter() - t0) / steps,
+            "param_nbytes": param_nbytes,
+            "max_allocated_over_start": torch.cuda.max_memory_allocated() - base,
+        }
+        if pager is not None:
+            out[name]["pager"] = pager.stats()
+            out["peak_within_budget"] = pager.peak_nbytes <= pager.budget
+        models[name] = {k: v.float().cpu() for k, v in model.state_dict().items()}
+        opt.close()
+    out["max_param_diff"] = max(float((models["paged"][k] - v).abs().max()) for k, v in models["unpaged"].items())
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
@@ -186,7 +230,7 @@ def main() -> None:
     t0 = time.perf_counter()
     owner = connect(pool_size=4 << 30, settings={"swap.fsync": False})
     try:
-        for name, fn in (("parity", parity), ("bandwidth", bandwidth), ("overlap", overlap)):
+        for name, fn in (("parity", parity), ("bandwidth", bandwidth), ("overlap", overlap), ("paging", paging)):
             try:
                 result[name] = fn(owner.socket_path, args.steps) if name != "bandwidth" else fn(owner.socket_path)
             except Exception as exc:  # one failing part must not hide the others' figures
