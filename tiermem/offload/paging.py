@@ -70,7 +70,6 @@ updates, a ``GradScaler``.
 from __future__ import annotations
 
 import collections
-import enum
 import functools
 import logging
 import time
@@ -86,6 +85,8 @@ from torch.overrides import TorchFunctionMode
 from tiermem.errors import DTypeError, InvalidArgument, InvalidState
 from tiermem.modes import Exchange, StepMode
 from tiermem.offload.copies import ParamCopies, copies_for
+from tiermem.offload.pagedparam import BufferCache, PagedParam, Residency, SavedParam
+from tiermem.offload.pagestate import PagedState
 from tiermem.offload.staged import StagedFeed
 from tiermem.offload.trace import FetchTrace
 from tiermem.units import format_size, parse_size
@@ -99,113 +100,6 @@ log = logging.getLogger(__name__)
 
 LOG_EVENTS = 100_000
 """Events kept in ``ParamPager.events`` (the oldest are dropped)."""
-
-
-class Residency(enum.Enum):
-    ABSENT = "absent"
-    """Only the placeholder is in the model; the data is in the daemon."""
-    FETCHING = "fetching"
-    """A fetch into the device is on the I/O thread."""
-    RESIDENT = "resident"
-    """The param's data is on the device and in the model."""
-
-
-_MOVES = {
-    Residency.ABSENT: frozenset({Residency.FETCHING}),
-    Residency.FETCHING: frozenset({Residency.RESIDENT}),
-    Residency.RESIDENT: frozenset({Residency.ABSENT}),
-}
-
-
-@dataclass(eq=False)
-class PagedParam:
-    """One paged param: where its data is, who needs it, and its grad in this step."""
-
-    index: int
-    """The optimizer's tensor id (its state record in the daemon)."""
-    param: nn.Parameter
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    placeholder: torch.Tensor
-    residency: Residency = Residency.ABSENT
-    data: torch.Tensor | None = None
-    """The param's values on the device: a view of ``buffer``."""
-    buffer: torch.Tensor | None = None
-    fetch: Future[Any] | None = None
-    leases: int = 0
-    """Running forwards that use it (nested or repeated modules count once each)."""
-    hold_task: int = -1
-    """The autograd graph task that needs it until its grad lands (-1: none)."""
-    landed: bool = False
-    """Its grad reached the daemon in this step."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * self.dtype.itemsize
-
-    @property
-    def idle(self) -> bool:
-        """On the device but needed by nobody now (may be kept for an upcoming use, or dropped)."""
-        return self.residency is not Residency.ABSENT and self.leases == 0 and self.hold_task < 0
-
-    def move(self, to: Residency) -> None:
-        if to not in _MOVES[self.residency]:
-            raise InvalidState(f"param {self.name!r} cannot go from {self.residency.value} to {to.value}")
-        self.residency = to
-
-    def describe(self) -> str:
-        return f"param {self.name!r} ({tuple(self.shape)}, {self.dtype}, {format_size(self.nbytes)})"
-
-
-@dataclass(frozen=True)
-class _SavedParam:
-    """A saved tensor that was a view of a materialized param: fetched again when backward unpacks it."""
-
-    entry: PagedParam
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-
-
-class _Buffers:
-    """Released param buffers kept for the next fetch of the same size and dtype (ZeRO-R's reused buffers).
-
-    Freeing and allocating a layer's params at every use leaves the C allocator holding the memory (glibc
-    raises its mmap threshold to the sizes it sees freed, then keeps them in its heap), so the process
-    would grow towards the model's size; reusing buffers keeps it at the budget.  A buffer someone else
-    still views (a checkpoint's recomputed tensors) is not reused, only dropped."""
-
-    def __init__(self) -> None:
-        self.free: collections.OrderedDict[int, tuple[tuple[int, torch.dtype], torch.Tensor]] = (
-            collections.OrderedDict()
-        )
-        self.nbytes = 0
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        for key, (kind, buf) in self.free.items():
-            if kind == (numel, dtype):
-                del self.free[key]
-                self.nbytes -= buf.numel() * buf.element_size()
-                return buf
-        return None
-
-    def give(self, buf: torch.Tensor) -> None:
-        if torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2:  # this buffer and the call's own
-            return  # viewed elsewhere: not ours to reuse
-        self.free[id(buf)] = ((buf.numel(), buf.dtype), buf)
-        self.nbytes += buf.numel() * buf.element_size()
-
-    def drop_oldest(self) -> bool:
-        if not self.free:
-            return False
-        _, (_, buf) = self.free.popitem(last=False)
-        self.nbytes -= buf.numel() * buf.element_size()
-        return True
-
-    def clear(self) -> None:
-        self.free.clear()
-        self.nbytes = 0
 
 
 class _CatchParams(TorchFunctionMode):
@@ -249,7 +143,7 @@ class _Frame:
     contexts: list[Any] = field(default_factory=list)
 
 
-class ParamPager:
+class ParamPager(PagedState):
     """Pages a model's params through tiermemd; also ``OffloadAdam``'s grad feed.  See the module docstring."""
 
     def __init__(
@@ -353,7 +247,7 @@ class ParamPager:
         self._frames: list[_Frame] = []
         self._tasks: set[int] = set()
         self._loading: dict[int, list[PagedParam]] = {}
-        self._buffers = _Buffers()
+        self._buffers = BufferCache()
         self._hooks: list[Any] = []
         self._mode = _CatchParams(self)
         for e in self.entries:
@@ -432,10 +326,10 @@ class ParamPager:
         e = self._by_storage.get(t.untyped_storage().data_ptr())
         if e is None:
             return t
-        return _SavedParam(e, t.size(), t.stride(), int(t.storage_offset()))
+        return SavedParam(e, t.size(), t.stride(), int(t.storage_offset()))
 
     def _unpack(self, saved: Any) -> Any:
-        if not isinstance(saved, _SavedParam):
+        if not isinstance(saved, SavedParam):
             return saved
         e = saved.entry
         self._use([e], lease=False, hold=_in_backward())
@@ -697,98 +591,6 @@ class ParamPager:
             e.landed = False
             e.param.grad = None
         self.accumulated = False
-
-    # ----------------------------------------------------------------- state dicts and initialization
-
-    def _push_master(self, group: list[PagedParam]) -> None:
-        """Write the device values of ``group`` as their masters in the daemon."""
-        futures = []
-        for e in group:
-            if e.data is None:  # pragma: no cover - callers materialize first
-                raise InvalidState(f"{e.describe()} is not on the device")
-            futures.append(self._io.submit(self.transfer.push, e.index, "master", e.data, step=0))
-        for future in futures:
-            future.result()
-
-    def _lease_quietly(self, group: list[PagedParam]) -> None:
-        """Materialize and lease ``group`` outside forward (not a use of the trace)."""
-        self._materialize(group, event="fetch")
-        for e in group:
-            e.leases += 1
-
-    def _unlease_quietly(self, group: list[PagedParam]) -> None:
-        for e in group:
-            e.leases -= 1
-            self._settle(e)
-
-    def gather(self, e: PagedParam) -> torch.Tensor:
-        """A CPU copy of ``e``'s current value (from the device when it is there, else from the daemon)."""
-        self.drain()
-        if e.data is not None and e.residency is Residency.RESIDENT:
-            return e.data.detach().to("cpu", copy=True)
-        out = torch.empty(e.shape, dtype=e.dtype)
-        self._io.submit(self.transfer.pull_into, e.index, "master", out).result()
-        return out
-
-    def _gather_state(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        for name, p in module._parameters.items():
-            e = self._by_param.get(id(p)) if p is not None else None
-            if e is not None and prefix + name in state_dict:
-                state_dict[prefix + name] = self.gather(e)
-
-    def _load_pre(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any, *rest: Any) -> None:
-        if local_metadata.get("assign_to_params_buffers", False):
-            raise InvalidArgument(
-                "load_state_dict(assign=True) would replace paged params with the loaded tensors; "
-                "load with assign=False (the values are written to tiermemd)"
-            )
-        own = self.units.get(module, [])
-        loaded = [self._by_param[id(p)] for name, p in module._parameters.items() if prefix + name in state_dict]
-        self.drain()
-        self._lease_quietly(own)
-        self._loading[id(module)] = _dedup(loaded)
-
-    def _load_post(self, module: nn.Module, incompatible_keys: Any) -> None:
-        loaded = self._loading.pop(id(module), None)
-        if loaded is None:
-            return
-        own = self.units.get(module, [])
-        self._push_master(loaded)
-        self._unlease_quietly(own)
-
-    def _initialize(self, init: Callable[[nn.Module], None] | None) -> None:
-        """Give params made on the meta device their values, one submodule at a time, straight into the daemon."""
-        done: set[int] = set()
-        for module, own in self.units.items():
-            fresh = [e for e in own if e.index not in done]
-            if not fresh:
-                continue
-            reset = getattr(module, "reset_parameters", None)
-            if init is None and not callable(reset):
-                raise InvalidArgument(
-                    f"{fresh[0].describe()} was made on the meta device and its module {type(module).__name__} "
-                    "has no reset_parameters(); give offload_params an init function that sets its values"
-                )
-            old = [e for e in own if e.index in done]
-            self._materialize(old, event="fetch")
-            for e in fresh:
-                data = self._buffer_for(e)
-                e.move(Residency.FETCHING)
-                e.move(Residency.RESIDENT)
-                self._present[e.index] = e
-                self.nbytes += e.nbytes
-                with torch.no_grad():
-                    e.param.data = data
-            self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
-            with torch.no_grad():
-                if callable(reset):
-                    reset()
-                if init is not None:
-                    init(module)
-            self._push_master(own)
-            done.update(e.index for e in fresh)
-            for e in own:
-                self._release(e)
 
     # ----------------------------------------------------------------- figures
 
