@@ -120,6 +120,11 @@ class Handlers:
                     if quota:
                         self.ledger.set_quota(job.key, resource, quota)
             rank: RankOptimizer | None = job.ranks.get(msg.rank)
+            lost = job.restored.get(msg.rank)
+            if rank is None and lost is not None and lost.lost:
+                error = self.service.durability.lost_error(job, lost)
+                self.service.reclaim(self.jobs.discard(job.job_id, job.owner_uid))
+                raise error
             if rank is None:
                 self.ledger.reserve(job.key, Resource.WINDOW, window_nbytes)
                 try:
@@ -144,8 +149,9 @@ class Handlers:
             raise
         session.job_id, session.rank = job.job_id, msg.rank
         session.transition(SessionState.ATTACHED)
+        state_step, state_from = self.service.durability.attach_state(rank)
         log.info(
-            "%s job %r rank %d/%d for pid %d uid %d (window %d bytes)",
+            "%s job %r rank %d/%d for pid %d uid %d (window %d bytes; state at step %d, %s)",
             "created" if created else "reattached",
             job.job_id,
             msg.rank,
@@ -153,6 +159,8 @@ class Handlers:
             session.cred.pid,
             session.cred.uid,
             rank.window.nbytes,
+            state_step,
+            state_from,
         )
         return Reply(
             AttachOk(
@@ -162,6 +170,8 @@ class Handlers:
                 alignment=PAGE_SIZE,
                 max_frame=self.service.config.server.max_frame,
                 reattached=not created and (rank.layout is not None or rank.restored is not None),
+                state_step=state_step,
+                state_from=state_from,
             ),
             fds=(rank.window.fd,),
         )
@@ -242,6 +252,7 @@ class Handlers:
         else:
             keys = state_keys_for(dtype, "cpu", msg.grad_buffers, msg.exchange, msg.grads_in_state)
             placement = "cpu" if numel * 4 * len(keys) <= self.ledger.available(Resource.POOL) else "nvme"
+        restored = rank.restored
         registration = rank.register(
             msg.tensors,
             msg.groups,
@@ -252,6 +263,8 @@ class Handlers:
             msg.exchange,
             msg.grads_in_state,
         )
+        if restored is not None:
+            self.service.durability.reopened(job, rank, restored)
         storage = registration.storage
         log.info(
             "job %r rank %d registered %d tensors, %d elements, state %s on %s, storage %d bytes",
@@ -290,8 +303,10 @@ class Handlers:
         rank.bucket_ready(msg)
 
     def _step(self, session: Session, msg: Step) -> Reply:
-        _, rank = self._bound(session)
-        return Reply(rank.step(msg))
+        job, rank = self._bound(session)
+        done = rank.step(msg)
+        self.service.durability.after_step(job, rank)
+        return Reply(done)
 
     def _fetch_params(self, session: Session, msg: FetchParams) -> Reply:
         _, rank = self._bound(session)

@@ -68,6 +68,12 @@ class Job:
     detached: set[int] = field(default_factory=set)
     restored: dict[int, Any] = field(default_factory=dict)
     """rank -> ``RankRecord`` of a job reopened from a previous daemon's job file, until the rank re-registers."""
+    durable: dict[int, Any] = field(default_factory=dict)
+    """rank -> ``StepCounts`` of the generation its swap store last committed (``tiermemd.durability``)."""
+    filed: dict[int, Any] = field(default_factory=dict)
+    """rank -> ``RankRecord`` as the job file on disk has it."""
+    commit_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """Serialises the job file writes of the job's ranks."""
 
     @property
     def key(self) -> str:

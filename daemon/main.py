@@ -11,6 +11,8 @@ Exit codes are a contract with the supervisor (systemd's
 4     swap: a swap or state directory is unusable, or another user could change it
 5     socket: the socket path is in use by a live daemon or cannot be bound, or
       its directory is one another user could change (``tiermem.sockpath``)
+6     stopped, but the commit of some NVMe state at shutdown failed: the log
+      names each rank and the step the next start serves (its last commit)
 ====  ==================================================================
 
 Only this module configures logging (stderr, which journald captures).
@@ -28,7 +30,16 @@ from tiermem import __version__
 from tiermem.config import DaemonConfig, config_to_dict, load_config
 from tiermem.errors import ConfigError
 
-__all__ = ["EXIT_CONFIG", "EXIT_INTERNAL", "EXIT_OK", "EXIT_RESOURCES", "EXIT_SOCKET", "EXIT_SWAP", "main"]
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_DATA_LOST",
+    "EXIT_INTERNAL",
+    "EXIT_OK",
+    "EXIT_RESOURCES",
+    "EXIT_SOCKET",
+    "EXIT_SWAP",
+    "main",
+]
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -36,6 +47,7 @@ EXIT_CONFIG = 2
 EXIT_RESOURCES = 3
 EXIT_SWAP = 4
 EXIT_SOCKET = 5
+EXIT_DATA_LOST = 6
 
 DEFAULT_NODE_CONFIG = "/etc/tiermem/tiermemd.toml"
 
@@ -53,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "exit codes: 0 clean shutdown, 1 internal error, 2 invalid configuration, 3 pool allocation "
             "failed, 4 swap or state directory unusable or not private, 5 socket in use, not bindable, or in a "
-            "directory another user could change. "
+            "directory another user could change, 6 stopped but some state could not be committed at shutdown "
+            "(the log names the step each job comes back at). "
             f"With no --config, {DEFAULT_NODE_CONFIG} is read when it exists (or TIERMEM_CONFIG)."
         ),
     )

@@ -12,8 +12,15 @@ by the state itself, and is reserved in the node's pool budget at admission;
 the swap space is reserved (preallocated by the store) in the swap budget.  A
 full disk is therefore an admission error, never a failure mid-training.
 
-``persist()`` (SIGTERM) writes every dirty chunk and commits the manifest, so a
-restarted daemon reopens the chunks from the store.
+``persist()`` (SIGTERM, and every ``jobs.commit_every`` steps) writes every
+dirty chunk and commits the manifest, so a restarted daemon reopens the chunks
+from the store.  Only ``persist()`` commits (the store is opened with
+``auto_commit=False``): a manifest committed in the middle of a step would
+name chunks of two different steps.  The swap reserved is therefore two
+copies of the state (the committed one and the one being written) plus the
+cache.  A rank reopened from a job file (``require_stored``) must find every
+chunk in the store; a chunk the manifest does not name is ``DataLostError``,
+never zeros.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiermem.errors import TiermemError
+from tiermem.errors import DataLostError, TiermemError
 from tiermem.swap.store import SwapStore
 from tiermem.tiers import TierManager
 from tiermemd.ledger import Resource
@@ -64,12 +71,24 @@ class NvmeStateChunks:
         chunk_numel: int,
         cache_nbytes: int,
         keys: tuple[str, ...] = ALL_KEYS,
+        *,
+        require_stored: bool = False,
     ) -> None:
-        """``keys`` always include the fp32 master on this placement: it is what a restarted daemon reopens."""
+        """``keys`` always include the fp32 master on this placement: it is what a restarted daemon reopens.
+        ``require_stored``: the state is reopened, so every chunk must be in the store."""
         self.keys = keys
         self.numel = numel
         self.chunk_numel = chunk_numel
         self.store = store
+        if require_stored:
+            missing = [_key(c) for c in range(self.nchunks) if _key(c) not in store]
+            if missing:
+                raise DataLostError(
+                    missing,
+                    f"the state is reopened from a job file, but the swap manifest {store.manifest_path} "
+                    f"(generation {store.generation}) holds no committed copy of {len(missing)} of its "
+                    f"{self.nchunks} chunks",
+                )
         self.tiers = TierManager(pool, store, cache_nbytes)
         try:
             for c in range(self.nchunks):
@@ -102,6 +121,11 @@ class NvmeStateChunks:
         """Write every modified chunk and commit the manifest (crash-consistent reopen)."""
         self.tiers.flush()
 
+    @property
+    def generation(self) -> int:
+        """The generation of the store's last committed manifest; ``persist()`` commits the next."""
+        return self.store.generation
+
     def stats(self) -> dict[str, float]:
         s = self.tiers.stats()
         return {
@@ -130,15 +154,22 @@ def remove_store(service: Service, job: Job, rank: int) -> None:
 
 
 def make_nvme_state(
-    service: Service, job: Job, rank: int, numel: int, keys: tuple[str, ...] = ALL_KEYS
+    service: Service,
+    job: Job,
+    rank: int,
+    numel: int,
+    keys: tuple[str, ...] = ALL_KEYS,
+    *,
+    require_stored: bool = False,
 ) -> NvmeStateChunks:
     """Reserve cache and swap for ``numel`` elements of ``job``'s ``rank`` and open its store."""
     chunk_numel = service.config.adam.chunk_numel
     per_element = 4 * len(keys)
     state_nbytes = numel * per_element
     cache_nbytes = min(state_nbytes, CACHE_CHUNKS * chunk_numel * per_element) + 4096 * CACHE_CHUNKS
-    # out-of-place writes keep the old version until the next commit: room for the state and the cache again
-    swap_nbytes = state_nbytes + cache_nbytes
+    # out-of-place writes keep the committed version until the next commit: room for two copies of the state
+    # and the chunks being written
+    swap_nbytes = 2 * state_nbytes + cache_nbytes
     service.ledger.reserve(job.key, Resource.POOL, cache_nbytes)
     try:
         service.ledger.reserve(job.key, Resource.SWAP, swap_nbytes)
@@ -152,9 +183,12 @@ def make_nvme_state(
             service.io_engine,
             swap_nbytes,
             fsync=service.config.swap.fsync,
+            auto_commit=False,
         )
         try:
-            return NvmeStateChunks(service.pool, store, numel, chunk_numel, cache_nbytes, keys)
+            return NvmeStateChunks(
+                service.pool, store, numel, chunk_numel, cache_nbytes, keys, require_stored=require_stored
+            )
         except BaseException:
             store.close(remove=True)
             raise

@@ -34,11 +34,12 @@ from tiermem.sockpath import SecureDir, Trust, remove_socket, uid_label
 from tiermem.swap import open_engine
 from tiermem.transport import Listener, adopt_listener
 from tiermem.units import format_size
+from tiermemd.durability import Durability
 from tiermemd.jobs import Job, JobTable
 from tiermemd.ledger import Ledger, Resource
 from tiermemd.metrics import serve_metrics
 from tiermemd.notify import Notifier
-from tiermemd.persist import JobRecord, load_job_files, remove_job_file, write_job_file
+from tiermemd.persist import load_job_files, remove_job_file
 from tiermemd.rank import AdamKernel, RankOptimizer
 from tiermemd.scheduler import CpuScheduler
 from tiermemd.server import Server
@@ -140,6 +141,9 @@ class Service:
                 EXIT_SOCKET, f"cannot serve metrics on {config.metrics.address}:{config.metrics.port}: {exc}"
             ) from exc
         self.jobs_dir = Path(config.server.state_dir) / "jobs"
+        self.durability = Durability(
+            jobs_dir=self.jobs_dir, swap_dirs=self.swap_dirs, commit_every=config.jobs.commit_every
+        )
         self._restore_jobs()
 
     # ----------------------------------------------------------------- start-up helpers
@@ -176,7 +180,7 @@ class Service:
 
     def _restore_jobs(self) -> None:
         """Bring back the jobs a previous daemon persisted (their NVMe state waits in the swap stores)."""
-        for record in load_job_files(self.jobs_dir):
+        for record in self.durability.restore(load_job_files(self.jobs_dir)):
             try:
                 self.jobs.restore(
                     job_id=record.job_id,
@@ -196,39 +200,6 @@ class Service:
                 self.jobs.grace_period_s,
             )
 
-    def _persist(self, job: Job) -> bool:
-        """Flush a job's NVMe ranks and write its job file; False when nothing of it can outlive the daemon."""
-        records = list(job.restored.values())
-        cpu_only = []
-        for rank in job.ranks.values():
-            persist = getattr(getattr(rank, "state", None), "persist", None)
-            if not isinstance(rank, RankOptimizer) or rank.layout is None:
-                continue
-            if persist is None:
-                cpu_only.append(rank.rank)
-                continue
-            try:
-                rank.close_pipeline()
-                persist()
-            except TiermemError as exc:
-                log.error("job %r rank %d: its NVMe state could not be made durable: %s", job.job_id, rank.rank, exc)
-                return False
-            records.append(rank.export("nvme"))
-        if cpu_only:
-            log.warning(
-                "job %r: the state of rank(s) %s lives in memory only and ends with the daemon", job.job_id, cpu_only
-            )
-            return False
-        if not records:
-            return False
-        write_job_file(
-            self.jobs_dir,
-            JobRecord(
-                job.job_id, job.owner_uid, job.token, job.world_size, tuple(sorted(records, key=lambda r: r.rank))
-            ),
-        )
-        return True
-
     # ----------------------------------------------------------------- state and reclaim
 
     def state_factory(self, job: Job, rank: int, placement: str) -> Callable[[int, tuple[str, ...]], StateChunks]:
@@ -245,7 +216,8 @@ class Service:
                     raise
             from tiermemd.nvme import make_nvme_state
 
-            return make_nvme_state(self, job, rank, numel, keys)
+            reopened = getattr(job.ranks.get(rank), "restored", None) is not None
+            return make_nvme_state(self, job, rank, numel, keys, require_stored=reopened)
 
         return make
 
@@ -373,7 +345,7 @@ class Service:
     def persist_and_reclaim(self) -> None:
         """At shutdown: jobs with NVMe state are written out to be reopened by the next daemon."""
         jobs = self.jobs.reclaim_all()
-        kept = [job for job in jobs if self._persist(job)]
+        kept = [job for job in jobs if self.durability.persist_job(job)]
         self.reclaim(kept, keep_swap=True)
         self.reclaim([job for job in jobs if job not in kept])
 
@@ -385,7 +357,7 @@ def run_service(
     parent_pid: int | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT (or until process ``parent_pid`` exits); returns the process exit code."""
-    from tiermemd.main import EXIT_INTERNAL, EXIT_OK
+    from tiermemd.main import EXIT_DATA_LOST, EXIT_INTERNAL, EXIT_OK
 
     try:
         service = Service(config, env, reload_config=reload_config)
@@ -399,4 +371,11 @@ def run_service(
     except Exception:
         log.exception("tiermemd failed")
         return EXIT_INTERNAL
+    if service.durability.failed:
+        log.error(
+            "stopped, but the state of %d rank(s) could not be committed; the next start serves their last "
+            "commits (see above)",
+            len(service.durability.failed),
+        )
+        return EXIT_DATA_LOST
     return EXIT_OK

@@ -270,7 +270,16 @@ class Client:
         finally:
             os.close(fds[0])
         self.window = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        self.info = AttachInfo(job_id, rank, reply.job_token, reply.window_id, reply.window_nbytes, reply.reattached)
+        self.info = AttachInfo(
+            job_id,
+            rank,
+            reply.job_token,
+            reply.window_id,
+            reply.window_nbytes,
+            reply.reattached,
+            reply.state_step,
+            reply.state_from,
+        )
         return self.info
 
     def register(

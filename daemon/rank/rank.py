@@ -528,6 +528,10 @@ class RankOptimizer(StateIO):
 
     # ----------------------------------------------------------------- lifecycle
 
+    def quiesce(self) -> None:
+        """Wait for a delayed update (its failure fails the rank), so the state is that of the last step."""
+        self._settle()
+
     def close_pipeline(self) -> None:
         """Stop taking work: close an open attempt, finish a delayed update, stop the pipeline thread."""
         if self._attempt is not None:

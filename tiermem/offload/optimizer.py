@@ -26,6 +26,12 @@ applied fully or not at all and the optimizer stays usable.  An update that
 fails part-way makes the daemon refuse the rank (``StepFailed``) until a
 checkpoint is loaded.
 
+Restarts: a reattach (``token=``) is told the step the daemon's state is at;
+with ``expected_step=N`` (the step the trainer has reached, e.g. from its own
+checkpoint) a state older than N raises ``StaleStateError`` naming both
+steps, unless ``rollback=True`` accepts it (``steps`` then says where
+training resumes; ``state_from`` where the state came from).
+
 Params must be on the CPU, in one dtype (float32, float16 or bfloat16), and
 all param groups are given at construction, when the tensors are registered.
 """
@@ -51,6 +57,7 @@ from tiermem.offload.args import check_hyper, check_torch_flags, private_pool_nb
 from tiermem.offload.feed import GradFeed, TensorEntry
 from tiermem.offload.paging import ParamPager
 from tiermem.offload.policy import StepPolicy, plan_buckets
+from tiermem.offload.resume import check_resume
 from tiermem.offload.staged import StagedEntry, StagedFeed
 from tiermem.offload.state_view import StateView
 from tiermem.offload.transfer import StateTransfer, plan_load
@@ -123,6 +130,8 @@ class OffloadAdam(torch.optim.Optimizer):
         token: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        expected_step: int | None = None,
+        rollback: bool = False,
     ) -> None:
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
@@ -167,6 +176,10 @@ class OffloadAdam(torch.optim.Optimizer):
         self.last_found_inf = False
         """Whether the last step was skipped for inf/nan grads."""
         self._token = token
+        self._expected_step = expected_step
+        self.rollback = rollback
+        self.state_from = "new"
+        """Where the state came from at attach: ``new``, ``live``, ``shutdown`` or ``commit`` (``ATTACH_OK``)."""
         self._client: Client | None = None
         self._own_client = client is None
         self._entries: list[Any] = []
@@ -255,6 +268,12 @@ class OffloadAdam(torch.optim.Optimizer):
                 token=self._token,
             )
             self._token = info.token
+            try:
+                check_resume(info, expected_step=self._expected_step, rollback=self.rollback)
+            except TiermemError:
+                client.detach(keep_state=True)  # the state waits, unchanged, for a client that accepts it
+                raise
+            self.state_from = info.state_from
             reply = client.register(
                 specs,
                 [self._wire_group(g) for g in self.param_groups],

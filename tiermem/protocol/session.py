@@ -37,6 +37,7 @@ from tiermem.protocol.records import (
     NBYTES,
     STATE_KEY,
     STATE_KEYS,
+    STEP_NO,
     Message,
     ParamGroup,
     TensorSlot,
@@ -135,6 +136,10 @@ class Attach(Message):
             raise FieldError("rank", f"an integer in [0, world_size={self.world_size})", self.rank)
 
 
+STATE_FROM = ("new", "live", "shutdown", "commit")
+"""Where a rank's state comes from, as ``ATTACH_OK.state_from`` says."""
+
+
 @wire
 @dataclass(slots=True)
 class AttachOk(Message):
@@ -147,6 +152,12 @@ class AttachOk(Message):
     alignment: Annotated[int, PowerOfTwo(1, 1 << 30)]
     max_frame: Annotated[int, Int(4096, 1 << 30)]
     reattached: bool = False
+    state_step: Annotated[int, STEP_NO] = 0
+    """The step the rank's state is at (0: it has none yet)."""
+    state_from: Annotated[str, Choice(STATE_FROM)] = "new"
+    """Where that state comes from: ``new``; ``live`` (this daemon kept it); ``shutdown`` (reopened from the
+    commit of a daemon that stopped cleanly); ``commit`` (reopened from the last commit of a daemon that did
+    not: the steps after it are lost)."""
 
 
 @wire

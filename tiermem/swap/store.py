@@ -30,7 +30,9 @@ Contract:
   I/O.  Old versions stay allocated until no manifest names them, so a key
   rewritten between commits needs room for two copies; when space runs out and
   something was written since the last commit, the store commits once and
-  retries.
+  retries (unless opened with ``auto_commit=False``: then only ``commit()``
+  commits, so that every manifest is one the owner chose, e.g. at a step
+  boundary, and a full store raises ``SwapFullError``).
 """
 
 from __future__ import annotations
@@ -69,13 +71,22 @@ class SwapStore:
     """One job's objects on the NVMe tier; see the module docstring."""
 
     def __init__(
-        self, job_id: str, files: list[SwapFile], engine: IOEngine, *, stripe_nbytes: int, fsync: bool, manifest: Path
+        self,
+        job_id: str,
+        files: list[SwapFile],
+        engine: IOEngine,
+        *,
+        stripe_nbytes: int,
+        fsync: bool,
+        manifest: Path,
+        auto_commit: bool = True,
     ) -> None:
         self._job = job_id
         self._files = files
         self._engine = engine
         self._stripe = stripe_nbytes
         self._fsync = fsync
+        self._auto_commit = auto_commit
         self._manifest_path = manifest
         self._generation = 0
         self._records: dict[str, SwapRecord] = {}
@@ -104,8 +115,12 @@ class SwapStore:
         *,
         stripe_nbytes: int = MiB,
         fsync: bool = True,
+        auto_commit: bool = True,
     ) -> SwapStore:
-        """Open (creating or reopening from its manifest) job ``job_id``'s store, preallocating ``quota_nbytes``."""
+        """Open (creating or reopening from its manifest) job ``job_id``'s store, preallocating ``quota_nbytes``.
+
+        ``auto_commit``: whether a write that finds no room may commit to free old versions (see the module
+        docstring)."""
         check_job_id(job_id)
         paths = [Path(d) for d in dirs]
         if not paths:
@@ -123,6 +138,7 @@ class SwapStore:
                 stripe_nbytes=stripe_nbytes,
                 fsync=fsync,
                 manifest=paths[0] / f"{job_id}.manifest",
+                auto_commit=auto_commit,
             )
             store._load()
             share = align_up(-(-quota_nbytes // len(files)))
@@ -168,7 +184,7 @@ class SwapStore:
         """Write ``memory`` as the next version of ``key``; resolves with the byte count once written."""
         address, nbytes, keepalive = self._memory(memory, IOOp.WRITE)
         started = self._begin_write(key, nbytes)
-        if started is None:
+        if started is None and self._auto_commit:
             self.commit()  # frees versions only the last manifest still named
             started = self._begin_write(key, nbytes)
         if started is None:
@@ -359,6 +375,12 @@ class SwapStore:
     @property
     def manifest_path(self) -> Path:
         return self._manifest_path
+
+    @property
+    def generation(self) -> int:
+        """The generation of the last committed manifest (0: none yet); ``commit()`` writes the next one."""
+        with self._lock:
+            return self._generation
 
     @property
     def engine(self) -> IOEngine:

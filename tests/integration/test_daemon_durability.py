@@ -1,0 +1,268 @@
+"""Never silently wrong after a restart: what a restarted tiermemd serves, and what the client is told.
+
+Real daemon processes on the same state and swap directories, one after the
+other, stopped with SIGTERM or killed with SIGKILL in between; a real client
+in this process; a torch AdamW reference trained on the same data.
+"""
+
+from __future__ import annotations
+
+import copy
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiermem.client import Client, connect
+from tiermem.errors import DaemonUnavailable, DataLostError, StaleStateError
+from tiermem.offload import OffloadAdam
+from tiermemd.main import EXIT_DATA_LOST
+
+pytestmark = pytest.mark.timeout(300)
+
+LR, WD = 3e-3, 0.05
+
+
+class Node:
+    """One state directory and swap directory, and the daemon currently running on them."""
+
+    def __init__(self, root: Path, commit_every: int = 0) -> None:
+        self.root = root
+        self.commit_every = commit_every
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.clients: list[Client] = []
+        self.starts = 0
+
+    @property
+    def log(self) -> str:
+        return (self.root / "daemon.log").read_text()
+
+    @property
+    def swap(self) -> Path:
+        return self.root / "swap"
+
+    def start(self) -> Client:
+        sock = self.root / "tiermemd.sock"
+        config = self.root / "tiermemd.toml"
+        config.write_text(
+            f'[pool]\nsize = "96MiB"\n[swap]\ndirs = ["{self.swap}"]\n'
+            f"[adam]\nchunk_numel = 1024\ncompile = false\n"
+            f"[jobs]\ngrace_period_s = 60.0\ncommit_every = {self.commit_every}\n"
+            f'[server]\nsocket = "{sock}"\nstate_dir = "{self.root / "state"}"\n'
+        )
+        with open(self.root / "daemon.log", "ab") as log:
+            log.write(f"---- start {self.starts}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tiermemd.main", "--config", str(config)], stderr=log, stdout=log
+            )
+        self.starts += 1
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                client = connect(str(sock), embed=False)
+            except DaemonUnavailable:
+                if self.proc.poll() is not None:
+                    pytest.fail(f"tiermemd exited {self.proc.returncode}: {self.log[-2000:]}")
+                time.sleep(0.05)
+                continue
+            self.clients.append(client)
+            return client
+        pytest.fail("tiermemd did not come up")
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        code = self.proc.wait(60)
+        for client in self.clients:
+            client.conn.close()
+        self.clients.clear()
+        self.proc = None
+        return code
+
+    def store_files(self) -> list[Path]:
+        return sorted(self.swap.iterdir()) if self.swap.exists() else []
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path)
+    yield n
+    if n.proc is not None:
+        n.proc.kill()
+        n.proc.wait()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.Tanh(), torch.nn.Linear(96, 48))
+
+
+class Run:
+    """The offloaded model and a torch AdamW reference trained side by side on fixed data."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.data = [torch.randn(16, 48), torch.randn(16, 48)]
+        self.model = _model()
+        self.reference = _model()
+        self.ref_opt = torch.optim.AdamW(self.reference.parameters(), lr=LR, weight_decay=WD)
+        self.opt: OffloadAdam | None = None
+
+    def attach(self, client: Client, **kwargs: object) -> OffloadAdam:
+        self.model = _model()  # a restarted trainer: its params come back from the daemon
+        self.opt = OffloadAdam(
+            self.model.parameters(), lr=LR, weight_decay=WD, offload="nvme", client=client, job_id="durable", **kwargs
+        )
+        return self.opt
+
+    def train(self, steps: int, *, reference: bool = True) -> None:
+        assert self.opt is not None
+        x, y = self.data
+        pairs = [(self.model, self.opt)] + ([(self.reference, self.ref_opt)] if reference else [])
+        for _ in range(steps):
+            for model, opt in pairs:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        return copy.deepcopy(self.reference.state_dict()), copy.deepcopy(self.ref_opt.state_dict())
+
+    def rewind(self, snap: tuple[dict[str, torch.Tensor], dict[str, object]]) -> None:
+        self.reference.load_state_dict(snap[0])
+        self.ref_opt.load_state_dict(snap[1])
+
+    def assert_equal(self) -> None:
+        for a, b in zip(self.model.parameters(), self.reference.parameters(), strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_a_killed_daemon_serves_its_last_commit_and_the_client_refuses_it_unless_rolling_back(node: Node) -> None:
+    node.commit_every = 3
+    run = Run()
+    opt = run.attach(node.start())
+    assert (opt.steps, opt.state_from) == (0, "new")
+    run.train(6)
+    at_six = run.snapshot()
+    run.train(2)  # steps 7 and 8 are not committed
+    token = opt.token
+    assert node.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    client = node.start()
+    assert "did not stop cleanly" in node.log and "step 6 (rank 0)" in node.log
+    with pytest.raises(StaleStateError) as caught:
+        run.attach(client, token=token, expected_step=8)
+    err = caught.value
+    assert (err.state_step, err.client_step) == (6, 8)
+    assert "steps 7..8" in str(err)
+    # the refusal left the state as it was: a client that accepts the roll-back gets step 6
+    opt = run.attach(client, token=token, expected_step=8, rollback=True)
+    assert (opt.steps, opt.state_from) == (6, "commit")
+    run.rewind(at_six)
+    run.assert_equal()
+    run.train(4)
+    run.assert_equal()
+    saved = opt.state_dict()["state"]
+    for index, entry in run.ref_opt.state_dict()["state"].items():
+        torch.testing.assert_close(saved[index]["exp_avg_sq"], entry["exp_avg_sq"])
+        assert float(saved[index]["step"]) == float(entry["step"]) == 10.0
+    opt.close()
+    assert node.stop() == 0
+    assert node.store_files() == []
+
+
+def test_without_periodic_commits_a_kill_after_a_reopen_comes_back_at_the_last_clean_stop(node: Node) -> None:
+    run = Run()
+    opt = run.attach(node.start())
+    run.train(5)
+    at_five = run.snapshot()
+    token = opt.token
+    assert node.stop() == 0
+
+    opt = run.attach(node.start(), token=token, expected_step=5)
+    assert (opt.steps, opt.state_from) == (5, "shutdown")
+    run.assert_equal()
+    run.train(4)  # steps 6..9, never committed
+    assert node.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    client = node.start()
+    with pytest.raises(StaleStateError, match="at step 5, older than this client's step 9"):
+        run.attach(client, token=token, expected_step=9)
+    opt = run.attach(client, token=token, rollback=True, expected_step=9)
+    assert (opt.steps, opt.state_from) == (5, "commit")
+    run.rewind(at_five)
+    run.assert_equal()
+    opt.close()
+    assert node.stop() == 0
+
+
+def test_a_deleted_manifest_is_data_lost_at_start_and_at_reattach_never_zeros(node: Node) -> None:
+    run = Run()
+    opt = run.attach(node.start())
+    run.train(3, reference=False)
+    token = opt.token
+    assert node.stop() == 0
+    manifests = [p for p in node.store_files() if p.suffix == ".manifest"]
+    assert len(manifests) == 1
+    manifests[0].unlink()
+
+    client = node.start()
+    assert "is lost" in node.log and "manifest" in node.log
+    with pytest.raises(DataLostError, match=r"cannot be reopened: its swap manifest .* is missing"):
+        run.attach(client, token=token)
+    # the lost job's files are gone and its id starts afresh
+    assert list((node.root / "state" / "jobs").glob("*.job.json")) == []
+    assert node.store_files() == []
+    opt = run.attach(client)
+    assert (opt.steps, opt.state_from) == (0, "new")
+    opt.close()
+    assert node.stop() == 0
+
+
+def test_a_corrupt_manifest_is_data_lost(node: Node) -> None:
+    run = Run()
+    opt = run.attach(node.start())
+    run.train(2, reference=False)
+    token = opt.token
+    assert node.stop() == 0
+    manifest = next(p for p in node.store_files() if p.suffix == ".manifest")
+    data = bytearray(manifest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    manifest.write_bytes(bytes(data))
+    client = node.start()
+    with pytest.raises(DataLostError, match="unreadable"):
+        run.attach(client, token=token)
+    assert node.stop() == 0
+
+
+def test_a_failed_commit_at_shutdown_exits_6_and_the_next_start_serves_the_last_commit(node: Node) -> None:
+    node.commit_every = 2
+    run = Run()
+    opt = run.attach(node.start())
+    run.train(4)
+    at_four = run.snapshot()
+    run.train(1)
+    token = opt.token
+    manifest = next(p for p in node.store_files() if p.suffix == ".manifest")
+    manifest.with_name(manifest.name + ".tmp").mkdir()  # the manifest write at shutdown fails (EISDIR)
+    assert node.stop() == EXIT_DATA_LOST
+    assert "the commit at shutdown failed" in node.log and "serves its last commit: step 4, not step 5" in node.log
+    manifest.with_name(manifest.name + ".tmp").rmdir()
+
+    client = node.start()
+    with pytest.raises(StaleStateError, match="at step 4, older than this client's step 5"):
+        run.attach(client, token=token, expected_step=5)
+    opt = run.attach(client, token=token, expected_step=5, rollback=True)
+    assert (opt.steps, opt.state_from) == (4, "commit")
+    run.rewind(at_four)
+    run.assert_equal()
+    run.train(2)
+    run.assert_equal()
+    opt.close()
+    assert node.stop() == 0
