@@ -2,7 +2,9 @@
 
 Owns one kernel AIO context of ``queue_depth`` slots, an array of iocbs (one
 per slot, allocated once), an eventfd the kernel signals on every completion,
-and a FIFO of blocks waiting for a free slot.
+and a FIFO of blocks waiting for a free slot.  ``set_queue_depth`` lowers (or
+raises again, up to the context's size) how many of the slots are used, so a
+depth measured after start-up applies without a new context.
 
 Flow: ``submit`` splits each request into ``block_size`` blocks, queues them and
 fills free slots with one ``io_submit`` of many iocbs.  Completions are reaped
@@ -55,6 +57,7 @@ class LibaioEngine:
             raise InvalidArgument(f"queue_depth must be > 0, got {queue_depth}")
         self._block_size = block_size
         self._depth = queue_depth
+        self._active = queue_depth  # slots in use at most (set_queue_depth)
         self._ctx = _aio.io_context_t()
         _aio.io_setup(queue_depth, ctypes.byref(self._ctx))
         self._efd = eventfd(0, EFD_CLOEXEC | (0 if reaper_thread else EFD_NONBLOCK))
@@ -89,11 +92,32 @@ class LibaioEngine:
 
     @property
     def queue_depth(self) -> int:
+        """Blocks kept in flight at most (``set_queue_depth``)."""
+        return self._active
+
+    @property
+    def capacity(self) -> int:
+        """Slots of the kernel context: the deepest ``set_queue_depth`` may ask for."""
         return self._depth
+
+    def set_queue_depth(self, depth: int) -> None:
+        """Keep at most ``depth`` blocks in flight from now on (1 <= depth <= ``capacity``)."""
+        if not 1 <= depth <= self._depth:
+            raise InvalidArgument(f"queue depth must be 1..{self._depth} (the AIO context's size), got {depth}")
+        with self._lock:
+            self._active = depth
+            failed = self._fill_slots()
+        _report(failed)
 
     def fileno(self) -> int:
         """The eventfd that becomes readable when completions are waiting (see ``reap``)."""
         return self._efd
+
+    @property
+    def submitted(self) -> int:
+        """Blocks in the kernel now (at most ``queue_depth``)."""
+        with self._lock:
+            return self._depth - len(self._free)
 
     @property
     def in_flight(self) -> int:
@@ -147,7 +171,10 @@ class LibaioEngine:
         """Submit queued blocks into free slots (lock held).  Returns blocks the kernel refused, with errno."""
         failed: list[tuple[_Block, int]] = []
         while self._queue and self._free:
-            slots = [self._free.pop() for _ in range(min(len(self._queue), len(self._free)))]
+            usable = min(len(self._free), self._active - (self._depth - len(self._free)))
+            if usable <= 0:
+                break
+            slots = [self._free.pop() for _ in range(min(len(self._queue), usable))]
             for slot in slots:
                 block = self._queue.popleft()
                 self._prepare(slot, block)

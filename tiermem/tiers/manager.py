@@ -47,6 +47,7 @@ from tiermem.errors import InvalidArgument, InvalidState, PoolExhausted, Tiermem
 from tiermem.swap.store import SwapStore
 from tiermem.tiers.policy import AccessOrder, Candidate, NodeCandidate, choose_victims
 from tiermem.tiers.records import TensorRecord, TensorState, TierStats
+from tiermem.tiers.sizing import CachePlan
 from tiermem.units import align_up
 
 __all__ = ["TierManager"]
@@ -80,6 +81,8 @@ class TierManager:
         self._ceiling = ceiling
         self._limit = ceiling  # what the pager plans to: the ceiling, or what it held when borrowing failed
         self._use_s = 0.0  # moving average of the seconds between two acquires (0: not measured yet)
+        self._hold_s = 0.0  # moving average of the seconds a tensor stays acquired
+        self._sizing: CachePlan | None = None
         self._last_acquire_t: float | None = None
         self._clock = clock
         self._records: dict[str, TensorRecord] = {}
@@ -187,6 +190,7 @@ class TierManager:
                 record.waiters -= 1
             if record.state is T.CPU:
                 record.move(T.IN_USE)
+                record.acquired_at = self._clock()
             record.users += 1
             block = record.block
             self._counts["acquires"] += 1
@@ -210,6 +214,8 @@ class TierManager:
             record.write_failed = record.write_failed and not dirty
             if record.users == 0:
                 record.move(T.CPU)
+                held = self._clock() - record.acquired_at
+                self._hold_s = held if self._hold_s == 0.0 else 0.8 * self._hold_s + 0.2 * held
                 self._kick_locked()
 
     def prefetch(self, order: Sequence[str] | None, depth: int) -> None:
@@ -221,6 +227,13 @@ class TierManager:
                 self._order = AccessOrder(list(order))
                 self._position = -1
             self._depth = depth
+            self._kick_locked()
+
+    def set_plan(self, plan: CachePlan) -> None:
+        """Adopt a sizing decision: its prefetch depth from now on; the plan is reported in ``stats``."""
+        with self._cond:
+            self._sizing = plan
+            self._depth = plan.prefetch_depth
             self._kick_locked()
 
     def flush(self) -> None:
@@ -353,6 +366,8 @@ class TierManager:
                 grow_refused=c["grow_refused"],
                 prefetch_depth=self._depth,
                 use_s=self._use_s,
+                hold_s=self._hold_s,
+                plan=self._sizing,
                 acquires=c["acquires"],
                 hits=c["hits"],
                 page_ins=c["page_ins"],

@@ -28,6 +28,7 @@ from enum import Enum
 from typing import Any
 
 from tiermem.errors import InvalidState
+from tiermem.tiers.sizing import CachePlan
 
 __all__ = ["TensorRecord", "TensorState", "TierStats"]
 
@@ -77,6 +78,8 @@ class TensorRecord:
     """The last failed page-in, raised to the next ``acquire``."""
     write_failed: bool = False
     """Its last page-out failed: not picked for eviction again until it is modified."""
+    acquired_at: float = 0.0
+    """When its current use began (the first of its concurrent acquires)."""
 
     @property
     def resident(self) -> bool:
@@ -119,3 +122,7 @@ class TierStats:
     prefetch_depth: int = 0
     use_s: float = 0.0
     """Moving average of the seconds between two acquires (what prefetch must stay ahead of)."""
+    hold_s: float = 0.0
+    """Moving average of the seconds a tensor stays acquired (the update of a chunk, for the NVMe tier)."""
+    plan: CachePlan | None = None
+    """The sizing the owner decided (``set_plan``): queue depth, prefetch, cache, and why."""
