@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiermem.config import AdamConfig
+from tiermem.config import AdamConfig, PoolConfig
 from tiermem.errors import InvalidArgument
 from tiermem.modes import Exchange, Placement, StepMode
-from tiermem.units import MiB, align_up
+from tiermem.pool.pool import arena_sizes
+from tiermem.units import PAGE_SIZE, MiB, align_up
 
-__all__ = ["Hyper", "check_hyper", "check_torch_flags", "private_pool_nbytes", "step_mode"]
+__all__ = ["Hyper", "check_hyper", "check_torch_flags", "packed_pool_nbytes", "private_pool_nbytes", "step_mode"]
 
 ADAMW_WEIGHT_DECAY = 1e-2
 
@@ -105,9 +106,9 @@ def private_pool_nbytes(
     release_grads: bool,
     window_nbytes: int | None,
 ) -> int:
-    """The pool a private daemon needs for one optimizer: its state (or NVMe chunk cache) and its staging
-    window, plus room for the allocator.  The pool is allocated and pre-faulted at once, so more would cost
-    memory for nothing."""
+    """The pool a private daemon needs for one optimizer: its state chunks (or NVMe chunk cache) and its
+    staging window, packed as the daemon's allocator will place them (``packed_pool_nbytes``).  The pool is
+    allocated and pre-faulted at once, so every byte of slack costs memory for nothing."""
     if exchange is Exchange.STAGED:
         per_element = 16
     elif dtype == "float32" and placement is Placement.CPU and mode is not StepMode.DELAYED:
@@ -116,12 +117,37 @@ def private_pool_nbytes(
         per_element = 12
     if release_grads and exchange is Exchange.SHARED:
         per_element += 4  # the released grads, in the daemon's grad key
-    state = numel * per_element
+    config = AdamConfig()
+    chunk_numel = config.chunk_numel
+    chunks = [min(chunk_numel, numel - start) for start in range(0, numel, chunk_numel)]
     if placement is Placement.NVME:
-        # the NVMe tier's chunk cache (6 chunks of the default adam.chunk_numel, tiermemd.nvme) and one chunk
-        # more: chunks of unequal size (the last one is short) leave holes between pinned blocks that
-        # compaction cannot close
-        chunk_numel = AdamConfig().chunk_numel
-        state = min(state, 7 * chunk_numel * per_element + 7 * 4096)
-    window = window_nbytes or 2 * MiB
-    return align_up(int(state * 1.02) + window + 32 * MiB)
+        # the NVMe tier's chunk cache (6 chunks, tiermemd.nvme) and one chunk more: chunks of unequal size
+        # (the last one is short) leave holes between pinned blocks that compaction cannot close
+        chunks = [chunk_numel] * min(len(chunks), 7)
+    blocks = [window_nbytes or 2 * MiB] + [n * per_element for n in chunks]
+    return packed_pool_nbytes(blocks, PoolConfig().arena_size) + MiB
+
+
+def packed_pool_nbytes(blocks: list[int], arena_size: int, alignment: int = PAGE_SIZE) -> int:
+    """The smallest pool into which ``blocks``, allocated in this order by best fit, all fit.
+
+    A pool is cut into arenas of ``arena_size`` (the last one shorter, ``arena_sizes``) and a block cannot
+    span two, so blocks that do not tile an arena leave its end unused; this counts that exactly instead of
+    adding a percentage.  Without frees each arena's free space is one extent at its end, so best fit is
+    the arena with the least free space that holds the block."""
+    sizes = [align_up(max(b, 1), alignment) for b in blocks]
+    if any(size > arena_size for size in sizes):
+        raise InvalidArgument(f"a block of {max(sizes)} bytes does not fit an arena of {arena_size}")
+    total = sum(sizes)
+    step = max(alignment, align_up(min(sizes), alignment))
+    while True:
+        free = arena_sizes(total, arena_size, alignment)
+        for size in sizes:
+            fitting = [i for i, left in enumerate(free) if left >= size]
+            if not fitting:
+                break
+            best = min(fitting, key=free.__getitem__)
+            free[best] -= size
+        else:
+            return total
+        total += step
