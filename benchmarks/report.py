@@ -353,19 +353,22 @@ def scale(name: str, data: Any, plt: Any, out: Path) -> Section:
 
 
 def step_parts(mode: str, m: dict[str, float]) -> dict[str, float]:
-    """A step split into parts that add up to it (seconds)."""
-    grad = m.get("grad_copy_s", 0.0) if mode != "torch" else 0.0
-    wait = m.get("wait_s", 0.0) if mode != "torch" else 0.0
-    param = m.get("param_copy_s", 0.0) if mode != "torch" else 0.0
-    opt_rest = max(0.0, m["opt_step_s"] - grad - wait - param)
-    other = max(0.0, m["step_s"] - m["fwd_bwd_s"] - m["opt_step_s"])
+    """A step split into parts that add up to it (seconds).
+
+    bench_train_step.py's ``grad copy`` runs in the post-accumulate-grad hooks, inside forward + backward;
+    ``wait`` (the STEP round trip, the update included) and ``param copy`` inside ``optimizer.step()``.
+    """
+    offload = mode != "torch"
+    grad = m.get("grad_copy_s", 0.0) if offload else 0.0
+    wait = m.get("wait_s", 0.0) if offload else 0.0
+    param = m.get("param_copy_s", 0.0) if offload else 0.0
     return {
-        "forward + backward": m["fwd_bwd_s"],
-        "grad copy": grad,
-        "waiting on the daemon": wait,
+        "forward + backward": max(0.0, m["fwd_bwd_s"] - grad),
+        "grad copy (backward hooks)": grad,
+        "waiting on the daemon (update)": wait,
         "param copy": param,
-        "rest of optimizer.step": opt_rest,
-        "zero_grad, other": other,
+        "rest of optimizer.step": max(0.0, m["opt_step_s"] - wait - param),
+        "zero_grad, other": max(0.0, m["step_s"] - m["fwd_bwd_s"] - m["opt_step_s"]),
     }
 
 
@@ -445,6 +448,15 @@ FIGURES: list[tuple[str, str, str]] = [
 ]
 
 
+LABELS = {
+    "cpu_adam": "CPU Adam",
+    "swap": "swap I/O",
+    "memory": "host memory per parameter",
+    "scale": "largest model by mode",
+    "train_step": "training step",
+}
+
+
 def build(results: Path, out: Path, plt: Any) -> tuple[list[Section], list[Missing]]:
     sections: list[Section] = []
     missing: list[Missing] = []
@@ -484,15 +496,16 @@ def markdown(sections: list[Section], missing: list[Missing], *, image_prefix: s
         "",
     ]
     heads = [[what, figure] for s in sections for what, figure in s.headlines]
-    heads += [[f"{m.figure}", "not measured yet"] for m in missing]
+    heads += [[LABELS[m.figure], "not measured yet"] for m in missing]
     lines += table(["what", "figure"], heads)
     for s in sections:
-        lines += ["", f"## {s.title}", "", f"From `{s.source}`.", "", *s.body]
+        files, _, script = s.source.partition(" (")
+        lines += ["", f"## {s.title}", "", f"From `{files}` ({script}.", "", *s.body]
         if s.plot:
             lines += ["", f"![{s.title}]({image_prefix}{s.plot})"]
     if missing:
         lines += ["", "## Missing", ""]
-        lines += [f"- {m.figure}: no `{m.wanted}`; make it with `{m.command}`" for m in missing]
+        lines += [f"- {LABELS[m.figure]}: no `{m.wanted}`; make it with `{m.command}`" for m in missing]
     return "\n".join(lines) + "\n"
 
 

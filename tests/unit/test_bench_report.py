@@ -126,8 +126,8 @@ def test_every_figure_with_its_json_gets_a_table_and_a_plot(report, tmp_path):
         "| host memory, 100M fp32 params, offload-nvme | 10.0 B/param, 0.50x in-process AdamW (20.0 B/param) |" in text
     )
     assert "| training step, 10M GPT, state on the CPU tier | 1.10x in-process fused AdamW |" in text
-    assert "| scale | not measured yet |" in text
-    assert "- scale: no `scale*.json`; make it with `./run.sh bench scale" in text
+    assert "| largest model by mode | not measured yet |" in text
+    assert "- largest model by mode: no `scale*.json`; make it with `./run.sh bench scale" in text
     assert "![Where" not in text and "](step_breakdown.png)" in text
 
 
@@ -153,8 +153,11 @@ def test_a_json_of_an_unknown_shape_is_reported_not_plotted(report, tmp_path):
     results = write_results(tmp_path / "results", scale={"something": "else"}, swap={"rows": []})
     assert report.main(["--results", str(results)]) == 0
     text = (results / "report.md").read_text()
-    assert "- scale: no `scale*.json (present but not understood: ValueError expected rows with 'mode'" in text
-    assert "- swap: no `swap.json (present but not understood: IndexError" in text
+    assert (
+        "- largest model by mode: no `scale*.json (present but not understood: ValueError expected rows with 'mode'"
+        in text
+    )
+    assert "- swap I/O: no `swap.json (present but not understood: IndexError" in text
     assert not (results / "swap.png").exists()
 
 
@@ -169,9 +172,11 @@ def test_step_parts_add_up_to_the_step(report):
     m = TRAIN_STEP["results"][1]["median"]
     parts = report.step_parts("cpu", m)
     assert sum(parts.values()) == pytest.approx(m["step_s"])
-    assert parts["waiting on the daemon"] == pytest.approx(0.2 * m["step_s"])
+    assert parts["waiting on the daemon (update)"] == pytest.approx(0.2 * m["step_s"])
+    assert parts["forward + backward"] == pytest.approx((0.6 - 0.05) * m["step_s"])  # the hooks' copy is inside it
     torch_parts = report.step_parts("torch", TRAIN_STEP["results"][0]["median"])
-    assert torch_parts["grad copy"] == torch_parts["waiting on the daemon"] == 0.0
+    assert torch_parts["grad copy (backward hooks)"] == torch_parts["waiting on the daemon (update)"] == 0.0
+    assert sum(torch_parts.values()) == pytest.approx(TRAIN_STEP["results"][0]["median"]["step_s"])
 
 
 def test_a_missing_results_directory_is_an_error(report, tmp_path, capsys):
