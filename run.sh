@@ -8,7 +8,8 @@
 # torch reused when the system Python can import one, else the CPU build
 # torch==2.13.0+cpu (never a CUDA build on a machine without a GPU); the
 # project installed editable with its dev extra (tests, lint, matplotlib for
-# the plots); Debian's libaio1 installed when missing and we are root.
+# the plots); Debian's libaio1 and promtool (package prometheus, for the
+# metrics tests) installed when missing and we are root.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -66,8 +67,27 @@ ensure_venv() {
     fi
 }
 
+ensure_promtool() {
+    if command -v promtool >/dev/null; then
+        return
+    fi
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+        say "promtool is missing; the metrics tests skip 'promtool check metrics'."
+        say "To run it install Debian's prometheus package as root: apt-get install --no-install-recommends prometheus"
+        return
+    fi
+    say "installing Debian's prometheus (for promtool)"
+    export DEBIAN_FRONTEND=noninteractive
+    if ! apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; then
+        apt-get update -q >/dev/null 2>&1 || true
+        apt-get install -y -q --no-install-recommends prometheus >/dev/null \
+            || say "could not install prometheus; the metrics tests skip 'promtool check metrics'."
+    fi
+}
+
 setup() {
     ensure_libaio
+    ensure_promtool
     ensure_venv
 }
 

@@ -525,11 +525,8 @@ def _train(spec: RunSpec, send: Any, phase: Any) -> int:
     done: dict[str, Any] = {"step_s": step_s, "losses": losses, "activation_nbytes": sum(saved.values())}
     if offload:
         stats = opt.stats()
-        done["daemon_stats"] = {k: float(v) for k, v in stats.items()}
-        done["window_nbytes"] = next(
-            (int(stats[k]) for k in ("rank_window_bytes", "rank_window_nbytes") if k in stats),
-            None,
-        )
+        done["daemon_stats"] = {"pool_capacity_bytes": stats.node.pool.capacity_nbytes}
+        done["window_nbytes"] = stats.rank.window_nbytes
     send(info=done)
     phase("stats")
     if offload:

@@ -71,11 +71,23 @@ from tiermem.client import Client, EmbeddedDaemon, connect
 from tiermem.config import AdamConfig
 from tiermem.demo.model import GPT, GPTConfig
 from tiermem.offload import OffloadAdam
+from tiermem.offload.stats import OptimizerStats
 from tiermem.transport import Connection
 from tiermem.units import GiB, MiB, align_up, format_size, parse_size
 
 MODES = ("torch", "cpu", "overlap", "nvme", "dpu")
-DAEMON_FIGURES = ("rank_update_s", "rank_stats_s", "rank_wait_s", "rank_nvme_wait_s", "rank_nvme_page_outs")
+
+
+def daemon_figures(stats: OptimizerStats) -> dict[str, float]:
+    """The daemon's counters of the rank that the step breakdown reports (their deltas per step)."""
+    r, nvme = stats.rank, stats.rank.nvme
+    return {
+        "rank_update_s": r.update_s,
+        "rank_stats_s": r.grad_stats_s,
+        "rank_wait_s": r.wait_s,
+        "rank_nvme_wait_s": nvme.stall_s if nvme is not None else 0.0,
+        "rank_nvme_page_outs": float(nvme.page_outs) if nvme is not None else 0.0,
+    }
 
 
 class PhaseTimer:
@@ -141,7 +153,9 @@ class Runner:
         self.offload = isinstance(self.opt, OffloadAdam)
         self.before: dict[str, float] = {}
         if isinstance(self.opt, OffloadAdam):
-            self.before = self.opt.stats()  # connects and registers: the client exists and can be wrapped
+            self.before = daemon_figures(
+                self.opt.stats()
+            )  # connects and registers: the client exists and can be wrapped
             self.timer.wrap(self.opt.feed, "_copy_in", "grad_copy")
             self.timer.wrap(self.opt.client, "step", "wait")
             self.timer.wrap(self.opt.client, "fetch_params", "wait")
@@ -162,15 +176,15 @@ class Runner:
             row = {"step_s": t3 - t0, "fwd_bwd_s": t1 - t0, "opt_step_s": t2 - t1, "loss": float(loss.detach())}
             row.update({f"{k}_s": v for k, v in self.timer.take().items()})
             if isinstance(opt, OffloadAdam):
-                after = opt.stats()
-                row.update({f"d_{k}": after.get(k, 0.0) - self.before.get(k, 0.0) for k in DAEMON_FIGURES})
+                after = daemon_figures(opt.stats())
+                row.update({f"d_{k}": v - self.before.get(k, 0.0) for k, v in after.items()})
                 self.before = after
             if i >= record_from:
                 self.rows.append(row)
         if isinstance(opt, OffloadAdam):
             opt.flush()
             self.timer.take()
-            self.before = opt.stats()
+            self.before = daemon_figures(opt.stats())
 
     def median(self) -> dict[str, float]:
         keys = sorted({k for r in self.rows for k in r})

@@ -168,7 +168,7 @@ def overlap(socket: str, steps: int) -> dict[str, Any]:
         stats = opt.stats()
         out[mode] = {
             "step_ms_median": sorted(times)[len(times) // 2],
-            "daemon_update_s_total": stats.get("rank_update_s", 0.0),
+            "daemon_update_s_total": stats.rank.update_s,
             "params": sum(p.numel() for p in model.parameters()),
         }
         opt.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -46,7 +47,6 @@ from tiermem.protocol import (
     StateReset,
     StateWrite,
     Stats,
-    StatsReply,
     Step,
 )
 from tiermem.units import PAGE_SIZE, align_up
@@ -54,6 +54,7 @@ from tiermemd.jobs import Job, JobTable
 from tiermemd.ledger import Ledger, Resource
 from tiermemd.rank import RankOptimizer, state_keys_for
 from tiermemd.server import Reply, Session, SessionState
+from tiermemd.stats import node_stats, stats_reply
 
 if TYPE_CHECKING:
     from tiermemd.service import Service
@@ -149,6 +150,8 @@ class Handlers:
             raise
         session.job_id, session.rank = job.job_id, msg.rank
         session.transition(SessionState.ATTACHED)
+        if session.counters is not None:
+            session.counters.attached()
         state_step, state_from = self.service.durability.attach_state(rank)
         log.info(
             "%s job %r rank %d/%d for pid %d uid %d (window %d bytes; state at step %d, %s)",
@@ -332,8 +335,11 @@ class Handlers:
         return Reply(rank.abort(msg))
 
     def _stats(self, session: Session, msg: Stats) -> Reply:
-        values = dict(self.service.node_stats())
+        """The node's figures, the jobs of the caller's uid (every job for root and the daemon's uid), and the
+        caller's rank when it is attached."""
+        rank = None
         if session.job_id is not None and session.rank is not None:
-            _, rank = self._bound(session)
-            values.update({f"rank_{k}": v for k, v in rank.stats().items()})
-        return Reply(StatsReply(values=tuple(sorted(values.items()))))
+            rank = self._bound(session)[1].stats()
+        uid = session.cred.uid
+        sees_all = uid in (0, os.getuid())
+        return Reply(stats_reply(node_stats(self.service), uid=None if sees_all else uid, rank=rank))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from tiermem.errors import AdmissionError
 from tiermem.units import format_size
 
-__all__ = ["Ledger", "Resource"]
+__all__ = ["Budget", "Ledger", "LedgerStats", "Resource"]
 
 
 class Resource(enum.Enum):
@@ -31,6 +31,36 @@ class Resource(enum.Enum):
     """Preallocated swap file space on the NVMe tier."""
     STORAGE = "storage"
     """Shared storage of the trainers' params and grads (memfds created at register)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One resource's capacity and what all jobs together hold of it."""
+
+    resource: Resource
+    capacity: int
+    held: int
+
+
+@dataclass(frozen=True)
+class LedgerStats:
+    """A snapshot of the ledger: every resource's budget, and each job's holdings."""
+
+    budgets: tuple[Budget, ...]
+    jobs: tuple[tuple[str, tuple[tuple[Resource, int], ...]], ...]
+    """``(job id, ((resource, bytes held), ...))`` for every job holding anything."""
+
+    def budget(self, resource: Resource) -> Budget:
+        for b in self.budgets:
+            if b.resource is resource:
+                return b
+        return Budget(resource, 0, 0)
+
+    def held_by(self, job: str) -> dict[Resource, int]:
+        for name, holdings in self.jobs:
+            if name == job:
+                return dict(holdings)
+        return {}
 
 
 @dataclass
@@ -109,13 +139,15 @@ class Ledger:
             account = self._accounts.pop(job, None)
         return {r: n for r, n in account.held.items() if n} if account else {}
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """Per resource: capacity and held bytes, for stats and metrics."""
+    def stats(self) -> LedgerStats:
         with self._lock:
-            return {
-                r.value: {
-                    "capacity": self._capacity.get(r, 0),
-                    "held": sum(a.held.get(r, 0) for a in self._accounts.values()),
-                }
+            budgets = tuple(
+                Budget(r, self._capacity.get(r, 0), sum(a.held.get(r, 0) for a in self._accounts.values()))
                 for r in Resource
-            }
+            )
+            jobs = tuple(
+                (job, tuple((r, n) for r, n in a.held.items() if n))
+                for job, a in sorted(self._accounts.items())
+                if any(a.held.values())
+            )
+        return LedgerStats(budgets, jobs)

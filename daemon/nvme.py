@@ -36,7 +36,7 @@ from tiermem.errors import DataLostError, TiermemError
 from tiermem.swap.store import SwapStore
 from tiermem.tiers import TierManager
 from tiermemd.ledger import Resource
-from tiermemd.state import ALL_KEYS, ChunkTensors, split_chunk
+from tiermemd.state import ALL_KEYS, ChunkTensors, StateStats, split_chunk
 
 if TYPE_CHECKING:
     from tiermemd.jobs import Job
@@ -126,16 +126,9 @@ class NvmeStateChunks:
         """The generation of the store's last committed manifest; ``persist()`` commits the next."""
         return self.store.generation
 
-    def stats(self) -> dict[str, float]:
-        s = self.tiers.stats()
-        return {
-            "nvme_page_ins": s.page_ins,
-            "nvme_page_outs": s.page_outs,
-            "nvme_bytes_in": s.bytes_in,
-            "nvme_bytes_out": s.bytes_out,
-            "nvme_wait_s": s.wait_s,
-            "nvme_io_errors": s.io_errors,
-        }
+    def stats(self) -> StateStats:
+        tiers, swap = self.tiers.stats(), self.store.stats()
+        return StateStats(cpu_nbytes=tiers.cpu_nbytes, nvme_nbytes=swap.used_nbytes, tiers=tiers, swap=swap)
 
     def close(self, *, remove: bool = True) -> None:
         """Free the cache; ``remove`` also deletes the swap files (the job is gone)."""

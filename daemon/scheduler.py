@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from tiermem.errors import InvalidState
 
-__all__ = ["CpuScheduler"]
+__all__ = ["CpuScheduler", "SchedulerStats"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,6 +38,19 @@ class _Tenant:
     tasks: int = 0
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's counters (node totals: forgotten tenants stay counted)."""
+
+    queued: int
+    """Tasks waiting to run."""
+    tasks: int
+    """Tasks run since start."""
+    busy_s: float
+    """Time the executor spent running tasks."""
+    tenants: int
+
+
 class CpuScheduler:
     """Runs submitted callables one at a time, round-robin across tenants."""
 
@@ -46,6 +59,8 @@ class CpuScheduler:
         self._cond = threading.Condition()
         self._closed = False
         self._running: str | None = None
+        self._tasks = 0
+        self._busy_s = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -88,6 +103,15 @@ class CpuScheduler:
         with self._cond:
             return {name: t.busy_s for name, t in self._tenants.items()}
 
+    def stats(self) -> SchedulerStats:
+        with self._cond:
+            return SchedulerStats(
+                queued=sum(len(t.queue) for t in self._tenants.values()),
+                tasks=self._tasks,
+                busy_s=self._busy_s,
+                tenants=len(self._tenants),
+            )
+
     @property
     def queued(self) -> int:
         with self._cond:
@@ -126,8 +150,11 @@ class CpuScheduler:
                 future.set_exception(exc)
             finally:
                 with self._cond:
+                    busy = time.perf_counter() - start
+                    self._tasks += 1
+                    self._busy_s += busy
                     state = self._tenants.get(name)
                     if state is not None:
-                        state.busy_s += time.perf_counter() - start
+                        state.busy_s += busy
                         state.tasks += 1
                     self._running = None

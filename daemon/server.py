@@ -60,6 +60,7 @@ from tiermem.protocol import (
     peek_request_id,
 )
 from tiermem.transport import Listener, Peer, PeerCred
+from tiermemd.serverstats import DisconnectReason, ServerCounters, ServerStats
 
 __all__ = ["MAX_ERROR_CHARS", "Reply", "Server", "Session", "SessionState", "error_frame", "header_readable"]
 
@@ -108,6 +109,10 @@ class Session:
     """One-way messages (BUCKET_READY) allowed between two requests (``server.max_inflight``)."""
     oneway_run: int = 0
     close_reason: str = ""
+    disconnect: DisconnectReason | None = None
+    """Why the session ended (set with ``close_reason``; counted by the server)."""
+    counters: ServerCounters | None = None
+    """Where the session counts the protocol and authentication errors it answers."""
 
     @property
     def cred(self) -> PeerCred:
@@ -123,10 +128,11 @@ class Session:
             raise ProtocolError(f"session cannot go from {self.state.value} to {to.value}")
         self.state = to
 
-    def shutdown(self, why: str) -> None:
+    def shutdown(self, why: str, reason: DisconnectReason = DisconnectReason.SHUTDOWN) -> None:
         """Wake the session's thread with end-of-stream (called from other threads)."""
         if not self.close_reason:
             self.close_reason = why
+            self.disconnect = reason
         with contextlib.suppress(OSError):
             self.peer.frames.sock.shutdown(socket.SHUT_RDWR)
 
@@ -136,6 +142,7 @@ class Session:
         ``draining()`` true: requests are refused (``AdmissionError``) instead of started.
         """
         why = "client closed the connection"
+        reason = DisconnectReason.CLIENT_CLOSED
         try:
             while True:
                 try:
@@ -152,16 +159,20 @@ class Session:
                         self._refuse_draining(data)
                     elif not self._handle(handlers, data):
                         why = "closed after a frame that could not be parsed"
+                        reason = DisconnectReason.PROTOCOL_ERROR
                         break
                 finally:
                     self.busy = False
         except ConnectionClosed:
             why = "client went away while a reply was sent"
+            reason = DisconnectReason.SEND_FAILED
         except Exception:
             log.exception("session %d (pid %d, uid %d) failed; closing it", self.id, self.cred.pid, self.cred.uid)
             why = "internal error (logged)"
+            reason = DisconnectReason.INTERNAL_ERROR
         finally:
             self.state = SessionState.CLOSED
+            self.disconnect = self.disconnect or reason
             handlers.session_closed(self, self.close_reason or why)
 
     def _refuse_draining(self, data: bytes) -> None:
@@ -210,6 +221,8 @@ class Session:
         return True
 
     def _send_error(self, request_id: int, exc: TiermemError) -> None:
+        if self.counters is not None:
+            self.counters.error_reply(exc)
         self.peer.send(error_frame(request_id, exc, self.peer.frames.max_frame))
 
 
@@ -253,6 +266,7 @@ class Server:
         self._threads: list[threading.Thread] = []
         self.on_client_exit: Callable[[Session], None] = lambda _session: None
         """Called from the watcher thread when a client's process exits (abort its queued work)."""
+        self.counters = ServerCounters()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -298,6 +312,11 @@ class Server:
         with self._lock:
             return list(self._sessions.values())
 
+    def stats(self) -> ServerStats:
+        with self._lock:
+            open_sessions = len(self._sessions)
+        return self.counters.stats(open_sessions)
+
     # ----------------------------------------------------------------- admission
 
     def allowed(self, cred: PeerCred) -> bool:
@@ -315,6 +334,7 @@ class Server:
         """Send the refusal, then read and drop what the client sends until it hangs up (at most
         ``_REFUSAL_LINGER_S``): closing with its request unread would reset the connection, and the
         client would lose the frame that says why."""
+        self.counters.refused(exc)
         with contextlib.suppress(Exception):
             peer.send(error_frame(0, exc, peer.frames.max_frame))
             peer.frames.sock.shutdown(socket.SHUT_WR)
@@ -356,7 +376,9 @@ class Server:
                 else:
                     over = False
                     self._per_uid[cred.uid] += 1
-                    session = Session(next(self._ids), peer, max_oneway=self.config.max_inflight)
+                    session = Session(
+                        next(self._ids), peer, max_oneway=self.config.max_inflight, counters=self.counters
+                    )
                     self._sessions[session.id] = session
             if over:
                 self._refuse(
@@ -376,9 +398,11 @@ class Server:
             thread.start()
 
     def _serve(self, session: Session) -> None:
+        self.counters.accepted()
         try:
             session.serve(self.handlers, lambda: self.draining)
         finally:
+            self.counters.disconnected(session.disconnect or DisconnectReason.CLIENT_CLOSED)
             self.forget_pidfd(session)
             session.peer.close()
             with self._lock:
@@ -400,7 +424,7 @@ class Server:
                 with contextlib.suppress(KeyError, ValueError):
                     self._selector.unregister(key.fd)
                 log.info("client pid %d of session %d exited", session.cred.pid, session.id)
-                session.shutdown(f"client process {session.cred.pid} exited")
+                session.shutdown(f"client process {session.cred.pid} exited", DisconnectReason.CLIENT_EXITED)
                 try:
                     self.on_client_exit(session)
                 except Exception:

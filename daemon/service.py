@@ -44,6 +44,7 @@ from tiermemd.rank import AdamKernel, RankOptimizer
 from tiermemd.scheduler import CpuScheduler
 from tiermemd.server import Server
 from tiermemd.state import CpuStateChunks, StateChunks
+from tiermemd.stats import RetiredRanks
 
 __all__ = ["DRAIN_TIMEOUT_S", "Service", "run_service"]
 
@@ -115,6 +116,8 @@ class Service:
             max_jobs_per_uid=config.jobs.max_jobs_per_uid,
         )
         self.scheduler = CpuScheduler()
+        self.retired = RetiredRanks()
+        """The last figures of ranks that ended (the node's counters never go down)."""
         if kernel is None:
             from tiermemd.kernel import default_kernel
 
@@ -227,6 +230,8 @@ class Service:
         for job in jobs:
             for rank in list(job.ranks.values()):
                 if isinstance(rank, RankOptimizer):
+                    rank.close_pipeline()
+                    self.retired.add(rank.stats())  # the node's counters keep what this rank did
                     rank.close(keep_swap=keep_swap)
                     rank.window.close()
             job.ranks.clear()
@@ -244,27 +249,6 @@ class Service:
                 job.job_id,
                 ", ".join(f"{r.value} {format_size(n)}" for r, n in held.items()) or "nothing held",
             )
-
-    def node_stats(self) -> dict[str, float]:
-        pool = self.pool.stats()
-        out: dict[str, float] = {
-            "pool_capacity_bytes": pool.capacity,
-            "pool_used_bytes": pool.used,
-            "pool_free_bytes": pool.free,
-            "pool_largest_free_bytes": pool.largest_free,
-            "pool_fragmentation": pool.fragmentation,
-            "pool_blocks": pool.blocks,
-            "pool_compactions": pool.compactions,
-            "pool_bytes_moved": pool.bytes_moved,
-            "pool_locked": float(self.pool.locked),
-            "jobs": len(self.jobs.jobs()),
-            "sessions": len(self.server.sessions()),
-            "scheduler_queued": self.scheduler.queued,
-        }
-        for resource, figures in self.ledger.snapshot().items():
-            out[f"budget_{resource}_capacity_bytes"] = figures["capacity"]
-            out[f"budget_{resource}_held_bytes"] = figures["held"]
-        return out
 
     # ----------------------------------------------------------------- the main loop
 
@@ -330,6 +314,8 @@ class Service:
             time.sleep(0.01)
         self.server.close_sessions("tiermemd is shutting down")
         self.server.close()
+        if self.metrics is not None:
+            self.metrics.close()
         if not self.env.get("LISTEN_FDS"):
             try:
                 remove_socket(self.config.server.socket)

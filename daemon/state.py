@@ -16,14 +16,26 @@ around idle state.  The NVMe tier pages chunks through the tier manager.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 
 from tiermem.errors import InvalidArgument
 from tiermem.pool import Block, BufferPool
+from tiermem.swap.records import SwapStats
+from tiermem.tiers.records import TierStats
 
-__all__ = ["ALL_KEYS", "STAGED_KEYS", "ChunkTensors", "CpuStateChunks", "StateChunks", "chunk_ranges", "split_chunk"]
+__all__ = [
+    "ALL_KEYS",
+    "STAGED_KEYS",
+    "ChunkTensors",
+    "CpuStateChunks",
+    "StateChunks",
+    "StateStats",
+    "chunk_ranges",
+    "split_chunk",
+]
 
 ALL_KEYS = ("master", "exp_avg", "exp_avg_sq")
 STAGED_KEYS = (*ALL_KEYS, "grad")
@@ -47,6 +59,18 @@ def split_chunk(flat: torch.Tensor, n: int, keys: tuple[str, ...]) -> ChunkTenso
     return ChunkTensors(parts.get("master"), parts["exp_avg"], parts["exp_avg_sq"], parts.get("grad"))
 
 
+@dataclass(frozen=True)
+class StateStats:
+    """Where a rank's state is, in bytes per tier, and the counters of the NVMe tier's parts."""
+
+    cpu_nbytes: int
+    """Pool bytes: all of the state on the CPU placement, the chunk cache on the NVMe one."""
+    nvme_nbytes: int = 0
+    """Swap bytes holding the state's current (and not yet freed older) versions."""
+    tiers: TierStats | None = None
+    swap: SwapStats | None = None
+
+
 class StateChunks(Protocol):
     numel: int
     chunk_numel: int
@@ -57,6 +81,7 @@ class StateChunks(Protocol):
     def acquire(self, chunk: int) -> ChunkTensors: ...
     def release(self, chunk: int, *, dirty: bool) -> None: ...
     def close(self, *, remove: bool = True) -> None: ...
+    def stats(self) -> StateStats: ...
 
 
 def chunk_ranges(start: int, stop: int, chunk_numel: int) -> list[tuple[int, int, int]]:
@@ -115,6 +140,10 @@ class CpuStateChunks:
 
     def release(self, chunk: int, *, dirty: bool) -> None:
         self.pool.unpin(self._blocks[chunk])
+
+    def stats(self) -> StateStats:
+        with self._lock:
+            return StateStats(cpu_nbytes=self.nbytes if self._blocks else 0)
 
     def close(self, *, remove: bool = True) -> None:
         """Zero and free every chunk (state of one job never leaks into another's blocks); ``remove`` is for

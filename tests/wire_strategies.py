@@ -16,7 +16,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from tiermem.protocol.fields import FieldError
-from tiermem.protocol.session import Fact, Number, PowerOfTwo
+from tiermem.protocol.session import Fact, PowerOfTwo
 from tiermem.protocol.spec import Bool, Choice, Float, Int, Kind, List, Map, Opt, RecordSpec, Str, Tuple
 
 __all__ = ["join", "json_values", "mutated", "passes", "shape", "valid", "wrong"]
@@ -80,8 +80,6 @@ def valid(kind: Kind) -> st.SearchStrategy[Any]:
         if kind.array:
             return st.tuples(*(valid(f.kind) for f in kind.fields)).map(list)
         return st.fixed_dictionaries({f.key: valid(f.kind) for f in kind.fields})
-    if isinstance(kind, Number):
-        return st.integers() | st.floats()
     if isinstance(kind, Fact):
         return _scalars | st.lists(_scalars, max_size=4)
     raise AssertionError(f"no strategy for {kind!r}")

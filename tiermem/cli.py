@@ -5,6 +5,8 @@ Subcommands:
             compare with in-process torch.optim.AdamW
   estimate  memory per GPU, host and NVMe for a model under each ZeRO stage and
             offload choice, and whether it fits this node
+  status    one screen of the node's tiermemd: pool, swap, jobs per tier,
+            throughput, errors (--json, --watch)
   version   print the version
 
 The CLI configures logging for itself; the library never prints.
@@ -66,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tiermem.estimate_cli import add_estimate_command
 
     add_estimate_command(sub)
+
+    from tiermem.status import add_parser as add_status_command
+
+    add_status_command(sub)
 
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=lambda _args: print(f"tiermem {__version__}") or 0)

@@ -222,11 +222,21 @@ class MetricsConfig:
     port: int = 0
     """TCP port serving /metrics; 0 disables the endpoint."""
     address: str = "127.0.0.1"
-    """Address the endpoint binds to."""
+    """Address the endpoint binds to (loopback by default: the figures are the node's, not the world's)."""
+    job_labels: bool = False
+    """Export per-job series labelled ``tiermem_job`` with the job ids (which every reader of the endpoint then
+    sees); off: only node totals, no job id leaves the daemon."""
+    max_connections: int = 16
+    """Scrape connections served at once; more are closed as they arrive."""
+    idle_timeout_s: float = 10.0
+    """A scrape connection that has not sent its request (or read its reply) for this long is closed."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError("metrics.port", f"must be 0..65535, got {self.port}")
+        _check_positive("metrics.max_connections", self.max_connections)
+        if not self.idle_timeout_s > 0:
+            raise ConfigError("metrics.idle_timeout_s", f"must be > 0 seconds, got {self.idle_timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True)

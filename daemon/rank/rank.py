@@ -63,8 +63,9 @@ from tiermemd.rank.planner import Piece, check_ids, plan_pieces
 from tiermemd.rank.records import Attempt, PhaseRecord, RankPhase, TensorRecord
 from tiermemd.rank.runner import AdamKernel, UpdateRunner, UpdateTarget
 from tiermemd.rank.stateio import StateIO
+from tiermemd.rank.stats import RankStats
 from tiermemd.scheduler import CpuScheduler
-from tiermemd.state import ALL_KEYS, STAGED_KEYS, StateChunks, chunk_ranges
+from tiermemd.state import ALL_KEYS, STAGED_KEYS, StateChunks, StateStats, chunk_ranges
 
 __all__ = ["RankOptimizer", "Registration", "state_keys_for"]
 
@@ -568,25 +569,31 @@ class RankOptimizer(StateIO):
             grads_in_state=self.grads_in_state,
         )
 
-    def stats(self) -> dict[str, float]:
-        out = {
-            "last_step": float(self.last_step),
-            "skipped_steps": float(self.skipped_steps),
-            "overlapped_tensors": float(self.overlapped_tensors),
-            "tensors": float(len(self.records)),
-            "numel": float(self.layout.numel if self.layout else 0),
-            "window_bytes": float(self.window.nbytes),
-            "storage_bytes": float(self.storage.nbytes if self.storage is not None else 0),
-            "state_keys": float(len(self.state.keys) if self.state is not None else 0),
-            "failed": 1.0 if self.phase.phase is RankPhase.FAILED else 0.0,
-            "adopted_elements": float(self.runner.adopted),
-            "update_s": self.runner.update_s,
-        }
-        out.update(self.timings)
-        state_stats = getattr(self.state, "stats", None)
-        if state_stats is not None:
-            out.update(state_stats())
-        return out
+    def stats(self) -> RankStats:
+        state = self.state
+        return RankStats(
+            job_id=self.job_id,
+            rank=self.rank,
+            placement=self.placement,
+            last_step=self.last_step,
+            skipped_steps=self.skipped_steps,
+            failed=self.phase.phase is RankPhase.FAILED,
+            overlapped_tensors=self.overlapped_tensors,
+            tensors=len(self.records),
+            numel=self.layout.numel if self.layout else 0,
+            window_nbytes=self.window.nbytes,
+            storage_nbytes=self.storage.nbytes if self.storage is not None else 0,
+            state_keys=len(state.keys) if state is not None else 0,
+            adopted_elements=self.runner.adopted,
+            updates=self.runner.updates,
+            updated_elements=self.runner.updated_elements,
+            update_s=self.runner.update_s,
+            update_seconds=self.runner.update_seconds.snapshot(),
+            grad_stats_s=self.timings["stats_s"],
+            wait_s=self.timings["wait_s"],
+            staleness_steps=1 if self._delayed is not None and not self._delayed.done() else 0,
+            state=state.stats() if state is not None else StateStats(cpu_nbytes=0),
+        )
 
 
 def _reason(exc: BaseException) -> str:

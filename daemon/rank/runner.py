@@ -40,6 +40,7 @@ from typing import Protocol
 import torch
 
 from tiermem.errors import InvalidState
+from tiermem.histogram import UPDATE_SECONDS, Histogram
 from tiermem.protocol import ParamGroup
 from tiermemd.rank.planner import Piece
 from tiermemd.scheduler import CpuScheduler
@@ -101,6 +102,12 @@ class UpdateRunner:
         self.tenant = tenant
         self._pipeline: ThreadPoolExecutor | None = None
         self.update_s = 0.0
+        self.updates = 0
+        """Updates (``run`` calls) that completed."""
+        self.updated_elements = 0
+        """Elements those updates stepped."""
+        self.update_seconds = Histogram(UPDATE_SECONDS)
+        """Duration of each ``run``, failed ones included (one writer: runs of a rank never overlap)."""
         self.adopted = 0
         """Param elements whose in-place edits were taken into the master."""
 
@@ -125,9 +132,13 @@ class UpdateRunner:
                     error = error or InvalidState("update pieces were cancelled (the scheduler is shutting down)")
                 except BaseException as exc:
                     error = error or exc
-            self.update_s += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.update_s += elapsed
+            self.update_seconds.observe(elapsed)
         if error is not None:
             raise error
+        self.updates += 1 if pieces else 0
+        self.updated_elements += sum(piece.hi - piece.lo for piece in pieces)
 
     def submit(
         self, state: StateChunks, pieces: Sequence[Piece], target: UpdateTarget, grad_scale: float

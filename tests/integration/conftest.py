@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tiermem.protocol import ErrorReply, Frame, Stats, StatsReply, decode_frame, decode_message
+from tiermem.protocol import ErrorReply, Frame, NodeReport, Stats, StatsReply, decode_frame, decode_message
 from tiermem.transport import Connection
 from tiermemd.main import to_toml
 
@@ -124,13 +124,14 @@ class DaemonProcess:
 
         return Client(self.connection(timeout_s), socket_path=self.socket_path)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> NodeReport:
+        """The node's figures from a STATS request on a fresh connection."""
         with self.connection() as conn:
             reply = conn.request(Stats())
         assert isinstance(reply, StatsReply)
-        return {k: float(v) for k, v in reply.values}
+        return reply.node
 
-    def wait_stats(self, predicate: Callable[[dict[str, float]], bool], timeout_s: float) -> dict[str, float]:
+    def wait_stats(self, predicate: Callable[[NodeReport], bool], timeout_s: float) -> NodeReport:
         """Poll STATS until ``predicate`` holds; returns the last figures either way."""
         deadline = time.monotonic() + timeout_s
         while True:

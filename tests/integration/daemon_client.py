@@ -147,7 +147,7 @@ class Trainer:
 
     def reattach(self, token: str) -> None:
         """Reattach with ``token`` and register again (the same storage comes back); continue from the
-        daemon's ``rank_last_step``.
+        daemon's last step of the rank.
 
         No retry: while the dead process's last step is still finishing, the daemon waits for it.
         """
@@ -161,7 +161,8 @@ class Trainer:
         self._register()
         stats = self.conn.request(Stats())
         assert isinstance(stats, StatsReply)
-        self.last_step = self.reattached_at = int(dict(stats.values)["rank_last_step"])
+        assert stats.rank is not None
+        self.last_step = self.reattached_at = stats.rank.last_step
         self.progress()
 
     def step(self, step: int, grads: list[np.ndarray]) -> StepDone:

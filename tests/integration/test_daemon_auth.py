@@ -51,7 +51,7 @@ print(json.dumps({"uid": __import__("os").getuid(), "frames": frames}))
 @needs_root
 @pytest.mark.skipif(not os.path.exists(SYSTEM_PYTHON), reason=f"{SYSTEM_PYTHON} is needed to run as another uid")
 def test_a_process_of_another_uid_is_refused_with_an_auth_error(daemon: DaemonProcess):
-    sessions_before = daemon.stats()["sessions"]
+    sessions_before = daemon.stats().server.sessions
     out = subprocess.run(
         [SYSTEM_PYTHON, "-I", "-c", RAW_PING_AS_ANOTHER_UID, daemon.socket_path],
         user=NOBODY,
@@ -68,7 +68,7 @@ def test_a_process_of_another_uid_is_refused_with_an_auth_error(daemon: DaemonPr
     assert [f["payload"]["type"] for f in errors] == ["AuthError"], result
     assert str(NOBODY) in errors[0]["payload"]["message"]
     assert not [f for f in result["frames"] if f.get("type") == 0x8A], "a refused peer got an answer to its PING"
-    assert daemon.stats()["sessions"] <= sessions_before
+    assert daemon.stats().server.sessions <= sessions_before
 
 
 def _connection_as_nobody(socket_path: str) -> str:
@@ -128,7 +128,7 @@ def test_a_process_of_another_job_cannot_attach_without_the_token(daemon: Daemon
             client.attach("alpha", window_nbytes=4096, token=owner.token)
     finally:
         owner.detach()
-    assert daemon.wait_stats(lambda s: s["jobs"] == 0, 10.0)["jobs"] == 0
+    assert daemon.wait_stats(lambda s: s.jobs == 0, 10.0).jobs == 0
 
 
 def test_the_token_lets_a_second_rank_join_the_job(daemon: DaemonProcess):
@@ -140,4 +140,4 @@ def test_the_token_lets_a_second_rank_join_the_job(daemon: DaemonProcess):
             assert joined.token == info.token
             second.detach()
         first.detach()
-    assert daemon.wait_stats(lambda s: s["jobs"] == 0, 10.0)["jobs"] == 0
+    assert daemon.wait_stats(lambda s: s.jobs == 0, 10.0).jobs == 0

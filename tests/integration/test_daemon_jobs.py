@@ -17,11 +17,10 @@ import torch
 from conftest import GRACE_PERIOD_S
 from daemon_client import adamw_reference
 
-from tiermem.protocol import Stats
+from tiermem.protocol import NodeReport, Stats
 
 SIZES = [300, 40, 7]
 SIZES_ARG = ",".join(map(str, SIZES))
-LEAK_KEYS = ("pool_used_bytes", "budget_pool_held_bytes", "budget_window_held_bytes", "jobs")
 
 
 def assert_matches_adamw(path: Path, seed: int, steps: int, sizes: list[int] = SIZES) -> None:
@@ -33,8 +32,14 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def leak_figures(stats: dict[str, float]) -> dict[str, float]:
-    return {k: stats[k] for k in LEAK_KEYS}
+def leak_figures(node: NodeReport) -> dict[str, int]:
+    held = {b.resource: b.held_nbytes for b in node.budgets}
+    return {
+        "pool_used": node.pool.used_nbytes,
+        "pool_held": held["pool"],
+        "window_held": held["window"],
+        "jobs": node.jobs,
+    }
 
 
 def test_two_jobs_in_two_processes_match_adamw(daemon, run_client, tmp_path):
@@ -73,7 +78,7 @@ def test_two_jobs_in_two_processes_match_adamw(daemon, run_client, tmp_path):
 
 
 def test_sigkill_of_a_looping_client_spares_the_other_job_and_leaks_nothing(daemon, run_client, tmp_path):
-    baseline = leak_figures(daemon.wait_stats(lambda s: s["jobs"] == 0, 10.0))
+    baseline = leak_figures(daemon.wait_stats(lambda s: s.jobs == 0, 10.0))
     assert baseline["jobs"] == 0
     baseline_fds = fd_count(daemon.pid)
     victim = run_client(
@@ -108,8 +113,8 @@ def test_sigkill_of_a_looping_client_spares_the_other_job_and_leaks_nothing(daem
     )
     survivor.wait_step(2)
     during = daemon.stats()
-    assert during["jobs"] == 2
-    assert during["pool_used_bytes"] > baseline["pool_used_bytes"]
+    assert during.jobs == 2
+    assert during.pool.used_nbytes > baseline["pool_used"]
     victim.process.send_signal(signal.SIGKILL)
     victim.process.wait()
     assert survivor.result()["last_step"] == 30

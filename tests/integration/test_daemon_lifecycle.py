@@ -45,9 +45,9 @@ def test_ready_comes_after_the_pool_then_watchdog_reloads_and_stopping(daemon_fa
     assert "pool 64MiB" in ready["STATUS"] and d.socket_path in ready["STATUS"]
     # by the time READY=1 was sent the pool existed and the socket was live
     with d.connection() as conn:
-        stats = dict(conn.request(Stats()).values)  # type: ignore[attr-defined]
-    assert stats["pool_capacity_bytes"] == 64 * MiB
-    assert stats["pool_locked"] == 1.0
+        reply = conn.request(Stats())
+    assert isinstance(reply, StatsReply)
+    assert reply.node.pool.capacity_nbytes == reply.node.pool.locked_nbytes == 64 * MiB
 
     # WATCHDOG_USEC=400ms: pings at least every half period, i.e. from the main loop's 0.5 s tick
     first_wd, _ = d.notify.wait_for("WATCHDOG", 5.0)

@@ -1,24 +1,44 @@
-"""A real Prometheus scrape of a real tiermemd while a job trains through it."""
+"""Real Prometheus scrapes of a real tiermemd, checked against what the test itself did.
+
+One daemon (metrics on a free loopback port, ``metrics.job_labels`` on, small
+Adam chunks and a pool quota per job so that an NVMe job pages) serves the
+module.  Each test scrapes
+before and after its own actions and checks the differences: steps it ran,
+parameters it stepped, bytes it allocated, errors it provoked.  Every scrape
+also goes through ``promtool check metrics`` (Debian's prometheus package,
+which ``run.sh setup`` installs as root); without promtool that check is
+skipped with the reason, the rest still runs.
+"""
 
 from __future__ import annotations
 
-import signal
+import json
+import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import DaemonProcess, RawConn, start_daemon
 from prometheus_client.parser import text_string_to_metric_families
 
-from tiermem.client import connect
-from tiermem.errors import DaemonUnavailable
+from tiermem import __version__
+from tiermem.errors import AuthError
 from tiermem.offload import OffloadAdam
+from tiermem.units import parse_size
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "tiermem.json"
+CHUNK_NUMEL = 1024
+Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
 def _free_port() -> int:
@@ -27,59 +47,254 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+@pytest.fixture(scope="module")
+def metered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, int]]:
+    port = _free_port()
+    d = start_daemon(
+        tmp_path_factory.mktemp("metered"),
+        {
+            "metrics": {"port": port, "job_labels": True},
+            "adam": {"chunk_numel": CHUNK_NUMEL},
+            "jobs": {"max_pool": 100_000},  # less than the NVMe job's state: its chunk cache cannot hold it all
+        },
+    )
+    try:
+        yield d, port
+        assert d.stop() == 0, d.log_text()[-3000:]
+    finally:
+        d.cleanup()
+
+
+def scrape(port: int) -> Samples:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    promtool_check(text)
+    out: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             out.setdefault(sample.name, []).append((sample.labels, sample.value))
     return out
 
 
-def test_metrics_report_pool_budgets_and_per_job_figures(tmp_path: Path) -> None:
-    port = _free_port()
-    sock = tmp_path / "d.sock"
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "tiermemd.main", "--socket", str(sock), "--pool-size", "64MiB",
-            "--state-dir", str(tmp_path / "state"), "--swap-dir", str(tmp_path / "swap"),
-            "--metrics-port", str(port),
-        ],
-        env={"PATH": "/usr/bin:/bin", "TIERMEM_ADAM_COMPILE": "false", "HOME": str(tmp_path)},
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                client = connect(str(sock), embed=False)
-                break
-            except DaemonUnavailable:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail("tiermemd did not come up")
-                time.sleep(0.05)
-        idle = _scrape(port)
-        pool = {labels["state"]: value for labels, value in idle["tiermem_pool_bytes"]}
-        assert pool["capacity"] == 64 * 2**20 and pool["used"] == 0
-        assert idle["tiermem_jobs"] == [({}, 0.0)]
+def promtool_check(text: str) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        return  # test_promtool_is_available reports the skip once, with its reason
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), (
+        f"promtool check metrics: rc {result.returncode}\n{result.stdout}{result.stderr}"
+    )
 
-        model = torch.nn.Linear(32, 32)
-        opt = OffloadAdam(model.parameters(), lr=1e-3, client=client, job_id="scraped", offload="cpu")
-        for _ in range(3):
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    found = [v for lb, v in samples.get(name, []) if all(lb.get(k) == want for k, want in labels.items())]
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples in {samples.get(name)}"
+    return found[0]
+
+
+def test_promtool_is_available() -> None:
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus; run.sh setup does it as root)")
+
+
+def test_an_idle_node_reports_its_pool_and_build(metered: tuple[DaemonProcess, int]) -> None:
+    daemon, port = metered
+    idle = scrape(port)
+    capacity = parse_size(daemon.settings["pool"]["size"])
+    assert value(idle, "tiermem_pool_capacity_bytes") == capacity
+    assert value(idle, "tiermem_pool_bytes", state="used") + value(idle, "tiermem_pool_bytes", state="free") == capacity
+    assert value(idle, "tiermem_budget_capacity_bytes", resource="pool") == capacity
+    assert value(idle, "tiermem_jobs") == 0
+    (labels, one), = idle["tiermem_build_info"]  # fmt: skip
+    assert one == 1 and labels["version"] == __version__
+    assert "tiermem_job_state_bytes" not in idle  # no job, no per-job series
+
+
+def test_a_cpu_job_is_counted_as_the_test_ran_it(metered: tuple[DaemonProcess, int]) -> None:
+    daemon, port = metered
+    before = scrape(port)
+    model = torch.nn.Linear(32, 32)
+    numel = 32 * 32 + 32
+    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id="metrics-cpu", offload="cpu")
+    steps = 3
+    for _ in range(steps):
+        model(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    busy = scrape(port)
+    window = opt.stats().rank.window_nbytes
+
+    def grew(name: str, **labels: str) -> float:
+        return value(busy, name, **labels) - value(before, name, **labels)
+
+    assert grew("tiermem_steps_total") == steps
+    assert grew("tiermem_adam_updates_total") == steps
+    assert grew("tiermem_adam_updated_params_total") == steps * numel
+    assert grew("tiermem_adam_update_seconds_count") == steps
+    assert grew("tiermem_attaches_total") == 1
+    assert value(busy, "tiermem_jobs") == 1 and value(busy, "tiermem_clients") >= 1
+    job = {"tiermem_job": "metrics-cpu", "uid": str(os.getuid())}
+    # fp32 params are their own master: the daemon keeps exp_avg and exp_avg_sq, 8 bytes per parameter
+    assert value(busy, "tiermem_job_state_bytes", tier="cpu", **job) == 8 * numel
+    assert value(busy, "tiermem_job_state_bytes", tier="nvme", **job) == 0
+    assert value(busy, "tiermem_job_window_bytes", **job) == window
+    assert value(busy, "tiermem_job_last_step", **job) == steps
+    assert value(busy, "tiermem_state_bytes", tier="cpu") == 8 * numel
+    assert value(busy, "tiermem_budget_held_bytes", resource="pool") == 8 * numel
+    opt.close()
+    after = scrape(port)
+    assert value(after, "tiermem_jobs") == 0
+    assert "tiermem_job_state_bytes" not in after
+    assert value(after, "tiermem_state_bytes", tier="cpu") == 0
+    # the job is gone, its work stays counted: node counters never go down
+    assert value(after, "tiermem_steps_total") == value(busy, "tiermem_steps_total")
+    assert value(after, "tiermem_adam_updated_params_total") == value(busy, "tiermem_adam_updated_params_total")
+
+
+def test_an_nvme_job_pages_and_its_io_is_counted(metered: tuple[DaemonProcess, int]) -> None:
+    daemon, port = metered
+    before = scrape(port)
+    model = torch.nn.Linear(128, 64)  # 8256 params: 9 chunks of 1024, more than the 6 the chunk cache holds
+    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id="metrics-nvme", offload="nvme")
+    steps = 3
+    for _ in range(steps):
+        model(torch.randn(4, 128)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    busy = scrape(port)
+    nvme = opt.stats().rank.nvme
+    assert nvme is not None
+
+    def grew(name: str, **labels: str) -> float:
+        return value(busy, name, **labels) - value(before, name, **labels)
+
+    chunks = -(-(128 * 64 + 64) // CHUNK_NUMEL)
+    assert grew("tiermem_prefetch_acquires_total") == steps * chunks  # one acquire per chunk and step
+    assert grew("tiermem_tier_pages_total", direction="out") == nvme.page_outs > 0
+    chunk_nbytes = CHUNK_NUMEL * 4 * 3  # master, exp_avg, exp_avg_sq
+    assert grew("tiermem_swap_bytes_total", direction="write") >= nvme.page_outs * 4096
+    assert grew("tiermem_swap_bytes_total", direction="write") >= chunk_nbytes
+    assert grew("tiermem_swap_io_seconds_count", op="write") >= nvme.page_outs
+    # a chunk's first page-in fills zeros (nothing on disk yet); every later one is a swap read
+    assert grew("tiermem_swap_io_seconds_count", op="read") == grew("tiermem_tier_pages_total", direction="in") - chunks
+    assert value(busy, "tiermem_swap_io_errors_total", op="read") == 0
+    assert value(busy, "tiermem_swap_checksum_failures_total") == 0
+    job = {"tiermem_job": "metrics-nvme", "uid": str(os.getuid())}
+    assert value(busy, "tiermem_job_state_bytes", tier="nvme", **job) == value(busy, "tiermem_swap_used_bytes") > 0
+    opt.close()
+    after = scrape(port)
+    assert value(after, "tiermem_swap_used_bytes") == 0
+    assert value(after, "tiermem_swap_bytes_total", direction="write") == value(
+        busy, "tiermem_swap_bytes_total", direction="write"
+    )
+
+
+def test_provoked_protocol_and_auth_errors_are_counted(metered: tuple[DaemonProcess, int]) -> None:
+    daemon, port = metered
+    before = scrape(port)
+    raw = RawConn(daemon.socket_path)
+    try:
+        raw.send(b"XX" + bytes(30))  # bad magic: answered with an error, then the session is closed
+        raw.recv()
+    finally:
+        raw.close()
+    with daemon.client() as owner:
+        owner.attach("metrics-auth", window_nbytes=4096)
+        with daemon.client() as intruder, pytest.raises(AuthError):
+            intruder.attach("metrics-auth", window_nbytes=4096, token="not-the-token")
+        owner.detach()
+    deadline = time.monotonic() + 30
+    while True:  # the sessions end on their own threads
+        after = scrape(port)
+        closed = value(after, "tiermem_disconnects_total", reason="protocol_error")
+        if closed > value(before, "tiermem_disconnects_total", reason="protocol_error") or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert value(after, "tiermem_protocol_errors_total") - value(before, "tiermem_protocol_errors_total") == 1
+    assert value(after, "tiermem_auth_errors_total") - value(before, "tiermem_auth_errors_total") == 1
+    assert closed - value(before, "tiermem_disconnects_total", reason="protocol_error") == 1
+
+
+def test_idle_scrape_connections_are_bounded_and_hold_no_threads(metered: tuple[DaemonProcess, int]) -> None:
+    daemon, port = metered
+    cap = 16  # metrics.max_connections's default
+    threads = len(os.listdir(f"/proc/{daemon.pid}/task"))
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3 * cap)]
+    try:
+        time.sleep(0.5)  # let the endpoint accept (and refuse) them all
+        assert len(os.listdir(f"/proc/{daemon.pid}/task")) <= threads
+        served = 0
+        for s in idle:  # past the cap the longest idle ones were closed to make room: their peer reads end-of-stream
+            s.settimeout(0.2)
+            try:
+                served += s.recv(1) != b""
+            except TimeoutError:
+                served += 1
+            except ConnectionResetError:
+                pass
+        assert served == cap
+    finally:
+        for s in idle:
+            s.close()
+    scrape(port)  # still serving
+
+
+def test_every_metric_the_dashboard_queries_exists(metered: tuple[DaemonProcess, int]) -> None:
+    daemon, port = metered
+    model = torch.nn.Linear(128, 64)
+    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id="metrics-dash", offload="nvme")
+    try:
+        model(torch.randn(4, 128)).square().mean().backward()
+        opt.step()
+        names = set(scrape(port))
+    finally:
+        opt.close()
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert exprs, "the dashboard queries nothing"
+    queried = {m for e in exprs for m in re.findall(r"\btiermem_[a-z0-9_]+", _without_labels(e))}
+    missing = sorted(queried - names)
+    assert not missing, f"the dashboard queries metrics the daemon does not export: {missing}"
+
+
+def _without_labels(expr: str) -> str:
+    """A PromQL expression without its label matchers and ``by``/``without`` lists: what is left names metrics."""
+    expr = re.sub(r"\b(by|without)\s*\([^)]*\)", "", expr)
+    return re.sub(r"\{[^}]*\}", "", expr)
+
+
+def test_tiermem_status_shows_the_node_and_the_job(metered: tuple[DaemonProcess, int]) -> None:
+    daemon, _ = metered
+    model = torch.nn.Linear(32, 32)
+    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id="status-job", offload="cpu")
+    try:
+        for _ in range(2):
             model(torch.randn(4, 32)).square().mean().backward()
             opt.step()
             opt.zero_grad()
-        busy = _scrape(port)
-        steps = {labels["job"]: value for labels, value in busy["tiermem_rank_steps_total"]}
-        assert steps == {"scraped": 3.0}
-        held = {(lb["resource"], lb["kind"]): v for lb, v in busy["tiermem_budget_bytes"]}
-        assert held[("pool", "held")] == 8 * (32 * 32 + 32)  # fp32 params on the CPU tier: moments only
-        assert dict(busy["tiermem_rank_state_elements"][0][0]) == {"job": "scraped", "rank": "0"}
-        opt.close()
-        assert _scrape(port)["tiermem_jobs"] == [({}, 0.0)]
+        cmd = [sys.executable, "-m", "tiermem.cli", "status", "--socket", daemon.socket_path]
+        shown = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, check=True)
+        screen = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        opt.close()
+    report = json.loads(shown.stdout)
+    assert report["socket"] == daemon.socket_path
+    assert report["node"]["pool"]["capacity_nbytes"] == parse_size(daemon.settings["pool"]["size"])
+    (job,) = [j for j in report["jobs"] if j["job_id"] == "status-job"]
+    assert job["last_step"] == 2 and job["cpu_state_nbytes"] == 8 * (32 * 32 + 32) and job["ranks"] == 1
+    assert "status-job" in screen and "Pool" in screen and "Swap" in screen
+    assert max(len(line) for line in screen.splitlines()) <= 88
+
+
+def test_tiermem_status_without_a_daemon_says_so(tmp_path: Path) -> None:
+    missing = tmp_path / "nobody.sock"
+    result = subprocess.run(
+        [sys.executable, "-m", "tiermem.cli", "status", "--socket", str(missing)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "no tiermemd to show" in result.stderr and str(missing) in result.stderr
 
 
 def test_metrics_port_in_use_is_a_startup_error_with_the_socket_code(tmp_path: Path) -> None:

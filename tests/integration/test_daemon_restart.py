@@ -71,7 +71,8 @@ def test_restarted_daemon_reopens_nvme_state_and_training_continues_exactly(tmp_
     )
     _train([(offloaded, opt), (reference, ref_opt)], 7, data)
     token = opt.token
-    assert opt.stats()["rank_nvme_page_outs"] > 0  # the state really lives on the swap files
+    nvme = opt.stats().rank.nvme
+    assert nvme is not None and nvme.page_outs > 0  # the state really lives on the swap files
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
@@ -92,7 +93,7 @@ def test_restarted_daemon_reopens_nvme_state_and_training_continues_exactly(tmp_
             job_id="restart-me",
             token=token,
         )
-        assert reopened.stats()["rank_last_step"] == 7
+        assert reopened.stats().rank.last_step == 7
         for a, b in zip(fresh.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(a, b)
         _train([(fresh, reopened), (reference, ref_opt)], 5, data)
@@ -117,7 +118,7 @@ def test_a_job_file_that_does_not_parse_is_set_aside(tmp_path: Path) -> None:
     (jobs / "broken.job.json").write_text("{not json")
     proc, client = _start(tmp_path)
     try:
-        assert client.stats()["jobs"] == 0
+        assert client.stats().node.jobs == 0
     finally:
         client.close()
         proc.send_signal(signal.SIGTERM)

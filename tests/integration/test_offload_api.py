@@ -439,4 +439,4 @@ def test_a_model_100x_the_window_trains_like_adamw(offload: OffloadDaemon, tier:
     train(m_off, opt, batches, loss)
     train(m_ref, ref, batches, loss)
     assert_params_close(m_off, m_ref)
-    assert opt.stats()["rank_window_bytes"] <= WINDOW_NBYTES
+    assert opt.stats().rank.window_nbytes <= WINDOW_NBYTES

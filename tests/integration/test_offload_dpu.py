@@ -90,22 +90,22 @@ def test_delayed_update_follows_the_reference_rule_mlp(offload: OffloadDaemon) -
     staleness = []
 
     def after(i: int) -> None:
-        staleness.append(opt.stats()["staleness_steps"])
+        staleness.append(opt.stats().staleness_steps)
 
     losses = train(m_off, opt, batches, mlp_loss, after_step=after)
     ref_losses = [ref.step(batch, mlp_loss) for batch in batches]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
-    assert staleness == [0.0] * WARMUP + [1.0] * (len(batches) - WARMUP)
+    assert staleness == [0] * WARMUP + [1] * (len(batches) - WARMUP)
     # one update behind: the model holds update 29, the optimizer has applied 30
     assert_params_close(m_off, m_ref)
-    assert opt.stats()["rank_last_step"] == len(batches)
+    assert opt.stats().rank.last_step == len(batches)
     sync = replicas(base, 1)[0]
     train(sync, torch.optim.AdamW(sync.parameters(), lr=1e-2, weight_decay=0.1), batches, mlp_loss)
     with pytest.raises(AssertionError):
         assert_params_close(m_off, sync)  # not the synchronous trajectory
     # state_dict() waits for the last update and installs it
     saved = opt.state_dict()
-    assert opt.stats()["staleness_steps"] == 0.0
+    assert opt.stats().staleness_steps == 0
     ref.flush()
     assert_params_close(m_off, ref.master)
     assert_state_close(saved, ref.opt.state_dict())
@@ -125,7 +125,7 @@ def test_delayed_update_gpt_matches_the_engine_exactly(offload: OffloadDaemon) -
     opt.flush()
     ref.flush()
     assert_params_equal(m_off, m_ref)
-    assert opt.stats()["staleness_steps"] == 0.0
+    assert opt.stats().staleness_steps == 0
 
 
 def test_delayed_update_with_no_warmup(offload: OffloadDaemon) -> None:
@@ -157,6 +157,6 @@ def test_delayed_update_converges_like_synchronous(offload: OffloadDaemon) -> No
         assert losses[-1] < losses[0] * 0.3, "the model did not learn"
         finals.append(sum(losses[-30:]) / 30)  # mean of the last 30 batches: single batches are noisy
         if delayed:
-            assert opt.stats()["staleness_steps"] == 1.0
+            assert opt.stats().staleness_steps == 1
     sync, delayed_final = finals
     assert abs(delayed_final - sync) <= 0.02 * sync, f"synchronous {sync:.4f}, delayed {delayed_final:.4f}"

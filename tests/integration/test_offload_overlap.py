@@ -55,7 +55,7 @@ def test_overlapped_updates_equal_torch_adamw_with_an_lr_schedule(offload: Offlo
         torch.testing.assert_close(a, b)
     stats = opt.stats()
     # every step after the first updated all six tensors as their buckets landed
-    assert stats["rank_overlapped_tensors"] == 29 * 6
+    assert stats.rank.overlapped_tensors == 29 * 6
 
 
 def test_a_loop_that_clips_after_backward_is_refused_before_anything_is_applied(offload: OffloadDaemon) -> None:
@@ -71,4 +71,4 @@ def test_a_loop_that_clips_after_backward_is_refused_before_anything_is_applied(
     for p, q in zip(model.parameters(), before, strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     assert opt.state_dict()["state"] == {}
-    assert opt.stats()["rank_overlapped_tensors"] == 0
+    assert opt.stats().rank.overlapped_tensors == 0

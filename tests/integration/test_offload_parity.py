@@ -81,14 +81,15 @@ def test_gpt_trains_like_cpu_adam_and_torch(offload: OffloadDaemon, tier: str, w
     assert_params_equal(m_off, m_eng)
     assert_params_close(m_off, m_torch, **GPT_VS_TORCH)
     stats = opt.stats()
-    assert stats["rank_last_step"] == STEPS
-    assert stats["steps"] == STEPS
+    assert stats.rank.last_step == STEPS
+    assert stats.steps == STEPS
     if tier == "nvme":
         # the state (~10 chunks) is larger than the chunk cache (6): every step pages chunks out and in
-        assert stats["rank_nvme_page_outs"] > 0
-        assert stats["rank_nvme_page_ins"] > 0
+        assert stats.rank.nvme is not None
+        assert stats.rank.nvme.page_outs > 0
+        assert stats.rank.nvme.page_ins > 0
     else:
-        assert stats.get("rank_nvme_page_outs", 0.0) == 0
+        assert stats.rank.nvme is None
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])

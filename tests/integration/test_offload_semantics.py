@@ -504,4 +504,4 @@ def test_released_grads_with_the_overlapped_update_train_like_adamw(offload: Off
     train(m_off, opt, batches, mlp_loss)
     train(m_ref, ref, batches, mlp_loss)
     assert_params_close(m_off, m_ref)
-    assert opt.stats()["rank_overlapped_tensors"] > 0
+    assert opt.stats().rank.overlapped_tensors > 0

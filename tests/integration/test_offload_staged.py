@@ -65,8 +65,8 @@ def test_staged_training_equals_adamw_and_keeps_no_storage(offload: OffloadDaemo
     assert_params_close(m_off, m_ref)
     assert_state_close(opt.state_dict(), ref.state_dict())
     stats = opt.stats()
-    assert stats["rank_storage_bytes"] == 0
-    assert stats["rank_window_bytes"] == WINDOW
+    assert stats.rank.storage_nbytes == 0
+    assert stats.rank.window_nbytes == WINDOW
     assert opt.state_keys == ("master", "exp_avg", "exp_avg_sq", "grad")
 
 

@@ -200,8 +200,8 @@ def test_grad_scaler_skips_the_same_steps_as_torch(offload: OffloadDaemon, clip:
     assert 3 <= skipped <= STEPS - 3, f"the test should skip some steps and take others ({skipped} skipped)"
     assert_params_close(m_off, m_ref)
     stats = opt.stats()
-    assert stats["client_skipped_steps"] == skipped
-    assert stats["rank_last_step"] == STEPS - skipped
+    assert stats.client_skipped_steps == skipped
+    assert stats.rank.last_step == STEPS - skipped
     assert int(opt.state_dict()["state"][0]["step"]) == int(ref.state_dict()["state"][0]["step"]) == STEPS - skipped
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stats_samples import sample_reply
 
 from tiermem.errors import ConfigError, ConnectionClosed, DaemonUnavailable, PoolExhausted, ProtocolError
 from tiermem.protocol import (
@@ -316,7 +317,7 @@ def test_adopt_listener_takes_an_inherited_seqpacket_socket_only(sock_dir: Path)
 def client_sends_big_then_small(path: str, nbytes: int) -> str:
     sock = connect_socket(path)
     frames = FrameSocket(sock, max_frame=1 << 20, accept_fds=True)
-    big = encode_message(StatsReply(values=(("x" * nbytes, 1),)), 1)
+    big = encode_message(ErrorReply("InvalidArgument", "x" * nbytes), 1)
     frames.send(big)
     frames.send(encode_message(Ping(), 2))
     frames.recv()
@@ -349,7 +350,9 @@ def test_send_buffer_is_sized_for_a_max_frame_packet():
         if sender.max_send < 1 << 20:
             assert not IS_ROOT or wmem_max < 1 << 20
             pytest.skip(f"kernel granted a {sender.max_send}-byte send limit (wmem_max {wmem_max})")
-        data = encode_message(StatsReply(values=(("x" * ((1 << 20) - 64), 1),)), 1)
+        data = encode_message(
+            ErrorReply("InvalidArgument", "x" * ((1 << 20) - 100)), 1
+        )  # a frame 32 bytes short of 1 MiB
         sender.send(data)
         assert receiver.recv() == (data, [])
         with pytest.raises(ProtocolError, match="exceeds the sendable maximum"):
@@ -548,7 +551,7 @@ def test_threads_share_one_connection(pair):
     per_thread, threads = 200, 4
 
     def handle(msg: Any, rid: int) -> bytes:
-        return encode_message(StatsReply(values=(("rid", rid),)), rid)
+        return encode_message(sample_reply(jobs=rid), rid)
 
     serve_in_thread(server, handle, per_thread * threads)
     seen: list[int] = []
@@ -559,7 +562,7 @@ def test_threads_share_one_connection(pair):
             reply = conn.request(Stats())
             assert isinstance(reply, StatsReply)
             with lock:
-                seen.append(int(reply.values[0][1]))
+                seen.append(reply.node.jobs)
 
     workers = [threading.Thread(target=work) for _ in range(threads)]
     for w in workers:

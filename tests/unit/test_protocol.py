@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from stats_samples import sample_node, sample_reply
 
 from tiermem.errors import BoundsError, PoolExhausted, ProtocolError, SwapIOError, TiermemError, UnknownKey
 from tiermem.protocol import (
@@ -314,9 +315,8 @@ def test_step_done_allows_an_infinite_grad_norm_but_not_bad_timings():
     assert "field timings.update: expected a number, got int" in field_error(MsgType.STEP_DONE, huge)
 
 
-def test_stats_reply_accepts_only_numbers():
-    assert "field values.x: expected a number" in field_error(MsgType.STATS_REPLY, {"values": {"x": "1"}})
-    reply = StatsReply(values=(("pool_free_bytes", 1 << 30), ("fragmentation", 0.25)))
+def test_stats_reply_is_typed_and_round_trips():
+    reply = sample_reply(jobs=3)
     assert decode_message(decode_frame(encode_message(reply, 1))) == reply
 
 
@@ -328,7 +328,7 @@ def test_check_message_lets_a_sender_fail_early():
 
 def test_unencodable_value_is_a_protocol_error():
     with pytest.raises(ProtocolError, match="cannot encode STATS_REPLY"):
-        encode_message(StatsReply(values=(("x", object()),)), 1)  # type: ignore[arg-type]
+        encode_message(StatsReply(node=sample_node(version=object())), 1)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- errors across the wire

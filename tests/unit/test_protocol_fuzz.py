@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from stats_samples import sample_reply
 from wire_strategies import mutated, shape, valid
 
 from tiermem.errors import ProtocolError
@@ -44,7 +45,6 @@ from tiermem.protocol import (
     StateReset,
     StateWrite,
     Stats,
-    StatsReply,
     Step,
     StepDone,
     TensorSlot,
@@ -173,12 +173,7 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
     MsgType.STATE_CHUNK: state_chunks(),
     MsgType.STATE_WRITE: st.builds(StateWrite, tensor_id, st.sampled_from(STATE_KEYS), u64, memref, step_no),
     MsgType.STATS: st.just(Stats()),
-    MsgType.STATS_REPLY: st.builds(
-        StatsReply,
-        st.dictionaries(
-            st.text(max_size=30), st.integers(-(1 << 60), 1 << 60) | st.floats(allow_nan=False), max_size=10
-        ).map(lambda d: tuple(d.items())),
-    ),
+    MsgType.STATS_REPLY: st.integers(0, 1 << 60).map(lambda n: sample_reply(jobs=n)),
     MsgType.DETACH: st.builds(Detach, st.booleans()),
     MsgType.PING: st.just(Ping()),
     MsgType.PONG: st.just(Pong()),

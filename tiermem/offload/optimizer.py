@@ -51,7 +51,7 @@ import torch
 
 from tiermem import dtypes
 from tiermem.client import Client, connect
-from tiermem.errors import DTypeError, InvalidArgument, InvalidState, TiermemError
+from tiermem.errors import DTypeError, InvalidArgument, InvalidState, ProtocolError, TiermemError
 from tiermem.modes import Exchange, Placement, StepMode
 from tiermem.offload.args import check_hyper, check_torch_flags, private_pool_nbytes, step_mode
 from tiermem.offload.feed import GradFeed, TensorEntry
@@ -60,8 +60,9 @@ from tiermem.offload.policy import StepPolicy, plan_buckets
 from tiermem.offload.resume import check_resume
 from tiermem.offload.staged import StagedEntry, StagedFeed
 from tiermem.offload.state_view import StateView
+from tiermem.offload.stats import OptimizerStats
 from tiermem.offload.transfer import StateTransfer, plan_load
-from tiermem.protocol import ParamGroup, Step, StepDone, TensorSpec
+from tiermem.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
 from tiermem.units import MiB
 
 __all__ = ["OffloadAdam"]
@@ -296,7 +297,7 @@ class OffloadAdam(torch.optim.Optimizer):
             else:
                 self._bind_shared(client, params, reply.slots, dtype, reattached=info.reattached)
             if info.reattached:
-                self._steps_sent = int(client.stats().get("rank_last_step", 0))
+                self._steps_sent = _rank_report(client).last_step
                 self.feed.buffer = self._next_buffer()
         except BaseException:
             if self._own_client:
@@ -517,7 +518,7 @@ class OffloadAdam(torch.optim.Optimizer):
             self._new_step()
             raise late
         # the reply was read before the interrupt landed, or the request never left: ask the daemon
-        last = int(self.client.stats().get("rank_last_step", 0))
+        last = _rank_report(self.client).last_step
         if last >= sent.step:
             self._steps_sent = last
             if sent.delayed:
@@ -571,15 +572,20 @@ class OffloadAdam(torch.optim.Optimizer):
             self._client = None
             client.close()
 
-    def stats(self) -> dict[str, float]:
-        """The daemon's figures for this rank, plus the client's: skipped steps, DPU staleness, last norm."""
-        values = self.client.stats()
-        values["client_skipped_steps"] = float(self._skipped)
-        values["staleness_steps"] = 1.0 if self._inflight else 0.0
-        values["steps"] = float(self._steps_sent)
-        if self.last_grad_norm is not None:
-            values["last_grad_norm"] = self.last_grad_norm
-        return values
+    def stats(self) -> OptimizerStats:
+        """The daemon's figures for this rank and the node, plus the client's: skipped steps, DPU staleness,
+        last norm."""
+        reply = self.client.stats()
+        if reply.rank is None:
+            raise ProtocolError("the daemon sent no figures for this optimizer's rank (the connection is not attached)")
+        return OptimizerStats(
+            rank=reply.rank,
+            node=reply.node,
+            steps=self._steps_sent,
+            client_skipped_steps=self._skipped,
+            staleness_steps=1 if self._inflight else 0,
+            last_grad_norm=self.last_grad_norm,
+        )
 
     # ----------------------------------------------------------------- state
 
@@ -675,3 +681,11 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._client.close()
         except Exception:  # noqa: S110 - never raise from a finalizer
             pass
+
+
+def _rank_report(client: Client) -> RankReport:
+    """The daemon's figures of the rank ``client`` is attached to."""
+    report = client.stats().rank
+    if report is None:
+        raise ProtocolError("the daemon sent no figures for this connection's rank (the connection is not attached)")
+    return report

@@ -103,6 +103,8 @@ class PoolStats:
     blocks: int
     compactions: int
     bytes_moved: int
+    locked: int = 0
+    """Bytes of arenas locked in RAM (filled in by ``BufferPool.stats``; an allocator alone knows none)."""
 
     @property
     def fragmentation(self) -> float:

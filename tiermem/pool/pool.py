@@ -19,6 +19,7 @@ for as long as a view, tensor or raw address is in use: pinned blocks never move
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -242,7 +243,8 @@ class BufferPool:
     def stats(self) -> PoolStats:
         """Counters over all arenas, taken under the lock (one consistent snapshot)."""
         with self._lock:
-            return PoolStats.combine([a.stats() for a in self._allocators])
+            combined = PoolStats.combine([a.stats() for a in self._allocators])
+        return dataclasses.replace(combined, locked=sum(a.nbytes for a in self._arenas if a.locked))
 
     @property
     def capacity(self) -> int:

@@ -73,8 +73,30 @@ from tiermem.protocol.messages import (
     TensorSlot,
     TensorSpec,
 )
+from tiermem.protocol.report import (
+    AdamReport,
+    BudgetReport,
+    JobReport,
+    NodeReport,
+    NvmeReport,
+    PoolReport,
+    PrefetchReport,
+    RankReport,
+    ServerReport,
+    SwapReport,
+)
 
 __all__ = [
+    "SwapReport",
+    "ServerReport",
+    "RankReport",
+    "PrefetchReport",
+    "PoolReport",
+    "NvmeReport",
+    "NodeReport",
+    "JobReport",
+    "BudgetReport",
+    "AdamReport",
     "Abort",
     "Aborted",
     "DEFAULT_MAX_FRAME",

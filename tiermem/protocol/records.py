@@ -43,7 +43,6 @@ __all__ = [
     "MAX_NAME",
     "MAX_NBYTES",
     "MAX_NDIM",
-    "MAX_STATS",
     "MAX_STEP",
     "MAX_TENSORS",
     "MAX_TIMINGS",
@@ -82,7 +81,6 @@ MAX_STEP = (1 << 62) - 1
 MAX_WINDOW_ID = 0xFFFFFFFF
 MAX_TIMINGS = 64
 MAX_GRAD_BUFFERS = 2
-MAX_STATS = 4096
 MAX_MESSAGE = 16384
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
 

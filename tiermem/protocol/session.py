@@ -29,7 +29,6 @@ from tiermem.protocol.records import (
     MAX_MESSAGE,
     MAX_NAME,
     MAX_NBYTES,
-    MAX_STATS,
     MAX_TENSORS,
     MAX_WINDOW_ID,
     MAX_WORLD,
@@ -43,6 +42,7 @@ from tiermem.protocol.records import (
     TensorSlot,
     TensorSpec,
 )
+from tiermem.protocol.report import MAX_REPORTED_JOBS, JobReport, NodeReport, RankReport
 from tiermem.protocol.spec import Choice, Int, List, Map, Opt, Str, WireName, wire
 
 __all__ = [
@@ -76,20 +76,6 @@ class PowerOfTwo(Int):
 
     def test(self, gen: Source, v: str) -> str:
         return f"{super().test(gen, v)} and not {v} & ({v} - 1)"
-
-
-class Number(Kind):
-    """A JSON number, int or float, kept as sent (STATS_REPLY's values)."""
-
-    __slots__ = ()
-
-    def check(self, value: Any, path: str) -> Any:
-        if type(value) is not int and type(value) is not float:
-            raise FieldError(path, "a number", value)
-        return value
-
-    def test(self, gen: Source, v: str) -> str:
-        return f"type({v}) is int or type({v}) is float"
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
@@ -228,7 +214,9 @@ class StatsReply(Message):
     """Named numbers (ints or floats), e.g. {"pool_free_bytes": 1.2e9}."""
 
     TYPE: ClassVar[MsgType] = MsgType.STATS_REPLY
-    values: Annotated[tuple[tuple[str, int | float], ...], Map(NAME, Number(), MAX_STATS)]
+    node: NodeReport
+    jobs: Annotated[tuple[JobReport, ...], List(JobReport, MAX_REPORTED_JOBS)] = ()
+    rank: Annotated[RankReport | None, Opt(RankReport)] = None
 
 
 @wire

@@ -22,10 +22,11 @@ commit that is writing it into a manifest).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from tiermem.errors import InvalidState
+from tiermem.histogram import IO_SECONDS, HistogramSnapshot
 from tiermem.swap.extents import Extent
 
 __all__ = ["RecordState", "SwapRecord", "SwapStats", "Version"]
@@ -95,3 +96,7 @@ class SwapStats:
     keys: int = 0
     used_nbytes: int = 0
     reserved_nbytes: int = 0
+    read_seconds: HistogramSnapshot = field(default_factory=lambda: HistogramSnapshot.empty(IO_SECONDS))
+    """Time from submitting a read to its verified completion (failed ones included)."""
+    write_seconds: HistogramSnapshot = field(default_factory=lambda: HistogramSnapshot.empty(IO_SECONDS))
+    """Time from submitting a write to its completion (failed ones included)."""

@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -55,6 +56,7 @@ from tiermem.errors import (
     SwapFullError,
     UnknownKey,
 )
+from tiermem.histogram import IO_SECONDS, Histogram
 from tiermem.swap.engine import IOEngine, IOOp, IORequest, Memory, buffer_address, gather
 from tiermem.swap.extents import Extent, segments, stripe_shares
 from tiermem.swap.files import SwapFile, check_job_id
@@ -102,6 +104,8 @@ class SwapStore:
             ("bytes_written", "bytes_read", "writes", "reads", "write_errors", "read_errors", "corruptions", "commits"),
             0,
         )
+        self._read_seconds = Histogram(IO_SECONDS)
+        self._write_seconds = Histogram(IO_SECONDS)  # both observed under self._lock, where the counts are
 
     # ------------------------------------------------------------------ opening
 
@@ -183,6 +187,7 @@ class SwapStore:
     def write(self, key: str, memory: Memory) -> Future[int]:
         """Write ``memory`` as the next version of ``key``; resolves with the byte count once written."""
         address, nbytes, keepalive = self._memory(memory, IOOp.WRITE)
+        t0 = time.perf_counter()
         started = self._begin_write(key, nbytes)
         if started is None and self._auto_commit:
             self.commit()  # frees versions only the last manifest still named
@@ -195,7 +200,7 @@ class SwapStore:
         try:
             futures = self._engine.submit(self._requests(IOOp.WRITE, version, address, keepalive))
         except BaseException as exc:
-            self._write_done(record, version, exc, outer)
+            self._write_done(record, version, exc, outer, t0)
             raise
         # checksum while the disk writes the same (unchanging) memory; the version becomes readable only in
         # gather's callback, attached once the checksums are set
@@ -204,9 +209,9 @@ class SwapStore:
             version.crcs = tuple(self._checksum(view, key, number, extents, i) for i in range(len(extents)))
         except BaseException as exc:
             failed = exc  # the name ``exc`` is gone once this block ends; the callback runs later
-            gather(futures, lambda _err: self._write_done(record, version, failed, outer))
+            gather(futures, lambda _err: self._write_done(record, version, failed, outer, t0))
             raise
-        gather(futures, lambda err: self._write_done(record, version, err, outer))
+        gather(futures, lambda err: self._write_done(record, version, err, outer, t0))
         return outer
 
     def _begin_write(self, key: str, nbytes: int) -> tuple[SwapRecord, int, tuple[Extent, ...]] | None:
@@ -231,6 +236,7 @@ class SwapStore:
     def read(self, key: str, memory: Memory) -> Future[int]:
         """Read ``key``'s current version into ``memory`` (exactly its size) and verify it; see the module docstring."""
         address, nbytes, keepalive = self._memory(memory, IOOp.READ)
+        t0 = time.perf_counter()
         with self._lock:
             self._check_open()
             record = self._records.get(key)
@@ -245,9 +251,9 @@ class SwapStore:
         try:
             futures = self._engine.submit(self._requests(IOOp.READ, version, address, keepalive))
         except BaseException as exc:
-            self._finish_read(record, version, exc, outer)
+            self._finish_read(record, version, exc, outer, t0)
             raise
-        gather(futures, lambda err: self._read_done(record, version, address, err, outer))
+        gather(futures, lambda err: self._read_done(record, version, address, err, outer, t0))
         return outer
 
     def delete(self, key: str) -> None:
@@ -398,6 +404,8 @@ class SwapStore:
                 keys=sum(1 for r in self._records.values() if r.current is not None),
                 used_nbytes=sum(f.allocator.used_nbytes for f in self._files),
                 reserved_nbytes=sum(f.capacity for f in self._files),
+                read_seconds=self._read_seconds.snapshot(),
+                write_seconds=self._write_seconds.snapshot(),
             )
 
     # ------------------------------------------------------------------ internals
@@ -469,9 +477,12 @@ class SwapStore:
                 crc = crc32c.crc32c(view[seg.memory_offset : seg.memory_offset + seg.nbytes], crc)
         return int(crc32c.crc32c(f"\0{key}\0{number}".encode(), crc))
 
-    def _write_done(self, record: SwapRecord, version: Version, err: BaseException | None, outer: Future[int]) -> None:
+    def _write_done(
+        self, record: SwapRecord, version: Version, err: BaseException | None, outer: Future[int], t0: float
+    ) -> None:
         with self._lock:
             self._inflight -= 1
+            self._write_seconds.observe(time.perf_counter() - t0)
             if err is None:
                 old, record.current = record.current, version
                 record.move(S.STORED)
@@ -491,17 +502,23 @@ class SwapStore:
             outer.set_exception(err)
 
     def _read_done(
-        self, record: SwapRecord, version: Version, address: int, err: BaseException | None, outer: Future[int]
+        self,
+        record: SwapRecord,
+        version: Version,
+        address: int,
+        err: BaseException | None,
+        outer: Future[int],
+        t0: float,
     ) -> None:
         if err is not None:
-            self._finish_read(record, version, err, outer)
+            self._finish_read(record, version, err, outer, t0)
             return
         try:
-            self._verifier.submit(self._verify, record, version, address, outer)
+            self._verifier.submit(self._verify, record, version, address, outer, t0)
         except RuntimeError as exc:  # verifier shut down: cannot happen while a read is in flight
-            self._finish_read(record, version, exc, outer)
+            self._finish_read(record, version, exc, outer, t0)
 
-    def _verify(self, record: SwapRecord, version: Version, address: int, outer: Future[int]) -> None:
+    def _verify(self, record: SwapRecord, version: Version, address: int, outer: Future[int], t0: float) -> None:
         view = _view(address, version.nbytes)
         error: BaseException | None = None
         for i, e in enumerate(version.extents):
@@ -513,11 +530,14 @@ class SwapStore:
                     f"checksum mismatch in version {version.number} ({e.nbytes} bytes)",
                 )
                 break
-        self._finish_read(record, version, error, outer)
+        self._finish_read(record, version, error, outer, t0)
 
-    def _finish_read(self, record: SwapRecord, version: Version, err: BaseException | None, outer: Future[int]) -> None:
+    def _finish_read(
+        self, record: SwapRecord, version: Version, err: BaseException | None, outer: Future[int], t0: float
+    ) -> None:
         with self._lock:
             self._inflight -= 1
+            self._read_seconds.observe(time.perf_counter() - t0)
             version.holds -= 1
             self._release(record, version)
             if err is None:

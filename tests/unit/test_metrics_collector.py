@@ -1,0 +1,93 @@
+"""The collector's families from a node snapshot built of real stats records: job ids only when asked."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from tiermem.histogram import UPDATE_SECONDS, Histogram
+from tiermem.pool import PoolStats
+from tiermemd.ledger import Ledger, Resource
+from tiermemd.metrics import adam_families, job_families, pool_families, server_families, swap_families
+from tiermemd.rank import RankStats
+from tiermemd.scheduler import SchedulerStats
+from tiermemd.serverstats import DisconnectReason, ServerCounters
+from tiermemd.state import StateStats
+from tiermemd.stats import JobStats, NodeStats, Totals
+
+
+def _rank(job_id: str, *, updates: int, elements: int, cpu_nbytes: int) -> RankStats:
+    h = Histogram(UPDATE_SECONDS)
+    for _ in range(updates):
+        h.observe(0.02)
+    return RankStats(
+        job_id=job_id, rank=0, placement="cpu", last_step=updates, skipped_steps=0, failed=False,
+        overlapped_tensors=0, tensors=2, numel=elements, window_nbytes=1 << 21, storage_nbytes=8192,
+        state_keys=2, adopted_elements=0, updates=updates, updated_elements=updates * elements,
+        update_s=0.02 * updates, update_seconds=h.snapshot(), grad_stats_s=0.0, wait_s=0.0, staleness_steps=0,
+        state=StateStats(cpu_nbytes=cpu_nbytes),
+    )  # fmt: skip
+
+
+def _node(retired: Totals | None = None) -> NodeStats:
+    ledger = Ledger({Resource.POOL: 1 << 30, Resource.WINDOW: 1 << 30, Resource.SWAP: 0, Resource.STORAGE: 1 << 30})
+    ledger.reserve("secret-job-a", Resource.POOL, 4096)
+    counters = ServerCounters()
+    counters.accepted()
+    counters.disconnected(DisconnectReason.CLIENT_EXITED)
+    jobs = (
+        JobStats("secret-job-a", 1000, "active", 1, (_rank("secret-job-a", updates=3, elements=10, cpu_nbytes=80),), 0),
+        JobStats("secret-job-b", 1001, "active", 1, (_rank("secret-job-b", updates=2, elements=5, cpu_nbytes=40),), 0),
+    )
+    return NodeStats(
+        pool=PoolStats(capacity=1 << 30, used=4096, free=(1 << 30) - 4096, largest_free=1 << 29, blocks=1,
+                       compactions=0, bytes_moved=0, locked=1 << 30),
+        ledger=ledger.stats(),
+        scheduler=SchedulerStats(queued=0, tasks=5, busy_s=0.1, tenants=2),
+        server=counters.stats(sessions=2),
+        jobs=jobs,
+        retired=retired or Totals(),
+    )  # fmt: skip
+
+
+class _Fixed(Collector):
+    def __init__(self, node: NodeStats, per_job: bool) -> None:
+        self.node, self.per_job = node, per_job
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        yield from pool_families(self.node)
+        yield from swap_families(self.node)
+        yield from adam_families(self.node)
+        yield from server_families(self.node)
+        yield from job_families(self.node, per_job=self.per_job)
+
+
+def _exposition(node: NodeStats, per_job: bool) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(node, per_job))
+    return generate_latest(registry).decode()
+
+
+def test_without_job_labels_no_job_id_leaves_the_daemon() -> None:
+    text = _exposition(_node(), per_job=False)
+    assert "secret-job" not in text and "tiermem_job=" not in text and "tiermem_job_" not in text
+    assert "tiermem_jobs 2.0" in text
+    assert 'tiermem_state_bytes{tier="cpu"} 120.0' in text  # summed over the jobs
+    assert "tiermem_adam_updated_params_total 40.0" in text  # 3 x 10 + 2 x 5
+
+
+def test_with_job_labels_each_job_has_its_series_under_tiermem_job() -> None:
+    text = _exposition(_node(), per_job=True)
+    assert 'tiermem_job_state_bytes{tier="cpu",tiermem_job="secret-job-a",uid="1000"} 80.0' in text
+    assert 'tiermem_job_updated_params_total{tiermem_job="secret-job-b",uid="1001"} 10.0' in text
+    assert 'job="' not in text.replace('tiermem_job="', "")  # never Prometheus' own job label
+
+
+def test_node_counters_include_ranks_that_ended() -> None:
+    gone = _rank("ended", updates=4, elements=100, cpu_nbytes=0)
+    text = _exposition(_node(retired=Totals.of_rank(gone)), per_job=False)
+    assert "tiermem_adam_updates_total 9.0" in text  # 3 + 2 live, 4 retired
+    assert "tiermem_adam_update_seconds_count 9.0" in text
+    assert 'tiermem_disconnects_total{reason="client_exited"} 1.0' in text
+    assert 'tiermem_disconnects_total{reason="protocol_error"} 0.0' in text
