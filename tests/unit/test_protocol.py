@@ -318,6 +318,14 @@ def test_step_done_allows_an_infinite_grad_norm_but_not_bad_timings():
 def test_stats_reply_is_typed_and_round_trips():
     reply = sample_reply(jobs=3)
     assert decode_message(decode_frame(encode_message(reply, 1))) == reply
+    payload = reply.to_payload()
+    assert set(payload) == {"node", "jobs", "rank"} and payload["node"]["pool"]["capacity_nbytes"] == 1 << 30
+    bad = json.loads(json.dumps(payload))
+    bad["node"]["pool"]["used_nbytes"] = "1"
+    assert "field node.pool.used_nbytes: expected an integer" in field_error(MsgType.STATS_REPLY, bad)
+    renamed = json.loads(json.dumps(payload))
+    renamed["node"]["pool"]["pool_used_bytes"] = renamed["node"]["pool"].pop("used_nbytes")
+    assert "pool_used_bytes" in field_error(MsgType.STATS_REPLY, renamed)
 
 
 def test_check_message_lets_a_sender_fail_early():
