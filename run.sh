@@ -101,5 +101,5 @@ case "$cmd" in
     bench) setup; name=$1; shift; exec "$VENV/bin/python" "benchmarks/bench_$name.py" "$@" ;;
     lint) setup; "$VENV/bin/ruff" check tiermem daemon tests benchmarks; "$VENV/bin/mypy" ;;
     shell) setup; exec "$VENV/bin/python" "$@" ;;
-    *) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; [ "$cmd" = help ] ;;
+    *) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; [ "$cmd" = help ] ;;
 esac
