@@ -124,13 +124,12 @@ def render(now: Sample, before: Sample | None = None, *, socket_path: str = "") 
             f"Adam     updates {adam.updates}{_count_rate(_rate(now, before, 'adam.updates'))}  "
             f"params {_count(adam.updated_elements)}"
             f"{'' if params_rate is None else f' ({_count(params_rate)}/s)'}  "
-            f"mean {mean}  steps {adam.steps} (skipped {adam.skipped_steps})"
+            f"{mean} per update  steps {adam.steps}"
         )
     )
-    budgets = "  ".join(
-        f"{b.resource} {format_size(b.held_nbytes)}/{format_size(b.capacity_nbytes)}" for b in node.budgets
-    )
-    out.append(_line(f"Budgets  {budgets}"))
+    budgets = [f"{b.resource} {format_size(b.held_nbytes)} of {format_size(b.capacity_nbytes)}" for b in node.budgets]
+    for i in range(0, len(budgets), 2):
+        out.append(_line(f"{'Budgets' if i == 0 else '':<9}" + "  ".join(budgets[i : i + 2])))
     out.append(
         _line(
             f"Clients  {server.sessions} connected  attaches {server.attaches}  disconnects {server.disconnects}  "
@@ -141,7 +140,7 @@ def render(now: Sample, before: Sample | None = None, *, socket_path: str = "") 
     out.append(
         _line(
             f"Errors   protocol {server.protocol_errors}  auth {server.auth_errors}  swap I/O {swap.io_errors}  "
-            f"bad checksums {swap.checksum_failures}  failed ranks {failed}"
+            f"checksum {swap.checksum_failures}  failed ranks {failed}  skipped {adam.skipped_steps}"
         )
     )
     out.append(rule)
@@ -231,7 +230,7 @@ def run_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
                     return 0
                 before = now
                 time.sleep(args.watch)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, BrokenPipeError):  # Ctrl-C, or a reader that stopped (``| head``)
         return 0
     except TiermemError as exc:
         print(f"tiermem status: the daemon stopped answering: {exc}", file=sys.stderr)
