@@ -9,13 +9,16 @@ read files they wrote.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tiermem.errors import DaemonUnavailable, TiermemError
 from tiermem.estimate import NodeCapacity, format_gb
+
+if TYPE_CHECKING:
+    from tiermem.protocol import StatsReply
 
 __all__ = [
     "DaemonBudget",
@@ -145,34 +148,16 @@ class DaemonBudget:
     swap_capacity_nbytes: int
 
 
-def _budgets(reply: Any) -> dict[str, tuple[int, int]]:
-    """``resource -> (capacity, held)`` from a STATS reply, in either of the protocol's forms.
-
-    The typed reply carries ``node.budgets``, records of ``resource``, ``capacity_nbytes`` and
-    ``held_nbytes``; the first protocol's reply was a flat mapping of figures
-    (``budget_pool_capacity_bytes``, ``budget_pool_held_bytes``, ...).
-    """
-    if isinstance(reply, Mapping):
-        out = {}
-        for resource in ("pool", "swap"):
-            capacity = reply.get(f"budget_{resource}_capacity_bytes")
-            if capacity is not None:
-                out[resource] = (int(capacity), int(reply.get(f"budget_{resource}_held_bytes", 0)))
-        return out
-    budgets = getattr(getattr(reply, "node", None), "budgets", None) or ()
-    return {b.resource: (int(b.capacity_nbytes), int(b.held_nbytes)) for b in budgets}
-
-
-def daemon_budget(reply: Any, socket: str) -> DaemonBudget:
-    """The pool and swap budgets in the client's STATS reply (``Client.stats()``), less what jobs hold.
+def daemon_budget(reply: StatsReply, socket: str) -> DaemonBudget:
+    """The pool and swap budgets in the daemon's STATS reply (``Client.stats()``), less what jobs hold.
 
     Raises ``TiermemError`` when the reply carries no pool budget.
     """
-    budgets = _budgets(reply)
+    budgets = {b.resource: (b.capacity_nbytes, b.held_nbytes) for b in reply.node.budgets}
     if "pool" not in budgets:
         raise TiermemError(
-            f"the STATS reply of tiermemd at {socket} has no pool budget ({type(reply).__name__}); "
-            "is the daemon of another tiermem version?"
+            f"the STATS reply of tiermemd at {socket} has no pool budget (it lists "
+            f"{', '.join(sorted(budgets)) or 'none'}); is the daemon of another tiermem version?"
         )
     pool_capacity, pool_held = budgets["pool"]
     swap_capacity, swap_held = budgets.get("swap", (0, 0))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
+from stats_samples import sample_node
 
 from tiermem.capacity import cgroup_headroom, daemon_budget, free_disk, host_available, read_meminfo
 from tiermem.errors import TiermemError
+from tiermem.protocol import BudgetReport, StatsReply
 
 MEMINFO = """\
 MemTotal:       24684084 kB
@@ -81,24 +84,27 @@ def test_free_disk_counts_a_filesystem_once_and_measures_missing_dirs_at_their_p
     assert str(tmp_path / "a") in source and "not" not in source
 
 
-def test_daemon_budget_from_a_stats_dict():
-    stats = {
-        "pool_capacity_bytes": 4e9,
-        "budget_pool_capacity_bytes": 4e9,
-        "budget_pool_held_bytes": 1e9,
-        "budget_swap_capacity_bytes": 5e11,
-        "budget_swap_held_bytes": 1e11,
-    }
-    budget = daemon_budget(stats, "/run/tiermem/tiermemd.sock")
+def reply_with(*budgets: BudgetReport) -> StatsReply:
+    return StatsReply(node=dataclasses.replace(sample_node(), budgets=budgets))
+
+
+def test_daemon_budget_from_the_stats_reply():
+    reply = reply_with(
+        BudgetReport("window", 1 << 30, 1 << 21),
+        BudgetReport("pool", 4 * 10**9, 10**9),
+        BudgetReport("swap", 5 * 10**11, 10**11),
+    )
+    budget = daemon_budget(reply, "/run/tiermem/tiermemd.sock")
     assert (budget.pool_free_nbytes, budget.pool_capacity_nbytes) == (3 * 10**9, 4 * 10**9)
     assert (budget.swap_free_nbytes, budget.swap_capacity_nbytes) == (4 * 10**11, 5 * 10**11)
+    assert budget.socket == "/run/tiermem/tiermemd.sock"
 
 
-def test_a_reply_without_budgets_is_an_error_naming_what_is_missing():
-    with pytest.raises(TiermemError, match="has no pool budget"):
-        daemon_budget({"jobs": 1.0}, "/s.sock")
+def test_a_reply_without_a_pool_budget_is_an_error_naming_what_it_has():
+    with pytest.raises(TiermemError, match=r"tiermemd at /s.sock has no pool budget \(it lists window\)"):
+        daemon_budget(reply_with(BudgetReport("window", 1, 0)), "/s.sock")
 
 
-def test_a_daemon_without_swap_figures_gives_no_swap_budget():
-    budget = daemon_budget({"budget_pool_capacity_bytes": 10, "budget_pool_held_bytes": 20}, "s")
+def test_without_a_swap_budget_there_is_no_swap_room_and_held_never_goes_negative():
+    budget = daemon_budget(reply_with(BudgetReport("pool", 10, 20)), "s")
     assert budget.pool_free_nbytes == 0 and budget.swap_capacity_nbytes == 0

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from tiermem.demo.model import CharCorpus, GPTConfig
 from tiermem.demo.train import RunResult, train_run
 from tiermem.units import MiB, align_up, format_size
+
+if TYPE_CHECKING:
+    from tiermem.offload.stats import OptimizerStats
 
 __all__ = ["run_demo"]
 
@@ -56,16 +60,10 @@ def _describe(optimizer: torch.optim.Optimizer) -> dict[str, str]:
     return {"paged": format_size(_paged_nbytes(stats()))}
 
 
-def _paged_nbytes(stats: object) -> int:
-    """Bytes of Adam state the rank moved between the pool and NVMe, from ``OffloadAdam.stats()``.
-
-    Reads the typed figures (``stats.rank.nvme``: read and written bytes) and the flat mapping of the
-    first protocol (``rank_nvme_bytes_in`` / ``_out``).
-    """
-    if isinstance(stats, Mapping):
-        return int(stats.get("rank_nvme_bytes_in", 0) + stats.get("rank_nvme_bytes_out", 0))
-    nvme = getattr(getattr(stats, "rank", None), "nvme", None)
-    return 0 if nvme is None else int(nvme.read_nbytes + nvme.written_nbytes)
+def _paged_nbytes(stats: OptimizerStats) -> int:
+    """Bytes of Adam state the rank moved between the pool and NVMe (``OffloadAdam.stats()``)."""
+    nvme = stats.rank.nvme
+    return 0 if nvme is None else nvme.read_nbytes + nvme.written_nbytes
 
 
 def _close(optimizer: torch.optim.Optimizer) -> dict[str, float]:
