@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from tiermem.demo.plot import plot_losses, smooth
+from tiermem.demo.plot import PlotUnavailable, plot_losses, smooth
 from tiermem.demo.train import RunResult
 
 
@@ -31,4 +33,11 @@ def test_plot_losses_writes_a_png_of_every_run(tmp_path):
 def test_plot_losses_refuses_empty_runs(tmp_path):
     with pytest.raises(ValueError, match="no losses to plot"):
         plot_losses([RunResult("adamw")], tmp_path / "loss.png")
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_without_matplotlib_the_plot_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(PlotUnavailable, match=r"needs matplotlib .*pip install 'tiermem\[plot\]'"):
+        plot_losses([RunResult("adamw", losses=[1.0, 0.5])], tmp_path / "loss.png")
     assert not (tmp_path / "loss.png").exists()
