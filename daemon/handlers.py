@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tiermem.errors import AdmissionError, InvalidState, ProtocolError, UnknownJob
+from tiermem.errors import AdmissionError, AuthError, InvalidState, ProtocolError, UnknownJob
 from tiermem.pool import Arena
 from tiermem.protocol import (
     Abort,
@@ -107,14 +107,19 @@ class Handlers:
             )
         window_nbytes = align_up(max(msg.window_nbytes or cfg.window_size, PAGE_SIZE))
         self._wait_for_dead_holder(msg.job_id, msg.rank, session.cred.uid)
-        job, created = self.jobs.attach(
-            job_id=msg.job_id,
-            rank=msg.rank,
-            world_size=msg.world_size,
-            uid=session.cred.uid,
-            token=msg.token,
-            session=session.id,
-        )
+        try:
+            job, created = self.jobs.attach(
+                job_id=msg.job_id,
+                rank=msg.rank,
+                world_size=msg.world_size,
+                uid=session.cred.uid,
+                token=msg.token,
+                session=session.id,
+            )
+        except AuthError:
+            # a wrong token may be a guess: logged, without a line per guess
+            self.service.server.refusals.note("refused an attach: wrong job token", session.cred, f"job {msg.job_id!r}")
+            raise
         try:
             if created:
                 for resource, quota in ((Resource.POOL, cfg.max_pool), (Resource.SWAP, cfg.max_swap)):

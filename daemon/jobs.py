@@ -148,7 +148,8 @@ class JobTable:
                 self._jobs[(uid, job_id)] = job
                 created = True
             else:
-                if not token or not hmac.compare_digest(token, job.token):
+                # bytes: compare_digest refuses str with non-ASCII characters (a TypeError, not a wrong token)
+                if not token or not hmac.compare_digest(token.encode(), job.token.encode()):
                     raise AuthError(
                         f"job {job_id!r} exists; attaching to it needs its token (returned by the first attach)"
                     )

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tiermem.errors import InvalidState
+from tiermemd import health
 
 __all__ = ["CpuScheduler", "SchedulerStats"]
 
@@ -139,16 +140,19 @@ class CpuScheduler:
                 self._cond.wait()
 
     def _run(self) -> None:
+        beacon = health.REGISTRY.register(self._thread.name)  # busy while a task runs (tiermemd.health)
         while (item := self._next()) is not None:
             name, fn, future = item
             if not future.set_running_or_notify_cancel():
                 continue
             start = time.perf_counter()
+            beacon.enter()
             try:
                 future.set_result(fn())
             except BaseException as exc:  # delivered to the waiter, never lost
                 future.set_exception(exc)
             finally:
+                beacon.leave()
                 with self._cond:
                     busy = time.perf_counter() - start
                     self._tasks += 1
@@ -158,3 +162,4 @@ class CpuScheduler:
                         state.busy_s += busy
                         state.tasks += 1
                     self._running = None
+        health.REGISTRY.forget(beacon)

@@ -10,10 +10,29 @@ work never runs on these threads: it goes to the ``CpuScheduler``.
 - The accept thread checks each peer's credentials (``SO_PEERCRED``) against the
   allowed uids/gids and the per-uid connection limit before serving it; a
   refused peer gets an ``AuthError``/``AdmissionError`` reply and is closed.
+  A refused peer costs no thread: its socket lingers (read and dropped, so the
+  refusal is not lost to a reset) in the watcher's selector for at most
+  ``_REFUSAL_LINGER_S``, at most ``_MAX_LINGERING`` at a time, and refusals
+  are logged once per uid and reason, then summarised with counts every
+  ``_REFUSAL_LOG_EVERY_S``.  Admitted peers cost a thread (its stack is
+  virtual memory; a few pages are resident) and a receive buffer of anonymous
+  memory that is resident only where a frame touched it
+  (``tiermem.transport``), so a storm of connections is bounded by
+  ``server.max_connections_per_uid`` per uid and costs little per connection
+  (``benchmarks/bench_connections.py``).  The listen backlog is
+  ``transport.LISTEN_BACKLOG`` and clients' connects wait for room in it.
 - The watcher thread polls every session's pidfd: when a client process exits
   (even if a forked DataLoader worker still holds its socket), the session is
   shut down, which wakes its thread with end-of-stream, and the service aborts
-  its queued work and releases its pins.
+  its queued work and releases its pins.  It wakes at least every
+  ``HEARTBEAT_S`` and sends each session busy in a request for longer a
+  heartbeat (``transport.HEARTBEAT``, never blocking), unless that session or
+  a shared worker thread is wedged (``tiermemd.health``): clients bound the
+  daemon's silence, not the length of a request.
+- Replies are sent with a send timeout (``server.send_timeout_s``): a client
+  that never reads its replies cannot pin its session thread; the session is
+  closed instead.  A client that waits for each reply (``Connection``) never
+  has more than one queued, so the timeout never touches it.
 - Error boundary (``Session.serve``): a ``TiermemError`` from a handler becomes
   an error reply and the session goes on; a frame that cannot be decoded gets
   an error reply, and when even its header is unreadable (too short, bad magic,
@@ -23,7 +42,9 @@ work never runs on these threads: it goes to the ``CpuScheduler``.
   provoke an error frame the client could not decode.
 - Drain: once ``Server.draining`` is set, a request that arrives gets an
   ``AdmissionError`` instead of being started, so the service waits only for
-  the requests already running (``Session.busy``) before it frees memory.
+  the requests already running (``Session.busy``, which ends before the
+  reply is sent: a reply stuck on a client that does not read delays nothing)
+  before it frees memory.
 """
 
 from __future__ import annotations
@@ -59,7 +80,9 @@ from tiermem.protocol import (
     encode_message,
     peek_request_id,
 )
-from tiermem.transport import Listener, Peer, PeerCred
+from tiermem.transport import HEARTBEAT, Listener, Peer, PeerCred, set_send_timeout
+from tiermemd import health
+from tiermemd.health import REGISTRY, Health
 from tiermemd.serverstats import DisconnectReason, ServerCounters, ServerStats
 
 __all__ = ["MAX_ERROR_CHARS", "Reply", "Server", "Session", "SessionState", "error_frame", "header_readable"]
@@ -67,6 +90,12 @@ __all__ = ["MAX_ERROR_CHARS", "Reply", "Server", "Session", "SessionState", "err
 log = logging.getLogger(__name__)
 
 _REFUSAL_LINGER_S = 2.0
+_MAX_LINGERING = 512
+"""Refused sockets kept lingering at once; past it a refused socket is closed at once."""
+_REFUSAL_LOG_EVERY_S = 10.0
+HEARTBEAT_S = 0.5
+"""Heartbeat period to clients whose request runs longer than this; the watcher's longest sleep.  A client
+therefore hears from a healthy daemon at least every ~1 s (``transport.DEFAULT_TIMEOUT_S`` is 60 s)."""
 MAX_ERROR_CHARS = 16384
 """The wire limit on ``ERROR.message`` (docs/protocol.md, Limits); longer ones are clipped."""
 
@@ -113,6 +142,11 @@ class Session:
     """Why the session ended (set with ``close_reason``; counted by the server)."""
     counters: ServerCounters | None = None
     """Where the session counts the protocol and authentication errors it answers."""
+    beacon: health.Beacon | None = None
+    """The progress of this session's thread (``tiermemd.health``): busy while it handles a request."""
+    send_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """Orders a heartbeat (sent from the watcher thread) with the socket's close."""
+    peer_closed: bool = False
 
     @property
     def cred(self) -> PeerCred:
@@ -136,6 +170,16 @@ class Session:
         with contextlib.suppress(OSError):
             self.peer.frames.sock.shutdown(socket.SHUT_RDWR)
 
+    def heartbeat(self) -> bool:
+        """Tell the client its request is still being worked on; never blocks.  False: not sent."""
+        with self.send_lock:
+            return not self.peer_closed and self.peer.frames.send_nowait(HEARTBEAT)
+
+    def close_peer(self) -> None:
+        with self.send_lock:
+            self.peer_closed = True
+            self.peer.close()
+
     def serve(self, handlers: Handlers, draining: Callable[[], bool] = lambda: False) -> None:
         """The session thread: receive, dispatch, reply, until the peer goes away.
 
@@ -143,6 +187,7 @@ class Session:
         """
         why = "client closed the connection"
         reason = DisconnectReason.CLIENT_CLOSED
+        health.bind(self.beacon)
         try:
             while True:
                 try:
@@ -153,6 +198,8 @@ class Session:
                     self._send_error(0, exc)
                     continue
                 self.requests += 1
+                if self.beacon is not None:
+                    self.beacon.enter()
                 self.busy = True  # before the drain check: a drain either sees us busy or we see it
                 try:
                     if draining():
@@ -163,8 +210,10 @@ class Session:
                         break
                 finally:
                     self.busy = False
-        except ConnectionClosed:
-            why = "client went away while a reply was sent"
+                    if self.beacon is not None:
+                        self.beacon.leave()
+        except ConnectionClosed as exc:
+            why = f"the reply could not be delivered: {exc}"
             reason = DisconnectReason.SEND_FAILED
         except Exception:
             log.exception("session %d (pid %d, uid %d) failed; closing it", self.id, self.cred.pid, self.cred.uid)
@@ -217,10 +266,12 @@ class Session:
             return True
         flags = FLAG_FDS if reply.fds else 0
         out = encode_message(reply.message, frame.request_id, flags, max_frame=self.peer.frames.max_frame)
+        self.busy = False  # the work is done: a drain need not wait for a client that does not read
         self.peer.send(out, reply.fds)
         return True
 
     def _send_error(self, request_id: int, exc: TiermemError) -> None:
+        self.busy = False
         if self.counters is not None:
             self.counters.error_reply(exc)
         self.peer.send(error_frame(request_id, exc, self.peer.frames.max_frame))
@@ -245,10 +296,68 @@ def error_frame(request_id: int, exc: TiermemError, max_frame: int) -> bytes:
         return encode_message(ErrorReply(reply.kind, short, ()), request_id, 0, max_frame=max_frame)
 
 
+class RefusalLog:
+    """Refused connections and failed token guesses, logged without a line each.
+
+    The first of each (what, uid) is logged at once; the ones after it are counted and summarised in
+    one line per ``every_s`` (``flush``).  Bounded: at most ``_MAX_KEYS`` kinds are remembered."""
+
+    _MAX_KEYS = 1024
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._seen: set[tuple[str, int]] = set()
+        self._counts: Counter[tuple[str, int]] = Counter()
+        self._since = clock()
+        self.total = 0
+
+    def note(self, what: str, cred: PeerCred, detail: str = "") -> None:
+        key = (what, cred.uid)
+        with self._lock:
+            self.total += 1
+            first = key not in self._seen
+            if first:
+                if len(self._seen) >= self._MAX_KEYS:
+                    self._seen.clear()
+                self._seen.add(key)
+            else:
+                self._counts[key] += 1
+        if first:
+            log.warning(
+                "%s: pid %d uid %d gid %d%s (more of these are counted and logged every %.0fs)",
+                what,
+                cred.pid,
+                cred.uid,
+                cred.gid,
+                f" ({detail})" if detail else "",
+                self.every_s,
+            )
+
+    def flush(self, now: float | None = None) -> dict[tuple[str, int], int]:
+        """Log (and return) the counts since the last summary, once ``every_s`` has passed."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            if now - self._since < self.every_s:
+                return {}
+            counts, self._counts = dict(self._counts), Counter()
+            period, self._since = now - self._since, now
+        if counts:
+            log.warning(
+                "in the last %.0fs: %s",
+                period,
+                "; ".join(f"{what} x{n} (uid {uid})" for (what, uid), n in sorted(counts.items())),
+            )
+        return counts
+
+
 class Server:
     """Accepts connections on ``listener`` and runs a ``Session`` thread for each."""
 
-    def __init__(self, listener: Listener, handlers: Handlers, config: ServerConfig) -> None:
+    def __init__(
+        self, listener: Listener, handlers: Handlers, config: ServerConfig, health: Health | None = None
+    ) -> None:
         self.listener = listener
         self.handlers = handlers
         self.config = config
@@ -267,6 +376,12 @@ class Server:
         self.on_client_exit: Callable[[Session], None] = lambda _session: None
         """Called from the watcher thread when a client's process exits (abort its queued work)."""
         self.counters = ServerCounters()
+        self.health = REGISTRY if health is None else health
+        """Beacons of the accept, watcher and session threads (``tiermemd.health``)."""
+        self.refusals = RefusalLog(_REFUSAL_LOG_EVERY_S)
+        """Refused connections and failed token guesses, logged with counts."""
+        self._lingering: dict[int, tuple[socket.socket, float]] = {}
+        """Refused sockets by fd, with the time they are closed at the latest."""
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -292,6 +407,7 @@ class Server:
         self.stop_accepting()
         os.write(self._wake_w, b"x")
         self.listener.close()
+        self._close_lingering()
 
     def session_alive(self, session_id: int) -> bool:
         """The session exists and its client has not gone (a dead one may still be finishing a request)."""
@@ -330,72 +446,119 @@ class Server:
             groups.update(os.getgrouplist(entry.pw_name, entry.pw_gid))
         return bool(groups & set(self.config.allowed_gids))
 
-    def _refuse(self, peer: Peer, exc: TiermemError) -> None:
-        """Send the refusal, then read and drop what the client sends until it hangs up (at most
-        ``_REFUSAL_LINGER_S``): closing with its request unread would reset the connection, and the
-        client would lose the frame that says why."""
+    def _refuse(self, conn: socket.socket, cred: PeerCred, exc: TiermemError, why: str) -> None:
+        """Send the refusal, then let the socket linger in the watcher's selector, its input read and
+        dropped until the client hangs up (at most ``_REFUSAL_LINGER_S``): closing with its request unread
+        would reset the connection, and the client would lose the frame that says why.  No thread, no
+        buffer, no pidfd: a refused peer costs a socket for two seconds at most (none past
+        ``_MAX_LINGERING`` of them, when the refusal may be lost to a reset)."""
         self.counters.refused(exc)
-        with contextlib.suppress(Exception):
-            peer.send(error_frame(0, exc, peer.frames.max_frame))
-            peer.frames.sock.shutdown(socket.SHUT_WR)
+        self.refusals.note(why, cred)
+        with contextlib.suppress(OSError):
+            conn.setblocking(False)
+            conn.send(error_frame(0, exc, self.listener.max_frame))
+            conn.shutdown(socket.SHUT_WR)
+        with self._lock:
+            keep = len(self._lingering) < _MAX_LINGERING and self._accepting
+            if keep:
+                self._lingering[conn.fileno()] = (conn, time.monotonic() + _REFUSAL_LINGER_S)
+        if not keep:
+            conn.close()
+            return
+        self._selector.register(conn.fileno(), selectors.EVENT_READ, conn)
 
-        def linger() -> None:
-            deadline = time.monotonic() + _REFUSAL_LINGER_S
-            with contextlib.suppress(Exception):
-                peer.frames.sock.settimeout(0.1)
-                while time.monotonic() < deadline:
-                    try:
-                        peer.frames.recv()
-                    except (TimeoutError, ProtocolError):
-                        continue
-            peer.close()
-
-        threading.Thread(target=linger, name="tiermemd-refuse", daemon=True).start()
+    def _drop_refused(self, conn: socket.socket, *, hang_up: bool = False) -> None:
+        """Read and drop what a refused peer sent; close it once it hung up (or ``hang_up``)."""
+        eof = hang_up
+        while not eof:
+            try:
+                eof = not conn.recv(16, socket.MSG_DONTWAIT)  # the rest of a packet is dropped
+            except BlockingIOError:
+                break
+            except OSError:
+                eof = True
+        if eof:
+            fd = conn.fileno()
+            with self._lock:
+                known = self._lingering.pop(fd, None) is not None
+            if known:
+                with contextlib.suppress(KeyError, ValueError):
+                    self._selector.unregister(fd)
+                conn.close()
 
     def _accept_loop(self) -> None:
-        while self._accepting:
-            try:
-                peer = self.listener.accept()
-            except OSError as exc:
-                if not self._accepting:
-                    return
-                log.warning("accept failed: %s", exc)
-                time.sleep(0.05)
-                continue
-            cred = peer.cred
-            if not self.allowed(cred):
-                log.warning("refused connection from pid %d uid %d gid %d: not allowed", cred.pid, cred.uid, cred.gid)
-                self._refuse(
-                    peer,
-                    AuthError(f"uid {cred.uid} is not allowed to use this tiermemd (server.allowed_uids/allowed_gids)"),
-                )
-                continue
-            with self._lock:
-                if self._per_uid[cred.uid] >= self.config.max_connections_per_uid:
-                    over = True
-                else:
-                    over = False
-                    self._per_uid[cred.uid] += 1
-                    session = Session(
-                        next(self._ids), peer, max_oneway=self.config.max_inflight, counters=self.counters
-                    )
-                    self._sessions[session.id] = session
-            if over:
-                self._refuse(
-                    peer,
-                    AdmissionError(
-                        f"uid {cred.uid} already holds {self.config.max_connections_per_uid} connections "
-                        "(server.max_connections_per_uid)"
-                    ),
-                )
-                continue
-            if peer.pidfd is not None:
-                self._selector.register(peer.pidfd, selectors.EVENT_READ, session)
-                os.write(self._wake_w, b"x")
-            thread = threading.Thread(
-                target=self._serve, args=(session,), name=f"tiermemd-session-{session.id}", daemon=True
+        beacon = self.health.register("tiermemd-accept")
+        try:
+            while self._accepting:
+                try:
+                    conn, cred = self.listener.accept_socket()
+                except OSError as exc:
+                    if not self._accepting:
+                        return
+                    log.warning("accept failed: %s", exc)
+                    time.sleep(0.05)
+                    continue
+                beacon.enter()
+                try:
+                    self._admit(conn, cred)
+                except Exception:
+                    log.exception("admitting a connection from pid %d failed; closing it", cred.pid)
+                    conn.close()
+                finally:
+                    beacon.leave()
+        finally:
+            self.health.forget(beacon)
+
+    def _admit(self, conn: socket.socket, cred: PeerCred) -> None:
+        if not self.allowed(cred):
+            self._refuse(
+                conn,
+                cred,
+                AuthError(f"uid {cred.uid} is not allowed to use this tiermemd (server.allowed_uids/allowed_gids)"),
+                "refused a connection: uid not allowed",
             )
-            thread.start()
+            return
+        with self._lock:
+            over = self._per_uid[cred.uid] >= self.config.max_connections_per_uid
+            if not over:
+                self._per_uid[cred.uid] += 1
+        if over:
+            self._refuse(
+                conn,
+                cred,
+                AdmissionError(
+                    f"uid {cred.uid} already holds {self.config.max_connections_per_uid} connections "
+                    "(server.max_connections_per_uid)"
+                ),
+                "refused a connection: over server.max_connections_per_uid",
+            )
+            return
+        try:
+            peer = self.listener.peer(conn, cred)
+        except BaseException:
+            with self._lock:
+                self._forget_uid(cred.uid)
+            raise
+        with self._lock:
+            session_id = next(self._ids)
+            session = Session(
+                session_id,
+                peer,
+                max_oneway=self.config.max_inflight,
+                counters=self.counters,
+                beacon=self.health.register(
+                    f"tiermemd-session-{session_id} (pid {cred.pid}, uid {cred.uid})", kind="session"
+                ),
+            )
+            self._sessions[session.id] = session
+        set_send_timeout(peer.frames.sock, self.config.send_timeout_s)
+        if peer.pidfd is not None:
+            self._selector.register(peer.pidfd, selectors.EVENT_READ, session)
+            os.write(self._wake_w, b"x")
+        thread = threading.Thread(
+            target=self._serve, args=(session,), name=f"tiermemd-session-{session.id}", daemon=True
+        )
+        thread.start()
 
     def _serve(self, session: Session) -> None:
         self.counters.accepted()
@@ -404,31 +567,81 @@ class Server:
         finally:
             self.counters.disconnected(session.disconnect or DisconnectReason.CLIENT_CLOSED)
             self.forget_pidfd(session)
-            session.peer.close()
+            session.close_peer()
+            if session.beacon is not None:
+                self.health.forget(session.beacon)
             with self._lock:
                 self._sessions.pop(session.id, None)
-                self._per_uid[session.cred.uid] -= 1
-                if self._per_uid[session.cred.uid] <= 0:
-                    del self._per_uid[session.cred.uid]
+                self._forget_uid(session.cred.uid)
+
+    def _forget_uid(self, uid: int) -> None:
+        """One connection of ``uid`` fewer (under the lock)."""
+        self._per_uid[uid] -= 1
+        if self._per_uid[uid] <= 0:
+            del self._per_uid[uid]
 
     def _watch_loop(self) -> None:
-        while True:
-            for key, _ in self._selector.select():
-                if key.data is None:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 4096)
-                    if not self._accepting and not self.sessions():
-                        return
-                    continue
-                session: Session = key.data
-                with contextlib.suppress(KeyError, ValueError):
-                    self._selector.unregister(key.fd)
-                log.info("client pid %d of session %d exited", session.cred.pid, session.id)
-                session.shutdown(f"client process {session.cred.pid} exited", DisconnectReason.CLIENT_EXITED)
+        beacon = self.health.register("tiermemd-pidfds")
+        next_tick = time.monotonic()
+        try:
+            while True:
+                events = self._selector.select(timeout=HEARTBEAT_S)
+                beacon.enter()
                 try:
-                    self.on_client_exit(session)
-                except Exception:
-                    log.exception("aborting the work of session %d failed", session.id)
+                    for key, _ in events:
+                        if key.data is None:
+                            with contextlib.suppress(BlockingIOError):
+                                os.read(self._wake_r, 4096)
+                            if not self._accepting and not self.sessions():
+                                return
+                        elif isinstance(key.data, socket.socket):
+                            self._drop_refused(key.data)
+                        else:
+                            self._client_exited(key.fd, key.data)
+                    now = time.monotonic()
+                    if now >= next_tick:
+                        self._tick(now)
+                        next_tick = now + HEARTBEAT_S
+                finally:
+                    beacon.leave()
+        finally:
+            self.health.forget(beacon)
+            self._close_lingering()
+
+    def _client_exited(self, pidfd: int, session: Session) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(pidfd)
+        log.info("client pid %d of session %d exited", session.cred.pid, session.id)
+        session.shutdown(f"client process {session.cred.pid} exited", DisconnectReason.CLIENT_EXITED)
+        try:
+            self.on_client_exit(session)
+        except Exception:
+            log.exception("aborting the work of session %d failed", session.id)
+
+    def _tick(self, now: float) -> None:
+        """Once per ``HEARTBEAT_S``: heartbeats to long requests, lingering refusals ended, refusal counts."""
+        workers_ok = self.health.workers_ok()
+        for session in self.sessions():
+            beacon = session.beacon
+            if (
+                workers_ok
+                and session.busy
+                and beacon is not None
+                and beacon.busy_for() >= HEARTBEAT_S
+                and not beacon.is_stalled()
+            ):
+                session.heartbeat()
+        with self._lock:
+            expired = [conn for conn, deadline in self._lingering.values() if deadline <= now]
+        for conn in expired:
+            self._drop_refused(conn, hang_up=True)
+        self.refusals.flush(now)
+
+    def _close_lingering(self) -> None:
+        with self._lock:
+            conns = [conn for conn, _ in self._lingering.values()]
+        for conn in conns:
+            self._drop_refused(conn, hang_up=True)
 
     def forget_pidfd(self, session: Session) -> None:
         if session.peer.pidfd is not None:

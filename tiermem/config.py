@@ -145,7 +145,9 @@ class JobLimits:
     max_swap: int = _size(0)
     """Swap bytes one job may hold; 0 allows all the swap directories' free space."""
     window_budget: int = _size(0)
-    """Total bytes of staging windows all jobs together may hold; 0 means as much as pool.size."""
+    """Total bytes of staging windows (each one locked in memory) all jobs together may hold; 0 means
+    ``max_jobs`` windows of ``window_size``.  Checked with the pool against the memory the daemon may use at
+    start-up."""
     storage_budget: int = _size(0)
     """Total bytes of shared tensor storage (the trainers' params and grads, which live in shared memory
     the daemon updates in place) all jobs together may hold; 0 means the node's physical memory."""

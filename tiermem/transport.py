@@ -29,7 +29,7 @@ frames of ``tiermem.protocol``.  Invariants:
 under a lock (an optimizer thread and a hook thread may share it).  Its reply
 wait is bounded by ``timeout_s`` of *silence*: while the daemon works on a
 request it sends a heartbeat (a PONG with request id 0, see
-``docs/protocol.md``) every second, and each one restarts the wait, so a long
+``docs/protocol.md``) twice a second, and each one restarts the wait, so a long
 request (a STEP paging state from NVMe, a wait for a delayed update) lives as
 long as the daemon makes progress, while a stopped or wedged daemon fails
 the request with ``DaemonTimeout`` after ``timeout_s`` (default
@@ -122,8 +122,8 @@ MAX_FDS = 4
 DEFAULT_TIMEOUT_S = 60.0
 """A client's default reply wait: the longest the daemon may stay silent (no reply, no heartbeat).
 
-The daemon sends a heartbeat every second while it works on a request, so this bounds silence, not the
-length of a request.  60 missed heartbeats ride out what a busy node does to a healthy daemon (CPU
+The daemon sends a heartbeat twice a second while it works on a request, so this bounds silence, not the
+length of a request.  A minute of silence rides out what a busy node does to a healthy daemon (CPU
 contention, a swap storm, a long garbage collection); a stopped or wedged daemon fails the training
 step within a minute with an error naming it, well before a collective's timeout (torch.distributed
 waits 10-30 minutes) would hide the cause."""
@@ -463,9 +463,22 @@ class Listener:
 
     def accept(self) -> Peer:
         """Accept one connection (blocking unless the listener is non-blocking)."""
+        conn, cred = self.accept_socket()
+        return self.peer(conn, cred)
+
+    def accept_socket(self) -> tuple[socket.socket, PeerCred]:
+        """Accept one connection and read who connected, nothing more: the cheap first half of ``accept``,
+        so that a refused peer costs one accept, one getsockopt and a close."""
         conn, _ = self.sock.accept()
         try:
-            cred = peer_cred(conn)
+            return conn, peer_cred(conn)
+        except BaseException:
+            conn.close()
+            raise
+
+    def peer(self, conn: socket.socket, cred: PeerCred) -> Peer:
+        """The second half of ``accept`` for an admitted connection: its frames and a pidfd watching it."""
+        try:
             try:
                 pidfd: int | None = open_peer_pidfd(conn, cred.pid)
             except OSError:

@@ -58,6 +58,7 @@ from tiermem.protocol import (
     TensorSlot,
     TensorSpec,
 )
+from tiermemd import health
 from tiermemd.persist import RankRecord
 from tiermemd.rank.planner import Piece, check_ids, plan_pieces
 from tiermemd.rank.records import Attempt, PhaseRecord, RankPhase, TensorRecord
@@ -278,7 +279,7 @@ class RankOptimizer(StateIO):
             future, self._delayed = self._delayed, None
             started = time.perf_counter()
             try:
-                future.result()
+                health.wait(future)  # the pipeline thread's own beacon says whether the update moves
             except BaseException as exc:
                 self.phase.fail(self._delayed_step, _reason(exc))
             else:
@@ -293,7 +294,7 @@ class RankOptimizer(StateIO):
         error: BaseException | None = None
         for future in attempt.futures:
             try:
-                future.result()
+                health.wait(future)
             except BaseException as exc:
                 error = error or exc
         if attempt.applied:
@@ -492,7 +493,7 @@ class RankOptimizer(StateIO):
         total_sq = 0.0
         found_inf = False
         for future in futures:
-            sq, nonfinite = future.result()
+            sq, nonfinite = health.wait(future)
             total_sq += sq
             found_inf = found_inf or nonfinite
         grad_norm = math.sqrt(total_sq) * inv_scale if math.isfinite(total_sq) else math.inf

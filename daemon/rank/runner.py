@@ -42,6 +42,7 @@ import torch
 from tiermem.errors import InvalidState
 from tiermem.histogram import UPDATE_SECONDS, Histogram
 from tiermem.protocol import ParamGroup
+from tiermemd import health
 from tiermemd.rank.planner import Piece
 from tiermemd.scheduler import CpuScheduler
 from tiermemd.state import StateChunks
@@ -119,14 +120,15 @@ class UpdateRunner:
         try:
             for piece in pieces:
                 if limit is not None and len(window) >= limit:
-                    window.popleft().result()
+                    health.wait(window.popleft())
                 window.append(self._piece(state, piece, target, grad_scale))
+                health.tick()  # progress of this thread (tiermemd.health): a piece was acquired
         except BaseException as exc:
             error = exc
         finally:
             for future in window:
                 try:
-                    future.result()
+                    health.wait(future)
                 except CancelledError:
                     # nothing of that piece was applied: the update is incomplete, which is a failure
                     error = error or InvalidState("update pieces were cancelled (the scheduler is shutting down)")
@@ -146,7 +148,13 @@ class UpdateRunner:
         """``run`` on the rank's pipeline thread, after what was submitted before."""
         if self._pipeline is None:
             self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{self.tenant}")
-        return self._pipeline.submit(self.run, state, list(pieces), target, grad_scale)
+        return self._pipeline.submit(self._tracked_run, state, list(pieces), target, grad_scale)
+
+    def _tracked_run(
+        self, state: StateChunks, pieces: Sequence[Piece], target: UpdateTarget, grad_scale: float
+    ) -> None:
+        with health.track(f"tiermem-{self.tenant} pipeline"):
+            self.run(state, pieces, target, grad_scale)
 
     def install(self, state: StateChunks, ranges: Sequence[tuple[int, int, int]], params: torch.Tensor) -> None:
         """Cast the master of ``(chunk, lo, hi)`` ranges into the storage params."""

@@ -55,6 +55,11 @@ class StateIO:
             raise InvalidArgument(f"this rank keeps no {key!r} state (its keys are {', '.join(state.keys)})")
         rec = self.records[check_ids([tid], len(self.records))[0]]
         total = rec.spec.numel * 4
+        if offset >= 0 and length > total:
+            raise BoundsError(
+                f"state range of {length} bytes is too large for tensor {tid} {key}: it holds {total} bytes "
+                f"({rec.spec.numel} fp32 elements)"
+            )
         if offset < 0 or length < 0 or offset + length > total:
             raise BoundsError(
                 f"state range [{offset}, {offset + length}) of tensor {tid} {key} falls outside its {total} bytes "
@@ -67,6 +72,11 @@ class StateIO:
     def _window_f32(self, ref: MemRef) -> torch.Tensor:
         if ref.window != self.window_id:
             raise BoundsError(f"window {ref.window} is not this rank's staging window ({self.window_id})")
+        if ref.length > self.window.nbytes:
+            raise BoundsError(
+                f"a staging area of {ref.length} bytes is too large: this rank's staging window holds "
+                f"{self.window.nbytes} bytes; move state in pieces of at most that"
+            )
         ref.check_bounds(self.window.nbytes)
         if ref.offset % 4 or ref.length % 4:
             raise BoundsError(f"fp32 staging area at offset {ref.offset}, length {ref.length} is not 4-byte aligned")
@@ -84,8 +94,8 @@ class StateIO:
     def read_state(self, msg: StateRead) -> StateChunk:
         self._settle()
         _, state = self._parts()
-        dest = self._window_f32(msg.dest)
         lo, hi = self._state_span(msg.tensor_id, msg.key, msg.offset, msg.dest.length)
+        dest = self._window_f32(msg.dest)
         self._install([msg.tensor_id])
         for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
             tensors = state.acquire(chunk)
@@ -109,8 +119,8 @@ class StateIO:
         for ``torch.optim``), so loading the optimizer before or after the model gives the same result."""
         self._settle()
         _, state = self._parts()
-        src = self._window_f32(msg.src)
         lo, hi = self._state_span(msg.tensor_id, msg.key, msg.offset, msg.src.length)
+        src = self._window_f32(msg.src)
         self._install([msg.tensor_id])
         for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
             tensors = state.acquire(chunk)

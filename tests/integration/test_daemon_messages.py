@@ -1,0 +1,212 @@
+"""Failures a user or client causes get messages that say what was wrong (issue: the unclear ones)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import daemon_settings
+from daemon_client import Trainer
+
+from tiermem.errors import AuthError, BoundsError
+from tiermem.protocol import Attach, AttachOk, Detach, MemRef, Ping, Pong, StateRead
+from tiermem.transport import Connection
+from tiermemd.main import to_toml
+
+
+def _run_daemon(tmp_path: Path, socket_path: str) -> subprocess.CompletedProcess[str]:
+    config = tmp_path / "tiermemd.toml"
+    config.write_text(to_toml(daemon_settings(tmp_path, socket_path, None)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "tiermemd.main", "--config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_a_socket_path_under_a_file_exits_5_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    (tmp_path / "plain-file").write_text("")
+    done = _run_daemon(tmp_path, str(tmp_path / "plain-file" / "tiermemd.sock"))
+    assert done.returncode == 5, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "plain-file" in errors[0] and "Not a directory" in errors[0], done.stderr
+
+
+def test_an_overlong_socket_path_names_its_length_and_the_limit(tmp_path: Path) -> None:
+    path = str(tmp_path / ("d" * 120) / "tiermemd.sock")
+    done = _run_daemon(tmp_path, path)
+    assert done.returncode == 5, done.stderr
+    assert f"{len(path)} bytes long" in done.stderr and "limited to 107 bytes" in done.stderr
+    assert ": None" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_non_ascii_token_is_refused_as_an_auth_error_and_the_session_goes_on(daemon) -> None:
+    with Connection.open(daemon.socket_path, timeout_s=30) as owner:
+        reply, fds = owner.request_fds(Attach(job_id="non-ascii", rank=0, world_size=1, window_nbytes=4096))
+        for fd in fds:
+            os.close(fd)
+        assert isinstance(reply, AttachOk)
+        try:
+            with Connection.open(daemon.socket_path, timeout_s=30) as guest:
+                with pytest.raises(AuthError, match="needs its token"):
+                    guest.request(
+                        Attach(job_id="non-ascii", rank=0, world_size=1, window_nbytes=4096, token="t\u00f6ken-\u2603")
+                    )
+                assert guest.request(Ping()) == Pong()  # not an internal error: the session is still there
+        finally:
+            owner.request(Detach(keep_state=False))
+
+
+def test_failed_token_guesses_are_logged_once_then_counted(daemon) -> None:
+    job = "guessed"
+
+    def logged() -> list[str]:
+        return [line for line in daemon.log_text().splitlines() if "wrong job token" in line]
+
+    before = len(logged())
+    with Connection.open(daemon.socket_path, timeout_s=30) as owner:
+        _, fds = owner.request_fds(Attach(job_id=job, rank=0, world_size=1, window_nbytes=4096))
+        for fd in fds:
+            os.close(fd)
+        try:
+            with Connection.open(daemon.socket_path, timeout_s=30) as guest:
+                for i in range(40):
+                    with pytest.raises(AuthError):
+                        guest.request(Attach(job_id=job, rank=0, world_size=1, window_nbytes=4096, token=f"{i:032x}"))
+        finally:
+            owner.request(Detach(keep_state=False))
+    time.sleep(0.2)
+    lines = logged()
+    # the first guess of this uid is logged with its pid and uid; the others go into a periodic count
+    assert lines and len(lines) - before <= 1, lines
+
+
+def test_an_oversized_state_read_says_it_is_too_large_and_names_the_limit(daemon) -> None:
+    trainer = Trainer(daemon.socket_path, "oversized-read", [20000, 24], seed=3)  # tensor 0 > the window
+    trainer.start_fresh()
+    try:
+        window = trainer.window.nbytes
+        with pytest.raises(BoundsError, match=rf"too large: this rank's staging window holds {window} bytes"):
+            trainer.conn.request(StateRead(0, "exp_avg", 0, MemRef(trainer.window_id, 0, window + 4)))
+        with pytest.raises(BoundsError, match=r"too large for tensor 1 exp_avg: it holds 96 bytes"):
+            trainer.conn.request(StateRead(1, "exp_avg", 0, MemRef(trainer.window_id, 0, 99)))
+    finally:
+        trainer.detach()
+
+
+def test_the_ready_status_names_the_socket_the_service_manager_passed(tmp_path: Path) -> None:
+    from conftest import NotifyRecorder
+
+    sock_dir = tmp_path / "activation"
+    sock_dir.mkdir(mode=0o700)
+    path = str(sock_dir / "activated.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(16)
+    configured = str(tmp_path / "configured" / "tiermemd.sock")
+    config = tmp_path / "tiermemd.toml"
+    config.write_text(to_toml(daemon_settings(tmp_path, configured, None)))
+    notify = NotifyRecorder(str(tmp_path / "notify"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
+    env.update({"NOTIFY_SOCKET": notify.path, "LISTEN_FDS": "1"})
+    env["ACTIVATION_FD"] = str(listener.fileno())
+    script = (
+        "import os; os.dup2(int(os.environ.pop('ACTIVATION_FD')), 3); os.environ['LISTEN_PID'] = str(os.getpid()); "
+        "from tiermemd.main import main; main()"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, "--config", str(config)],
+        env=env,
+        pass_fds=(listener.fileno(),),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _, ready = notify.wait_for("READY", 60.0)
+        assert path in ready["STATUS"] and "passed by the service manager" in ready["STATUS"]
+        assert configured not in ready["STATUS"]
+        with Connection.open(path, timeout_s=30) as conn:
+            assert conn.request(Ping()) == Pong()
+    finally:
+        process.terminate()
+        process.wait(60)
+        notify.close()
+        listener.close()
+
+
+def _memory_cgroup() -> Path | None:
+    """This process's v1 memory cgroup directory, when it can have children (root on these machines)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            directory = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+            if os.access(directory, os.W_OK):
+                return directory
+    return None
+
+
+def test_a_pool_larger_than_the_node_exits_3_naming_the_numbers(tmp_path: Path) -> None:
+    config = tmp_path / "tiermemd.toml"
+    settings = daemon_settings(tmp_path, str(tmp_path / "s" / "tiermemd.sock"), {"pool": {"size": "64TiB"}})
+    config.write_text(to_toml(settings))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "tiermemd.main", "--config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 3, done.stderr
+    assert "pool.size 64TiB" in done.stderr and "MemAvailable" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_pool_larger_than_its_memory_cgroup_exits_3_instead_of_being_oom_killed(tmp_path: Path) -> None:
+    parent = _memory_cgroup()
+    if parent is None:
+        pytest.skip("no writable cgroup v1 memory controller here")
+    cgroup = parent / f"tiermem-fit-{os.getpid()}"
+    cgroup.mkdir()
+    try:
+        (cgroup / "memory.limit_in_bytes").write_text(str(512 << 20))
+        settings = daemon_settings(
+            tmp_path, str(tmp_path / "s" / "tiermemd.sock"), {"pool": {"size": "1GiB", "arena_size": "256MiB"}}
+        )
+        config = tmp_path / "tiermemd.toml"
+        config.write_text(to_toml(settings))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
+        procs = str(cgroup / "cgroup.procs")
+
+        def enter_cgroup() -> None:
+            Path(procs).write_text(str(os.getpid()))
+
+        done = subprocess.run(
+            [sys.executable, "-m", "tiermemd.main", "--config", str(config)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            preexec_fn=enter_cgroup,  # the daemon must start inside the cgroup
+        )
+        assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+        assert str(cgroup) in done.stderr and "limit 512MiB" in done.stderr and "pool.size 1GiB" in done.stderr
+    finally:
+        for _ in range(50):  # the exited daemon leaves the cgroup a moment later
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
