@@ -6,14 +6,15 @@ command line (``gpu_check.json``), a table on stdout:
 1. parity: a small MLP on CUDA trained by ``OffloadAdam`` (the staged
    exchange: grads in and params out through the CUDA-registered staging
    window) against ``torch.optim.AdamW`` on the same GPU, synchronous and with
-   the delayed update (against the same one-step-late rule in plain torch);
-   ``overlap_update=True`` is reported as refused for CUDA params (per-bucket
-   readiness on the device is not built);
+   the delayed update (against the same one-step-late rule in plain torch),
+   the overlapped update (grads pushed as they land, a CUDA event per grad,
+   each bucket updated during backward) and ``release_grads=True``;
 2. bandwidth: H2D and D2H copies of 64 MiB between a GPU tensor and (a) the
    staging window, registered with ``cudaHostRegister``, (b) a
    ``torch.empty(pin_memory=True)`` buffer, (c) pageable memory;
 3. overlap: the step time (CUDA events around forward + backward + step) of a
-   larger MLP, synchronous against delayed, with the daemon's update time;
+   larger MLP, synchronous against delayed, overlapped and released grads,
+   with the daemon's update time;
 4. paging: the demo GPT on CUDA with its params paged by
    ``tiermem.offload_params`` (copy stream and events) through a device budget
    a quarter of its params, against the same optimizer without paging: the
@@ -40,7 +41,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from tiermem.client import connect
-from tiermem.errors import InvalidArgument
 from tiermem.offload import OffloadAdam
 from tiermem.pool.pinning import default_pinner
 
@@ -107,11 +107,25 @@ def parity(socket: str, steps: int) -> dict[str, Any]:
                     p.copy_(q)
         out[mode] = {"max_abs_param_diff": max_diff(m_off, m_ref), "exchange": opt.exchange.value}
         opt.close()
-    try:
-        OffloadAdam(mlp(64, 1).cuda().parameters(), overlap_update=True, client=connect(socket))
-        out["overlap"] = {"status": "accepted"}
-    except InvalidArgument as exc:
-        out["overlap"] = {"status": "refused", "why": str(exc)}
+    for mode, kwargs in (
+        ("overlap", {"overlap_update": True, "bucket_nbytes": 16 << 10}),
+        ("release", {"release_grads": True}),
+    ):
+        m_off, m_ref = copy.deepcopy(base), copy.deepcopy(base)
+        opt = OffloadAdam(m_off.parameters(), lr=1e-3, client=connect(socket), **kwargs)
+        ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-3)
+        for x, y in data:
+            for model, o in ((m_off, opt), (m_ref, ref)):
+                F.mse_loss(model(x), y).backward()
+                o.step()
+                o.zero_grad()
+        stats = opt.stats()
+        out[mode] = {
+            "max_abs_param_diff": max_diff(m_off, m_ref),
+            "exchange": opt.exchange.value,
+            "overlapped_tensors": stats.rank.overlapped_tensors,
+        }
+        opt.close()
     return out
 
 
@@ -149,11 +163,15 @@ def bandwidth(socket: str, nbytes: int = 64 * MiB, repeats: int = 10) -> dict[st
 def overlap(socket: str, steps: int) -> dict[str, Any]:
     data = batches(steps, 1024, "cuda")
     out: dict[str, Any] = {}
-    for mode in ("sync", "delayed"):
+    modes: dict[str, dict[str, Any]] = {
+        "sync": {},
+        "delayed": {"delayed_update": True, "warmup_steps": 1},
+        "overlap": {"overlap_update": True},
+        "release": {"release_grads": True},
+    }
+    for mode, kwargs in modes.items():
         model = mlp(1024, 8).cuda()
-        opt = OffloadAdam(
-            model.parameters(), lr=1e-4, client=connect(socket), delayed_update=mode == "delayed", warmup_steps=1
-        )
+        opt = OffloadAdam(model.parameters(), lr=1e-4, client=connect(socket), **kwargs)
         times = []
         for i, (x, y) in enumerate(data):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -172,7 +190,8 @@ def overlap(socket: str, steps: int) -> dict[str, Any]:
             "params": sum(p.numel() for p in model.parameters()),
         }
         opt.close()
-    out["delayed_over_sync"] = out["delayed"]["step_ms_median"] / out["sync"]["step_ms_median"]
+    for mode in ("delayed", "overlap", "release"):
+        out[f"{mode}_over_sync"] = out[mode]["step_ms_median"] / out["sync"]["step_ms_median"]
     return out
 
 
@@ -230,9 +249,15 @@ def main() -> None:
     t0 = time.perf_counter()
     owner = connect(pool_size=4 << 30, settings={"swap.fsync": False})
     try:
-        for name, fn in (("parity", parity), ("bandwidth", bandwidth), ("overlap", overlap), ("paging", paging)):
+        parts: dict[str, Any] = {
+            "parity": lambda: parity(owner.socket_path, args.steps),
+            "bandwidth": lambda: bandwidth(owner.socket_path),
+            "overlap": lambda: overlap(owner.socket_path, args.steps),
+            "paging": lambda: paging(owner.socket_path, args.steps),
+        }
+        for name, fn in parts.items():
             try:
-                result[name] = fn(owner.socket_path, args.steps) if name != "bandwidth" else fn(owner.socket_path)
+                result[name] = fn()
             except Exception as exc:  # one failing part must not hide the others' figures
                 result[name] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"{name}: {json.dumps(result[name], indent=2)}", flush=True)

@@ -33,7 +33,7 @@ from offload_helpers import (
 from torch import nn
 from torch.nn import functional as F
 
-from tiermem.errors import InvalidArgument
+from tiermem.errors import InvalidArgument, InvalidState
 
 HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
 WINDOW = 8192
@@ -170,10 +170,80 @@ def test_staged_bf16_equals_cpu_adam(offload: OffloadDaemon, tier: str) -> None:
     assert_params_equal(m_off, m_eng)
 
 
-def test_staged_refuses_overlap_and_release_grads(offload: OffloadDaemon) -> None:
-    for kwargs in ({"overlap_update": True}, {"release_grads": True}):
-        with pytest.raises(InvalidArgument, match="shared exchange"):
-            staged(offload, mlp().parameters(), "cpu", **kwargs)
+def test_staged_overlapped_update_trains_like_adamw(offload: OffloadDaemon, tier: str) -> None:
+    """Grads go in as their buckets land (a pusher thread), the daemon updates each bucket during backward."""
+    m_off, m_ref = replicas(mlp(), 2)
+    opt = staged(offload, m_off.parameters(), tier, overlap_update=True, bucket_nbytes=4096, **HYPER)
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    batches = mlp_batches(6, fixed=False)
+    train(m_off, opt, batches, mlp_loss)
+    train(m_ref, ref, batches, mlp_loss)
+    assert_params_close(m_off, m_ref)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+    # the first step verifies the loop (synchronous); every later one updated all six tensors early
+    assert opt.stats().rank.overlapped_tensors == 5 * 6
+
+
+def test_staged_released_grads_are_none_after_backward_and_train_like_adamw(offload: OffloadDaemon, tier: str) -> None:
+    m_off, m_ref = replicas(mlp(), 2)
+    opt = staged(offload, m_off.parameters(), tier, release_grads=True, max_grad_norm=0.05, **HYPER)
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    batches = mlp_batches(6, fixed=False)
+    grads_seen: list[bool] = []
+
+    def after_backward(_: int) -> None:
+        grads_seen.append(any(p.grad is not None for p in m_off.parameters()))
+
+    train(m_off, opt, batches, mlp_loss, after_backward=after_backward)
+    train(
+        m_ref,
+        ref,
+        batches,
+        mlp_loss,
+        after_backward=lambda _: torch.nn.utils.clip_grad_norm_(m_ref.parameters(), 0.05),
+    )
+    assert grads_seen == [False] * 6
+    assert_params_close(m_off, m_ref)
+    assert opt.last_grad_norm is not None
+
+
+def test_staged_released_grads_accumulate_over_micro_batches(offload: OffloadDaemon) -> None:
+    m_off, m_ref = replicas(mlp(), 2)
+    opt = staged(offload, m_off.parameters(), "cpu", release_grads=True, **HYPER)
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    batches = mlp_batches(6, fixed=False)
+    for model, o in ((m_off, opt), (m_ref, ref)):
+        for i in range(0, 6, 2):
+            for batch in batches[i : i + 2]:
+                mlp_loss(model, batch).backward()
+            o.step()
+            o.zero_grad()
+    assert_params_close(m_off, m_ref)
+
+
+def test_staged_released_grads_with_the_overlapped_update(offload: OffloadDaemon) -> None:
+    m_off, m_ref = replicas(mlp(), 2)
+    kwargs = {"release_grads": True, "overlap_update": True, "bucket_nbytes": 4096}
+    opt = staged(offload, m_off.parameters(), "nvme", **kwargs, **HYPER)
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    batches = mlp_batches(5, fixed=False)
+    train(m_off, opt, batches, mlp_loss)
+    train(m_ref, ref, batches, mlp_loss)
+    assert_params_close(m_off, m_ref)
+    assert opt.stats().rank.overlapped_tensors == 4 * 6
+
+
+def test_staged_overlap_refuses_a_clipping_loop_before_anything_is_applied(offload: OffloadDaemon) -> None:
+    model = mlp()
+    opt = staged(offload, model.parameters(), "cpu", overlap_update=True, bucket_nbytes=4096, **HYPER)
+    before = [p.detach().clone() for p in model.parameters()]
+    mlp_loss(model, mlp_batches(1)[0]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(InvalidState, match="grads changed after backward"):
+        opt.step()
+    for p, q in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert opt.stats().rank.overlapped_tensors == 0
 
 
 def test_shared_exchange_refuses_params_off_the_cpu(offload: OffloadDaemon) -> None:

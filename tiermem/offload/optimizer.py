@@ -54,6 +54,7 @@ from tiermem.client import Client, connect
 from tiermem.errors import DTypeError, InvalidArgument, InvalidState, ProtocolError, TiermemError
 from tiermem.modes import Exchange, Placement, StepMode
 from tiermem.offload.args import check_hyper, check_torch_flags, private_pool_nbytes, step_mode
+from tiermem.offload.eager import eager_under_compile
 from tiermem.offload.feed import GradFeed, TensorEntry
 from tiermem.offload.paging import ParamPager
 from tiermem.offload.policy import StepPolicy, plan_buckets
@@ -61,7 +62,7 @@ from tiermem.offload.resume import check_resume
 from tiermem.offload.staged import StagedEntry, StagedFeed
 from tiermem.offload.state_view import StateView
 from tiermem.offload.stats import OptimizerStats
-from tiermem.offload.transfer import StateTransfer, plan_load
+from tiermem.offload.transfer import PushItem, StateTransfer, plan_load
 from tiermem.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
 from tiermem.units import MiB
 
@@ -236,11 +237,6 @@ class OffloadAdam(torch.optim.Optimizer):
                 "release_grads=True cannot be combined with delayed_update=True: the delayed update reads the "
                 "released grads while the next step's land"
             )
-        if exchange is Exchange.STAGED and (self.policy.mode is StepMode.OVERLAP or self.release_grads):
-            raise InvalidArgument(
-                "overlap_update=True and release_grads=True need the shared exchange (CPU params): with params on a "
-                "device the grads are staged at step(), after backward"
-            )
         self.exchange = exchange
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         specs = [
@@ -287,9 +283,20 @@ class OffloadAdam(torch.optim.Optimizer):
             self.transfer = StateTransfer(client)
             self._pinned = self._pin_window(client, params)
             if exchange is Exchange.STAGED:
-                staged = [StagedEntry(i, p, p.dtype, p.device, p.shape) for i, p in enumerate(params)]
+                buckets = plan_buckets([p.numel() * dtype.itemsize for p in params], self.bucket_nbytes)
+                staged = [
+                    StagedEntry(i, p, p.dtype, p.device, p.shape, buckets.bucket_of[i]) for i, p in enumerate(params)
+                ]
                 self._entries = staged
-                feed = self.feed = StagedFeed(staged, self.transfer)
+                feed = self.feed = StagedFeed(
+                    staged,
+                    self.transfer,
+                    buckets,
+                    release_grads=self.release_grads,
+                    on_bucket=self._on_bucket if self.policy.mode is StepMode.OVERLAP else None,
+                )
+                feed.early = self._grads_early()
+                feed.hook()
                 if info.reattached:
                     feed.pull_params(range(len(staged)))
                 else:  # params made on the meta device get their values later (tiermem.offload_params)
@@ -391,7 +398,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the step
 
-    @torch.compiler.disable
+    @eager_under_compile
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
@@ -482,6 +489,12 @@ class OffloadAdam(torch.optim.Optimizer):
     def _new_step(self) -> None:
         self.feed.reset()
         self.feed.buffer = self._next_buffer()
+        if isinstance(self.feed, StagedFeed):
+            self.feed.early = self._grads_early()
+
+    def _grads_early(self) -> bool:
+        """Whether staged grads go to the daemon as they land in the coming backward."""
+        return self.release_grads or self.policy.overlap_now
 
     def _on_bucket(self, bucket: int, members: list[int]) -> None:
         """A bucket's grads are final: with the overlap mode verified, the daemon updates it now."""
@@ -610,21 +623,20 @@ class OffloadAdam(torch.optim.Optimizer):
         self.flush()
         if self._open is not None:
             raise InvalidState("state_dict() during an overlapped backward; call it after step()")
-        state: dict[int, dict[str, Any]] = {}
+        # one pipelined transfer for everything (a param that never stepped has no state in torch: dropped)
+        keys = ("exp_avg", "exp_avg_sq", "master")
+        reads: list[tuple[int, str, torch.Tensor]] = []
         for e in self._entries:
             p = e.param
-            exp_avg, step = self.transfer.pull(e.index, "exp_avg", p.numel())
+            for key in keys if p.dtype != torch.float32 else keys[:2]:
+                reads.append((e.index, key, torch.empty(p.shape, dtype=torch.float32)))
+        steps = self.transfer.pull_many_into(reads)
+        state: dict[int, dict[str, Any]] = {}
+        for (index, key, values), step in zip(reads, steps, strict=True):
             if step == 0:
-                continue  # torch has no state for a param that never stepped
-            exp_avg_sq, _ = self.transfer.pull(e.index, "exp_avg_sq", p.numel())
-            entry: dict[str, Any] = {
-                "step": torch.tensor(float(step)),
-                "exp_avg": exp_avg.view(p.shape),
-                "exp_avg_sq": exp_avg_sq.view(p.shape),
-            }
-            if p.dtype != torch.float32:
-                entry["master"] = self.transfer.pull(e.index, "master", p.numel())[0].view(p.shape)
-            state[e.index] = entry
+                continue
+            entry = state.setdefault(index, {"step": torch.tensor(float(step))})
+            entry[key] = values
         groups = []
         index = 0
         for group in self.param_groups:
@@ -658,11 +670,13 @@ class OffloadAdam(torch.optim.Optimizer):
         keep_master = "master" in self.state_keys
         if isinstance(self.feed, StagedFeed):
             self.feed.push_params(only_edited=False)  # the model is the truth
+        writes: list[PushItem] = []
         for t, entry, step in loads:
-            self.transfer.push(t, "exp_avg", entry["exp_avg"], step=step)
-            self.transfer.push(t, "exp_avg_sq", entry["exp_avg_sq"], step=step)
+            writes.append((t, "exp_avg", entry["exp_avg"], step, False))
+            writes.append((t, "exp_avg_sq", entry["exp_avg_sq"], step, False))
             if keep_master and "master" in entry and self._entries[t].param.dtype != torch.float32:
-                self.transfer.push(t, "master", entry["master"], step=step)
+                writes.append((t, "master", entry["master"], step, False))
+        self.transfer.push_many(writes)
 
     # ----------------------------------------------------------------- copying
 
