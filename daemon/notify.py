@@ -6,8 +6,11 @@ datagram of newline-separated ``KEY=VALUE`` assignments.  Without the variable
 every call is a no-op, so the daemon runs the same under systemd, by hand and
 in tests (which point ``NOTIFY_SOCKET`` at a datagram socket of their own).
 
-``WATCHDOG_USEC`` tells how often systemd wants ``WATCHDOG=1``; the daemon
-sends it from its event loop at half that period, so a wedged loop is killed.
+``WATCHDOG_USEC`` tells how often systemd wants ``WATCHDOG=1``; the daemon's
+main loop sends it at half that period, and only while no worker thread is
+wedged (``tiermemd.health``: sessions in a request, the CPU scheduler, rank
+pipelines, the pidfd watcher), so a wedged thread, like a wedged loop, gets the
+daemon restarted.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ its memory is really there.
 
 The main thread runs one loop (gunicorn's shape): signal handlers only put the
 signal number in a queue; the loop takes signals, reclaims jobs whose grace
-period ended, and feeds the systemd watchdog.  SIGTERM/SIGINT drain: stop
+period ended, and feeds the systemd watchdog while no worker thread is wedged
+(``tiermemd.health``).  SIGTERM/SIGINT drain: stop
 accepting, let every session finish the request it is in (bounded by
 ``DRAIN_TIMEOUT_S``; requests that arrive meanwhile are refused), close the
 sessions, release all memory, exit 0.  SIGHUP re-reads the settings from the
