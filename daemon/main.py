@@ -7,8 +7,7 @@ Exit codes are a contract with the supervisor (systemd's
 0     clean shutdown (SIGTERM/SIGINT), or --check-config/--print-config ok
 1     unexpected internal error (a bug: the traceback is logged)
 2     invalid configuration (the message names the field)
-3     resources: the pool could not be allocated, or it and its staging windows
-      do not fit the memory the daemon may use (``tiermemd.memfit``)
+3     resources: the pool could not be allocated
 4     swap: a swap or state directory is unusable, or another user could change it
 5     socket: the socket path is in use by a live daemon or cannot be bound, or
       its directory is one another user could change (``tiermem.sockpath``)
@@ -64,9 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
             "file, then TIERMEM_<SECTION>_<KEY> environment variables, then these flags."
         ),
         epilog=(
-            "exit codes: 0 clean shutdown, 1 internal error, 2 invalid configuration, 3 the pool does not fit "
-            "the memory cgroup, RAM or RLIMIT_MEMLOCK, or could not be allocated, 4 swap or state directory "
-            "unusable or not private, 5 socket in use, not bindable, or in a "
+            "exit codes: 0 clean shutdown, 1 internal error, 2 invalid configuration, 3 pool allocation "
+            "failed, 4 swap or state directory unusable or not private, 5 socket in use, not bindable, or in a "
             "directory another user could change, 6 stopped but some state could not be committed at shutdown "
             "(the log names the step each job comes back at). "
             f"With no --config, {DEFAULT_NODE_CONFIG} is read when it exists (or TIERMEM_CONFIG)."
@@ -90,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--exit-with-parent",
         action="store_true",
         help="stop (as on SIGTERM) when the parent process exits; used by clients that start a private daemon",
+    )
+    parser.add_argument(
+        "--private-dir",
+        metavar="DIR",
+        help="the private directory this daemon runs in (socket, state, swap): removed when it exits; used with "
+        "--exit-with-parent by clients that start a private daemon",
     )
     parser.add_argument("--version", action="version", version=f"tiermemd {__version__}")
     return parser
@@ -174,6 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     from tiermemd.service import run_service
 
     code = run_service(config, env, reload_config=lambda: resolve_config(args, env), parent_pid=parent)
+    if args.private_dir and (code == EXIT_OK or parent is None or os.getppid() != parent):
+        # a live parent that sees a failure reads the log in there first, then removes the directory itself
+        from tiermem import privatedir
+
+        if not privatedir.is_private_dir(args.private_dir):
+            log.warning("--private-dir %s is not a private tiermemd directory; left in place", args.private_dir)
+        elif privatedir.remove(args.private_dir):
+            log.info("removed the private directory %s", args.private_dir)
     # Everything is released and flushed: skip the interpreter's teardown of torch (seconds, during
     # which a second SIGTERM would kill the process and turn a clean exit into -15).
     logging.shutdown()

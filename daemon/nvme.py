@@ -25,9 +25,12 @@ never zeros.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -136,6 +139,22 @@ class NvmeStateChunks:
         self.store.close(remove=remove)
 
 
+def wipe_store_files(swap_dirs: Sequence[Path], name: str) -> list[Path]:
+    """Delete whatever files of store ``name`` exist (swap files, manifest, a cut-short manifest write)."""
+    paths = [Path(d) / f"{name}.swap" for d in swap_dirs]
+    if swap_dirs:
+        first = Path(swap_dirs[0])
+        paths += [first / f"{name}.manifest", first / f"{name}.manifest.tmp"]
+    removed = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    if removed:
+        log.warning("removed files of an earlier store %r before a new rank took the name: %s", name, removed)
+    return removed
+
+
 def remove_store(service: Service, job: Job, rank: int) -> None:
     """Delete the swap files of a rank that was never reopened (its job was reclaimed)."""
     try:
@@ -169,6 +188,8 @@ def make_nvme_state(
     except BaseException:
         service.ledger.release(job.key, Resource.POOL, cache_nbytes)
         raise
+    if not require_stored:  # a new rank: files of a previous job of this name are not its state
+        wipe_store_files(service.swap_dirs, store_name(job.job_id, rank, job.owner_uid))
     try:
         store = SwapStore.open(
             service.swap_dirs,

@@ -7,8 +7,7 @@ its memory is really there.
 
 The main thread runs one loop (gunicorn's shape): signal handlers only put the
 signal number in a queue; the loop takes signals, reclaims jobs whose grace
-period ended, and feeds the systemd watchdog while no worker thread is wedged
-(``tiermemd.health``).  SIGTERM/SIGINT drain: stop
+period ended, and feeds the systemd watchdog.  SIGTERM/SIGINT drain: stop
 accepting, let every session finish the request it is in (bounded by
 ``DRAIN_TIMEOUT_S``; requests that arrive meanwhile are refused), close the
 sessions, release all memory, exit 0.  SIGHUP re-reads the settings from the
@@ -35,12 +34,13 @@ from tiermem.sockpath import SecureDir, Trust, remove_socket, uid_label
 from tiermem.swap import open_engine
 from tiermem.transport import Listener, adopt_listener
 from tiermem.units import format_size
-from tiermemd import health, memfit
 from tiermemd.durability import Durability
 from tiermemd.jobs import Job, JobTable
 from tiermemd.ledger import Ledger, Resource
 from tiermemd.metrics import serve_metrics
 from tiermemd.notify import Notifier
+from tiermemd.nvme import store_name
+from tiermemd.orphans import Orphans
 from tiermemd.persist import load_job_files, remove_job_file
 from tiermemd.rank import AdamKernel, RankOptimizer
 from tiermemd.scheduler import CpuScheduler
@@ -84,14 +84,8 @@ class Service:
         """Drain once this process is no longer our parent (``--exit-with-parent``): the loop checks each tick."""
         self.notifier = Notifier(env)
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self.window_budget = config.jobs.window_budget or config.jobs.max_jobs * config.jobs.window_size
-        """Bytes of staging windows (each ``mlock``ed) all jobs together may hold."""
         try:
-            pool_config = memfit.fit_pool(config.pool, self.window_budget, memfit.read_limits(), memfit.memlock_limit())
-        except memfit.DoesNotFit as exc:
-            raise StartupError(EXIT_RESOURCES, f"cannot start: {exc}") from None
-        try:
-            self.pool = BufferPool.from_config(pool_config)
+            self.pool = BufferPool.from_config(config.pool)
         except (TiermemError, OSError) as exc:
             raise StartupError(EXIT_RESOURCES, f"cannot allocate the pool: {exc}") from exc
         try:
@@ -108,7 +102,7 @@ class Service:
         except ConfigError as exc:
             self.pool.close()
             raise StartupError(EXIT_SWAP, str(exc)) from exc
-        window_budget = self.window_budget
+        window_budget = config.jobs.window_budget or self.pool.capacity
         self.ledger = Ledger(
             {
                 Resource.POOL: self.pool.capacity,
@@ -123,11 +117,6 @@ class Service:
             max_jobs=config.jobs.max_jobs,
             max_jobs_per_uid=config.jobs.max_jobs_per_uid,
         )
-        self.health = health.REGISTRY
-        """Progress of the worker threads: feeds the watchdog and the clients' heartbeats."""
-        self.health.stall_s = config.server.stall_timeout_s
-        self.listening_on = config.server.socket
-        """The socket clients reach: the configured path, or the one the service manager passed."""
         self.scheduler = CpuScheduler()
         self.retired = RetiredRanks()
         """The last figures of ranks that ended (the node's counters never go down)."""
@@ -145,7 +134,7 @@ class Service:
             self.scheduler.close()
             self.pool.close()
             raise StartupError(EXIT_SOCKET, str(exc)) from exc
-        self.server = Server(self.listener, self.handlers, config.server, self.health)
+        self.server = Server(self.listener, self.handlers, config.server)
         self.server.on_client_exit = self.handlers.abort
         try:
             self.metrics = serve_metrics(self)
@@ -161,6 +150,10 @@ class Service:
             jobs_dir=self.jobs_dir, swap_dirs=self.swap_dirs, commit_every=config.jobs.commit_every
         )
         self._restore_jobs()
+        self.orphans = Orphans(
+            swap_dirs=self.swap_dirs, jobs_dir=self.jobs_dir, grace_period_s=config.jobs.grace_period_s
+        )
+        self.orphans.scan(store_name(j.job_id, r, j.owner_uid) for j in self.jobs.jobs() for r in j.restored)
 
     # ----------------------------------------------------------------- start-up helpers
 
@@ -185,14 +178,9 @@ class Service:
     def _listen(self) -> Listener:
         env = self.env
         if env.get("LISTEN_PID") == str(os.getpid()) and int(env.get("LISTEN_FDS", "0") or 0) >= 1:
-            sock = adopt_listener(_SD_LISTEN_FDS_START)
-            name = sock.getsockname()
-            where = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-            self.listening_on = f"{where or '(unnamed)'} (fd {_SD_LISTEN_FDS_START}, passed by the service manager)"
-            log.info("using the socket passed by the service manager: %s", self.listening_on)
-            return Listener(sock, max_frame=self.config.server.max_frame)
+            log.info("using the socket passed by the service manager")
+            return Listener(adopt_listener(_SD_LISTEN_FDS_START), max_frame=self.config.server.max_frame)
         server = self.config.server
-        self.listening_on = server.socket
         return Listener.bind(
             server.socket, mode=server.socket_mode, group=server.socket_group or None, max_frame=server.max_frame
         )
@@ -238,6 +226,8 @@ class Service:
             from tiermemd.nvme import make_nvme_state
 
             reopened = getattr(job.ranks.get(rank), "restored", None) is not None
+            if not reopened:
+                self.orphans.forget(store_name(job.job_id, rank, job.owner_uid))
             return make_nvme_state(self, job, rank, numel, keys, require_stored=reopened)
 
         return make
@@ -277,7 +267,7 @@ class Service:
     def serve_forever(self) -> None:
         self.server.start()
         locked = "locked" if self.pool.locked else "NOT locked (see the RLIMIT_MEMLOCK warning)"
-        status = f"pool {format_size(self.pool.capacity)} {locked}; listening on {self.listening_on}"
+        status = f"pool {format_size(self.pool.capacity)} {locked}; listening on {self.config.server.socket}"
         log.info("ready: %s", status)
         self.notifier.ready(status)
         watchdog_every = self.notifier.watchdog_interval_s
@@ -295,13 +285,13 @@ class Service:
                 break
             if signum == signal.SIGHUP:
                 self.reload()
+            self.orphans.sweep()
             expired = self.jobs.expire()
             if expired:
                 self.reclaim(expired)
             now = time.monotonic()
-            healthy = self.health.check()  # logs a wedged thread by name, once
-            if watchdog_every is not None and now - last_watchdog >= watchdog_every and healthy:
-                self.notifier.watchdog()  # fed only while every worker thread moves or is idle
+            if watchdog_every is not None and now - last_watchdog >= watchdog_every:
+                self.notifier.watchdog()
                 last_watchdog = now
         self.shutdown()
 

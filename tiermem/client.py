@@ -16,7 +16,9 @@ this process tree: a real child process on a socket in a private directory
 which the child reports ready through the sd_notify protocol once its pool is
 allocated, and which is stopped (SIGTERM, then waited for) when the client
 closes or the process exits; the child's ``--exit-with-parent`` stops it if
-this process dies first.
+this process dies first, and its ``--private-dir`` removes the directory
+then (``tiermem.privatedir``: a directory whose processes were all killed is
+removed by the next private daemon's start).
 
 Every reply wait is bounded by a timeout of the daemon's *silence* (see
 ``tiermem.transport``: the daemon sends heartbeats while it works on a
@@ -43,7 +45,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from typing import Any
 
 import torch
 
+from tiermem import privatedir
 from tiermem.config import default_runtime_dir
 from tiermem.errors import ConfigError, DaemonUnavailable, InvalidArgument, ProtocolError, UnsafePathError
 from tiermem.protocol import (
@@ -117,7 +119,9 @@ class EmbeddedDaemon:
         ready_timeout_s: float = 120.0,
     ) -> None:
         """``settings``: dotted config keys for the daemon (``{"adam.chunk_numel": 65536}``)."""
-        self.dir = tempfile.mkdtemp(prefix="tiermemd-")  # created 0700 by this user; connect() checks it
+        privatedir.sweep()  # directories of private daemons killed with their trainers
+        # created 0700 by this user (connect() checks it); the lock is held while this process or the daemon lives
+        self.dir, self._lock_fd = privatedir.create()
         config_args: list[str] = []
         if settings:
             config_path = os.path.join(self.dir, "tiermemd.toml")
@@ -140,6 +144,8 @@ class EmbeddedDaemon:
             "--swap-dir",
             swap_dir or os.path.join(self.dir, "swap"),
             "--exit-with-parent",
+            "--private-dir",
+            self.dir,
             *config_args,
             *extra_args,
         ]
@@ -149,7 +155,14 @@ class EmbeddedDaemon:
         self.log_path = os.path.join(self.dir, "tiermemd.log")
         log_file = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it
         try:
-            self.process = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+            self.process = subprocess.Popen(
+                args,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                pass_fds=(self._lock_fd,),
+            )
         finally:
             log_file.close()
         try:
@@ -194,9 +207,10 @@ class EmbeddedDaemon:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        import shutil
-
-        shutil.rmtree(self.dir, ignore_errors=True)
+        privatedir.remove(self.dir)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
         return self.process.returncode
 
 
@@ -224,29 +238,6 @@ def candidate_sockets(
         service_uids=_service_uids(env),
         daemon_uid=daemon_uid,
     )
-
-
-def client_timeout(timeout_s: float | None, env: Mapping[str, str]) -> float | None:
-    """The reply timeout of a client: ``timeout_s``, else ``$TIERMEM_CLIENT_TIMEOUT_S``, else the default.
-
-    Returns None for "wait forever" (``math.inf``, or "inf" in the environment)."""
-    source = "timeout_s"
-    value: object = timeout_s
-    if value is None:
-        raw = env.get("TIERMEM_CLIENT_TIMEOUT_S", "").strip()
-        if not raw:
-            return DEFAULT_TIMEOUT_S
-        source = "TIERMEM_CLIENT_TIMEOUT_S"
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ConfigError(source, f"expected seconds (a number > 0, or inf), got {raw!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        problem = f"expected seconds (a number > 0, or inf to wait forever), got {value!r}"
-        if source == "timeout_s":
-            raise InvalidArgument(f"timeout_s: {problem}")
-        raise ConfigError(source, problem)
-    return None if value == float("inf") else float(value)
 
 
 def _service_uids(env: Mapping[str, str]) -> list[int]:
@@ -439,7 +430,6 @@ def connect(
 ) -> Client:
     """Connect to the node's tiermemd, or start a private one (see the module docstring).
 
-    ``timeout_s``: the longest the daemon may stay silent during a request (see ``client_timeout``).
     ``pool_size``, ``swap_dir`` and ``settings`` (dotted config keys) apply only to a private daemon.
     ``daemon_uid``: the uid the daemon at ``socket_path`` (or ``$TIERMEM_SOCKET_PATH``, or the node
     path) runs as, when it is neither root nor this user.  Raises ``UnsafePathError`` when a socket
@@ -447,7 +437,6 @@ def connect(
     daemon may be started.
     """
     env = os.environ if env is None else env
-    timeout_s = client_timeout(timeout_s, env)
     if embed is None:
         embed = env.get("TIERMEM_NO_EMBED", "") not in ("1", "true", "yes")
     tried: list[str] = []

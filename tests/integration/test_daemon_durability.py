@@ -23,7 +23,7 @@ from tiermem.errors import DaemonUnavailable, DataLostError, StaleStateError
 from tiermem.offload import OffloadAdam
 from tiermemd.main import EXIT_DATA_LOST
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 LR, WD = 3e-3, 0.05
 
@@ -34,6 +34,7 @@ class Node:
     def __init__(self, root: Path, commit_every: int = 0) -> None:
         self.root = root
         self.commit_every = commit_every
+        self.grace_period_s = 60.0
         self.proc: subprocess.Popen[bytes] | None = None
         self.clients: list[Client] = []
         self.starts = 0
@@ -52,7 +53,7 @@ class Node:
         config.write_text(
             f'[pool]\nsize = "96MiB"\n[swap]\ndirs = ["{self.swap}"]\n'
             f"[adam]\nchunk_numel = 1024\ncompile = false\n"
-            f"[jobs]\ngrace_period_s = 60.0\ncommit_every = {self.commit_every}\n"
+            f"[jobs]\ngrace_period_s = {self.grace_period_s}\ncommit_every = {self.commit_every}\n"
             f'[server]\nsocket = "{sock}"\nstate_dir = "{self.root / "state"}"\n'
         )
         with open(self.root / "daemon.log", "ab") as log:
@@ -62,7 +63,7 @@ class Node:
                 [sys.executable, "-m", "tiermemd.main", "--config", str(config)], stderr=log, stdout=log
             )
         self.starts += 1
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a loaded 2-core machine may take long to import torch
         while time.monotonic() < deadline:
             try:
                 client = connect(str(sock), embed=False)
@@ -78,7 +79,7 @@ class Node:
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
         assert self.proc is not None
         self.proc.send_signal(sig)
-        code = self.proc.wait(60)
+        code = self.proc.wait(180)
         for client in self.clients:
             client.conn.close()
         self.clients.clear()
@@ -265,4 +266,50 @@ def test_a_failed_commit_at_shutdown_exits_6_and_the_next_start_serves_the_last_
     run.train(2)
     run.assert_equal()
     opt.close()
+    assert node.stop() == 0
+
+
+def test_files_no_job_owns_are_reported_at_start_and_removed_after_the_grace_period(node: Node) -> None:
+    run = Run()
+    opt = run.attach(node.start())
+    run.train(2, reference=False)
+    token = opt.token
+    assert node.stop() == 0
+    kept = node.store_files()
+    ghosts = [node.swap / "u0-ghost-0123456789.r0.swap", node.swap / "u0-ghost-0123456789.r0.manifest"]
+    for ghost in ghosts:
+        ghost.write_bytes(b"\x01" * 8192)
+    half_written = node.root / "state" / "jobs" / "u0-ghost-0123456789.job.tmp"
+    half_written.write_text("{")
+
+    node.grace_period_s = 5.0  # also the restored job's: it reattaches at once
+    client = node.start()
+    opt = run.attach(client, token=token, expected_step=2)
+    assert (opt.steps, opt.state_from) == (2, "shutdown")
+    assert "3 file(s)" in node.log and "that no job owns" in node.log
+    deadline = time.monotonic() + 30
+    while any(p.exists() for p in [*ghosts, half_written]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(p.exists() for p in [*ghosts, half_written])
+    assert node.store_files() == kept  # the restored job's files were never orphans
+    opt.close()
+    assert node.stop() == 0
+
+
+def test_a_new_job_never_reads_the_files_of_an_earlier_job_of_its_name(node: Node) -> None:
+    run = Run()
+    run.attach(node.start())
+    run.train(3, reference=False)
+    assert node.stop() == 0
+    for job_file in (node.root / "state" / "jobs").glob("*.job.json"):
+        job_file.unlink()  # its job file is gone: the swap store is an orphan with a valid manifest
+    client = node.start()
+    fresh = Run()
+    fresh.opt = fresh.attach(client)  # the same job id, no token: a new job
+    assert (fresh.opt.steps, fresh.opt.state_from) == (0, "new")
+    for p in fresh.opt.param_groups[0]["params"]:
+        assert float(fresh.opt.state[p]["exp_avg_sq"].abs().sum()) == 0.0
+    fresh.train(3)
+    fresh.assert_equal()
+    fresh.opt.close()
     assert node.stop() == 0

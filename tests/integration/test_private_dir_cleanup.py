@@ -1,0 +1,64 @@
+"""A private tiermemd removes its directory (socket, state, swap) even when its trainer is SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+TRAINER = """
+import sys, torch, tiermem
+model = torch.nn.Linear(64, 64)
+opt = tiermem.OffloadAdam(model.parameters(), offload="nvme")
+model(torch.randn(4, 64)).sum().backward()
+opt.step()
+daemon = opt.client.daemon
+print(daemon.dir, daemon.process.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie child of the killed trainer is reaped by init; until then it counts as gone once it exited
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_private_daemon_removes_its_directory_when_its_trainer_is_killed(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    env.update(TMPDIR=str(tmp_path), TIERMEM_SOCKET_PATH=str(tmp_path / "none" / "tiermemd.sock"))
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert trainer.stdout is not None
+        line = trainer.stdout.readline().split()
+        assert line, f"the trainer exited {trainer.wait()} before starting its daemon"
+        directory, daemon_pid = Path(line[0]), int(line[1])
+        assert directory.parent == tmp_path and (directory / "tiermemd.sock").exists()
+        assert any((directory / "swap").iterdir())  # the NVMe state is in there
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(30)
+        deadline = time.monotonic() + 60
+        while (directory.exists() or _alive(daemon_pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(daemon_pid), "the private daemon outlived its trainer"
+        assert not directory.exists(), f"left behind: {sorted(p.name for p in directory.rglob('*'))}"
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
