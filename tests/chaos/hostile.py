@@ -17,6 +17,10 @@ a connect refused while the daemon had room).  The caller checks the ledger
   as it can, as an allowed uid or as one the daemon refuses; meanwhile a
   well-behaved client round-trips PINGs (its p50/p99 against a baseline taken
   just before) and opens fresh connections (each must succeed).
+- ``unread_replies``: a client pipelines requests and never reads a reply;
+  its session is closed once a reply finds no room for ``server.send_timeout_s``
+  (the thread is not pinned), and the client finds the end of the stream
+  after the replies that did fit.
 - ``stopped_daemon``: SIGSTOP; a request in flight, a new request and a new
   connection's request all end with ``DaemonTimeout`` within the client's
   timeout; SIGCONT and the daemon serves again.
@@ -65,6 +69,7 @@ __all__ = [
     "mutate",
     "slow_frames",
     "stopped_daemon",
+    "unread_replies",
 ]
 
 ALLOWED_UID = 65534
@@ -114,6 +119,7 @@ class ChaosDaemon:
                 "max_frame": 64 * 1024,
                 "max_connections_per_uid": 64,
                 "allowed_uids": [ALLOWED_UID],
+                "send_timeout_s": 1.0,
             },
         }
         for section, values in self.overrides.items():
@@ -546,3 +552,42 @@ def stopped_daemon(daemon: ChaosDaemon, *, timeout_s: float = 1.5) -> dict[str, 
         **{f"waited_s ({name})": round(w, 2) for name, w in waits.items()},
         "requests_after_sigcont": len(after),
     }
+
+
+# --------------------------------------------------------------------------- a client that never reads
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads line")
+
+
+def unread_replies(daemon: ChaosDaemon, *, requests: int = 50_000) -> dict[str, Any]:
+    """Pipeline PINGs without reading: the daemon closes that session (no pinned thread), others go on."""
+    before = _threads(daemon.pid)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(daemon.socket_path)
+    sock.settimeout(2.0)
+    sent = 0
+    with contextlib.suppress(OSError):  # the daemon stops reading once its reply is stuck: our send times out
+        for i in range(1, requests + 1):
+            sock.send(encode_message(Ping(), i))
+            sent += 1
+    started = time.monotonic()
+    deadline = started + 60
+    while _threads(daemon.pid) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    closed_after = time.monotonic() - started
+    pinned = _threads(daemon.pid) > before
+    _round_trips(daemon.socket_path, 0.2)  # others are served meanwhile
+    replies = 0
+    sock.settimeout(5.0)
+    with contextlib.suppress(OSError):
+        while sock.recv(1 << 16):
+            replies += 1
+    sock.close()
+    if pinned:
+        raise AssertionError(f"the session of a client that does not read holds a thread after {closed_after:.1f}s")
+    return {"requests_sent": sent, "replies_read_after": replies, "session_closed_after_s": round(closed_after, 2)}

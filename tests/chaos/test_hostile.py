@@ -14,7 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hostile import ALLOWED_UID, REFUSED_UID, ChaosDaemon, connection_storm, hostile_frames, slow_frames, stopped_daemon
+from hostile import (
+    ALLOWED_UID,
+    REFUSED_UID,
+    ChaosDaemon,
+    connection_storm,
+    hostile_frames,
+    slow_frames,
+    stopped_daemon,
+    unread_replies,
+)
 from ledger import problems, settle, snapshot
 
 QUICK_FRAMES = 10_000
@@ -72,6 +81,11 @@ def test_a_connection_storm_does_not_refuse_or_starve_a_well_behaved_client(chao
 def test_a_stopped_daemon_times_clients_out_instead_of_hanging_them(chaos_daemon, capsys):
     figures = _scenario(chaos_daemon, capsys, "SIGSTOP", lambda: stopped_daemon(chaos_daemon, timeout_s=1.5))
     assert figures["requests_after_sigcont"] > 0
+
+
+def test_a_client_that_never_reads_its_replies_does_not_pin_a_session_thread(chaos_daemon, capsys):
+    figures = _scenario(chaos_daemon, capsys, "unread replies", lambda: unread_replies(chaos_daemon))
+    assert figures["requests_sent"] > figures["replies_read_after"] > 0
 
 
 def test_the_scenarios_left_the_daemon_directory_as_they_found_it(chaos_daemon):
