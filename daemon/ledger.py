@@ -90,6 +90,12 @@ class Ledger:
     def available(self, resource: Resource) -> int:
         return self.capacity(resource) - self.held(resource)
 
+    def quota(self, job: str, resource: Resource) -> int | None:
+        """``job``'s quota of ``resource`` (None: no cap but the capacity)."""
+        with self._lock:
+            account = self._accounts.get(job)
+            return account.quota.get(resource) if account else None
+
     def set_quota(self, job: str, resource: Resource, nbytes: int) -> None:
         with self._lock:
             self._accounts.setdefault(job, _Account()).quota[resource] = nbytes

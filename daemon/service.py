@@ -32,6 +32,7 @@ from tiermem.errors import ConfigError, TiermemError, UnsafePathError
 from tiermem.pool import BufferPool
 from tiermem.sockpath import SecureDir, Trust, remove_socket, uid_label
 from tiermem.swap import open_engine
+from tiermem.tiers import PoolShares
 from tiermem.transport import Listener, adopt_listener
 from tiermem.units import format_size
 from tiermemd.durability import Durability
@@ -85,7 +86,9 @@ class Service:
         self.notifier = Notifier(env)
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
         try:
-            self.pool = BufferPool.from_config(config.pool)
+            self.shares = PoolShares()
+            """The pool's last resort: takes back memory the NVMe tier's managers borrowed above their floors."""
+            self.pool = BufferPool.from_config(config.pool, evict=self.shares.evict)
         except (TiermemError, OSError) as exc:
             raise StartupError(EXIT_RESOURCES, f"cannot allocate the pool: {exc}") from exc
         try:
@@ -102,6 +105,10 @@ class Service:
         except ConfigError as exc:
             self.pool.close()
             raise StartupError(EXIT_SWAP, str(exc)) from exc
+        from tiermemd.nvme import SwapDevice
+
+        self.swap_device = SwapDevice(self.swap_dirs, self.io_engine, config.swap)
+        """Measured (once, lazily) when the first rank is placed on NVMe: sizes queue depth and caches."""
         window_budget = config.jobs.window_budget or self.pool.capacity
         self.ledger = Ledger(
             {

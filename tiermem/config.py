@@ -78,6 +78,12 @@ class PoolConfig:
             )
 
 
+MAX_QUEUE_DEPTH = 128
+"""Slots of the libaio engine's kernel context; a measured or configured queue depth uses up to this many."""
+DEFAULT_QUEUE_DEPTH = 32
+"""The queue depth before (or without) a probe of the swap device."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SwapConfig:
     """The NVMe tier: swap directories and the I/O engine."""
@@ -88,8 +94,17 @@ class SwapConfig:
     """I/O engine: "auto" (libaio with O_DIRECT where it works, else threads), "libaio" or "threads"."""
     block_size: int = _size(1 * MiB)
     """Size of one I/O request; larger transfers are split into blocks of this size."""
-    queue_depth: int = 32
-    """Requests in flight per engine."""
+    queue_depth: int = 0
+    """Requests in flight per engine; 0 = measured: a short probe of the swap device when the first job is
+    placed on NVMe (up to 128; 32 until then)."""
+    cache_chunks: int = 0
+    """Guaranteed chunk cache of an NVMe-placed rank, in state chunks; 0 = sized from the probe (enough to keep
+    the disk's queue full) within the job's pool room."""
+    prefetch_depth: int = 0
+    """State chunks an NVMe-placed rank reads ahead; 0 = sized from the probe and the measured update time."""
+    borrow: bool = True
+    """NVMe-placed chunk caches may borrow free pool memory above their guaranteed size, up to all of their
+    state (within the job's pool quota); the pool takes it back when another allocation needs it."""
     threads: int = 4
     """Worker threads of the thread-pool engine."""
     fsync: bool = True
@@ -102,7 +117,19 @@ class SwapConfig:
             raise ConfigError("swap.engine", f'must be "auto", "libaio" or "threads", got {self.engine!r}')
         if self.block_size < PAGE_SIZE or self.block_size % PAGE_SIZE:
             raise ConfigError("swap.block_size", f"must be a positive multiple of 4KiB, got {self.block_size}")
-        _check_positive("swap.queue_depth", self.queue_depth)
+        for name in ("queue_depth", "cache_chunks", "prefetch_depth"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"swap.{name}", f"must be >= 0 (0 = measured), got {getattr(self, name)}")
+        if self.queue_depth > MAX_QUEUE_DEPTH:
+            raise ConfigError("swap.queue_depth", f"must be at most {MAX_QUEUE_DEPTH}, got {self.queue_depth}")
+        if 0 < self.cache_chunks < 3:
+            raise ConfigError("swap.cache_chunks", f"must be 0 (measured) or >= 3, got {self.cache_chunks}")
+        if self.cache_chunks and self.prefetch_depth > self.cache_chunks - 2:
+            raise ConfigError(
+                "swap.prefetch_depth",
+                f"must leave room for one chunk updated and one written back in swap.cache_chunks "
+                f"({self.cache_chunks}): at most {self.cache_chunks - 2}, got {self.prefetch_depth}",
+            )
         _check_positive("swap.threads", self.threads)
         if self.stripe_size < PAGE_SIZE or self.stripe_size % PAGE_SIZE:
             raise ConfigError("swap.stripe_size", f"must be a positive multiple of 4KiB, got {self.stripe_size}")

@@ -171,7 +171,15 @@ class DaemonProcess:
 def daemon_settings(root: Path, socket_path: str, overrides: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
     settings: dict[str, dict[str, Any]] = {
         "pool": {"size": POOL_SIZE, "arena_size": POOL_SIZE},
-        "swap": {"dirs": [str(root / "swap")], "engine": "threads", "fsync": False},
+        # sizes of the NVMe tier fixed and no borrowing: an NVMe job's state larger than 6 chunks pages every step
+        "swap": {
+            "dirs": [str(root / "swap")],
+            "engine": "threads",
+            "fsync": False,
+            "cache_chunks": 6,
+            "prefetch_depth": 2,
+            "borrow": False,
+        },
         "adam": {"threads": 2, "compile": False, "chunk_numel": 1 << 18},
         "jobs": {"grace_period_s": GRACE_PERIOD_S, "max_jobs": 16},
         "server": {

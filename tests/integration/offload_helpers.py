@@ -46,6 +46,11 @@ DAEMON_SETTINGS: dict[str, Any] = {
     "adam.threads": 1,
     "adam.chunk_numel": CHUNK_NUMEL,
     "swap.fsync": False,
+    # the NVMe tier's sizes fixed (no probe of the disk) and no borrowing: every step pages chunks out and in
+    "swap.queue_depth": 32,
+    "swap.cache_chunks": 6,
+    "swap.prefetch_depth": 2,
+    "swap.borrow": False,
 }
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -27,6 +27,7 @@ def _start(root: Path) -> tuple[subprocess.Popen[bytes], Client]:
     config = root / "tiermemd.toml"
     config.write_text(
         f'[pool]\nsize = "96MiB"\n[swap]\ndirs = ["{root / "swap"}"]\n'
+        "cache_chunks = 6\nprefetch_depth = 2\nborrow = false\n"
         f"[adam]\nchunk_numel = 1024\ncompile = false\n[jobs]\ngrace_period_s = 60.0\n"
         f'[server]\nsocket = "{sock}"\nstate_dir = "{root / "state"}"\n'
     )

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from tiermem.config import SwapConfig
+from tiermem.config import DEFAULT_QUEUE_DEPTH, MAX_QUEUE_DEPTH, SwapConfig
 from tiermem.errors import ConfigError
 from tiermem.swap.engine import IOEngine
 from tiermem.swap.engine_threads import ThreadEngine
@@ -74,9 +74,15 @@ def open_engine(config: SwapConfig, directories: str | os.PathLike[str] | Sequen
         reason = reason or direct_io_unsupported(d)
     if reason is None and LibaioEngine is not None:
         try:
-            return LibaioEngine(block_size=config.block_size, queue_depth=config.queue_depth)
+            if config.queue_depth:
+                return LibaioEngine(block_size=config.block_size, queue_depth=config.queue_depth)
+            engine = LibaioEngine(block_size=config.block_size, queue_depth=MAX_QUEUE_DEPTH)
+            engine.set_queue_depth(DEFAULT_QUEUE_DEPTH)  # until the swap device is measured
+            return engine
         except OSError as exc:
-            reason = f"creating a kernel AIO context of depth {config.queue_depth} failed: {exc.strerror}"
+            reason = (
+                f"creating a kernel AIO context of depth {config.queue_depth or MAX_QUEUE_DEPTH} failed: {exc.strerror}"
+            )
             if exc.errno == errno.EAGAIN:
                 reason += " (raise fs.aio-max-nr or lower swap.queue_depth)"
     reason = reason or "unknown"
