@@ -33,7 +33,7 @@ paged mode also reports what the pager moved (params fetched, grads pushed)
 and how long the trainer waited for fetches.
 
     ./run.sh bench scale [--limit 4GiB] [--modes adamw,offload-cpu,offload-nvme,offload-nvme-paged]
-        [--max-params 2e9] [--json out.json]
+        [--max-params 4e9] [--device-budget 512MiB] [--json out.json]
 
 The goal (issue 11): the paged mode trains a model >= 10x the largest
 ``adamw`` trains in the same limit, at a step time <= 1.25x its disk bound.
