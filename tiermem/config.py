@@ -256,7 +256,7 @@ class MetricsConfig:
     """Export per-job series labelled ``tiermem_job`` with the job ids (which every reader of the endpoint then
     sees); off: only node totals, no job id leaves the daemon."""
     max_connections: int = 16
-    """Scrape connections served at once; more are closed as they arrive."""
+    """Scrape connections served at once; at the cap the longest idle one is closed to make room for a new one."""
     idle_timeout_s: float = 10.0
     """A scrape connection that has not sent its request (or read its reply) for this long is closed."""
 
