@@ -12,7 +12,9 @@ work never runs on these threads: it goes to the ``CpuScheduler``.
   refused peer gets an ``AuthError``/``AdmissionError`` reply and is closed.
   A refused peer costs no thread: its socket lingers (read and dropped, so the
   refusal is not lost to a reset) in the watcher's selector for at most
-  ``_REFUSAL_LINGER_S``, at most ``_MAX_LINGERING`` at a time, and refusals
+  ``_REFUSAL_LINGER_S``, at most ``_MAX_LINGERING`` at a time; past
+  ``_EXPLAINED_REFUSALS_PER_S`` refusals of one uid a second, a refusal is a
+  close, so a storm costs the accept thread as little as possible; refusals
   are logged once per uid and reason, then summarised with counts every
   ``_REFUSAL_LOG_EVERY_S``.  Admitted peers cost a thread (its stack is
   virtual memory; a few pages are resident) and a receive buffer of anonymous
@@ -93,6 +95,9 @@ _REFUSAL_LINGER_S = 2.0
 _MAX_LINGERING = 512
 """Refused sockets kept lingering at once; past it a refused socket is closed at once."""
 _REFUSAL_LOG_EVERY_S = 10.0
+_EXPLAINED_REFUSALS_PER_S = 50.0
+"""Refused connections per uid and second answered with the reason (a storm's others are just closed, so the
+accept thread keeps draining the backlog for everyone else)."""
 HEARTBEAT_S = 0.5
 """Heartbeat period to clients whose request runs longer than this; the watcher's longest sleep.  A client
 therefore hears from a healthy daemon at least every ~1 s (``transport.DEFAULT_TIMEOUT_S`` is 60 s)."""
@@ -296,6 +301,26 @@ def error_frame(request_id: int, exc: TiermemError, max_frame: int) -> bytes:
         return encode_message(ErrorReply(reply.kind, short, ()), request_id, 0, max_frame=max_frame)
 
 
+class TokenBuckets:
+    """One token bucket per key (``rate`` tokens a second, as many at most): ``take`` is False when empty.
+    Bounded: past ``_MAX_KEYS`` keys the buckets start afresh."""
+
+    _MAX_KEYS = 1024
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._buckets: dict[int, tuple[float, float]] = {}
+
+    def take(self, key: int, now: float) -> bool:
+        tokens, since = self._buckets.get(key, (self.rate, now))
+        tokens = min(self.rate, tokens + (now - since) * self.rate)
+        ok = tokens >= 1.0
+        if len(self._buckets) >= self._MAX_KEYS and key not in self._buckets:
+            self._buckets.clear()
+        self._buckets[key] = (tokens - 1.0 if ok else tokens, now)
+        return ok
+
+
 class RefusalLog:
     """Refused connections and failed token guesses, logged without a line each.
 
@@ -381,6 +406,8 @@ class Server:
         self.refusals = RefusalLog(_REFUSAL_LOG_EVERY_S)
         """Refused connections and failed token guesses, logged with counts."""
         self._lingering: dict[int, tuple[socket.socket, float]] = {}
+        self._explain = TokenBuckets(_EXPLAINED_REFUSALS_PER_S)
+        """Refusals per uid and second that get their reason (a frame, a linger); the others are a close."""
         """Refused sockets by fd, with the time they are closed at the latest."""
 
     # ----------------------------------------------------------------- lifecycle
@@ -454,6 +481,9 @@ class Server:
         ``_MAX_LINGERING`` of them, when the refusal may be lost to a reset)."""
         self.counters.refused(exc)
         self.refusals.note(why, cred)
+        if not self._explain.take(cred.uid, time.monotonic()):
+            conn.close()  # a storm from this uid: past its explained refusals, a refusal is one close
+            return
         with contextlib.suppress(OSError):
             conn.setblocking(False)
             conn.send(error_frame(0, exc, self.listener.max_frame))
