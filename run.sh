@@ -8,8 +8,9 @@
 # torch reused when the system Python can import one, else the CPU build
 # torch==2.13.0+cpu (never a CUDA build on a machine without a GPU); the
 # project installed editable with its dev extra (tests, lint, matplotlib for
-# the plots); Debian's libaio1 and promtool (package prometheus, for the
-# metrics tests) installed when missing and we are root.
+# the plots); Debian's libaio1 installed when missing and we are root; promtool
+# (for the metrics tests) unpacked from Debian's prometheus package into the
+# venv when missing (the package itself, a Prometheus server, is not installed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -68,27 +69,37 @@ ensure_venv() {
 }
 
 ensure_promtool() {
-    if command -v promtool >/dev/null; then
+    # promtool only (for 'promtool check metrics' in the tests), unpacked from Debian's prometheus package
+    # into the venv: installing the package would also install and start a Prometheus server
+    if command -v promtool >/dev/null || [ -x "$VENV/bin/promtool" ]; then
         return
     fi
-    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-        say "promtool is missing; the metrics tests skip 'promtool check metrics'."
-        say "To run it install Debian's prometheus package as root: apt-get install --no-install-recommends prometheus"
+    if ! command -v apt-get >/dev/null || ! command -v dpkg-deb >/dev/null; then
+        say "promtool is missing (no apt-get); the metrics tests skip 'promtool check metrics'."
         return
     fi
-    say "installing Debian's prometheus (for promtool)"
-    export DEBIAN_FRONTEND=noninteractive
-    if ! apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; then
-        apt-get update -q >/dev/null 2>&1 || true
-        apt-get install -y -q --no-install-recommends prometheus >/dev/null \
-            || say "could not install prometheus; the metrics tests skip 'promtool check metrics'."
+    local tmp
+    tmp=$(mktemp -d)
+    say "unpacking promtool from Debian's prometheus package into $VENV/bin"
+    if ! (cd "$tmp" && apt-get download -q prometheus >/dev/null 2>&1); then
+        if [ "$(id -u)" = 0 ]; then
+            apt-get update -q >/dev/null 2>&1 || true
+        fi
+        (cd "$tmp" && apt-get download -q prometheus >/dev/null 2>&1) || true
     fi
+    if ls "$tmp"/prometheus_*.deb >/dev/null 2>&1 && dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/x" \
+        && [ -x "$tmp/x/usr/bin/promtool" ]; then
+        cp "$tmp/x/usr/bin/promtool" "$VENV/bin/promtool"
+    else
+        say "could not get promtool; the metrics tests skip 'promtool check metrics'."
+    fi
+    rm -rf "$tmp"
 }
 
 setup() {
     ensure_libaio
-    ensure_promtool
     ensure_venv
+    ensure_promtool
 }
 
 cmd=${1:-help}

@@ -38,12 +38,13 @@ def optimizer(offload: OffloadDaemon) -> tuple[list[torch.nn.Parameter], object]
 
 @pytest.mark.parametrize("slots", [1, 2, 3, 8])
 def test_push_many_then_pull_many_round_trips_exactly(offload: OffloadDaemon, slots: int) -> None:
-    params, opt = optimizer(offload)
+    _, opt = optimizer(offload)
     transfer = opt.transfer  # type: ignore[attr-defined]
     transfer.slots = slots
     values = [torch.randn(n) for n in SIZES]
     sent = transfer.push_many([(i, "exp_avg", v, 7, False) for i, v in enumerate(values)])
-    per = WINDOW // (slots if WINDOW >= slots * 64 else 1) // 64 * 64 // 4
+    count = 1 if slots * 64 > WINDOW else slots
+    per = WINDOW // count // 64 * 64 // 4
     assert sent == sum(max(1, -(-n // per)) for n in SIZES)
     out = [torch.full((n,), float("nan")) for n in SIZES]
     steps = transfer.pull_many_into([(i, "exp_avg", o) for i, o in enumerate(out)])
@@ -59,7 +60,7 @@ def test_push_many_then_pull_many_round_trips_exactly(offload: OffloadDaemon, sl
 
 
 def test_a_bad_request_mid_pipeline_is_raised_and_the_connection_stays_in_step(offload: OffloadDaemon) -> None:
-    params, opt = optimizer(offload)
+    _, opt = optimizer(offload)
     transfer = opt.transfer  # type: ignore[attr-defined]
     good = torch.arange(1, 3001, dtype=torch.float32)
     bad = torch.ones(1)
@@ -79,7 +80,7 @@ def test_a_bad_request_mid_pipeline_is_raised_and_the_connection_stays_in_step(o
 
 
 def test_an_error_in_the_callers_copy_drains_the_pipeline(offload: OffloadDaemon) -> None:
-    params, opt = optimizer(offload)
+    _, opt = optimizer(offload)
     transfer = opt.transfer  # type: ignore[attr-defined]
     conn = transfer.client.conn
     info = transfer.client.info
