@@ -240,6 +240,29 @@ def candidate_sockets(
     )
 
 
+def client_timeout(timeout_s: float | None, env: Mapping[str, str]) -> float | None:
+    """The reply timeout of a client: ``timeout_s``, else ``$TIERMEM_CLIENT_TIMEOUT_S``, else the default.
+
+    Returns None for "wait forever" (``math.inf``, or "inf" in the environment)."""
+    source = "timeout_s"
+    value: object = timeout_s
+    if value is None:
+        raw = env.get("TIERMEM_CLIENT_TIMEOUT_S", "").strip()
+        if not raw:
+            return DEFAULT_TIMEOUT_S
+        source = "TIERMEM_CLIENT_TIMEOUT_S"
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(source, f"expected seconds (a number > 0, or inf), got {raw!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        problem = f"expected seconds (a number > 0, or inf to wait forever), got {value!r}"
+        if source == "timeout_s":
+            raise InvalidArgument(f"timeout_s: {problem}")
+        raise ConfigError(source, problem)
+    return None if value == float("inf") else float(value)
+
+
 def _service_uids(env: Mapping[str, str]) -> list[int]:
     """The node daemon's uid: ``$TIERMEM_DAEMON_USER`` (a name or a number), else the shipped unit's user."""
     named = env.get("TIERMEM_DAEMON_USER", "").strip()
@@ -430,6 +453,7 @@ def connect(
 ) -> Client:
     """Connect to the node's tiermemd, or start a private one (see the module docstring).
 
+    ``timeout_s``: the longest the daemon may stay silent during a request (see ``client_timeout``).
     ``pool_size``, ``swap_dir`` and ``settings`` (dotted config keys) apply only to a private daemon.
     ``daemon_uid``: the uid the daemon at ``socket_path`` (or ``$TIERMEM_SOCKET_PATH``, or the node
     path) runs as, when it is neither root nor this user.  Raises ``UnsafePathError`` when a socket
@@ -437,6 +461,7 @@ def connect(
     daemon may be started.
     """
     env = os.environ if env is None else env
+    timeout_s = client_timeout(timeout_s, env)
     if embed is None:
         embed = env.get("TIERMEM_NO_EMBED", "") not in ("1", "true", "yes")
     tried: list[str] = []
