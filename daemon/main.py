@@ -7,7 +7,8 @@ Exit codes are a contract with the supervisor (systemd's
 0     clean shutdown (SIGTERM/SIGINT), or --check-config/--print-config ok
 1     unexpected internal error (a bug: the traceback is logged)
 2     invalid configuration (the message names the field)
-3     resources: the pool could not be allocated
+3     resources: the pool could not be allocated, or it and its staging windows
+      do not fit the memory the daemon may use (``tiermemd.memfit``)
 4     swap: a swap or state directory is unusable, or another user could change it
 5     socket: the socket path is in use by a live daemon or cannot be bound, or
       its directory is one another user could change (``tiermem.sockpath``)
@@ -63,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
             "file, then TIERMEM_<SECTION>_<KEY> environment variables, then these flags."
         ),
         epilog=(
-            "exit codes: 0 clean shutdown, 1 internal error, 2 invalid configuration, 3 pool allocation "
-            "failed, 4 swap or state directory unusable or not private, 5 socket in use, not bindable, or in a "
+            "exit codes: 0 clean shutdown, 1 internal error, 2 invalid configuration, 3 the pool does not fit "
+            "the memory cgroup, RAM or RLIMIT_MEMLOCK, or could not be allocated, 4 swap or state directory "
+            "unusable or not private, 5 socket in use, not bindable, or in a "
             "directory another user could change, 6 stopped but some state could not be committed at shutdown "
             "(the log names the step each job comes back at). "
             f"With no --config, {DEFAULT_NODE_CONFIG} is read when it exists (or TIERMEM_CONFIG)."

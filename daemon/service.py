@@ -7,7 +7,8 @@ its memory is really there.
 
 The main thread runs one loop (gunicorn's shape): signal handlers only put the
 signal number in a queue; the loop takes signals, reclaims jobs whose grace
-period ended, and feeds the systemd watchdog.  SIGTERM/SIGINT drain: stop
+period ended, and feeds the systemd watchdog while no worker thread is wedged
+(``tiermemd.health``).  SIGTERM/SIGINT drain: stop
 accepting, let every session finish the request it is in (bounded by
 ``DRAIN_TIMEOUT_S``; requests that arrive meanwhile are refused), close the
 sessions, release all memory, exit 0.  SIGHUP re-reads the settings from the
@@ -35,6 +36,7 @@ from tiermem.swap import open_engine
 from tiermem.tiers import PoolShares
 from tiermem.transport import Listener, adopt_listener
 from tiermem.units import format_size
+from tiermemd import health, memfit
 from tiermemd.durability import Durability
 from tiermemd.jobs import Job, JobTable
 from tiermemd.ledger import Ledger, Resource
@@ -85,10 +87,16 @@ class Service:
         """Drain once this process is no longer our parent (``--exit-with-parent``): the loop checks each tick."""
         self.notifier = Notifier(env)
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.window_budget = config.jobs.window_budget or config.jobs.max_jobs * config.jobs.window_size
+        """Bytes of staging windows (each ``mlock``ed) all jobs together may hold."""
+        try:
+            pool_config = memfit.fit_pool(config.pool, self.window_budget, memfit.read_limits(), memfit.memlock_limit())
+        except memfit.DoesNotFit as exc:
+            raise StartupError(EXIT_RESOURCES, f"cannot start: {exc}") from None
         try:
             self.shares = PoolShares()
             """The pool's last resort: takes back memory the NVMe tier's managers borrowed above their floors."""
-            self.pool = BufferPool.from_config(config.pool, evict=self.shares.evict)
+            self.pool = BufferPool.from_config(pool_config, evict=self.shares.evict)
         except (TiermemError, OSError) as exc:
             raise StartupError(EXIT_RESOURCES, f"cannot allocate the pool: {exc}") from exc
         try:
@@ -109,7 +117,7 @@ class Service:
 
         self.swap_device = SwapDevice(self.swap_dirs, self.io_engine, config.swap)
         """Measured (once, lazily) when the first rank is placed on NVMe: sizes queue depth and caches."""
-        window_budget = config.jobs.window_budget or self.pool.capacity
+        window_budget = self.window_budget
         self.ledger = Ledger(
             {
                 Resource.POOL: self.pool.capacity,
@@ -124,6 +132,11 @@ class Service:
             max_jobs=config.jobs.max_jobs,
             max_jobs_per_uid=config.jobs.max_jobs_per_uid,
         )
+        self.health = health.REGISTRY
+        """Progress of the worker threads: feeds the watchdog and the clients' heartbeats."""
+        self.health.stall_s = config.server.stall_timeout_s
+        self.listening_on = config.server.socket
+        """The socket clients reach: the configured path, or the one the service manager passed."""
         self.scheduler = CpuScheduler()
         self.retired = RetiredRanks()
         """The last figures of ranks that ended (the node's counters never go down)."""
@@ -141,7 +154,7 @@ class Service:
             self.scheduler.close()
             self.pool.close()
             raise StartupError(EXIT_SOCKET, str(exc)) from exc
-        self.server = Server(self.listener, self.handlers, config.server)
+        self.server = Server(self.listener, self.handlers, config.server, self.health)
         self.server.on_client_exit = self.handlers.abort
         try:
             self.metrics = serve_metrics(self)
@@ -185,9 +198,14 @@ class Service:
     def _listen(self) -> Listener:
         env = self.env
         if env.get("LISTEN_PID") == str(os.getpid()) and int(env.get("LISTEN_FDS", "0") or 0) >= 1:
-            log.info("using the socket passed by the service manager")
-            return Listener(adopt_listener(_SD_LISTEN_FDS_START), max_frame=self.config.server.max_frame)
+            sock = adopt_listener(_SD_LISTEN_FDS_START)
+            name = sock.getsockname()
+            where = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+            self.listening_on = f"{where or '(unnamed)'} (fd {_SD_LISTEN_FDS_START}, passed by the service manager)"
+            log.info("using the socket passed by the service manager: %s", self.listening_on)
+            return Listener(sock, max_frame=self.config.server.max_frame)
         server = self.config.server
+        self.listening_on = server.socket
         return Listener.bind(
             server.socket, mode=server.socket_mode, group=server.socket_group or None, max_frame=server.max_frame
         )
@@ -274,7 +292,7 @@ class Service:
     def serve_forever(self) -> None:
         self.server.start()
         locked = "locked" if self.pool.locked else "NOT locked (see the RLIMIT_MEMLOCK warning)"
-        status = f"pool {format_size(self.pool.capacity)} {locked}; listening on {self.config.server.socket}"
+        status = f"pool {format_size(self.pool.capacity)} {locked}; listening on {self.listening_on}"
         log.info("ready: %s", status)
         self.notifier.ready(status)
         watchdog_every = self.notifier.watchdog_interval_s
@@ -297,8 +315,9 @@ class Service:
             if expired:
                 self.reclaim(expired)
             now = time.monotonic()
-            if watchdog_every is not None and now - last_watchdog >= watchdog_every:
-                self.notifier.watchdog()
+            healthy = self.health.check()  # logs a wedged thread by name, once
+            if watchdog_every is not None and now - last_watchdog >= watchdog_every and healthy:
+                self.notifier.watchdog()  # fed only while every worker thread moves or is idle
                 last_watchdog = now
         self.shutdown()
 
