@@ -132,21 +132,26 @@ def test_every_figure_with_its_json_gets_a_table_and_a_plot(report, tmp_path):
 
 
 def test_the_largest_model_plot_is_made_once_bench_scales_json_exists(report, tmp_path):
-    scale = {
-        "limit_nbytes": 4 << 30,
+    scale = {  # the shape bench_scale.py writes
+        "limit_nbytes": 2 << 30,
         "results": [
-            {"mode": "adamw", "largest_params": 100_000_000},
-            {"mode": "offload-nvme", "largest_params": 1_200_000_000},
+            {"mode": "adamw", "largest_params": 100_000_000, "capped": False, "step_s": 12.0},
+            {"mode": "offload-nvme-paged", "largest_params": 1_200_000_000, "capped": True, "step_s": 200.0,
+             "step_over_bound": 1.25},
         ],
-    }
+    }  # fmt: skip
     results = write_results(tmp_path / "results", scale=scale)
     out = tmp_path / "out"
     assert report.main(["--results", str(results), "--out", str(out)]) == 0
     assert (out / "largest_model.png").read_bytes()[:8] == PNG
     text = (out / "report.md").read_text()
-    assert "| largest model in the memory limit | 1.2G params with offload-nvme, 12.0x in-process AdamW |" in text
-    assert "| offload-nvme | 1.2G | 12.0x |" in text
-    assert "4 GiB memory cgroup" in text
+    assert (
+        "| largest model in the memory limit | >= 1.2G params with offload-nvme-paged, 12.0x in-process AdamW; "
+        "step 1.25x the disk bound |" in text
+    )
+    assert "| offload-nvme-paged | >= 1.2G | 12.0x | 200.0 | 1.25x |" in text
+    assert "| adamw | 100M | 1.0x | 12.0 |  |" in text
+    assert "2 GiB memory cgroup" in text
 
 
 def test_a_json_of_an_unknown_shape_is_reported_not_plotted(report, tmp_path):
