@@ -216,22 +216,28 @@ def ping_rounds(daemons: list[Daemon], requests: int, rounds: int) -> list[dict[
 
 def drain(label: str, src: Path | None, unread: int) -> dict[str, Any]:
     idle = Daemon(label, src)
-    worker(idle, "--ping-worker", "10")
-    idle_s = idle.stop()
+    try:
+        worker(idle, "--ping-worker", "10")
+    finally:
+        idle_s = idle.stop()
     busy = Daemon(label, src)
-    client = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "--unread-worker", str(unread), busy.socket],
-        cwd=busy.root,
-        env=busy.env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert client.stdout is not None
-    sent = json.loads(client.stdout.readline())
-    time.sleep(0.5)
-    busy_s = busy.stop()
-    client.kill()
-    client.wait()
+    client: subprocess.Popen[str] | None = None
+    try:
+        client = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--unread-worker", str(unread), busy.socket],
+            cwd=busy.root,
+            env=busy.env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert client.stdout is not None
+        sent = json.loads(client.stdout.readline())
+        time.sleep(0.5)
+    finally:
+        busy_s = busy.stop()
+        if client is not None:
+            client.kill()
+            client.wait()
     return {"daemon": label, "idle_client_s": idle_s, "unread_client_s": busy_s, "pings_sent": sent}
 
 
