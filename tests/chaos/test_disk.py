@@ -1,0 +1,233 @@
+"""Chaos, quick versions: what the disk can do to NVMe state.  Typed errors, other jobs unaffected, nothing silent.
+
+- flipped bytes, a truncated swap file, a deleted manifest, each done to one
+  job's files between two daemons: that job's reattach raises a typed error
+  (``CorruptionError``/``SwapIOError``/``DataLostError``), a job next to it
+  reattaches and trains on exactly;
+- EIO from the swap engine (``tests/faults.py``'s fault-injecting engine) on
+  one job's store: every injected fault is raised, the other store reads back
+  its bytes;
+- a full disk (a 4 MiB tmpfs as the swap directory, root only): a job that
+  does not fit is refused at admission (``AdmissionError`` from the swap
+  budget, ``SwapFullError`` from the disk itself); the job that
+  fits trains on.
+
+Each prints its figures: faults injected, detected, and silent corruptions.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from faults import Fault, FaultyEngine, mounted
+from hostile import ChaosDaemon
+
+from tiermem.client import Client, connect
+from tiermem.errors import AdmissionError, CorruptionError, DataLostError, SwapFullError, SwapIOError, TiermemError
+from tiermem.offload import OffloadAdam
+from tiermem.swap.engine import IOOp
+from tiermem.swap.engine_threads import ThreadEngine
+from tiermem.swap.manifest import read_manifest
+from tiermem.swap.store import SwapStore
+
+pytestmark = pytest.mark.timeout(600)
+
+X, Y = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)), torch.randn(8, 32)
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    torch.nn.functional.mse_loss(model(X), Y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class Job:
+    def __init__(self, name: str, seed: int) -> None:
+        self.name, self.seed = name, seed
+        self.model = _model(seed)
+        self.reference = _model(seed)
+        self.ref_opt = torch.optim.AdamW(self.reference.parameters(), lr=1e-3)
+        self.token: str | None = None
+
+    def attach(self, client: Client) -> OffloadAdam:
+        self.model = _model(self.seed + 1000)  # a restarted trainer: params come back from the daemon
+        return OffloadAdam(
+            self.model.parameters(), lr=1e-3, client=client, job_id=self.name, token=self.token, offload="nvme"
+        )
+
+    def train(self, opt: OffloadAdam, steps: int) -> None:
+        for _ in range(steps):
+            _step(self.model, opt)
+            _step(self.reference, self.ref_opt)
+
+    def equal(self) -> bool:
+        """Equal to torch's AdamW on the same steps, as ``torch.testing.assert_close`` judges fp32."""
+        try:
+            for a, b in zip(self.model.parameters(), self.reference.parameters(), strict=True):
+                torch.testing.assert_close(a, b)
+        except AssertionError:
+            return False
+        return True
+
+
+@pytest.fixture
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosDaemon]:
+    d = ChaosDaemon(tmp_path_factory.mktemp("disk"), overrides={"jobs": {"grace_period_s": 60.0}}).start()
+    try:
+        yield d
+    finally:
+        d.cleanup()
+
+
+def _store_files(daemon: ChaosDaemon, job: str) -> tuple[Path, Path]:
+    swap = daemon.root / "swap"
+    swap_file = next(p for p in swap.iterdir() if p.name.endswith(".swap") and f"-{job}-" in p.name)
+    return swap_file, swap_file.with_suffix(".manifest")
+
+
+def test_damaged_swap_files_give_typed_errors_and_leave_the_other_job_exact(daemon: ChaosDaemon, capsys) -> None:  # type: ignore[no-untyped-def]
+    jobs = {name: Job(name, seed) for seed, name in enumerate(["flipped", "truncated", "unlisted", "intact"])}
+    for job in jobs.values():
+        opt = job.attach(connect(daemon.socket_path, embed=False))
+        job.model.load_state_dict(job.reference.state_dict())
+        job.train(opt, 5)
+        job.token = opt.token
+        opt.close(keep_state=True)
+    assert daemon.stop() == 0
+
+    rng = random.Random(0)
+    swap_file, manifest_path = _store_files(daemon, "flipped")
+    manifest = read_manifest(manifest_path)
+    assert manifest is not None
+    flips = 0
+    with open(swap_file, "r+b") as f:
+        for record in manifest.records.values():
+            extent = record.extents[0]
+            f.seek(extent.offset + rng.randrange(extent.nbytes))
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x10]))
+            flips += 1
+    swap_file, manifest_path = _store_files(daemon, "truncated")
+    manifest = read_manifest(manifest_path)
+    assert manifest is not None
+    first = min(e.offset for r in manifest.records.values() for e in r.extents)
+    swap_file.write_bytes(swap_file.read_bytes()[: first + 4096])  # cut inside its first committed extent
+    _store_files(daemon, "unlisted")[1].unlink()
+
+    daemon.start()
+    detected: dict[str, str] = {}
+    silent = 0
+    for name in ("flipped", "truncated", "unlisted"):
+        try:
+            opt = jobs[name].attach(connect(daemon.socket_path, embed=False))
+        except (CorruptionError, SwapIOError, DataLostError) as exc:
+            detected[name] = type(exc).__name__
+        else:
+            silent += not jobs[name].equal()
+            opt.close()
+    intact = jobs["intact"]
+    opt = intact.attach(connect(daemon.socket_path, embed=False))
+    intact_equal_at_reopen = intact.equal()
+    intact.train(opt, 3)
+    intact_equal = intact.equal()
+    opt.close()
+    figures = {
+        "faults_injected": 3,
+        "flipped_bytes": flips,
+        "detected": len(detected),
+        "errors": detected,
+        "silent_corruptions": silent,
+        "other_job_exact": intact_equal_at_reopen and intact_equal,
+    }
+    with capsys.disabled():
+        print(f"\nchaos damaged swap files: {json.dumps(figures)}")
+    assert detected == {
+        "flipped": "CorruptionError",
+        "truncated": detected.get("truncated", ""),
+        "unlisted": "DataLostError",
+    }
+    assert detected["truncated"] in ("CorruptionError", "SwapIOError")
+    assert silent == 0 and figures["other_job_exact"]
+    assert daemon.stop() == 0
+
+
+def test_eio_on_one_store_is_raised_every_time_and_the_other_store_reads_back(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    engine = FaultyEngine(ThreadEngine(block_size=1 << 20, threads=2))
+    stores = {name: SwapStore.open([tmp_path], name, engine, 8 << 20, fsync=False) for name in ("victim", "bystander")}
+    data = {name: bytearray(random.Random(i).randbytes(256 << 10)) for i, name in enumerate(stores)}
+    try:
+        for name, store in stores.items():
+            store.write("k", data[name]).result(timeout=30)
+        faults = []
+        detected = bystander_ok = silent = 0
+        for i in range(50):
+            faults.append(engine.inject(Fault(IOOp.READ, path_contains="victim", skip=i % 3)))
+            for name, store in stores.items():
+                out = bytearray(len(data[name]))
+                try:
+                    store.read("k", out).result(timeout=30)
+                except (SwapIOError, CorruptionError):
+                    detected += name == "victim"
+                    continue
+                if name == "bystander":
+                    bystander_ok += out == data[name]
+                elif out != data[name]:
+                    silent += 1
+            # a fault whose skip outlives this round's read fires in a later one (or never: not counted)
+        fired = sum(f.hits for f in faults)
+        figures = {
+            "faults_injected": fired,
+            "detected": detected,
+            "bystander_reads_ok": bystander_ok,
+            "silent": silent,
+        }
+        with capsys.disabled():
+            print(f"\nchaos EIO: {json.dumps(figures)}")
+        assert silent == 0 and bystander_ok == 50
+        assert fired >= 40 and detected == fired
+    finally:
+        for store in stores.values():
+            store.close(remove=True)
+        engine.close()
+
+
+def test_a_full_disk_refuses_the_job_that_does_not_fit_and_the_other_trains_on(tmp_path_factory, capsys) -> None:  # type: ignore[no-untyped-def]
+    with mounted("tmpfs", "size=4m") as small:
+        root = tmp_path_factory.mktemp("full")
+        # the daemon makes its own 0700 directory in the (world-writable, sticky) mount
+        d = ChaosDaemon(root, overrides={"swap": {"dirs": [str(small / "swap")]}}).start()
+        try:
+            client = connect(d.socket_path, embed=False)
+            fits = Job("fits", 0)
+            opt = fits.attach(client)
+            fits.model.load_state_dict(fits.reference.state_dict())
+            fits.train(opt, 2)
+            big = torch.nn.Linear(1024, 1024)  # 12 MiB of state, twice: cannot fit 4 MiB
+            refused = ""
+            try:
+                OffloadAdam(big.parameters(), client=connect(d.socket_path, embed=False), job_id="big", offload="nvme")
+            except (SwapFullError, AdmissionError) as exc:  # the swap budget, or the disk itself
+                refused = type(exc).__name__
+            except TiermemError as exc:  # pragma: no cover - reported by the assert below
+                refused = f"other: {exc!r}"
+            fits.train(opt, 3)
+            figures = {"refused": refused, "fitting_job_exact": fits.equal()}
+            opt.close()
+            client.close()
+            with capsys.disabled():
+                print(f"\nchaos disk full: {json.dumps(figures)}")
+            assert refused in ("SwapFullError", "AdmissionError") and figures["fitting_job_exact"]
+            assert d.stop() == 0
+        finally:
+            d.cleanup()
