@@ -26,7 +26,16 @@ from tiermem.modes import Exchange, Placement, StepMode
 from tiermem.pool.pool import arena_sizes
 from tiermem.units import PAGE_SIZE, MiB, align_up
 
-__all__ = ["Hyper", "check_hyper", "check_torch_flags", "packed_pool_nbytes", "private_pool_nbytes", "step_mode"]
+__all__ = [
+    "Hyper",
+    "PoolPlan",
+    "check_hyper",
+    "check_torch_flags",
+    "packed_pool_nbytes",
+    "private_pool_nbytes",
+    "private_pool_plan",
+    "step_mode",
+]
 
 ADAMW_WEIGHT_DECAY = 1e-2
 
@@ -96,6 +105,49 @@ def step_mode(
     return StepMode.OVERLAP if overlap_update else StepMode.SYNC
 
 
+@dataclass(frozen=True)
+class PoolPlan:
+    """A private daemon's pool: its size and the arena size its blocks tile."""
+
+    nbytes: int
+    arena_size: int
+
+
+def private_pool_plan(
+    numel: int,
+    *,
+    dtype: str,
+    placement: Placement,
+    mode: StepMode,
+    exchange: Exchange,
+    release_grads: bool,
+    window_nbytes: int | None,
+) -> PoolPlan:
+    """The pool a private daemon needs for one optimizer: its state chunks (or NVMe chunk cache) and its
+    staging window, packed as the daemon's allocator will place them (``packed_pool_nbytes``).  The pool is
+    allocated and pre-faulted at once, so every byte of slack costs memory for nothing: the arenas are made
+    a whole number of chunk blocks (at most ``pool.arena_size``), so the blocks tile them."""
+    if exchange is Exchange.STAGED:
+        per_element = 16
+    elif dtype == "float32" and placement is Placement.CPU and mode is not StepMode.DELAYED:
+        per_element = 8  # the fp32 params in the shared storage are the master
+    else:
+        per_element = 12
+    if release_grads and exchange is Exchange.SHARED:
+        per_element += 4  # the released grads, in the daemon's grad key
+    chunk_numel = AdamConfig().chunk_numel
+    chunks = [min(chunk_numel, numel - start) for start in range(0, numel, chunk_numel)]
+    if placement is Placement.NVME:
+        # the NVMe tier's chunk cache (6 chunks, tiermemd.nvme) and one chunk more: chunks of unequal size
+        # (the last one is short) leave holes between pinned blocks that compaction cannot close
+        chunks = [chunk_numel] * min(len(chunks), 7)
+    blocks = [window_nbytes or 2 * MiB] + [n * per_element for n in chunks]
+    largest = align_up(max(blocks), PAGE_SIZE)
+    arena = PoolConfig().arena_size
+    arena = max(largest, arena - arena % largest)
+    return PoolPlan(packed_pool_nbytes(blocks, arena) + MiB, arena)
+
+
 def private_pool_nbytes(
     numel: int,
     *,
@@ -106,26 +158,16 @@ def private_pool_nbytes(
     release_grads: bool,
     window_nbytes: int | None,
 ) -> int:
-    """The pool a private daemon needs for one optimizer: its state chunks (or NVMe chunk cache) and its
-    staging window, packed as the daemon's allocator will place them (``packed_pool_nbytes``).  The pool is
-    allocated and pre-faulted at once, so every byte of slack costs memory for nothing."""
-    if exchange is Exchange.STAGED:
-        per_element = 16
-    elif dtype == "float32" and placement is Placement.CPU and mode is not StepMode.DELAYED:
-        per_element = 8  # the fp32 params in the shared storage are the master
-    else:
-        per_element = 12
-    if release_grads and exchange is Exchange.SHARED:
-        per_element += 4  # the released grads, in the daemon's grad key
-    config = AdamConfig()
-    chunk_numel = config.chunk_numel
-    chunks = [min(chunk_numel, numel - start) for start in range(0, numel, chunk_numel)]
-    if placement is Placement.NVME:
-        # the NVMe tier's chunk cache (6 chunks, tiermemd.nvme) and one chunk more: chunks of unequal size
-        # (the last one is short) leave holes between pinned blocks that compaction cannot close
-        chunks = [chunk_numel] * min(len(chunks), 7)
-    blocks = [window_nbytes or 2 * MiB] + [n * per_element for n in chunks]
-    return packed_pool_nbytes(blocks, PoolConfig().arena_size) + MiB
+    """``private_pool_plan(...).nbytes``."""
+    return private_pool_plan(
+        numel,
+        dtype=dtype,
+        placement=placement,
+        mode=mode,
+        exchange=exchange,
+        release_grads=release_grads,
+        window_nbytes=window_nbytes,
+    ).nbytes
 
 
 def packed_pool_nbytes(blocks: list[int], arena_size: int, alignment: int = PAGE_SIZE) -> int:

@@ -53,7 +53,7 @@ from tiermem import dtypes
 from tiermem.client import Client, connect
 from tiermem.errors import DTypeError, InvalidArgument, InvalidState, ProtocolError, TiermemError
 from tiermem.modes import Exchange, Placement, StepMode
-from tiermem.offload.args import check_hyper, check_torch_flags, private_pool_nbytes, step_mode
+from tiermem.offload.args import check_hyper, check_torch_flags, private_pool_plan, step_mode
 from tiermem.offload.eager import eager_under_compile
 from tiermem.offload.feed import GradFeed, TensorEntry
 from tiermem.offload.paging import ParamPager
@@ -245,17 +245,16 @@ class OffloadAdam(torch.optim.Optimizer):
         ]
         numel = sum(p.numel() for p in params)
         if client is None:
-            client = connect(
-                pool_size=private_pool_nbytes(
-                    numel,
-                    dtype=dtype.name,
-                    placement=self.placement,
-                    mode=self.policy.mode,
-                    exchange=exchange,
-                    release_grads=self.release_grads,
-                    window_nbytes=window_nbytes,
-                )
+            plan = private_pool_plan(
+                numel,
+                dtype=dtype.name,
+                placement=self.placement,
+                mode=self.policy.mode,
+                exchange=exchange,
+                release_grads=self.release_grads,
+                window_nbytes=window_nbytes,
             )
+            client = connect(pool_size=plan.nbytes, settings={"pool.arena_size": plan.arena_size})
         try:
             info = client.attach(
                 self.job_id,
