@@ -73,6 +73,9 @@ class Node:
                 time.sleep(0.05)
                 continue
             self.clients.append(client)
+            # the socket accepts before start-up finished logging (what it restored): wait for "ready"
+            while self.log.count("INFO tiermemd: ready:") < self.starts and time.monotonic() < deadline:
+                time.sleep(0.05)
             return client
         pytest.fail("tiermemd did not come up")
 
