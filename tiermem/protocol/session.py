@@ -211,7 +211,8 @@ class Stats(Message):
 @wire
 @dataclass(slots=True)
 class StatsReply(Message):
-    """Named numbers (ints or floats), e.g. {"pool_free_bytes": 1.2e9}."""
+    """The daemon's figures: the node's, the jobs the caller may see (all for root and the daemon's uid, else
+    its own uid's, at most ``MAX_REPORTED_JOBS``), and the caller's rank when its connection is attached."""
 
     TYPE: ClassVar[MsgType] = MsgType.STATS_REPLY
     node: NodeReport
