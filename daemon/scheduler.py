@@ -143,7 +143,11 @@ class CpuScheduler:
         beacon = health.REGISTRY.register(self._thread.name)  # busy while a task runs (tiermemd.health)
         while (item := self._next()) is not None:
             name, fn, future = item
+            # the task and its closure must not outlive it here: a finished update's closure holds views of
+            # its rank's shared storage, which would keep that mapping (and its memfd) alive after the job ends
+            item = None
             if not future.set_running_or_notify_cancel():
+                del fn, future
                 continue
             start = time.perf_counter()
             beacon.enter()
@@ -162,4 +166,5 @@ class CpuScheduler:
                         state.busy_s += busy
                         state.tasks += 1
                     self._running = None
+            del fn, future
         health.REGISTRY.forget(beacon)

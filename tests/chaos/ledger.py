@@ -34,6 +34,8 @@ class Snapshot:
     rss_nbytes: int
     threads: int
     files: frozenset[str]
+    fd_targets: tuple[str, ...] = ()
+    """What each open fd points at (``readlink``), so a leak says what leaked."""
 
     def figures(self) -> dict[str, int]:
         return {
@@ -66,6 +68,16 @@ def _proc(pid: int) -> tuple[int, int, int]:
     return fds, rss, threads
 
 
+def _fd_targets(pid: int) -> tuple[str, ...]:
+    targets = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+        except OSError:
+            continue  # closed meanwhile
+    return tuple(sorted(targets))
+
+
 def _files(dirs: Iterable[Path]) -> frozenset[str]:
     found = set()
     for root in dirs:
@@ -78,7 +90,7 @@ def snapshot(pid: int, socket_path: str, dirs: Iterable[Path] = ()) -> Snapshot:
     """The ledger of daemon ``pid`` now (its STATS go over one short connection, closed before /proc is read)."""
     pool, swap = daemon_counters(socket_path)
     fds, rss, threads = _proc(pid)
-    return Snapshot(pool, swap, fds, rss, threads, _files(dirs))
+    return Snapshot(pool, swap, fds, rss, threads, _files(dirs), _fd_targets(pid))
 
 
 def problems(before: Snapshot, after: Snapshot, rss_slack: int = RSS_SLACK) -> list[str]:
@@ -87,6 +99,10 @@ def problems(before: Snapshot, after: Snapshot, rss_slack: int = RSS_SLACK) -> l
     for name in ("pool_used_nbytes", "swap_used_nbytes", "fds", "threads"):
         if getattr(before, name) != getattr(after, name):
             out.append(f"{name}: {getattr(before, name)} -> {getattr(after, name)}")
+    if before.fds != after.fds and before.fd_targets and after.fd_targets:
+        gained = sorted(set(after.fd_targets) - set(before.fd_targets))
+        lost = sorted(set(before.fd_targets) - set(after.fd_targets))
+        out.append(f"fds gained {gained[:6]}, lost {lost[:6]}")
     if after.rss_nbytes > before.rss_nbytes + rss_slack:
         out.append(f"rss: {before.rss_nbytes >> 20} MiB -> {after.rss_nbytes >> 20} MiB")
     if before.files != after.files:
