@@ -8,20 +8,12 @@ task, a closure over the step's storage views, while idle) keeps the mmap, and t
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 
 import torch
 
 from tiermem import OffloadAdam
 from tiermem.client import connect
-
-
-def _daemon_pid() -> int:
-    out = subprocess.run(
-        ["pgrep", "-P", str(os.getpid()), "-f", "tiermemd"], capture_output=True, text=True, check=True
-    )
-    return int(out.stdout.split()[0])
 
 
 def _storage_refs(pid: int, job_id: str) -> list[str]:
@@ -42,7 +34,8 @@ def _storage_refs(pid: int, job_id: str) -> list[str]:
 def test_a_job_that_stepped_leaves_no_fd_or_mapping_of_its_storage() -> None:
     owner = connect(pool_size=64 << 20)
     try:
-        pid = _daemon_pid()
+        assert owner.daemon is not None
+        pid = owner.daemon.process.pid
         for mode in ({}, {"delayed_update": True, "warmup_steps": 1}, {"overlap_update": True}):
             job_id = "storage-" + "-".join(mode) if mode else "storage-sync"
             model = torch.nn.Linear(64, 64)
