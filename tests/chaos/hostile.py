@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -105,6 +106,8 @@ class ChaosDaemon:
 
     def start(self) -> ChaosDaemon:
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.socket_dir:  # a restart gets a fresh directory; the old one goes now (it was left behind)
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
         self.socket_dir = tempfile.mkdtemp(prefix="tmchaos-")
         os.chmod(self.socket_dir, 0o755)
         settings: dict[str, dict[str, Any]] = {
@@ -176,8 +179,6 @@ class ChaosDaemon:
             self.process.kill()
             self.process.wait()
         if self.socket_dir:
-            import shutil
-
             shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
