@@ -28,7 +28,7 @@ states leave the device; the fp16 params and grads of the device's stage stay
 (the staged exchange moves grads to the daemon at ``step()``, so the device
 holds them until then).  What tiermem keeps instead, per element of the
 device's optimizer shard (``tiermem.offload.staged``; ``offload.args``'s
-``private_pool_nbytes`` counts the same):
+``private_pool_plan`` counts the same):
 
 - ``cpu``: fp32 master, exp_avg, exp_avg_sq and an fp32 grad accumulator
   (16 B) in the daemon's pool, plus one staging window per rank;
@@ -82,7 +82,7 @@ OPTIMIZER_BYTES = 12
 DAEMON_STATE_BYTES = 16
 """What tiermemd keeps per element of an offloaded shard: fp32 master, exp_avg, exp_avg_sq and grad."""
 NVME_CACHE_CHUNKS = 7
-"""Chunks of the NVMe tier's cache in the pool: six in use, one for unequal chunk sizes (``private_pool_nbytes``)."""
+"""Chunks of the NVMe tier's cache in the pool: six in use, one for unequal chunk sizes (``private_pool_plan``)."""
 DAEMON_PROCESS_NBYTES = 320 * MiB
 """The daemon process itself, measured (bench_memory: about 0.3 GiB beside the state)."""
 STAGES = (0, 1, 2, 3)

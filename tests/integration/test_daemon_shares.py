@@ -34,9 +34,7 @@ POOL_NBYTES = 2 * STATE_NBYTES + 2 * CHUNK_NBYTES  # two jobs' whole state, and 
 
 @pytest.fixture(scope="module")
 def offload() -> Iterator[OffloadDaemon]:
-    with offload_daemon(
-        {"jobs.window_budget": "64MiB", "swap.borrow": True}, pool_size=POOL_NBYTES
-    ) as daemon:
+    with offload_daemon({"jobs.window_budget": "64MiB", "swap.borrow": True}, pool_size=POOL_NBYTES) as daemon:
         yield daemon
         daemon.close_all()
 

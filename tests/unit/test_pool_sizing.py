@@ -6,7 +6,7 @@ import pytest
 
 from tiermem.errors import InvalidArgument
 from tiermem.modes import Exchange, Placement, StepMode
-from tiermem.offload.args import packed_pool_nbytes, private_pool_nbytes
+from tiermem.offload.args import packed_pool_nbytes, private_pool_plan
 from tiermem.pool import BufferPool
 from tiermem.units import MiB
 
@@ -38,7 +38,7 @@ def test_the_private_pool_stays_within_two_percent_of_what_a_large_model_needs()
     numel = 300_000_000
     for release in (False, True):
         need = numel * (12 if release else 8) + 2 * MiB
-        got = private_pool_nbytes(
+        got = private_pool_plan(
             numel,
             dtype="float32",
             placement=Placement.CPU,
@@ -46,5 +46,5 @@ def test_the_private_pool_stays_within_two_percent_of_what_a_large_model_needs()
             exchange=Exchange.SHARED,
             release_grads=release,
             window_nbytes=None,
-        )
+        ).nbytes
         assert need <= got <= need * 1.02

@@ -32,7 +32,6 @@ __all__ = [
     "check_hyper",
     "check_torch_flags",
     "packed_pool_nbytes",
-    "private_pool_nbytes",
     "private_pool_plan",
     "step_mode",
 ]
@@ -146,28 +145,6 @@ def private_pool_plan(
     arena = PoolConfig().arena_size
     arena = max(largest, arena - arena % largest)
     return PoolPlan(packed_pool_nbytes(blocks, arena) + MiB, arena)
-
-
-def private_pool_nbytes(
-    numel: int,
-    *,
-    dtype: str,
-    placement: Placement,
-    mode: StepMode,
-    exchange: Exchange,
-    release_grads: bool,
-    window_nbytes: int | None,
-) -> int:
-    """``private_pool_plan(...).nbytes``."""
-    return private_pool_plan(
-        numel,
-        dtype=dtype,
-        placement=placement,
-        mode=mode,
-        exchange=exchange,
-        release_grads=release_grads,
-        window_nbytes=window_nbytes,
-    ).nbytes
 
 
 def packed_pool_nbytes(blocks: list[int], arena_size: int, alignment: int = PAGE_SIZE) -> int:
