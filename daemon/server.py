@@ -20,7 +20,8 @@ work never runs on these threads: it goes to the ``CpuScheduler``.
   virtual memory; a few pages are resident) and a receive buffer of anonymous
   memory that is resident only where a frame touched it
   (``tiermem.transport``), so a storm of connections is bounded by
-  ``server.max_connections_per_uid`` per uid and costs little per connection
+  ``server.max_connections_per_uid`` per uid (a session whose peer already
+  hung up, its thread not yet ended, does not count) and costs little per connection
   (``benchmarks/bench_connections.py``).  The listen backlog is
   ``transport.LISTEN_BACKLOG`` and clients' connects wait for room in it.
 - The watcher thread polls every session's pidfd: when a client process exits
@@ -549,7 +550,10 @@ class Server:
             )
             return
         with self._lock:
-            over = self._per_uid[cred.uid] >= self.config.max_connections_per_uid
+            held = self._per_uid[cred.uid]
+            if held >= self.config.max_connections_per_uid:
+                held -= self._hung_up(cred.uid)
+            over = held >= self.config.max_connections_per_uid
             if not over:
                 self._per_uid[cred.uid] += 1
         if over:
@@ -589,6 +593,24 @@ class Server:
             target=self._serve, args=(session,), name=f"tiermemd-session-{session.id}", daemon=True
         )
         thread.start()
+
+    def _hung_up(self, uid: int) -> int:
+        """How many of ``uid``'s sessions have a peer that already hung up (under the lock).
+
+        Their threads will see end-of-stream and end, but may not have yet: a client that closes a
+        connection and opens the next one at once must not be refused for the one it closed.  One
+        ``poll`` with zero timeout over that uid's sockets, only when the uid is at its limit.
+        """
+        poller = select.poll()
+        for session in self._sessions.values():
+            if session.cred.uid == uid and not session.peer_closed:
+                with contextlib.suppress(OSError, ValueError):
+                    poller.register(session.peer.fileno(), select.POLLRDHUP)
+        try:
+            events = poller.poll(0)
+        except OSError:
+            return 0
+        return sum(1 for _, mask in events if mask & (select.POLLRDHUP | select.POLLHUP | select.POLLERR))
 
     def _serve(self, session: Session) -> None:
         self.counters.accepted()

@@ -87,10 +87,16 @@ def _files(dirs: Iterable[Path]) -> frozenset[str]:
 
 
 def snapshot(pid: int, socket_path: str, dirs: Iterable[Path] = ()) -> Snapshot:
-    """The ledger of daemon ``pid`` now (its STATS go over one short connection, closed before /proc is read)."""
-    pool, swap = daemon_counters(socket_path)
+    """The ledger of daemon ``pid`` now.
+
+    /proc is read before the STATS connection is opened: read after it, the daemon's side of that
+    connection (socket, pidfd, session thread) may not be gone yet, as its session thread sees the
+    close asynchronously, and a busy machine then shows a leak that is not one.
+    """
     fds, rss, threads = _proc(pid)
-    return Snapshot(pool, swap, fds, rss, threads, _files(dirs), _fd_targets(pid))
+    targets = _fd_targets(pid)
+    pool, swap = daemon_counters(socket_path)
+    return Snapshot(pool, swap, fds, rss, threads, _files(dirs), targets)
 
 
 def problems(before: Snapshot, after: Snapshot, rss_slack: int = RSS_SLACK) -> list[str]:
