@@ -115,6 +115,7 @@ class Handlers:
                 uid=session.cred.uid,
                 token=msg.token,
                 session=session.id,
+                create=msg.create,
             )
         except AuthError:
             # a wrong token may be a guess: logged, without a line per guess

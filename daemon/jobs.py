@@ -4,7 +4,9 @@ One ``Job`` record per training job on the node.  Job ids are scoped per uid:
 a job is ``(owner uid, job id)``, so two users who pick the same id get two
 jobs, and no uid can claim (or block) an id another uid uses.  A job is
 created by the first attach of its uid that names a new id; the attach reply
-carries a random token.  Every later attach to that job (another rank, or a
+carries a random token (or, with ``create``, the token that attach brought: the
+ranks of a distributed job agree on one before any of them attaches, so they
+attach in any order).  Every later attach to that job (another rank, or a
 restarted process) must present the token: a process of another job cannot
 join it by guessing the id, and a process of another uid never reaches it (it
 names its own job of that id).  ``max_jobs`` bounds the node's jobs and
@@ -115,9 +117,20 @@ class JobTable:
         return self.max_jobs_per_uid or -(-self.max_jobs // 2)
 
     def attach(
-        self, *, job_id: str, rank: int, world_size: int, uid: int, token: str | None, session: int
+        self,
+        *,
+        job_id: str,
+        rank: int,
+        world_size: int,
+        uid: int,
+        token: str | None,
+        session: int,
+        create: bool = False,
     ) -> tuple[Job, bool]:
         """Bind ``session`` to ``(job_id, rank)``; returns the job and whether it was created.
+
+        ``create`` (with a ``token``): a job that does not exist is created with that token (the
+        ranks agreed on it beforehand, so whichever attaches first creates the job).
 
         Raises ``AuthError`` for a wrong token, ``InvalidArgument`` for a bad
         rank, ``AdmissionError`` when the node holds ``max_jobs`` jobs, the uid
@@ -130,7 +143,7 @@ class JobTable:
         with self._lock:
             job = self._jobs.get((uid, job_id))
             if job is None:
-                if token:
+                if token and not create:
                     raise UnknownJob(
                         f"uid {uid} has no job {job_id!r} (its grace period may have ended and its state was "
                         "reclaimed); attach without a token to start it anew"
@@ -144,7 +157,7 @@ class JobTable:
                         f"uid {uid} already holds {mine} jobs (jobs.max_jobs_per_uid = {self.per_uid_limit}); "
                         "close or detach one first"
                     )
-                job = Job(job_id, uid, world_size, secrets.token_hex(16))
+                job = Job(job_id, uid, world_size, token if create and token else secrets.token_hex(16))
                 self._jobs[(uid, job_id)] = job
                 created = True
             else:

@@ -293,10 +293,25 @@ class Client:
     # ----------------------------------------------------------------- session
 
     def attach(
-        self, job_id: str, *, rank: int = 0, world_size: int = 1, window_nbytes: int, token: str | None = None
+        self,
+        job_id: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        window_nbytes: int,
+        token: str | None = None,
+        create: bool = False,
     ) -> AttachInfo:
+        """``create``: ``token`` was agreed by the job's ranks; the first of them to attach creates the job."""
         reply, fds = self.conn.request_fds(
-            Attach(job_id=job_id, rank=rank, world_size=world_size, window_nbytes=window_nbytes, token=token)
+            Attach(
+                job_id=job_id,
+                rank=rank,
+                world_size=world_size,
+                window_nbytes=window_nbytes,
+                token=token,
+                create=create,
+            )
         )
         if not isinstance(reply, AttachOk) or len(fds) != 1:
             for fd in fds:

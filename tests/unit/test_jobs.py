@@ -114,3 +114,16 @@ def test_bad_ranks_ids_and_the_job_limit_are_refused() -> None:
     jobs.attach(job_id="a", rank=0, world_size=1, uid=0, token=None, session=1)
     with pytest.raises(AdmissionError, match="max_jobs"):
         jobs.attach(job_id="b", rank=0, world_size=1, uid=0, token=None, session=2)
+
+
+def test_ranks_with_an_agreed_token_create_the_job_in_any_order() -> None:
+    t = table(Clock())
+    agreed = "f" * 32
+    job, created = t.attach(job_id="run", rank=1, world_size=2, uid=5, token=agreed, session=1, create=True)
+    assert created and job.token == agreed
+    again, created = t.attach(job_id="run", rank=0, world_size=2, uid=5, token=agreed, session=2, create=True)
+    assert again is job and not created
+    with pytest.raises(AuthError):  # another run that reuses the id with its own token
+        t.attach(job_id="run", rank=0, world_size=2, uid=5, token="e" * 32, session=3, create=True)
+    with pytest.raises(UnknownJob):  # without create, a token still names a job that must exist
+        t.attach(job_id="gone", rank=0, world_size=1, uid=5, token=agreed, session=4)

@@ -26,6 +26,9 @@ applied fully or not at all and the optimizer stays usable.  An update that
 fails part-way makes the daemon refuse the rank (``StepFailed``) until a
 checkpoint is loaded.
 
+Ranks of one job (``tiermem.distributed``) agree on a token before any of them attaches and pass
+``create_job=True``: whichever attaches first creates the job with that token.
+
 Restarts: a reattach (``token=``) is told the step the daemon's state is at;
 with ``expected_step=N`` (the step the trainer has reached, e.g. from its own
 checkpoint) a state older than N raises ``StaleStateError`` naming both
@@ -134,6 +137,7 @@ class OffloadAdam(torch.optim.Optimizer):
         world_size: int | None = None,
         expected_step: int | None = None,
         rollback: bool = False,
+        create_job: bool = False,
     ) -> None:
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
@@ -178,6 +182,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self.last_found_inf = False
         """Whether the last step was skipped for inf/nan grads."""
         self._token = token
+        self._create_job = create_job
         self._expected_step = expected_step
         self.rollback = rollback
         self.state_from = "new"
@@ -262,6 +267,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 world_size=self.world_size,
                 window_nbytes=window_nbytes or 0,
                 token=self._token,
+                create=self._create_job,
             )
             self._token = info.token
             try:

@@ -107,7 +107,9 @@ class Attach(Message):
     """Join job ``job_id`` as ``rank`` of ``world_size``, with a staging window of ``window_nbytes``.
 
     ``window_nbytes`` 0 takes the daemon's ``jobs.window_size``.  ``token`` (from an earlier
-    ``ATTACH_OK``) reattaches to a job kept after a crash.
+    ``ATTACH_OK``) reattaches to a job kept after a crash.  ``create`` with a ``token`` the ranks
+    agreed on beforehand (``tiermem.distributed``: rank 0 makes it and broadcasts it): a job that
+    does not exist yet is created with that token, so the ranks of a job attach in any order.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.ATTACH
@@ -116,10 +118,17 @@ class Attach(Message):
     world_size: Annotated[int, Int(1, MAX_WORLD)]
     window_nbytes: Annotated[int, NBYTES]
     token: Annotated[str | None, Opt(Str(MAX_ID))] = None
+    create: bool = False
 
     def validate(self) -> None:
         if self.rank >= self.world_size:
             raise FieldError("rank", f"an integer in [0, world_size={self.world_size})", self.rank)
+        if self.create and (self.token is None or len(self.token) < MIN_AGREED_TOKEN):
+            raise FieldError("token", f"a token of at least {MIN_AGREED_TOKEN} characters with create", self.token)
+
+
+MIN_AGREED_TOKEN = 32
+"""The shortest token a job may be created with (``ATTACH.create``): 128 bits in hex."""
 
 
 STATE_FROM = ("new", "live", "shutdown", "commit")
