@@ -132,6 +132,7 @@ class Handlers:
                 error = self.service.durability.lost_error(job, lost)
                 self.service.reclaim(self.jobs.discard(job.job_id, job.owner_uid))
                 raise error
+            joined = rank is None
             if rank is None:
                 self.ledger.reserve(job.key, Resource.WINDOW, window_nbytes)
                 try:
@@ -161,7 +162,7 @@ class Handlers:
         state_step, state_from = self.service.durability.attach_state(rank)
         log.info(
             "%s job %r rank %d/%d for pid %d uid %d (window %d bytes; state at step %d, %s)",
-            "created" if created else "reattached",
+            "created" if created else "joined" if joined else "reattached",
             job.job_id,
             msg.rank,
             msg.world_size,

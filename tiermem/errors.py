@@ -35,6 +35,7 @@ __all__ = [
     "StepFailed",
     "PoolExhausted",
     "ProtocolError",
+    "RankLost",
     "SwapFullError",
     "StaleStateError",
     "SwapIOError",
@@ -300,6 +301,28 @@ class DaemonUnavailable(TiermemError):
 
     def __init__(self, path: str, why: str) -> None:
         super().__init__(f"no tiermemd at {path}: {why}", path=path)
+
+
+class RankLost(TiermemError):
+    """A collective of a sharded step failed: another rank of the process group died or timed out.
+
+    ``during`` names the phase (``reduce-scatter``, ``statistics``, ``all-gather``, ...), ``rank`` this
+    rank.  The daemon's state of this rank is at the last step this rank completed (``last_step``); the
+    job's other ranks are at the same step or one behind, and a relaunch of the whole job with the
+    same token continues from the checkpoint it loads.
+    """
+
+    fields: ClassVar[tuple[str, ...]] = ("during", "rank", "last_step")
+
+    def __init__(self, during: str, rank: int, last_step: int, cause: BaseException) -> None:
+        super().__init__(
+            f"rank {rank}: the {during} of step {last_step + 1} failed, another rank of the process group is "
+            f"gone or timed out ({type(cause).__name__}: {str(cause)[:300]}); this rank's state is at step "
+            f"{last_step}",
+            during=during,
+            rank=rank,
+            last_step=last_step,
+        )
 
 
 class DaemonTimeout(DaemonUnavailable):

@@ -1,0 +1,174 @@
+"""One rank of a ZeRO-2 training run, started by ``torchrun`` (gloo), and its single-process reference.
+
+Every rank trains the same small MLP on its share of a global batch through
+``ShardedOffloadAdam``; rank 0 also trains a copy with ``torch.optim.AdamW``
+on the whole global batch (the loss is the mean of the ranks' local means, as
+DDP averages), with the same clipping, ``GradScaler`` and LR schedule, and
+writes both final models' largest difference (and its figures) as JSON.
+
+An overflow is injected at ``--inf-step`` on the last rank: its local loss is
+scaled by inf, so the global loss overflows too and both sides skip that step.
+``--kill-step``: the last rank dies by SIGKILL inside that step, just before
+its reduce-scatter; the others must get ``RankLost``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from tiermem.distributed import ShardedGradScaler, ShardedOffloadAdam
+from tiermem.errors import RankLost
+
+DIM, HIDDEN, BATCH = 24, 40, 16
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(DIM, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, 1),
+    )
+
+
+def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(BATCH * world, DIM, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def local_losses(model: torch.nn.Module, step: int, world: int, inf_step: int) -> list[torch.Tensor]:
+    x, y = batch(step, world)
+    out = []
+    for r in range(world):
+        rows = slice(r * BATCH, (r + 1) * BATCH)
+        loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+        if step == inf_step and r == world - 1:
+            loss = loss * float("inf")
+        out.append(loss)
+    return out
+
+
+def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--tier", default="cpu")
+    ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--scaler", action="store_true")
+    ap.add_argument("--inf-step", type=int, default=-1)
+    ap.add_argument("--kill-step", type=int, default=-1)
+    ap.add_argument("--bucket-nbytes", type=int, default=4096)
+    ap.add_argument("--job-id", default=None)
+    ap.add_argument("--token", default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(7)
+    opt = ShardedOffloadAdam(
+        model.parameters(),
+        lr=2e-2,
+        weight_decay=0.01,
+        offload=args.tier,
+        max_grad_norm=args.clip or None,
+        bucket_nbytes=args.bucket_nbytes,
+        job_id=args.job_id,
+        token=args.token,
+    )
+    sched = schedule(opt)
+    start = opt.steps  # a relaunch reattached to the job's state continues where it is
+    for _ in range(start):
+        sched.step()
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10) if args.scaler else None
+    result: dict = {"rank": rank, "world": world, "job_id": opt.job_id, "started_at": start}
+    try:
+        for step in range(start, args.steps):
+            loss = local_losses(model, step, world, args.inf_step)[rank]
+            if scaler is not None:
+                scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            if step == args.kill_step and rank == world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+            sched.step()
+    except RankLost as exc:
+        result.update(error="RankLost", during=exc.during, message=str(exc), at=time.monotonic())
+        with open(f"{args.out}.{rank}", "w") as f:
+            json.dump(result, f)
+        return 3
+    result.update(
+        steps=opt.steps,
+        skipped=opt.skipped_steps,
+        last_norm=opt.last_grad_norm,
+        sharded_numel=sum(p.numel for p in opt.pieces),
+        socket=opt.inner.client.socket_path if opt.inner is not None else None,
+    )
+    full = opt.full_state_dict()
+    if rank == 0:
+        ref = make_model(7)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=2e-2, weight_decay=0.01)
+        ref_sched = schedule(ref_opt)
+        ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if args.scaler else None
+        skipped = 0
+        for step in range(args.steps):
+            loss = torch.stack(local_losses(ref, step, world, args.inf_step)).mean()
+            (ref_scaler.scale(loss) if ref_scaler is not None else loss).backward()
+            if ref_scaler is not None:
+                ref_scaler.unscale_(ref_opt)
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip)
+            if ref_scaler is not None:
+                before = ref_scaler.get_scale()
+                ref_scaler.step(ref_opt)
+                ref_scaler.update()
+                skipped += ref_scaler.get_scale() < before
+            else:
+                ref_opt.step()
+            ref_opt.zero_grad()
+            ref_sched.step()
+        result["param_diff"] = max(
+            float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+        )
+        ref_state = ref_opt.state_dict()["state"]
+        result["state_diff"] = max(
+            float((full["state"][i][k] - ref_state[i][k]).abs().max())
+            for i in ref_state
+            for k in ("exp_avg", "exp_avg_sq")
+        )
+        result["step_equal"] = all(float(full["state"][i]["step"]) == float(ref_state[i]["step"]) for i in ref_state)
+        result["ref_skipped"] = skipped
+        result["scale"] = scaler.get_scale() if scaler is not None else None
+        result["ref_scale"] = ref_scaler.get_scale() if ref_scaler is not None else None
+        moved = max(
+            float((p - q).abs().max()) for p, q in zip(model.parameters(), make_model(7).parameters(), strict=True)
+        )
+        result["moved"] = moved
+    with open(f"{args.out}.{rank}", "w") as f:
+        json.dump(result, f)
+    opt.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,665 @@
+"""``ShardedOffloadAdam``: ZeRO-2 over ``torch.distributed``, each rank's Adam state shard in its node's tiermemd.
+
+Every rank keeps the whole model (as with DDP) and only its shard of the
+optimizer state: the params are cut into buckets and each bucket into one
+slice per rank (``tiermem.distributed.layout``); rank ``r``'s pieces of params
+are registered with its node's daemon as the tensors of an ``OffloadAdam``
+(rank ``r`` of one job), so the node's ranks share one pool, one set of NVMe
+swap files and one CPU-Adam scheduler.  A step:
+
+1. reduce-scatter: per bucket, the flat grads (zeros for a param without a
+   grad) are summed across the ranks with ``reduce_scatter_tensor`` and divided
+   by the world size (DDP's mean); each rank keeps its slice, the grads of its
+   pieces;
+2. statistics: each rank's sum of squares of its slice, and per param whether
+   any rank had a grad, are all-reduced in one call; the global norm, the
+   overflow decision and the params that step are then the same on every rank,
+   exactly as ``clip_grad_norm_`` and ``GradScaler`` over the unsharded model
+   (with ``ShardedGradScaler``, whose inf check is all-reduced too);
+3. apply: the slice is unscaled and clipped in the trainer (the same two
+   multiplies torch does) and the daemon updates the pieces;
+4. all-gather: per bucket, the updated slices of all ranks become every rank's
+   params.
+
+Params edited in place between steps (``p.data.clamp_()``, ``model.load_state_dict``)
+are honoured: each step first copies the rank's pieces from the params, and
+the daemon adopts what differs from its master.  Grads are reduced at
+``step()``, so gradient accumulation is plain repeated backward (DDP's
+``no_sync``); clip with ``max_grad_norm=`` (``clip_grad_norm_`` on the local,
+unreduced grads would clip with the wrong norm).
+
+Identity: the job id is the launcher's rendezvous id (``TORCHELASTIC_RUN_ID``,
+set by ``torchrun``) or one rank 0 draws, and rank 0 draws the token; both are
+broadcast over the process group before any rank attaches, so the ranks attach
+in any order (``ATTACH.create``).  With no node daemon, the first rank of each
+node starts a private one sized for the node's ranks and the node's other
+ranks connect to it.  A collective that fails (a rank died, a timeout) raises
+``RankLost`` naming the phase; the state of this rank is then at its last
+completed step.
+
+Checkpoints: ``state_dict()`` is this rank's shard (load it into the same
+layout: world size, params, bucket size); ``full_state_dict()`` (collective)
+gathers ``torch.optim.AdamW``'s format on every rank, which any
+``ShardedOffloadAdam`` (any world size), ``OffloadAdam`` or ``torch.optim.AdamW``
+loads; ``load_state_dict`` takes either.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import socket
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiermem import dtypes
+from tiermem.client import Client, connect
+from tiermem.distributed.layout import Piece, ShardLayout, plan_shards
+from tiermem.errors import DaemonUnavailable, DTypeError, InvalidArgument, InvalidState, RankLost, TiermemError
+from tiermem.modes import Exchange, Placement, StepMode
+from tiermem.offload.args import check_hyper, check_torch_flags, private_pool_plan
+from tiermem.offload.optimizer import OffloadAdam
+from tiermem.offload.transfer import plan_load
+from tiermem.units import MiB
+
+__all__ = ["ShardedOffloadAdam"]
+
+_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize", "adamw")
+
+
+class ShardedOffloadAdam(torch.optim.Optimizer):
+    """AdamW (``adamw=False``: Adam) sharded ZeRO-2 style across ``process_group``; see the module docstring."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float | None = None,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        adamw: bool = True,
+        offload: str | Placement = "auto",
+        max_grad_norm: float | None = None,
+        process_group: Any = None,
+        bucket_nbytes: int = 32 * MiB,
+        window_nbytes: int | None = None,
+        client: Client | None = None,
+        job_id: str | None = None,
+        token: str | None = None,
+        expected_step: int | None = None,
+        rollback: bool = False,
+        broadcast_params: bool = True,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidState(
+                "ShardedOffloadAdam needs torch.distributed initialised (torchrun, then "
+                "torch.distributed.init_process_group); for one process use OffloadAdam"
+            )
+        hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
+        check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if bucket_nbytes <= 0:
+            raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
+        defaults = {
+            "lr": hyper.lr,
+            "betas": hyper.betas,
+            "eps": hyper.eps,
+            "weight_decay": hyper.weight_decay,
+            "amsgrad": False,
+            "foreach": foreach,
+            "maximize": maximize,
+            "capturable": False,
+            "differentiable": False,
+            "fused": fused,
+            "adamw": adamw,
+            "decoupled_weight_decay": adamw,
+        }
+        super().__init__(params, defaults)
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
+        """The global norm of the last step's unscaled grads, when it computed one (clipping or a scaler)."""
+        self.last_found_inf = False
+        self.skipped_steps = 0
+        params_ = self._params()
+        if not params_:
+            raise InvalidArgument("ShardedOffloadAdam got an empty parameter list")
+        kinds = {p.dtype for p in params_}
+        devices = {p.device for p in params_}
+        if len(kinds) != 1 or len(devices) != 1:
+            raise DTypeError(
+                f"ShardedOffloadAdam needs one dtype and one device for all params, got dtypes "
+                f"{sorted(str(d) for d in kinds)} on {sorted(str(d) for d in devices)}"
+            )
+        self.dtype = dtypes.by_torch(kinds.pop())
+        self.device = devices.pop()
+        group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        self._shapes = [tuple(p.shape) for p in params_]
+        self._agree_on_model(params_, group_of)
+        if broadcast_params:
+            src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+            for p in params_:
+                self._collective("broadcast of the initial params", dist.broadcast, p.data, src=src)
+        self.layout: ShardLayout = plan_shards(
+            [p.numel() for p in params_], group_of, self.world_size, max(1, bucket_nbytes // self.dtype.itemsize)
+        )
+        self.pieces: list[Piece] = self.layout.pieces(self.rank)
+        self._by_bucket: list[list[int]] = [[] for _ in self.layout.buckets]
+        for i, piece in enumerate(self.pieces):
+            self._by_bucket[piece.bucket].append(i)
+        self.job_id, self._token = self._identity(job_id, token)
+        flat = [p.detach().reshape(-1) for p in params_]
+        self._piece_params = [
+            torch.nn.Parameter(flat[pc.param][pc.lo : pc.hi].to("cpu", copy=True)) for pc in self.pieces
+        ]
+        inner_groups: list[dict[str, Any]] = []
+        self._inner_of_group: dict[int, int] = {}
+        for g, group in enumerate(self.param_groups):
+            members = [pp for pp, pc in zip(self._piece_params, self.pieces, strict=True) if group_of[pc.param] == g]
+            if members:
+                self._inner_of_group[g] = len(inner_groups)
+                entry = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "maximize")}
+                inner_groups.append({"params": members, **entry, "adamw": group["adamw"]})
+        numel = sum(pc.numel for pc in self.pieces)
+        self.inner: OffloadAdam | None = None
+        client = self._node_client(client, numel, Placement.parse(offload, "offload"), window_nbytes)
+        try:
+            self._agree(
+                "attach",
+                lambda: self._make_inner(
+                    inner_groups, client, offload, adamw, window_nbytes, expected_step, rollback, hyper
+                ),
+            )
+        except BaseException:
+            if self.inner is not None:  # attached here, failed elsewhere: the job's state waits, kept
+                self.inner.close(keep_state=True)
+                self.inner = None
+            elif client is not None:
+                client.close()
+            raise
+        largest = self.layout.largest_bucket()
+        self._flat = torch.empty(largest, dtype=self.dtype.torch, device=self.device)
+        self._slice = torch.empty(-(-largest // self.world_size), dtype=self.dtype.torch, device=self.device)
+        self._steps = 0
+        self._resume(params_)
+
+    def _resume(self, params: list[torch.nn.Parameter]) -> None:
+        """Agree on where the job's state is: new on every rank, or reattached at one step on every rank
+        (then the daemon's params, the masters of the pieces, become the model's on every rank)."""
+        mine = (self.inner.state_from, self.inner.steps) if self.inner is not None else None
+        everyone: list[Any] = [None] * self.world_size
+        self._collective("agreement on the state", dist.all_gather_object, everyone, mine)
+        known = [(r, v) for r, v in enumerate(everyone) if v is not None]
+        reattached = [(r, v) for r, v in known if v[0] != "new"]
+        if not reattached:
+            return
+        steps = {v[1] for _, v in known}
+        if len(reattached) != len(known) or len(steps) != 1:
+            where = ", ".join(f"rank {r}: {v[0]} at step {v[1]}" for r, v in known)
+            raise InvalidState(
+                f"the ranks' states disagree ({where}): a rank died between its update and another's; "
+                "load a checkpoint into every rank (load_state_dict) to go on"
+            )
+        self._steps = steps.pop()
+        self._all_gather(params)
+
+    # ----------------------------------------------------------------- construction
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _make_inner(
+        self,
+        groups: list[dict[str, Any]],
+        client: Client | None,
+        offload: str | Placement,
+        adamw: bool,
+        window_nbytes: int | None,
+        expected_step: int | None,
+        rollback: bool,
+        hyper: Any,
+    ) -> None:
+        if not groups:
+            if client is not None:
+                client.close()  # this rank owns no element (more ranks than elements): nothing to keep
+            return
+        self.inner = OffloadAdam(
+            groups,
+            lr=hyper.lr,
+            betas=hyper.betas,
+            eps=hyper.eps,
+            weight_decay=hyper.weight_decay,
+            adamw=adamw,
+            offload=offload,
+            exchange=Exchange.SHARED,
+            window_nbytes=window_nbytes,
+            client=client,
+            job_id=self.job_id,
+            token=self._token,
+            create_job=True,
+            rank=self.rank,
+            world_size=self.world_size,
+            expected_step=expected_step,
+            rollback=rollback,
+        )
+
+    def _agree_on_model(self, params: list[torch.nn.Parameter], group_of: list[int]) -> None:
+        mine = (self.dtype.name, [tuple(p.shape) for p in params], group_of)
+        everyone: list[Any] = [None] * self.world_size
+        self._collective("check of the model", dist.all_gather_object, everyone, mine)
+        for r, theirs in enumerate(everyone):
+            if theirs != mine:
+                raise InvalidArgument(
+                    f"rank {r} has a different model than rank {self.rank} (dtype, param shapes or param groups "
+                    f"differ: {len(theirs[1])} params against {len(mine[1])}); every rank must build the same model"
+                )
+
+    def _identity(self, job_id: str | None, token: str | None) -> tuple[str, str]:
+        """Rank 0's job id and token, broadcast: the launcher's run id, or a fresh one."""
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        proposal = [
+            job_id or (f"torchrun-{run_id}" if run_id and run_id != "none" else f"dist-{uuid.uuid4().hex[:16]}"),
+            token or secrets.token_hex(16),
+        ]
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        self._collective("broadcast of the job id", dist.broadcast_object_list, proposal, src=src)
+        return str(proposal[0]), str(proposal[1])
+
+    def _node_client(
+        self, client: Client | None, numel: int, placement: Placement, window_nbytes: int | None
+    ) -> Client | None:
+        """This rank's connection to its node's daemon; without one, the node's first rank starts a private
+        daemon for all of the node's ranks (sized for their shards) and the others connect to it."""
+        if client is not None:
+            return client
+        found: Client | None = None
+        try:
+            found = connect(embed=False)
+        except DaemonUnavailable:
+            found = None
+        node = (socket.gethostname(), os.environ.get("TIERMEM_SOCKET_PATH", ""))
+        plan = private_pool_plan(
+            max(numel, 1),
+            dtype=self.dtype.name,
+            placement=placement,
+            mode=StepMode.SYNC,
+            exchange=Exchange.SHARED,
+            release_grads=False,
+            window_nbytes=window_nbytes,
+        )
+        seen: list[Any] = [None] * self.world_size
+        self._collective("search for the node's daemon", dist.all_gather_object, seen, (node, found is not None, plan))
+        missing = [r for r, (n, ok, _) in enumerate(seen) if n == node and not ok]
+        leader = missing[0] if missing else None
+        path: str | None = None
+        error: str | None = None
+        if self.rank == leader:
+            plans = [p for n, ok, p in seen if n == node and not ok]
+            try:
+                found = connect(
+                    pool_size=sum(p.nbytes for p in plans),
+                    settings={"pool.arena_size": max(p.arena_size for p in plans)},
+                )
+                path = found.socket_path
+            except TiermemError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        paths: list[Any] = [None] * self.world_size
+        self._collective("start of the node's daemon", dist.all_gather_object, paths, (node, path, error))
+        failed = [(r, e) for r, (n, _, e) in enumerate(paths) if e and n == node]
+        if failed:
+            if found is not None:
+                found.close()
+            raise DaemonUnavailable(node[1] or "(private)", f"rank {failed[0][0]} could not start one: {failed[0][1]}")
+        if found is None:
+            started = next(p for n, p, _ in paths if n == node and p)
+            found = connect(socket_path=started, embed=False)
+        return found
+
+    def _agree(self, what: str, action: Callable[[], None]) -> None:
+        """Run ``action`` on every rank; if it fails on any, every rank raises (none hangs in a collective)."""
+        error: BaseException | None = None
+        try:
+            action()
+        except Exception as exc:
+            error = exc
+        outcomes: list[Any] = [None] * self.world_size
+        self._collective(what, dist.all_gather_object, outcomes, None if error is None else f"{error}")
+        if error is not None:
+            raise error
+        bad = [(r, e) for r, e in enumerate(outcomes) if e is not None]
+        if bad:
+            raise InvalidState(f"the {what} failed on rank {bad[0][0]}: {bad[0][1]}")
+
+    def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn`` over the process group; a failure (a rank gone, a timeout) is ``RankLost``."""
+        kwargs.setdefault("group", self.process_group)
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as exc:
+            raise RankLost(during, self.rank, getattr(self, "_steps", 0), exc) from exc
+
+    def _max_over_ranks(self, value: int) -> int:
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self._stats_device)
+        self._collective("agreement on the step", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    @property
+    def _stats_device(self) -> torch.device:
+        return self.device if self.device.type != "cpu" else torch.device("cpu")
+
+    # ----------------------------------------------------------------- properties
+
+    @property
+    def token(self) -> str:
+        """The job token: give it to ``ShardedOffloadAdam(token=...)`` when relaunching to reattach."""
+        return self._token
+
+    @property
+    def steps(self) -> int:
+        """Steps applied or skipped so far (the same on every rank)."""
+        return self._steps
+
+    # ----------------------------------------------------------------- the step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", False)
+        found_inf = getattr(self, "found_inf", None)
+        scaled = grad_scale is not False
+        global_flags = getattr(self, "_global_found_inf", None)
+        if scaled and global_flags is None:
+            raise InvalidState(
+                "a torch.amp.GradScaler checks only this rank's grads for inf/nan, so the ranks would skip "
+                "different steps; use tiermem.distributed.ShardedGradScaler (the same API)"
+            )
+        params = self._params()
+        self._check_params(params)
+        need_norm = scaled or self.max_grad_norm is not None
+        flags = [0.0] + [0.0 if p.grad is None else 1.0 for p in params]
+        stats = torch.tensor(flags, dtype=torch.float64).to(self._stats_device)
+        grads = self._reduce_scatter(params, stats if need_norm else None)
+        self._collective("statistics", dist.all_reduce, stats)
+        values = stats.cpu()
+        total_sq = float(values[0])
+        has_grad = values[1:] > 0
+        found = scaled and (
+            (found_inf is not None and float(found_inf) > 0) or (need_norm and not math.isfinite(total_sq))
+        )
+        if found:
+            if global_flags is not None:
+                for flag in global_flags.values():
+                    flag.fill_(1.0)  # the reduced grads overflowed: the scaler backs off as every rank does
+            self.skipped_steps += 1
+            self.last_found_inf = True
+            self._steps += 1
+            return loss
+        self.last_found_inf = False
+        inv_scale = 1.0
+        if scaled and grad_scale is not None:
+            inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
+        norm = math.sqrt(total_sq) * inv_scale if need_norm else None
+        coef = 1.0
+        if self.max_grad_norm is not None and norm is not None:
+            coef = min(1.0, float(torch.tensor(self.max_grad_norm / (norm + 1e-6), dtype=torch.float32)))
+        if self.inner is not None:
+            self._pull_params_into_pieces(params)  # in-place edits of the params since the last step
+            for piece, pp, grad in zip(self.pieces, self._piece_params, grads, strict=True):
+                if not has_grad[piece.param]:
+                    pp.grad = None
+                    continue
+                if inv_scale != 1.0:
+                    grad.mul_(inv_scale)
+                if coef < 1.0:
+                    grad.mul_(coef)
+                pp.grad = grad
+            for g, ig in self._inner_of_group.items():
+                for key in _HYPER:
+                    self.inner.param_groups[ig][key] = self.param_groups[g][key]
+            self.inner.step()
+        self._all_gather(params)
+        self.last_grad_norm = norm
+        self._steps += 1
+        return loss
+
+    def _check_params(self, params: list[torch.nn.Parameter]) -> None:
+        for i, p in enumerate(params):
+            if p.dtype != self.dtype.torch or p.device != self.device or tuple(p.shape) != self._shapes[i]:
+                raise InvalidState(
+                    f"param {i} is now {p.dtype} {tuple(p.shape)} on {p.device}; it was registered as "
+                    f"{self.dtype.torch} {self._shapes[i]} on {self.device} (create the optimizer after changing "
+                    "the model)"
+                )
+            if p.grad is not None and (p.grad.dtype != p.dtype or p.grad.is_sparse):
+                raise DTypeError(f"param {i} got a {p.grad.dtype} {p.grad.layout} grad; it needs a dense {p.dtype} one")
+
+    def _reduce_scatter(self, params: list[torch.nn.Parameter], stats: torch.Tensor | None) -> list[torch.Tensor]:
+        """The mean grads of this rank's pieces (in the pieces' grad tensors), bucket by bucket; adds the
+        slices' sums of squares to ``stats[0]``."""
+        grads: list[torch.Tensor] = []
+        for pp in self._piece_params:
+            if pp.grad is None:
+                pp.grad = torch.empty_like(pp)
+            grads.append(pp.grad)
+        for b, bucket in enumerate(self.layout.buckets):
+            flat = self._flat[: self.layout.padded_numel(bucket)]
+            for index, offset in zip(bucket.params, bucket.offsets, strict=True):
+                grad = params[index].grad
+                dst = flat[offset : offset + params[index].numel()]
+                if grad is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(grad.reshape(-1))
+            flat[bucket.numel :].zero_()
+            out = self._slice[: bucket.slice_numel]
+            self._collective("reduce-scatter", dist.reduce_scatter_tensor, out, flat)
+            if self.world_size > 1:
+                out.div_(self.world_size)
+            if stats is not None:
+                stats[0] += out.double().square().sum()
+            for i in self._by_bucket[b]:
+                piece = self.pieces[i]
+                grads[i].copy_(out[piece.at : piece.at + piece.numel])
+        return grads
+
+    def _all_gather(self, params: list[torch.nn.Parameter]) -> None:
+        for b, bucket in enumerate(self.layout.buckets):
+            mine = self._slice[: bucket.slice_numel]
+            mine.zero_()
+            for i in self._by_bucket[b]:
+                piece = self.pieces[i]
+                mine[piece.at : piece.at + piece.numel].copy_(self._piece_params[i].detach())
+            flat = self._flat[: self.layout.padded_numel(bucket)]
+            self._collective("all-gather", dist.all_gather_into_tensor, flat, mine)
+            for index, offset in zip(bucket.params, bucket.offsets, strict=True):
+                p = params[index]
+                p.data.copy_(flat[offset : offset + p.numel()].view(p.shape))
+
+    def _pull_params_into_pieces(self, params: list[torch.nn.Parameter]) -> None:
+        for piece, pp in zip(self.pieces, self._piece_params, strict=True):
+            pp.data.copy_(params[piece.param].detach().reshape(-1)[piece.lo : piece.hi])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def _packed_groups(self) -> list[dict[str, Any]]:
+        groups = []
+        index = 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(packed)
+        return groups
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: its pieces' Adam state (``OffloadAdam``'s format) and the layout it belongs to."""
+        return {
+            "state": {},
+            "param_groups": self._packed_groups(),
+            "shard": {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "layout": self.layout.fingerprint(),
+                "steps": self._steps,
+                "inner": None if self.inner is None else self.inner.state_dict(),
+            },
+        }
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective: the whole optimizer state in ``torch.optim.AdamW``'s format, on every rank."""
+        keys = ["exp_avg", "exp_avg_sq"] + (["master"] if self.dtype.torch != torch.float32 else [])
+        inner_state = self.inner.state_dict()["state"] if self.inner is not None else {}
+        steps = torch.zeros(len(self._shapes), dtype=torch.float64, device=self._stats_device)
+        for i, piece in enumerate(self.pieces):
+            entry = inner_state.get(i)
+            if entry is not None:
+                steps[piece.param] = max(float(steps[piece.param]), float(entry["step"]))
+        self._collective("gather of the steps", dist.all_reduce, steps, op=dist.ReduceOp.MAX)
+        step_of = steps.cpu().tolist()
+        out: dict[int, dict[str, Any]] = {
+            i: {"step": torch.tensor(step_of[i])} for i in range(len(self._shapes)) if step_of[i] > 0
+        }
+        for b, bucket in enumerate(self.layout.buckets):
+            mine = torch.zeros(bucket.slice_numel, dtype=torch.float32, device=self.device)
+            flat = torch.empty(self.layout.padded_numel(bucket), dtype=torch.float32, device=self.device)
+            for key in keys:
+                mine.zero_()
+                for i in self._by_bucket[b]:
+                    piece = self.pieces[i]
+                    entry = inner_state.get(i)
+                    if entry is not None:
+                        mine[piece.at : piece.at + piece.numel].copy_(entry[key].reshape(-1))
+                self._collective("gather of the state", dist.all_gather_into_tensor, flat, mine)
+                for index, offset in zip(bucket.params, bucket.offsets, strict=True):
+                    if index in out:
+                        numel = math.prod(self._shapes[index])
+                        out[index][key] = flat[offset : offset + numel].view(self._shapes[index]).cpu().clone()
+        return {"state": out, "param_groups": self._packed_groups()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A shard saved by ``state_dict()`` (same layout), or a full ``torch.optim.AdamW``-format dict
+        (``full_state_dict()``, ``OffloadAdam``, ``torch.optim.AdamW``), of which this rank takes its pieces.
+        Collective for a full dict only in that every rank must load one.  The model's params are not touched."""
+        shard = state_dict.get("shard") if isinstance(state_dict, dict) else None
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise InvalidArgument(
+                f"state dict has {len(groups) if isinstance(groups, list) else 'no'} param groups, "
+                f"this optimizer has {len(self.param_groups)}"
+            )
+        if shard is not None:
+            inner = self._check_shard(shard)
+        else:
+            loads = plan_load(state_dict, self.param_groups, [math.prod(s) for s in self._shapes])
+            inner = self._pieces_of(loads)
+        for mine, saved in zip(self.param_groups, groups, strict=True):
+            for name in ("lr", "betas", "eps", "weight_decay", "maximize"):
+                if name in saved:
+                    mine[name] = tuple(saved[name]) if name == "betas" else saved[name]
+            if "adamw" in saved:
+                mine["adamw"] = bool(saved["adamw"])
+            elif "decoupled_weight_decay" in saved:
+                mine["adamw"] = bool(saved["decoupled_weight_decay"])
+            mine["decoupled_weight_decay"] = mine["adamw"]
+        if self.inner is not None and inner is not None:
+            for g, ig in self._inner_of_group.items():
+                for key in _HYPER:
+                    inner["param_groups"][ig][key] = self.param_groups[g][key]
+            self.inner.load_state_dict(inner)
+        if shard is not None:
+            self._steps = int(shard.get("steps", self._steps))
+
+    def _check_shard(self, shard: dict[str, Any]) -> dict[str, Any] | None:
+        rank, world = shard.get("rank"), shard.get("world_size")
+        if rank != self.rank or world != self.world_size:
+            raise InvalidArgument(
+                f"this shard was saved by rank {rank} of {world}; this is rank {self.rank} of {self.world_size} "
+                "(load a full_state_dict() to change the number of ranks)"
+            )
+        layout = shard.get("layout")
+        if layout is not None and _as_tuple(layout) != _as_tuple(self.layout.fingerprint()):
+            raise InvalidArgument(
+                "this shard was saved for another layout (params or bucket_nbytes differ); load a "
+                "full_state_dict() instead"
+            )
+        inner = shard.get("inner")
+        return inner if isinstance(inner, dict) else None
+
+    def _pieces_of(self, loads: list[tuple[int, dict[str, Any], int]]) -> dict[str, Any]:
+        """This rank's pieces of a full state dict, in ``OffloadAdam``'s format."""
+        by_param = {t: (entry, step) for t, entry, step in loads}
+        state: dict[int, dict[str, Any]] = {}
+        for i, piece in enumerate(self.pieces):
+            found = by_param.get(piece.param)
+            if found is None:
+                continue
+            entry, step = found
+            cut = {"step": torch.tensor(float(step))}
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                value = entry.get(key)
+                if isinstance(value, torch.Tensor):
+                    cut[key] = value.detach().reshape(-1)[piece.lo : piece.hi].to("cpu", torch.float32).clone()
+            state[i] = cut
+        groups = []
+        index = 0
+        for g, group in enumerate(self.param_groups):
+            if g not in self._inner_of_group:
+                continue
+            count = sum(1 for pc in self.pieces if _group_of(self.param_groups, pc.param) == g)
+            packed = {k: group[k] for k in _HYPER}
+            packed["params"] = list(range(index, index + count))
+            index += count
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    # ----------------------------------------------------------------- life
+
+    def close(self, *, keep_state: bool = False) -> None:
+        """Detach from the daemon (this rank's shard is freed unless ``keep_state``)."""
+        if self.inner is not None:
+            self.inner.close(keep_state=keep_state)
+            self.inner = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardedOffloadAdam:
+        raise TypeError("ShardedOffloadAdam holds a connection to tiermemd; save full_state_dict() instead")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("ShardedOffloadAdam holds a connection to tiermemd; save full_state_dict() instead")
+
+
+def _group_of(groups: list[dict[str, Any]], param: int) -> int:
+    seen = 0
+    for g, group in enumerate(groups):
+        seen += len(group["params"])
+        if param < seen:
+            return g
+    raise InvalidArgument(f"param {param} is in no group")
+
+
+def _as_tuple(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_as_tuple(v) for v in value)
+    return value

@@ -1,0 +1,37 @@
+"""``ShardedGradScaler``: ``torch.amp.GradScaler`` whose overflow check is global across the ranks.
+
+Each rank's ``GradScaler`` checks its own local grads for inf/nan.  With the
+grads reduced at ``step()`` (``ShardedOffloadAdam``), an overflow on one rank
+is in the sum every rank's shard gets, so every rank must skip the step and
+back off its scale together, or the ranks' scales and params drift apart.
+This scaler all-reduces (max) the found-inf flags it computes over the
+optimizer's process group, and hands them to the optimizer, which also sets
+them when the reduced grads themselves overflow (a sum of finite fp16 grads
+can).  Everything else is torch's ``GradScaler``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ShardedGradScaler"]
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """Use it exactly as ``torch.amp.GradScaler`` (``scale``, ``step``, ``update``, ``unscale_``)."""
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        per_device: dict[torch.device, torch.Tensor] = super()._unscale_grads_(
+            optimizer, inv_scale, found_inf, allow_fp16
+        )
+        group: Any = getattr(optimizer, "process_group", None)
+        if dist.is_available() and dist.is_initialized():
+            for flag in per_device.values():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        optimizer._global_found_inf = per_device  # type: ignore[attr-defined]
+        return per_device
