@@ -19,6 +19,7 @@ _LAZY = {
     "Client": "tiermem.client",
     "OffloadAdam": "tiermem.offload",
     "ParamPager": "tiermem.offload",
+    "ShardedOffloadAdam": "tiermem.distributed",
     "connect": "tiermem.client",
     "offload_params": "tiermem.offload",
 }
@@ -29,6 +30,7 @@ __all__ = [
     "Client",
     "OffloadAdam",
     "ParamPager",
+    "ShardedOffloadAdam",
     "__version__",
     "connect",
     "offload_params",

@@ -3,11 +3,22 @@
 ``ShardedOffloadAdam`` shards the Adam state across the process group's ranks
 (each rank's shard in its node's tiermemd); ``ShardedGradScaler`` is
 ``torch.amp.GradScaler`` with its overflow check made global; ``layout`` is
-the pure plan of who owns which elements.
+the pure plan of who owns which elements; ``LayerShardedAdam`` is ZeRO-3 by
+layer (each layer's params and state on its owner rank, gathered for use,
+updated by the owner's daemon during the backward of the layers before it).
 """
 
 from tiermem.distributed.layout import Bucket, Piece, ShardLayout, plan_shards
 from tiermem.distributed.optimizer import ShardedOffloadAdam
 from tiermem.distributed.scaler import ShardedGradScaler
+from tiermem.distributed.zero3 import LayerShardedAdam
 
-__all__ = ["Bucket", "Piece", "ShardLayout", "ShardedGradScaler", "ShardedOffloadAdam", "plan_shards"]
+__all__ = [
+    "Bucket",
+    "LayerShardedAdam",
+    "Piece",
+    "ShardLayout",
+    "ShardedGradScaler",
+    "ShardedOffloadAdam",
+    "plan_shards",
+]

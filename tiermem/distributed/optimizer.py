@@ -49,7 +49,6 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import socket
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -58,11 +57,12 @@ import torch
 import torch.distributed as dist
 
 from tiermem import dtypes
-from tiermem.client import Client, connect
+from tiermem.client import Client
 from tiermem.distributed.layout import Piece, ShardLayout, plan_shards
-from tiermem.errors import DaemonUnavailable, DTypeError, InvalidArgument, InvalidState, RankLost, TiermemError
-from tiermem.modes import Exchange, Placement, StepMode
-from tiermem.offload.args import check_hyper, check_torch_flags, private_pool_plan
+from tiermem.distributed.node import node_client
+from tiermem.errors import DTypeError, InvalidArgument, InvalidState, RankLost
+from tiermem.modes import Exchange, Placement
+from tiermem.offload.args import check_hyper, check_torch_flags
 from tiermem.offload.optimizer import OffloadAdam
 from tiermem.offload.transfer import plan_load
 from tiermem.units import MiB
@@ -179,7 +179,16 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                 inner_groups.append({"params": members, **entry, "adamw": group["adamw"]})
         numel = sum(pc.numel for pc in self.pieces)
         self.inner: OffloadAdam | None = None
-        client = self._node_client(client, numel, Placement.parse(offload, "offload"), window_nbytes)
+        if client is None:
+            client = node_client(
+                self._collective,
+                self.rank,
+                self.world_size,
+                numel,
+                dtype=self.dtype.name,
+                placement=Placement.parse(offload, "offload"),
+                window_nbytes=window_nbytes,
+            )
         try:
             self._agree(
                 "attach",
@@ -281,56 +290,6 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         self._collective("broadcast of the job id", dist.broadcast_object_list, proposal, src=src)
         return str(proposal[0]), str(proposal[1])
-
-    def _node_client(
-        self, client: Client | None, numel: int, placement: Placement, window_nbytes: int | None
-    ) -> Client | None:
-        """This rank's connection to its node's daemon; without one, the node's first rank starts a private
-        daemon for all of the node's ranks (sized for their shards) and the others connect to it."""
-        if client is not None:
-            return client
-        found: Client | None = None
-        try:
-            found = connect(embed=False)
-        except DaemonUnavailable:
-            found = None
-        node = (socket.gethostname(), os.environ.get("TIERMEM_SOCKET_PATH", ""))
-        plan = private_pool_plan(
-            max(numel, 1),
-            dtype=self.dtype.name,
-            placement=placement,
-            mode=StepMode.SYNC,
-            exchange=Exchange.SHARED,
-            release_grads=False,
-            window_nbytes=window_nbytes,
-        )
-        seen: list[Any] = [None] * self.world_size
-        self._collective("search for the node's daemon", dist.all_gather_object, seen, (node, found is not None, plan))
-        missing = [r for r, (n, ok, _) in enumerate(seen) if n == node and not ok]
-        leader = missing[0] if missing else None
-        path: str | None = None
-        error: str | None = None
-        if self.rank == leader:
-            plans = [p for n, ok, p in seen if n == node and not ok]
-            try:
-                found = connect(
-                    pool_size=sum(p.nbytes for p in plans),
-                    settings={"pool.arena_size": max(p.arena_size for p in plans)},
-                )
-                path = found.socket_path
-            except TiermemError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        paths: list[Any] = [None] * self.world_size
-        self._collective("start of the node's daemon", dist.all_gather_object, paths, (node, path, error))
-        failed = [(r, e) for r, (n, _, e) in enumerate(paths) if e and n == node]
-        if failed:
-            if found is not None:
-                found.close()
-            raise DaemonUnavailable(node[1] or "(private)", f"rank {failed[0][0]} could not start one: {failed[0][1]}")
-        if found is None:
-            started = next(p for n, p, _ in paths if n == node and p)
-            found = connect(socket_path=started, embed=False)
-        return found
 
     def _agree(self, what: str, action: Callable[[], None]) -> None:
         """Run ``action`` on every rank; if it fails on any, every rank raises (none hangs in a collective)."""

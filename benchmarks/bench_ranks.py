@@ -1,0 +1,109 @@
+"""Many ranks, one daemon: the Adam update of 1, 2 and 4 ranks sharing a node, against one CPU Adam per rank.
+
+The same global model (``--numel`` fp32 params) is sharded ZeRO-2 style over
+``torchrun --nproc-per-node N`` ranks (gloo), N = 1, 2, 4, in one run:
+
+- ``tiermem``: every rank's shard is updated by one tiermemd (a private daemon
+  started here, shared by the ranks through ``TIERMEM_SOCKET_PATH``), whose
+  scheduler runs one update at a time over its threads (threads <= cores);
+- ``peer``: every rank updates its own shard in process with
+  ``torch.optim.AdamW(fused=True)`` on every core, DeepSpeed's layout (one
+  CPU Adam per rank, each sized for the whole machine), so N ranks run N
+  updates of ``cores`` threads each at once.
+
+Per step, medians after ``--warmup`` (all ranks start a step together, after
+a barrier; a step's figure is its slowest rank's):
+
+- ``update``: tiermem: the time of the daemon's update of the shards (the
+  ``OffloadAdam.step`` inside ``ShardedOffloadAdam.step``); peer: ``opt.step()``;
+- ``step``: tiermem's whole ``ShardedOffloadAdam.step`` (reduce-scatter,
+  statistics, update, all-gather);
+- ``daemon cpu``: the daemon process's CPU time (user + system) per step.
+
+Goal: at 4 ranks, tiermem's update <= 1.1x its 1-rank update for the same
+total params (the daemon does not oversubscribe the cores), and below the
+peer layout's.
+
+    .venv/bin/python benchmarks/bench_ranks.py [--numel 16M] [--ranks 1,2,4] [--steps 8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tiermem.client import EmbeddedDaemon
+from tiermem.units import GiB
+
+WORKER = str(Path(__file__).with_name("ranks_worker.py"))
+
+
+def _count(text: str) -> int:
+    """``16M`` -> 16_000_000 (decimal, as param counts are quoted)."""
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:].upper(), 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def _run(mode: str, ranks: int, numel: int, args: argparse.Namespace, daemon: EmbeddedDaemon | None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        env = dict(os.environ)
+        if daemon is not None:
+            env["TIERMEM_SOCKET_PATH"] = daemon.socket
+            env["TIERMEM_NO_EMBED"] = "1"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", WORKER,
+            "--mode", mode, "--numel", str(numel), "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--out", out,
+        ]  # fmt: skip
+        if daemon is not None:
+            cmd += ["--daemon-pid", str(daemon.process.pid)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"{mode} with {ranks} ranks failed:\n{done.stderr[-4000:]}")
+        return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numel", default="16M", help="total params of the model (fp32)")
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", default="", help="write the figures here")
+    args = ap.parse_args()
+    numel = _count(args.numel)
+    counts = [int(n) for n in args.ranks.split(",")]
+    rows = []
+    daemon = EmbeddedDaemon(pool_size=max(1 * GiB, numel * 10))
+    try:
+        for n in counts:
+            tiermem = _run("tiermem", n, numel, args, daemon)
+            peer = _run("peer", n, numel, args, None)
+            rows.append({"ranks": n, "tiermem": tiermem, "peer": peer})
+    finally:
+        daemon.stop()
+    base = rows[0]["tiermem"]["update_ms"]
+    print(f"{numel / 1e6:.1f}M fp32 params, {os.cpu_count()} cores; medians of {args.steps} steps")
+    head = f"{'ranks':>5} {'update ms':>10} {'x 1 rank':>9} {'step ms':>9} {'daemon cpu ms':>14} {'peer ms':>9}"
+    print(head + f" {'peer/tiermem':>13}")
+    for row in rows:
+        t, p = row["tiermem"], row["peer"]
+        row["update_vs_one_rank"] = t["update_ms"] / base
+        row["peer_vs_tiermem"] = p["update_ms"] / t["update_ms"]
+        cpu = f"{t['daemon_cpu_ms']:.1f}" if t["daemon_cpu_ms"] is not None else "-"
+        print(
+            f"{row['ranks']:>5} {t['update_ms']:>10.1f} {row['update_vs_one_rank']:>9.2f} {t['step_ms']:>9.1f} "
+            f"{cpu:>14} {p['update_ms']:>9.1f} {row['peer_vs_tiermem']:>13.2f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "numel": numel, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

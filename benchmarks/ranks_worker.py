@@ -1,0 +1,108 @@
+"""One rank of ``bench_ranks.py``, started by ``torchrun`` (gloo); see that script for what is measured.
+
+``--mode tiermem``: the rank's shard of ``--numel`` fp32 params is updated by
+the node's tiermemd through ``ShardedOffloadAdam``.  ``--mode peer``: the rank
+updates its shard itself with ``torch.optim.AdamW(fused=True)`` using every
+core (``torch.set_num_threads(os.cpu_count())``), as DeepSpeed's per-rank CPU
+Adam does.  Every step starts after a barrier; a step's update time is the
+slowest rank's.  Rank 0 writes the medians as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+TENSORS = 8
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["tiermem", "peer"], required=True)
+    ap.add_argument("--numel", type=int, required=True)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--daemon-pid", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    updates, steps, cpu = [], [], []
+    if args.mode == "peer":
+        torch.set_num_threads(os.cpu_count() or 1)
+        shard = torch.nn.Parameter(torch.randn(args.numel // world))
+        shard.grad = torch.randn_like(shard)
+        opt: torch.optim.Optimizer = torch.optim.AdamW([shard], lr=1e-3, fused=True)
+        for i in range(args.warmup + args.steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.step()
+            dt = _slowest(time.perf_counter() - t0)
+            if i >= args.warmup:
+                updates.append(dt)
+                steps.append(dt)
+    else:
+        from tiermem.distributed import ShardedOffloadAdam
+
+        params = [torch.nn.Parameter(torch.randn(args.numel // TENSORS)) for _ in range(TENSORS)]
+        sharded = ShardedOffloadAdam(params, lr=1e-3, offload="cpu")
+        inner = sharded.inner
+        assert inner is not None
+        inner_step = inner.step
+        box = {"update": 0.0}
+
+        def timed_step() -> None:
+            t0 = time.perf_counter()
+            inner_step()
+            box["update"] = time.perf_counter() - t0
+
+        inner.step = timed_step  # type: ignore[method-assign]
+        for i in range(args.warmup + args.steps):
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            dist.barrier()
+            c0 = _cpu_s(args.daemon_pid) if rank == 0 and args.daemon_pid else 0.0
+            t0 = time.perf_counter()
+            sharded.step()
+            step_s = _slowest(time.perf_counter() - t0)
+            update_s = _slowest(box["update"])
+            if i >= args.warmup:
+                updates.append(update_s)
+                steps.append(step_s)
+                if rank == 0 and args.daemon_pid:
+                    cpu.append(_cpu_s(args.daemon_pid) - c0)
+        sharded.close()
+    if rank == 0:
+        result = {
+            "mode": args.mode,
+            "ranks": world,
+            "numel": args.numel,
+            "update_ms": statistics.median(updates) * 1e3,
+            "step_ms": statistics.median(steps) * 1e3,
+            "daemon_cpu_ms": statistics.median(cpu) * 1e3 if cpu else None,
+        }
+        Path(args.out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""``LayerShardedAdam``: ZeRO-3 by layer, each layer's params and Adam state on its owner rank's daemon.
+
+The model's units (the submodules that own params directly) are dealt to the
+ranks (``owners``: unit i to rank ``i * world // units`` by default, so four
+layers over four ranks give one layer each, as in ZeRO's example).  A unit's
+params live only in its owner's daemon (the pieces of an ``OffloadAdam`` of
+the owner); every rank's module holds empty placeholders.  Per step:
+
+- forward: before a unit runs, its params are gathered (a broadcast from the
+  owner, the all-gather of a shard that is whole on one rank) into the
+  module, and the next unit's gather is already in flight (the order is
+  recorded on the first forward); after the unit ran they are released on
+  every rank;
+- backward: before a unit's backward its params are gathered again (the
+  previous unit's gather in flight meanwhile); once its grads are complete
+  they are reduced to the owner (the reduce-scatter of a whole-layer shard,
+  DDP's mean) and released, and the owner hands them to its daemon, which
+  updates that layer while the backward of the layer before runs (the
+  overlapped update, from the second step on: the first step is synchronous
+  and checks that the loop allows it);
+- ``step()`` waits for what is still in flight.
+
+Each rank's daemon thus holds only its layers: params, master and moments.
+``trace`` records the events (``gather``, ``release``, ``reduce``,
+``update``) per unit, so the pipeline can be checked step by step.
+
+Limits: plain Adam/AdamW steps (no clipping, loss scaling or gradient
+accumulation: the overlapped update refuses them), CPU params, each unit
+used once per forward.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiermem import dtypes
+from tiermem.client import Client
+from tiermem.distributed.node import node_client
+from tiermem.errors import InvalidArgument, InvalidState, RankLost
+from tiermem.modes import Placement
+from tiermem.offload.optimizer import OffloadAdam
+
+__all__ = ["LayerShardedAdam"]
+
+
+class _Unit:
+    def __init__(self, index: int, module: torch.nn.Module, owner: int) -> None:
+        self.index = index
+        self.module = module
+        self.owner = owner
+        self.params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.numels = [p.numel() for p in self.params]
+        self.numel = sum(self.numels)
+        self.flat: torch.Tensor | None = None
+        self.work: Any = None
+        self.grads_left = 0
+
+
+class LayerShardedAdam:
+    """See the module docstring.  ``step()``, ``zero_grad()``, ``close()``, like an optimizer."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float | None = None,
+        adamw: bool = True,
+        owners: Iterable[int] | None = None,
+        process_group: Any = None,
+        offload: str = "cpu",
+        client: Client | None = None,
+        job_id: str | None = None,
+        token: str | None = None,
+        trace: bool = False,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidState("LayerShardedAdam needs torch.distributed initialised (torchrun)")
+        self.group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+        if not modules:
+            raise InvalidArgument("the model has no params")
+        count = len(modules)
+        owner_of = list(owners) if owners is not None else [i * self.world_size // count for i in range(count)]
+        if len(owner_of) != count or not all(0 <= o < self.world_size for o in owner_of):
+            raise InvalidArgument(f"owners must give a rank in [0, {self.world_size}) for each of the {count} units")
+        self.units = [_Unit(i, m, o) for i, (m, o) in enumerate(zip(modules, owner_of, strict=True))]
+        self.events: list[tuple[str, int]] | None = [] if trace else None
+        self.reduced: dict[int, torch.Tensor] = {}
+        """With ``trace``: the last reduced (mean) grads of the units this rank owns, flat."""
+        self._order: list[int] = []
+        self._recording = True
+        self._pending: list[Any] = []
+        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        for unit in self.units:  # one truth to start from: rank 0's values
+            for p in unit.params:
+                self._collective("broadcast of the initial params", dist.broadcast, p.data, src=src)
+        mine = [u for u in self.units if u.owner == self.rank]
+        self._pieces = {u.index: [torch.nn.Parameter(p.detach().clone()) for p in u.params] for u in mine}
+        self._entry_of: dict[int, list[int]] = {}
+        flat_pieces: list[torch.nn.Parameter] = []
+        for u in mine:
+            self._entry_of[u.index] = list(range(len(flat_pieces), len(flat_pieces) + len(u.params)))
+            flat_pieces += self._pieces[u.index]
+        ident = [job_id or f"zero3-{uuid.uuid4().hex[:16]}", token or secrets.token_hex(16)]
+        self._collective("broadcast of the job id", dist.broadcast_object_list, ident, src=src)
+        self.inner: OffloadAdam | None = None
+        if client is None:
+            client = node_client(
+                self._collective,
+                self.rank,
+                self.world_size,
+                sum(p.numel() for p in flat_pieces),
+                dtype=dtypes.by_torch(self.units[0].params[0].dtype).name,
+                placement=Placement.parse(offload, "offload"),
+                window_nbytes=None,
+            )
+        if not flat_pieces:
+            client.close()  # this rank owns no layer
+        else:
+            self.inner = OffloadAdam(
+                flat_pieces,
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                adamw=adamw,
+                offload=offload,
+                overlap_update=True,
+                bucket_nbytes=1,  # one bucket per tensor: each layer's update starts when its grads are in
+                client=client,
+                job_id=str(ident[0]),
+                token=str(ident[1]),
+                create_job=True,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+        for unit in self.units:
+            self._release(unit, log=False)
+            unit.module.register_forward_pre_hook(self._make_hook(unit, self._before_forward))
+            unit.module.register_forward_hook(self._make_hook(unit, self._after_forward))
+            unit.module.register_full_backward_pre_hook(self._make_hook(unit, self._before_backward))
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(self._make_grad_hook(unit))
+
+    # ----------------------------------------------------------------- collectives
+
+    def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn`` (a collective over the group, or a ``Work``'s ``wait``); a failure is ``RankLost``."""
+        if fn is not _wait:
+            kwargs.setdefault("group", self.group)
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as exc:
+            raise RankLost(during, self.rank, self.inner.steps if self.inner is not None else 0, exc) from exc
+
+    def _log(self, what: str, unit: _Unit) -> None:
+        if self.events is not None:
+            self.events.append((what, unit.index))
+
+    # ----------------------------------------------------------------- gather / release
+
+    def _start_gather(self, unit: _Unit) -> None:
+        if unit.flat is not None or unit.work is not None:
+            return
+        flat = torch.empty(unit.numel, dtype=unit.params[0].dtype)
+        if unit.owner == self.rank:
+            torch.cat([p.detach().reshape(-1) for p in self._pieces[unit.index]], out=flat)
+        src = dist.get_global_rank(self.group, unit.owner) if self.group is not None else unit.owner
+        unit.work = (flat, self._collective("gather", dist.broadcast, flat, src=src, async_op=True))
+
+    def _finish_gather(self, unit: _Unit) -> None:
+        self._start_gather(unit)
+        flat, work = unit.work
+        self._collective("gather", _wait, work)
+        unit.work = None
+        unit.flat = flat
+        offset = 0
+        for p, shape, n in zip(unit.params, unit.shapes, unit.numels, strict=True):
+            p.data = flat[offset : offset + n].view(shape)
+            offset += n
+        self._log("gather", unit)
+
+    def _release(self, unit: _Unit, *, log: bool = True) -> None:
+        for p in unit.params:
+            p.data = torch.empty(0, dtype=p.dtype)
+        unit.flat = None
+        if log:
+            self._log("release", unit)
+
+    def _neighbour(self, unit: _Unit, step: int) -> _Unit | None:
+        if self._recording or unit.index not in self._order:
+            return None
+        at = self._order.index(unit.index) + step
+        return self.units[self._order[at]] if 0 <= at < len(self._order) else None
+
+    # ----------------------------------------------------------------- hooks
+
+    @staticmethod
+    def _make_hook(unit: _Unit, fn: Callable[[_Unit], None]) -> Callable[..., None]:
+        def hook(*_args: Any) -> None:
+            fn(unit)
+
+        return hook
+
+    def _before_forward(self, unit: _Unit) -> None:
+        if self._recording:
+            self._order.append(unit.index)
+        self._finish_gather(unit)
+        ahead = self._neighbour(unit, +1)
+        if ahead is not None:
+            self._start_gather(ahead)  # overlaps this unit's forward
+        unit.grads_left = len(unit.params)
+
+    def _after_forward(self, unit: _Unit) -> None:
+        self._release(unit)
+
+    def _before_backward(self, unit: _Unit) -> None:
+        self._finish_gather(unit)
+        behind = self._neighbour(unit, -1)
+        if behind is not None:
+            self._start_gather(behind)  # overlaps this unit's backward
+
+    def _make_grad_hook(self, unit: _Unit) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            unit.grads_left -= 1
+            if unit.grads_left == 0:
+                self._grads_ready(unit)
+
+        return hook
+
+    def _grads_ready(self, unit: _Unit) -> None:
+        """The unit's grads are complete: reduce them to the owner, release, and let the owner's daemon
+        update the layer while the backward goes on."""
+        flat = torch.cat([p.grad.reshape(-1) for p in unit.params])  # type: ignore[union-attr]
+        dst = dist.get_global_rank(self.group, unit.owner) if self.group is not None else unit.owner
+        self._collective("reduce of the grads", dist.reduce, flat, dst=dst)
+        self._log("reduce", unit)
+        for p in unit.params:
+            p.grad = None
+        self._release(unit)
+        if unit.owner != self.rank or self.inner is None:
+            return
+        flat.div_(self.world_size)
+        if self.events is not None:
+            self.reduced[unit.index] = flat.clone()
+        feed = self.inner.feed
+        offset = 0
+        for piece, n, entry in zip(self._pieces[unit.index], unit.numels, self._entry_of[unit.index], strict=True):
+            view = self.inner._entries[entry].grad_views[feed.buffer]
+            view.copy_(flat[offset : offset + n].view(view.shape))
+            offset += n
+            piece.grad = view
+            feed._grad_ready(piece)  # as autograd's hook would: land, then the bucket
+        if self.inner.policy.overlap_now:
+            self._log("update", unit)
+
+    # ----------------------------------------------------------------- the step
+
+    def step(self) -> None:
+        """Finish the step: the owner's daemon completes its layers' updates (the first step: all of them now)."""
+        self._recording = False
+        if self.inner is not None:
+            early = self.inner.policy.overlap_now
+            self.inner.step()
+            if not early and self.events is not None:
+                for index in self._entry_of:
+                    self.events.append(("update", index))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit in self.units:
+            for p in unit.params:
+                p.grad = None
+        if self.inner is not None:
+            self.inner.zero_grad(set_to_none=set_to_none)
+
+    def gathered_params(self) -> list[torch.Tensor]:
+        """Collective: every unit's params, gathered (copies), in the model's order."""
+        out = []
+        for unit in self.units:
+            self._finish_gather(unit)
+            out += [p.detach().clone() for p in unit.params]
+            self._release(unit, log=False)
+        return out
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+            self.inner = None
+
+
+def _wait(work: Any) -> None:
+    work.wait()
