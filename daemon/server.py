@@ -602,15 +602,20 @@ class Server:
         ``poll`` with zero timeout over that uid's sockets, only when the uid is at its limit.
         """
         poller = select.poll()
+        closing = 0
         for session in self._sessions.values():
-            if session.cred.uid == uid and not session.peer_closed:
-                with contextlib.suppress(OSError, ValueError):
-                    poller.register(session.peer.fileno(), select.POLLRDHUP)
+            if session.cred.uid != uid:
+                continue
+            if session.peer_closed or session.state is SessionState.CLOSED:
+                closing += 1  # its thread is on its way out: closed its socket, not yet forgotten
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                poller.register(session.peer.fileno(), select.POLLRDHUP)
         try:
             events = poller.poll(0)
         except OSError:
-            return 0
-        return sum(1 for _, mask in events if mask & (select.POLLRDHUP | select.POLLHUP | select.POLLERR))
+            return closing
+        return closing + sum(1 for _, mask in events if mask & (select.POLLRDHUP | select.POLLHUP | select.POLLERR))
 
     def _serve(self, session: Session) -> None:
         self.counters.accepted()

@@ -89,14 +89,26 @@ def _files(dirs: Iterable[Path]) -> frozenset[str]:
 def snapshot(pid: int, socket_path: str, dirs: Iterable[Path] = ()) -> Snapshot:
     """The ledger of daemon ``pid`` now.
 
-    /proc is read before the STATS connection is opened: read after it, the daemon's side of that
-    connection (socket, pidfd, session thread) may not be gone yet, as its session thread sees the
-    close asynchronously, and a busy machine then shows a leak that is not one.
+    /proc is read before the STATS connection is opened, and the snapshot returns once the daemon's
+    side of that connection (socket, pidfd) is gone: its session thread sees the close
+    asynchronously, and a busy machine would otherwise show a leak (or a loss) that is not one.
     """
     fds, rss, threads = _proc(pid)
     targets = _fd_targets(pid)
     pool, swap = daemon_counters(socket_path)
+    _until_closed(pid, fds, threads)
     return Snapshot(pool, swap, fds, rss, threads, _files(dirs), targets)
+
+
+def _until_closed(pid: int, fds: int, threads: int, timeout_s: float = 5.0) -> None:
+    """Until the daemon holds no more fds and threads than before the STATS connection (its side of it,
+    socket, pidfd and session thread, is gone), so the next snapshot's /proc read does not see it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now_fds, _, now_threads = _proc(pid)
+        if now_fds <= fds and now_threads <= threads:
+            return
+        time.sleep(0.005)
 
 
 def problems(before: Snapshot, after: Snapshot, rss_slack: int = RSS_SLACK) -> list[str]:

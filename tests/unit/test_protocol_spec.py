@@ -43,7 +43,7 @@ from tiermem.protocol.spec import (
 
 RECORDS: tuple[type[Wire], ...] = (MemRef, ParamGroup, TensorSpec, TensorSlot, *MESSAGE_CLASSES.values())
 
-CROSS_FIELD = re.compile(r"tensors\[\d+\]\.(group|name)|rank|offset|nbytes")
+CROSS_FIELD = re.compile(r"tensors\[\d+\]\.(group|name)|rank|offset|nbytes|token")
 """Paths a record's ``validate`` names: REGISTER's group index and unique names, ATTACH's rank, STATE_CHUNK's range."""
 
 
