@@ -18,7 +18,7 @@ a barrier; a step's figure is its slowest rank's):
   ``OffloadAdam.step`` inside ``ShardedOffloadAdam.step``); peer: ``opt.step()``;
 - ``step``: tiermem's whole ``ShardedOffloadAdam.step`` (reduce-scatter,
   statistics, update, all-gather);
-- ``daemon cpu``: the daemon process's CPU time (user + system) per step.
+- ``daemon cpu``: the daemon process's CPU time per step (all its threads, from ``schedstat``).
 
 Goal: at 4 ranks, tiermem's update <= 1.1x its 1-rank update for the same
 total params (the daemon does not oversubscribe the cores), and below the

@@ -106,9 +106,11 @@ def test_two_ranks_against_one_daemon_equal_one_process_with_clipping_overflow_a
     daemon_factory, tmp_path, tier
 ):
     d = daemon_factory(LONG_GRACE)
-    args = ["--tier", tier, "--steps", "6", "--clip", "0.05", "--scaler", "--inf-step", "2"]
+    args = ["--tier", tier, "--steps", "6", "--clip", "0.05", "--scaler", "--inf-step", "2", "--reload"]
     assert finish(tmp_path, torchrun(tmp_path, 2, args, socket_path=d.socket_path)) == [0], logs(tmp_path)
     check_equal(tmp_path, 2, skipped=1)
+    # each rank's shard, and the full AdamW-format dict, loaded into a new job: the same state, bit for bit
+    assert all(r["reload_exact"] == [True, True] for r in results(tmp_path, 2)), results(tmp_path, 2)
     log = d.log_text()
     job = results(tmp_path, 2)[0]["job_id"]
     for r in range(2):

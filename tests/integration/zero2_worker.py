@@ -74,6 +74,7 @@ def main() -> int:
     ap.add_argument("--bucket-nbytes", type=int, default=4096)
     ap.add_argument("--job-id", default=None)
     ap.add_argument("--token", default=None)
+    ap.add_argument("--reload", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -124,6 +125,31 @@ def main() -> int:
         socket=opt.inner.client.socket_path if opt.inner is not None else None,
     )
     full = opt.full_state_dict()
+    if args.reload:  # the shard and the full dict, each loaded into a new job's optimizer, give the same state
+        shard = opt.state_dict()
+        exact = []
+        for saved in (shard, full):
+            again = ShardedOffloadAdam(
+                model.parameters(),
+                lr=2e-2,
+                weight_decay=0.01,
+                offload=args.tier,
+                bucket_nbytes=args.bucket_nbytes,
+                broadcast_params=False,
+                job_id=f"{opt.job_id}-reload",
+            )
+            again.load_state_dict(saved)
+            back = again.full_state_dict()
+            exact.append(
+                back["state"].keys() == full["state"].keys()
+                and all(
+                    torch.equal(back["state"][i][k], full["state"][i][k])
+                    for i in full["state"]
+                    for k in full["state"][i]
+                )
+            )
+            again.close()
+        result["reload_exact"] = exact
     if rank == 0:
         ref = make_model(7)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=2e-2, weight_decay=0.01)
