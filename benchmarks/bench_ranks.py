@@ -15,7 +15,9 @@ Per step, medians after ``--warmup`` (all ranks start a step together, after
 a barrier; a step's figure is its slowest rank's):
 
 - ``update``: tiermem: the time of the daemon's update of the shards (the
-  ``OffloadAdam.step`` inside ``ShardedOffloadAdam.step``); peer: ``opt.step()``;
+  ``OffloadAdam.step`` inside ``ShardedOffloadAdam.step``, followed here by a
+  barrier, so that a rank whose shard is done waits instead of copying its
+  slice for the all-gather beside the update of the others); peer: ``opt.step()``;
 - ``step``: tiermem's whole ``ShardedOffloadAdam.step`` (reduce-scatter,
   statistics, update, all-gather);
 - ``daemon cpu``: the daemon process's CPU time per step (all its threads, from ``schedstat``).
