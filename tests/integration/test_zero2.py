@@ -93,7 +93,7 @@ def check_equal(tmp: Path, world: int, *, skipped: int = 0) -> dict[str, Any]:
     assert "param_diff" in first, (ranks, logs(tmp))
     assert first["moved"] > 1e-2, "training did not move the params"
     assert first["param_diff"] <= TOLERANCE and first["state_diff"] <= TOLERANCE, first
-    assert first["step_equal"], first
+    assert first["step_equal"] and first["same_params_with_state"], first
     assert all(r["skipped"] == skipped for r in ranks), ranks
     assert first["ref_skipped"] == skipped and first["scale"] == first["ref_scale"], first
     assert len({r["job_id"] for r in ranks}) == 1

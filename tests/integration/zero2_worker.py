@@ -30,15 +30,26 @@ from tiermem.errors import RankLost
 DIM, HIDDEN, BATCH = 24, 40, 16
 
 
+class Net(torch.nn.Module):
+    """An MLP and a layer the forward never uses: its params get no grad on any rank, so torch's AdamW
+    neither steps them nor keeps state for them, and neither may the sharded optimizer (weight decay
+    would shrink them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(DIM, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh()
+        )
+        self.spare = torch.nn.Linear(5, 5)
+        self.head = torch.nn.Linear(HIDDEN, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
 def make_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(DIM, HIDDEN),
-        torch.nn.Tanh(),
-        torch.nn.Linear(HIDDEN, HIDDEN),
-        torch.nn.Tanh(),
-        torch.nn.Linear(HIDDEN, 1),
-    )
+    return Net()
 
 
 def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +192,7 @@ def main() -> int:
             for i in ref_state
             for k in ("exp_avg", "exp_avg_sq")
         )
+        result["same_params_with_state"] = sorted(full["state"]) == sorted(ref_state)
         result["step_equal"] = all(float(full["state"][i]["step"]) == float(ref_state[i]["step"]) for i in ref_state)
         result["ref_skipped"] = skipped
         result["scale"] = scaler.get_scale() if scaler is not None else None
