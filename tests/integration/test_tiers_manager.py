@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiermem.errors import CorruptionError, PoolExhausted
+from tiermem.errors import CorruptionError, InvalidState, PoolExhausted
 from tiermem.pool import BufferPool
 from tiermem.swap.engine_libaio import LibaioEngine
 from tiermem.swap.store import SwapStore
@@ -146,6 +146,32 @@ def test_acquiring_more_than_the_budget_at_once_is_refused(engine: LibaioEngine,
         pytest.fail("acquire did not refuse a tensor that cannot fit next to the ones in use")
     finally:
         manager.release("t0")
+        manager.close()
+        store.close(remove=True)
+        pool.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_pager_thread_that_dies_fails_its_waiters_instead_of_hanging_them(
+    engine: LibaioEngine, swap_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    budget = STATE_NBYTES // 4
+    pool, store, manager = make(engine, swap_dir, budget, 2 * MiB)
+    try:
+        one_pass(manager, 1, budget)
+        one_pass(manager, 2, budget)
+        paged = [k for k in KEYS if manager.record(k).state is TensorState.NVME]
+        assert paged, "nothing was paged out"
+
+        def broken_plan() -> None:
+            raise RuntimeError("a bug in the pager")
+
+        monkeypatch.setattr(manager, "_plan", broken_plan)
+        with pytest.raises(InvalidState, match=r"pager thread failed .*a bug in the pager"):
+            manager.acquire(paged[0])
+        with pytest.raises(InvalidState, match="pager thread failed"):  # and every later wait, at once
+            manager.acquire(paged[-1])
+    finally:
         manager.close()
         store.close(remove=True)
         pool.close()

@@ -100,6 +100,8 @@ class TierManager:
         self._completions: deque[Callable[[], None]] = deque()
         self._kicked = False
         self._closed = False
+        self._crashed: BaseException | None = None
+        """Why the pager thread ended with an error (then every wait for it fails at once, naming it)."""
         self._counts: dict[str, Any] = dict.fromkeys(
             (
                 "acquires",
@@ -181,6 +183,7 @@ class TierManager:
                         break
                     if self._closed:
                         raise InvalidState("the tier manager is closed")
+                    self._check_pager()
                     if record.state in (T.NVME, T.EMPTY):
                         self._demand.setdefault(key, None)
                     self._kick_locked()
@@ -491,7 +494,24 @@ class TierManager:
 
     # ------------------------------------------------------------------ pager thread
 
+    def _check_pager(self) -> None:
+        """Raise if the pager thread died (under the lock): nothing would ever page for a waiter."""
+        if self._crashed is not None:
+            raise InvalidState(
+                f"the tier manager's pager thread failed ({type(self._crashed).__name__}: {self._crashed}); "
+                "state on NVMe can no longer be paged in (see the daemon's log for the traceback)"
+            ) from self._crashed
+
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug: every waiter must hear of it, not wait forever
+            log.exception("the tier manager's pager thread failed")
+            with self._cond:
+                self._crashed = exc
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._kicked and not self._completions and not self._closed:
