@@ -47,6 +47,7 @@ def torchrun(
 ) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
     env["TMPDIR"] = str(tmp)
+    env["TIERMEM_SECRET_FILE"] = str(tmp / "job-secret")  # the user's job secret, kept out of the home directory
     if socket_path is not None:
         env["TIERMEM_SOCKET_PATH"] = socket_path
     env["TIERMEM_NO_EMBED"] = "1" if socket_path else "0"
@@ -152,7 +153,7 @@ def test_without_a_node_daemon_the_ranks_of_a_node_share_one_private_daemon(tmp_
 
 def test_a_rank_killed_mid_step_fails_the_others_with_rank_lost_and_a_relaunch_continues(daemon_factory, tmp_path):
     d = daemon_factory(LONG_GRACE)
-    ident = ["--job-id", "zero2-kill", "--token", "ab" * 16]
+    ident = ["--job-id", "zero2-kill"]  # as torchrun's run id: the relaunch derives the same token
     t0 = time.monotonic()
     proc = torchrun(tmp_path, 2, ["--steps", "6", "--kill-step", "3", *ident], socket_path=d.socket_path)
     finish(tmp_path, proc)

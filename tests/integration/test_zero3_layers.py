@@ -38,7 +38,12 @@ def expected_trace(rank: int, overlapped: bool) -> list[list[object]]:
 def test_four_layers_on_four_ranks_follow_the_example_step_by_step(daemon_factory, tmp_path):
     d = daemon_factory({"jobs": {"grace_period_s": 60.0, "max_jobs": 16}})
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
-    env.update(TIERMEM_SOCKET_PATH=d.socket_path, TIERMEM_NO_EMBED="1", TMPDIR=str(tmp_path))
+    env.update(
+        TIERMEM_SOCKET_PATH=d.socket_path,
+        TIERMEM_NO_EMBED="1",
+        TMPDIR=str(tmp_path),
+        TIERMEM_SECRET_FILE=str(tmp_path / "job-secret"),
+    )
     out = tmp_path / "zero3.json"
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", WORKER,

@@ -28,10 +28,11 @@ the daemon adopts what differs from its master.  Grads are reduced at
 ``no_sync``); clip with ``max_grad_norm=`` (``clip_grad_norm_`` on the local,
 unreduced grads would clip with the wrong norm).
 
-Identity: the job id is the launcher's rendezvous id (``TORCHELASTIC_RUN_ID``,
-set by ``torchrun``) or one rank 0 draws, and rank 0 draws the token; both are
-broadcast over the process group before any rank attaches, so the ranks attach
-in any order (``ATTACH.create``).  With no node daemon, the first rank of each
+Identity (``identity``): the job id is the launcher's rendezvous id
+(``TORCHELASTIC_RUN_ID``, set by ``torchrun``) or one rank 0 draws, and the
+token is derived from it and the user's secret, so a relaunch of the run finds
+its state; rank 0 broadcasts both before any rank attaches, so the ranks
+attach in any order (``ATTACH.create``).  With no node daemon, the first rank of each
 node starts a private one sized for the node's ranks and the node's other
 ranks connect to it.  A collective that fails (a rank died, a timeout) raises
 ``RankLost`` naming the phase; the state of this rank is then at its last
@@ -47,9 +48,6 @@ loads; ``load_state_dict`` takes either.
 from __future__ import annotations
 
 import math
-import os
-import secrets
-import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -58,6 +56,7 @@ import torch.distributed as dist
 
 from tiermem import dtypes
 from tiermem.client import Client
+from tiermem.distributed.identity import agree_identity
 from tiermem.distributed.layout import Piece, ShardLayout, plan_shards
 from tiermem.distributed.node import node_client
 from tiermem.errors import DTypeError, InvalidArgument, InvalidState, RankLost
@@ -281,15 +280,8 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                 )
 
     def _identity(self, job_id: str | None, token: str | None) -> tuple[str, str]:
-        """Rank 0's job id and token, broadcast: the launcher's run id, or a fresh one."""
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        proposal = [
-            job_id or (f"torchrun-{run_id}" if run_id and run_id != "none" else f"dist-{uuid.uuid4().hex[:16]}"),
-            token or secrets.token_hex(16),
-        ]
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        self._collective("broadcast of the job id", dist.broadcast_object_list, proposal, src=src)
-        return str(proposal[0]), str(proposal[1])
+        """Rank 0's job id and token, broadcast (``tiermem.distributed.identity``)."""
+        return agree_identity(self._collective, self.process_group, self.rank, job_id, token)
 
     def _agree(self, what: str, action: Callable[[], None]) -> None:
         """Run ``action`` on every rank; if it fails on any, every rank raises (none hangs in a collective)."""
@@ -327,7 +319,8 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
 
     @property
     def token(self) -> str:
-        """The job token: give it to ``ShardedOffloadAdam(token=...)`` when relaunching to reattach."""
+        """The job token.  A relaunch of the same run derives it again (``identity``); pass it as ``token=``
+        only where the user's job secret is not available."""
         return self._token
 
     @property

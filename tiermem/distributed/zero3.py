@@ -31,8 +31,6 @@ used once per forward.
 
 from __future__ import annotations
 
-import secrets
-import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -41,6 +39,7 @@ import torch.distributed as dist
 
 from tiermem import dtypes
 from tiermem.client import Client
+from tiermem.distributed.identity import agree_identity
 from tiermem.distributed.node import node_client
 from tiermem.errors import InvalidArgument, InvalidState, RankLost
 from tiermem.modes import Placement
@@ -113,8 +112,7 @@ class LayerShardedAdam:
         for u in mine:
             self._entry_of[u.index] = list(range(len(flat_pieces), len(flat_pieces) + len(u.params)))
             flat_pieces += self._pieces[u.index]
-        ident = [job_id or f"zero3-{uuid.uuid4().hex[:16]}", token or secrets.token_hex(16)]
-        self._collective("broadcast of the job id", dist.broadcast_object_list, ident, src=src)
+        ident = agree_identity(self._collective, process_group, self.rank, job_id, token)
         self.inner: OffloadAdam | None = None
         if client is None:
             client = node_client(
