@@ -20,7 +20,10 @@ command line (``gpu_check.json``), a table on stdout:
    a quarter of its params, against the same optimizer without paging: the
    largest difference of the params after the steps, the pager's peak of
    materialized params, and ``torch.cuda.max_memory_allocated`` over the paged
-   steps against the unpaged ones.
+   steps against the unpaged ones;
+5. sharded: ``tiermem.distributed.ShardedOffloadAdam`` in a one-rank NCCL
+   process group on the GPU (collectives and statistics on device tensors),
+   with clipping, against ``torch.optim.AdamW`` + ``clip_grad_norm_``.
 
     python benchmarks/gpu_check.py OUT_DIR [--steps 20]
 
@@ -233,6 +236,47 @@ def paging(socket: str, steps: int) -> dict[str, Any]:
     return out
 
 
+def sharded(socket: str, steps: int, device: str = "cuda", backend: str = "nccl") -> dict[str, Any]:
+    """``ShardedOffloadAdam`` in a one-rank process group on ``device``: reduce-scatter, statistics and
+    all-gather on device tensors, the shard's grads and params copied between the device and the daemon's
+    storage, with clipping; against ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the same device."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from tiermem.distributed import ShardedOffloadAdam
+
+    data = batches(steps, 64, device)
+    base = mlp(64, 3).to(device)
+    with tempfile.NamedTemporaryFile(prefix="tiermem-gpu-check-") as rendezvous:
+        dist.init_process_group(backend, init_method=f"file://{rendezvous.name}", rank=0, world_size=1)
+        try:
+            ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+            opt = ShardedOffloadAdam(ours.parameters(), lr=1e-3, max_grad_norm=0.5, client=connect(socket))
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+            t0 = time.perf_counter()
+            for x, y in data:
+                F.mse_loss(ours(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            seconds = time.perf_counter() - t0
+            for x, y in data:
+                F.mse_loss(ref(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+                ref_opt.step()
+                ref_opt.zero_grad()
+            result = {
+                "backend": backend,
+                "max_param_diff": max_diff(ours, ref),
+                "last_grad_norm": opt.last_grad_norm,
+                "step_ms": seconds / steps * 1e3,
+            }
+            opt.close()
+            return result
+        finally:
+            dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
@@ -254,6 +298,7 @@ def main() -> None:
             "bandwidth": lambda: bandwidth(owner.socket_path),
             "overlap": lambda: overlap(owner.socket_path, args.steps),
             "paging": lambda: paging(owner.socket_path, args.steps),
+            "sharded": lambda: sharded(owner.socket_path, args.steps),
         }
         for name, fn in parts.items():
             try:
