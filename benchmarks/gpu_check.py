@@ -248,8 +248,8 @@ def sharded(socket: str, steps: int, device: str = "cuda", backend: str = "nccl"
 
     data = batches(steps, 64, device)
     base = mlp(64, 3).to(device)
-    with tempfile.NamedTemporaryFile(prefix="tiermem-gpu-check-") as rendezvous:
-        dist.init_process_group(backend, init_method=f"file://{rendezvous.name}", rank=0, world_size=1)
+    with tempfile.TemporaryDirectory(prefix="tiermem-gpu-check-") as where:
+        dist.init_process_group(backend, init_method=f"file://{where}/rendezvous", rank=0, world_size=1)
         try:
             ours, ref = copy.deepcopy(base), copy.deepcopy(base)
             opt = ShardedOffloadAdam(ours.parameters(), lr=1e-3, max_grad_norm=0.5, client=connect(socket))

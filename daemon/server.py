@@ -585,14 +585,26 @@ class Server:
                 ),
             )
             self._sessions[session.id] = session
-        set_send_timeout(peer.frames.sock, self.config.send_timeout_s)
-        if peer.pidfd is not None:
-            self._selector.register(peer.pidfd, selectors.EVENT_READ, session)
-            os.write(self._wake_w, b"x")
-        thread = threading.Thread(
-            target=self._serve, args=(session,), name=f"tiermemd-session-{session.id}", daemon=True
-        )
-        thread.start()
+        try:
+            set_send_timeout(peer.frames.sock, self.config.send_timeout_s)
+            if peer.pidfd is not None:
+                self._selector.register(peer.pidfd, selectors.EVENT_READ, session)
+                with contextlib.suppress(BlockingIOError):  # a full wake pipe: the watcher is awake already
+                    os.write(self._wake_w, b"x")
+            thread = threading.Thread(
+                target=self._serve, args=(session,), name=f"tiermemd-session-{session.id}", daemon=True
+            )
+            thread.start()
+        except BaseException:
+            # no thread serves it: undo the admission, or its slot and its session stay forever
+            self.forget_pidfd(session)
+            session.close_peer()
+            if session.beacon is not None:
+                self.health.forget(session.beacon)
+            with self._lock:
+                self._sessions.pop(session.id, None)
+                self._forget_uid(cred.uid)
+            raise
 
     def _hung_up(self, uid: int) -> int:
         """How many of ``uid``'s sessions have a peer that already hung up (under the lock).

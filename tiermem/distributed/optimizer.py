@@ -69,6 +69,9 @@ from tiermem.units import MiB
 __all__ = ["ShardedOffloadAdam"]
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "maximize", "adamw")
+# torch 2.13 renamed the tensor collectives (the old names warn); older releases have only the old ones
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ShardedOffloadAdam(torch.optim.Optimizer):
@@ -424,7 +427,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                     dst.copy_(grad.reshape(-1))
             flat[bucket.numel :].zero_()
             out = self._slice[: bucket.slice_numel]
-            self._collective("reduce-scatter", dist.reduce_scatter_tensor, out, flat)
+            self._collective("reduce-scatter", _REDUCE_SCATTER, out, flat)
             if self.world_size > 1:
                 out.div_(self.world_size)
             if stats is not None:
@@ -442,7 +445,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                 piece = self.pieces[i]
                 mine[piece.at : piece.at + piece.numel].copy_(self._piece_params[i].detach())
             flat = self._flat[: self.layout.padded_numel(bucket)]
-            self._collective("all-gather", dist.all_gather_into_tensor, flat, mine)
+            self._collective("all-gather", _ALL_GATHER, flat, mine)
             for index, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p = params[index]
                 p.data.copy_(flat[offset : offset + p.numel()].view(p.shape))
@@ -504,7 +507,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                     entry = inner_state.get(i)
                     if entry is not None:
                         mine[piece.at : piece.at + piece.numel].copy_(entry[key].reshape(-1))
-                self._collective("gather of the state", dist.all_gather_into_tensor, flat, mine)
+                self._collective("gather of the state", _ALL_GATHER, flat, mine)
                 for index, offset in zip(bucket.params, bucket.offsets, strict=True):
                     if index in out:
                         numel = math.prod(self._shapes[index])

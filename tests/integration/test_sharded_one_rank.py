@@ -1,0 +1,137 @@
+"""``ShardedOffloadAdam`` in a one-rank gloo group inside the test process, against a real daemon.
+
+The many-rank runs are ``test_zero2.py`` (torchrun); these check what does
+not need several ranks, quickly: the errors a user meets, in-place edits of
+params between steps, and checkpoints into and out of ``torch.optim.AdamW``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tiermem.client import connect
+from tiermem.distributed import ShardedGradScaler, ShardedOffloadAdam
+from tiermem.errors import InvalidArgument, InvalidState
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
+
+
+def loss_of(m: torch.nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 6, generator=g)
+    return m(x).pow(2).mean()
+
+
+def biggest_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_it_needs_an_initialised_process_group():
+    with pytest.raises(InvalidState, match=r"torch\.distributed initialised"):
+        ShardedOffloadAdam(model().parameters())
+
+
+def test_a_plain_grad_scaler_is_refused_naming_the_sharded_one(daemon, group):
+    m = model()
+    opt = ShardedOffloadAdam(m.parameters(), client=connect(daemon.socket_path))
+    try:
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(loss_of(m, 0)).backward()
+        with pytest.raises(InvalidState, match="ShardedGradScaler"):
+            scaler.step(opt)
+        good = ShardedGradScaler("cpu")
+        opt.zero_grad()
+        good.scale(loss_of(m, 0)).backward()
+        good.step(opt)
+        good.update()
+        assert opt.steps == 1 and not opt.last_found_inf
+    finally:
+        opt.close()
+
+
+def test_params_edited_in_place_between_steps_are_honoured_as_in_adamw(daemon, group):
+    ours, ref = model(), model()
+    opt = ShardedOffloadAdam(ours.parameters(), lr=0.05, client=connect(daemon.socket_path))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    try:
+        for step in range(4):
+            for m, o in ((ours, opt), (ref, ref_opt)):
+                loss_of(m, step).backward()
+                o.step()
+                o.zero_grad()
+                with torch.no_grad():
+                    for p in m.parameters():
+                        p.clamp_(-0.1, 0.1)  # WGAN's clip, in place, between steps
+        assert biggest_diff(ours, ref) <= 1e-6
+    finally:
+        opt.close()
+
+
+def test_checkpoints_go_to_and_come_from_torch_adamw(daemon, group):
+    ours, ref = model(), model()
+    opt = ShardedOffloadAdam(ours.parameters(), lr=0.02, client=connect(daemon.socket_path))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02)
+    try:
+        for step in range(3):
+            for m, o in ((ours, opt), (ref, ref_opt)):
+                loss_of(m, step).backward()
+                o.step()
+                o.zero_grad()
+        full = opt.full_state_dict()
+        into_torch = torch.optim.AdamW(copy.deepcopy(ref).parameters(), lr=0.02)
+        into_torch.load_state_dict(full)
+        for i, entry in ref_opt.state_dict()["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.allclose(into_torch.state_dict()["state"][i][key], entry[key], atol=1e-7)
+        # and back: torch's checkpoint loaded into a sharded optimizer continues as torch does
+        opt.load_state_dict(ref_opt.state_dict())
+        for step in range(3, 5):
+            for m, o in ((ours, opt), (ref, ref_opt)):
+                loss_of(m, step).backward()
+                o.step()
+                o.zero_grad()
+        assert biggest_diff(ours, ref) <= 1e-6
+    finally:
+        opt.close()
+
+
+def test_a_shard_of_another_layout_is_refused_before_anything_changes(daemon, group):
+    m = model()
+    opt = ShardedOffloadAdam(m.parameters(), client=connect(daemon.socket_path))
+    try:
+        loss_of(m, 0).backward()
+        opt.step()
+        saved = opt.state_dict()
+        before = opt.full_state_dict()
+        wrong = copy.deepcopy(saved)
+        wrong["shard"]["world_size"] = 2
+        with pytest.raises(InvalidArgument, match="rank 0 of 2"):
+            opt.load_state_dict(wrong)
+        wrong = copy.deepcopy(saved)
+        wrong["shard"]["layout"] = (1, (3,), ((0,),))
+        with pytest.raises(InvalidArgument, match="another layout"):
+            opt.load_state_dict(wrong)
+        after = opt.full_state_dict()
+        assert all(
+            torch.equal(before["state"][i][k], after["state"][i][k]) for i in before["state"] for k in ("exp_avg",)
+        )
+    finally:
+        opt.close()
