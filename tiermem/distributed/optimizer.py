@@ -61,9 +61,9 @@ from tiermem.distributed.layout import Piece, ShardLayout, plan_shards
 from tiermem.distributed.node import node_client
 from tiermem.errors import DTypeError, InvalidArgument, InvalidState, RankLost
 from tiermem.modes import Exchange, Placement
-from tiermem.offload.args import check_hyper, check_torch_flags
+from tiermem.offload.args import check_hyper, check_torch_flags, optimizer_defaults
 from tiermem.offload.optimizer import OffloadAdam
-from tiermem.offload.transfer import plan_load
+from tiermem.offload.transfer import adopt_saved_groups, packed_groups, plan_load
 from tiermem.units import MiB
 
 __all__ = ["ShardedOffloadAdam"]
@@ -117,20 +117,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if bucket_nbytes <= 0:
             raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
-        defaults = {
-            "lr": hyper.lr,
-            "betas": hyper.betas,
-            "eps": hyper.eps,
-            "weight_decay": hyper.weight_decay,
-            "amsgrad": False,
-            "foreach": foreach,
-            "maximize": maximize,
-            "capturable": False,
-            "differentiable": False,
-            "fused": fused,
-            "adamw": adamw,
-            "decoupled_weight_decay": adamw,
-        }
+        defaults = optimizer_defaults(hyper, foreach=foreach, maximize=maximize, fused=fused, adamw=adamw)
         super().__init__(params, defaults)
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
@@ -459,21 +446,11 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- checkpoints
 
-    def _packed_groups(self) -> list[dict[str, Any]]:
-        groups = []
-        index = 0
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = list(range(index, index + len(group["params"])))
-            index += len(group["params"])
-            groups.append(packed)
-        return groups
-
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: its pieces' Adam state (``OffloadAdam``'s format) and the layout it belongs to."""
         return {
             "state": {},
-            "param_groups": self._packed_groups(),
+            "param_groups": packed_groups(self.param_groups),
             "shard": {
                 "rank": self.rank,
                 "world_size": self.world_size,
@@ -512,7 +489,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                     if index in out:
                         numel = math.prod(self._shapes[index])
                         out[index][key] = flat[offset : offset + numel].view(self._shapes[index]).cpu().clone()
-        return {"state": out, "param_groups": self._packed_groups()}
+        return {"state": out, "param_groups": packed_groups(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A shard saved by ``state_dict()`` (same layout), or a full ``torch.optim.AdamW``-format dict
@@ -530,15 +507,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         else:
             loads = plan_load(state_dict, self.param_groups, [math.prod(s) for s in self._shapes])
             inner = self._pieces_of(loads)
-        for mine, saved in zip(self.param_groups, groups, strict=True):
-            for name in ("lr", "betas", "eps", "weight_decay", "maximize"):
-                if name in saved:
-                    mine[name] = tuple(saved[name]) if name == "betas" else saved[name]
-            if "adamw" in saved:
-                mine["adamw"] = bool(saved["adamw"])
-            elif "decoupled_weight_decay" in saved:
-                mine["adamw"] = bool(saved["decoupled_weight_decay"])
-            mine["decoupled_weight_decay"] = mine["adamw"]
+        adopt_saved_groups(self.param_groups, groups)
         if self.inner is not None and inner is not None:
             for g, ig in self._inner_of_group.items():
                 for key in _HYPER:

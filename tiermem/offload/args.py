@@ -28,6 +28,7 @@ from tiermem.units import PAGE_SIZE, MiB, align_up
 
 __all__ = [
     "Hyper",
+    "optimizer_defaults",
     "PoolPlan",
     "check_hyper",
     "check_torch_flags",
@@ -37,6 +38,27 @@ __all__ = [
 ]
 
 ADAMW_WEIGHT_DECAY = 1e-2
+
+
+def optimizer_defaults(
+    hyper: Hyper, *, foreach: bool | None, maximize: bool, fused: bool | None, adamw: bool
+) -> dict[str, object]:
+    """A param group's defaults in ``torch.optim.AdamW``'s keys (``amsgrad``, ``capturable`` and
+    ``differentiable`` always False: refused by ``check_torch_flags``), plus ``adamw``."""
+    return {
+        "lr": hyper.lr,
+        "betas": hyper.betas,
+        "eps": hyper.eps,
+        "weight_decay": hyper.weight_decay,
+        "amsgrad": False,
+        "foreach": foreach,
+        "maximize": maximize,
+        "capturable": False,
+        "differentiable": False,
+        "fused": fused,
+        "adamw": adamw,
+        "decoupled_weight_decay": adamw,
+    }
 
 
 @dataclass(frozen=True)

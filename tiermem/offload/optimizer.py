@@ -56,7 +56,7 @@ from tiermem import dtypes
 from tiermem.client import Client, connect
 from tiermem.errors import DTypeError, InvalidArgument, InvalidState, ProtocolError, TiermemError
 from tiermem.modes import Exchange, Placement, StepMode
-from tiermem.offload.args import check_hyper, check_torch_flags, private_pool_plan, step_mode
+from tiermem.offload.args import check_hyper, check_torch_flags, optimizer_defaults, private_pool_plan, step_mode
 from tiermem.offload.eager import eager_under_compile
 from tiermem.offload.feed import GradFeed, TensorEntry
 from tiermem.offload.paging import ParamPager
@@ -65,7 +65,7 @@ from tiermem.offload.resume import check_resume
 from tiermem.offload.staged import StagedEntry, StagedFeed
 from tiermem.offload.state_view import StateView
 from tiermem.offload.stats import OptimizerStats
-from tiermem.offload.transfer import PushItem, StateTransfer, plan_load
+from tiermem.offload.transfer import PushItem, StateTransfer, adopt_saved_groups, packed_groups, plan_load
 from tiermem.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
 from tiermem.units import MiB
 
@@ -153,20 +153,7 @@ class OffloadAdam(torch.optim.Optimizer):
             raise InvalidArgument(f"window_nbytes must be > 0 or None (the daemon's default), got {window_nbytes}")
         if bucket_nbytes <= 0:
             raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
-        defaults = {
-            "lr": hyper.lr,
-            "betas": hyper.betas,
-            "eps": hyper.eps,
-            "weight_decay": hyper.weight_decay,
-            "amsgrad": False,
-            "foreach": foreach,
-            "maximize": maximize,
-            "capturable": False,
-            "differentiable": False,
-            "fused": fused,
-            "adamw": adamw,
-            "decoupled_weight_decay": adamw,
-        }
+        defaults = optimizer_defaults(hyper, foreach=foreach, maximize=maximize, fused=fused, adamw=adamw)
         self._registered = False
         super().__init__(params, defaults)
         self.placement = placement
@@ -642,14 +629,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 continue
             entry = state.setdefault(index, {"step": torch.tensor(float(step))})
             entry[key] = values
-        groups = []
-        index = 0
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = list(range(index, index + len(group["params"])))
-            index += len(group["params"])
-            groups.append(packed)
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": packed_groups(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by ``OffloadAdam`` or ``torch.optim.Adam``/``AdamW``.
@@ -662,15 +642,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self.flush()
         self._abort_open()
         self._new_step()
-        for mine, saved in zip(self.param_groups, groups, strict=True):
-            for name in ("lr", "betas", "eps", "weight_decay", "maximize", "foreach", "fused"):
-                if name in saved:
-                    mine[name] = tuple(saved[name]) if name == "betas" else saved[name]
-            if "adamw" in saved:
-                mine["adamw"] = bool(saved["adamw"])
-            elif "decoupled_weight_decay" in saved:
-                mine["adamw"] = bool(saved["decoupled_weight_decay"])
-            mine["decoupled_weight_decay"] = mine["adamw"]
+        adopt_saved_groups(self.param_groups, groups)
         self.client.reset_state()
         keep_master = "master" in self.state_keys
         if isinstance(self.feed, StagedFeed):

@@ -22,6 +22,32 @@ from tiermem.protocol import MemRef, Message, StateChunk, StateRead, StateWrite
 __all__ = ["RING_SLOTS", "PullItem", "PushItem", "StateTransfer", "plan_load"]
 
 
+def packed_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``param_groups`` as ``torch.optim`` saves them: every setting, and the params as running indices."""
+    groups = []
+    index = 0
+    for group in param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = list(range(index, index + len(group["params"])))
+        index += len(group["params"])
+        groups.append(packed)
+    return groups
+
+
+def adopt_saved_groups(mine: Sequence[dict[str, Any]], saved: Sequence[dict[str, Any]]) -> None:
+    """Take the hyper-parameters of a loaded state dict's groups (checked by ``plan_load``) into ``mine``;
+    ``adamw`` from ``adamw`` or torch's ``decoupled_weight_decay``."""
+    for group, loaded in zip(mine, saved, strict=True):
+        for name in ("lr", "betas", "eps", "weight_decay", "maximize", "foreach", "fused"):
+            if name in loaded:
+                group[name] = tuple(loaded[name]) if name == "betas" else loaded[name]
+        if "adamw" in loaded:
+            group["adamw"] = bool(loaded["adamw"])
+        elif "decoupled_weight_decay" in loaded:
+            group["adamw"] = bool(loaded["decoupled_weight_decay"])
+        group["decoupled_weight_decay"] = group["adamw"]
+
+
 def plan_load(
     state_dict: Any, param_groups: Sequence[dict[str, Any]], numels: Sequence[int]
 ) -> list[tuple[int, dict[str, Any], int]]:
