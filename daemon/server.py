@@ -596,14 +596,7 @@ class Server:
             )
             thread.start()
         except BaseException:
-            # no thread serves it: undo the admission, or its slot and its session stay forever
-            self.forget_pidfd(session)
-            session.close_peer()
-            if session.beacon is not None:
-                self.health.forget(session.beacon)
-            with self._lock:
-                self._sessions.pop(session.id, None)
-                self._forget_uid(cred.uid)
+            self._drop(session)  # no thread serves it: else its slot and its session stay forever
             raise
 
     def _hung_up(self, uid: int) -> int:
@@ -635,13 +628,17 @@ class Server:
             session.serve(self.handlers, lambda: self.draining)
         finally:
             self.counters.disconnected(session.disconnect or DisconnectReason.CLIENT_CLOSED)
-            self.forget_pidfd(session)
-            session.close_peer()
-            if session.beacon is not None:
-                self.health.forget(session.beacon)
-            with self._lock:
-                self._sessions.pop(session.id, None)
-                self._forget_uid(session.cred.uid)
+            self._drop(session)
+
+    def _drop(self, session: Session) -> None:
+        """Close an admitted session and give its slot back."""
+        self.forget_pidfd(session)
+        session.close_peer()
+        if session.beacon is not None:
+            self.health.forget(session.beacon)
+        with self._lock:
+            self._sessions.pop(session.id, None)
+            self._forget_uid(session.cred.uid)
 
     def _forget_uid(self, uid: int) -> None:
         """One connection of ``uid`` fewer (under the lock)."""

@@ -296,15 +296,6 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         except (RuntimeError, dist.DistError) as exc:
             raise RankLost(during, self.rank, getattr(self, "_steps", 0), exc) from exc
 
-    def _max_over_ranks(self, value: int) -> int:
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self._stats_device)
-        self._collective("agreement on the step", dist.all_reduce, t, op=dist.ReduceOp.MAX)
-        return int(t.item())
-
-    @property
-    def _stats_device(self) -> torch.device:
-        return self.device if self.device.type != "cpu" else torch.device("cpu")
-
     # ----------------------------------------------------------------- properties
 
     @property
@@ -339,7 +330,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         self._check_params(params)
         need_norm = scaled or self.max_grad_norm is not None
         flags = [0.0] + [0.0 if p.grad is None else 1.0 for p in params]
-        stats = torch.tensor(flags, dtype=torch.float64).to(self._stats_device)
+        stats = torch.tensor(flags, dtype=torch.float64).to(self.device)
         grads = self._reduce_scatter(params, stats if need_norm else None)
         self._collective("statistics", dist.all_reduce, stats)
         values = stats.cpu()
@@ -441,9 +432,6 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         for piece, pp in zip(self.pieces, self._piece_params, strict=True):
             pp.data.copy_(params[piece.param].detach().reshape(-1)[piece.lo : piece.hi])
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
-
     # ----------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
@@ -464,7 +452,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         """Collective: the whole optimizer state in ``torch.optim.AdamW``'s format, on every rank."""
         keys = ["exp_avg", "exp_avg_sq"] + (["master"] if self.dtype.torch != torch.float32 else [])
         inner_state = self.inner.state_dict()["state"] if self.inner is not None else {}
-        steps = torch.zeros(len(self._shapes), dtype=torch.float64, device=self._stats_device)
+        steps = torch.zeros(len(self._shapes), dtype=torch.float64, device=self.device)
         for i, piece in enumerate(self.pieces):
             entry = inner_state.get(i)
             if entry is not None:
@@ -547,16 +535,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor):
                     cut[key] = value.detach().reshape(-1)[piece.lo : piece.hi].to("cpu", torch.float32).clone()
             state[i] = cut
-        groups = []
-        index = 0
-        for g, group in enumerate(self.param_groups):
-            if g not in self._inner_of_group:
-                continue
-            count = sum(1 for pc in self.pieces if _group_of(self.param_groups, pc.param) == g)
-            packed = {k: group[k] for k in _HYPER}
-            packed["params"] = list(range(index, index + count))
-            index += count
-            groups.append(packed)
+        groups = packed_groups(self.inner.param_groups) if self.inner is not None else []
         return {"state": state, "param_groups": groups}
 
     # ----------------------------------------------------------------- life
@@ -572,15 +551,6 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("ShardedOffloadAdam holds a connection to tiermemd; save full_state_dict() instead")
-
-
-def _group_of(groups: list[dict[str, Any]], param: int) -> int:
-    seen = 0
-    for g, group in enumerate(groups):
-        seen += len(group["params"])
-        if param < seen:
-            return g
-    raise InvalidArgument(f"param {param} is in no group")
 
 
 def _as_tuple(value: Any) -> Any:

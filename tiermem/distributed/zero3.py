@@ -100,7 +100,6 @@ class LayerShardedAdam:
         """With ``trace``: the last reduced (mean) grads of the units this rank owns, flat."""
         self._order: list[int] = []
         self._recording = True
-        self._pending: list[Any] = []
         src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
         for unit in self.units:  # one truth to start from: rank 0's values
             for p in unit.params:
