@@ -457,6 +457,9 @@ class OffloadAdam(torch.optim.Optimizer):
         before = conn.last_request_id
         try:
             done = self.client.step(msg)
+            # in the same try: an interrupt landing after the reply was read, before its outcome is recorded,
+            # must leave the step to be settled too (else the next step() sends an applied step again)
+            self._finish(done, ids, delayed)
         except KeyboardInterrupt:
             self._sent = _SentStep(step_no, attempt, ids, delayed, conn.last_request_id, before)
             raise
@@ -464,7 +467,6 @@ class OffloadAdam(torch.optim.Optimizer):
             self._open = None
             self._new_step()
             raise
-        self._finish(done, ids, delayed)
         return loss
 
     def _finish(self, done: StepDone, ids: list[int], delayed: bool) -> None:
@@ -528,6 +530,8 @@ class OffloadAdam(torch.optim.Optimizer):
             self._steps_sent = last
             if sent.delayed:
                 self._inflight = sent.ids
+            elif isinstance(self.feed, StagedFeed):
+                self.feed.pull_params(sent.ids)  # the applied step's params, which the interrupt kept out
             self._open = None
             self._new_step()
         elif self._open is not None and self._open.attempt == sent.attempt:
