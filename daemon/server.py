@@ -16,10 +16,12 @@ work never runs on these threads: it goes to the ``CpuScheduler``.
   ``_EXPLAINED_REFUSALS_PER_S`` refusals of one uid a second, a refusal is a
   close, so a storm costs the accept thread as little as possible; refusals
   are logged once per uid and reason, then summarised with counts every
-  ``_REFUSAL_LOG_EVERY_S``.  Admitted peers cost a thread (its stack is
-  virtual memory; a few pages are resident) and a receive buffer of anonymous
-  memory that is resident only where a frame touched it
-  (``tiermem.transport``), so a storm of connections is bounded by
+  ``_REFUSAL_LOG_EVERY_S``.  An admitted peer costs no thread until it
+  sends its first frame: its socket waits in the watcher's selector, and a
+  peer that hangs up before a word (a storm) is ended there.  A peer that
+  talks costs a thread (its stack is virtual memory; a few pages are
+  resident) and a receive buffer of anonymous memory that is resident only
+  where a frame touched it (``tiermem.transport``), so a storm of connections is bounded by
   ``server.max_connections_per_uid`` per uid (a session whose peer already
   hung up, its thread not yet ended, does not count) and costs little per connection
   (``benchmarks/bench_connections.py``).  The listen backlog is
@@ -226,9 +228,13 @@ class Session:
             why = "internal error (logged)"
             reason = DisconnectReason.INTERNAL_ERROR
         finally:
-            self.state = SessionState.CLOSED
-            self.disconnect = self.disconnect or reason
-            handlers.session_closed(self, self.close_reason or why)
+            self.end(handlers, why, reason)
+
+    def end(self, handlers: Handlers, why: str, reason: DisconnectReason) -> None:
+        """The session is over: its state, why, and the handlers told (once, from the thread that ends it)."""
+        self.state = SessionState.CLOSED
+        self.disconnect = self.disconnect or reason
+        handlers.session_closed(self, self.close_reason or why)
 
     def _refuse_draining(self, data: bytes) -> None:
         try:
@@ -378,8 +384,15 @@ class RefusalLog:
         return counts
 
 
+@dataclass(frozen=True)
+class _Silent:
+    """In the watcher's selector: an admitted connection that has not sent its first frame."""
+
+    session: Session
+
+
 class Server:
-    """Accepts connections on ``listener`` and runs a ``Session`` thread for each."""
+    """Accepts connections on ``listener`` and runs a ``Session`` thread for each that sends a frame."""
 
     def __init__(
         self, listener: Listener, handlers: Handlers, config: ServerConfig, health: Health | None = None
@@ -589,14 +602,44 @@ class Server:
             set_send_timeout(peer.frames.sock, self.config.send_timeout_s)
             if peer.pidfd is not None:
                 self._selector.register(peer.pidfd, selectors.EVENT_READ, session)
-                with contextlib.suppress(BlockingIOError):  # a full wake pipe: the watcher is awake already
-                    os.write(self._wake_w, b"x")
+            # no thread yet: the watcher starts one when the first frame (or the end of the stream) is there
+            self._selector.register(peer.fileno(), selectors.EVENT_READ, _Silent(session))
+            with contextlib.suppress(BlockingIOError):  # a full wake pipe: the watcher is awake already
+                os.write(self._wake_w, b"x")
+        except BaseException:
+            self._drop(session)  # nothing serves it: else its slot and its session stay forever
+            raise
+
+    def _first_frame(self, fd: int, session: Session) -> None:
+        """A silent admitted connection became readable (watcher thread): a frame starts its session thread;
+        a hang-up before any frame ends the session here, so a storm of connections costs no thread."""
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(fd)
+        try:
+            ready = bool(session.peer.frames.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:  # woken for nothing: keep waiting
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._selector.register(fd, selectors.EVENT_READ, _Silent(session))
+            return
+        except OSError:
+            ready = False
+        if not ready:
+            self.counters.accepted()
+            try:
+                session.end(
+                    self.handlers, "client closed the connection before a request", DisconnectReason.CLIENT_CLOSED
+                )
+            finally:
+                self.counters.disconnected(session.disconnect or DisconnectReason.CLIENT_CLOSED)
+                self._drop(session)
+            return
+        try:
             thread = threading.Thread(
                 target=self._serve, args=(session,), name=f"tiermemd-session-{session.id}", daemon=True
             )
             thread.start()
         except BaseException:
-            self._drop(session)  # no thread serves it: else its slot and its session stay forever
+            self._drop(session)
             raise
 
     def _hung_up(self, uid: int) -> int:
@@ -633,6 +676,10 @@ class Server:
     def _drop(self, session: Session) -> None:
         """Close an admitted session and give its slot back."""
         self.forget_pidfd(session)
+        with contextlib.suppress(KeyError, ValueError, OSError):  # still silent: the watcher no longer waits for it
+            key = self._selector.get_key(session.peer.fileno())
+            if isinstance(key.data, _Silent):
+                self._selector.unregister(key.fd)
         session.close_peer()
         if session.beacon is not None:
             self.health.forget(session.beacon)
@@ -655,6 +702,8 @@ class Server:
                 beacon.enter()
                 try:
                     for key, _ in events:
+                        if not self._current(key):
+                            continue  # its fd was closed by an earlier event of this batch (and maybe reused)
                         if key.data is None:
                             with contextlib.suppress(BlockingIOError):
                                 os.read(self._wake_r, 4096)
@@ -662,6 +711,8 @@ class Server:
                                 return
                         elif isinstance(key.data, socket.socket):
                             self._drop_refused(key.data)
+                        elif isinstance(key.data, _Silent):
+                            self._first_frame(key.fd, key.data.session)
                         else:
                             self._client_exited(key.fd, key.data)
                     now = time.monotonic()
@@ -673,6 +724,14 @@ class Server:
         finally:
             self.health.forget(beacon)
             self._close_lingering()
+
+    def _current(self, key: selectors.SelectorKey) -> bool:
+        """Whether ``key``, from the batch ``select`` returned, is still registered: handling an earlier event of
+        the batch may have closed its fd, and the accept thread registered a new socket under that number."""
+        try:
+            return self._selector.get_key(key.fd) is key
+        except (KeyError, ValueError):
+            return False
 
     def _client_exited(self, pidfd: int, session: Session) -> None:
         with contextlib.suppress(KeyError, ValueError):

@@ -78,7 +78,6 @@ def grown(before, after) -> list[str]:  # type: ignore[no-untyped-def]
     ]
 
 
-@pytest.mark.slow  # ~3 min here; and its daemon ended with 2 threads more than its baseline under load (open)
 def test_trainers_killed_at_random_points_leave_nothing_and_survivors_train_exactly(kill_daemon, capsys):
     figures = _flat(kill_daemon, capsys, "client kills", lambda: client_kills(kill_daemon, QUICK_KILLS, seed=1))
     assert figures["victim_errors"] == 0

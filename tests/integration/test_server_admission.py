@@ -11,6 +11,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,3 +86,55 @@ def test_a_busy_session_whose_client_hung_up_does_not_hold_a_slot(served) -> Non
             other.request(Ping())
     for sock in socks:
         sock.close()
+
+
+def _session_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("tiermemd-session-"))
+
+
+def _wait(cond, what: str, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_a_connection_costs_no_thread_until_it_sends_a_frame(served) -> None:
+    server, _handlers, path = served
+    silent = []
+    for _ in range(LIMIT):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect(path)
+        silent.append(sock)
+    _wait(lambda: len(server.sessions()) == LIMIT, "the silent connections to be admitted")
+    time.sleep(0.2)
+    assert _session_threads() == 0, "a connection that sent nothing got a thread"
+    # the first frame starts its thread, and it is answered
+    silent[0].send(encode_message(Ping(), 7))
+    _wait(lambda: _session_threads() == 1, "the talking connection's thread")
+    assert silent[0].recv(4096)
+    # a silent one that hangs up is ended without ever getting a thread, and gives its slot back
+    silent.pop().close()
+    _wait(lambda: len(server.sessions()) == LIMIT - 1, "the hung-up silent session to end")
+    assert _session_threads() == 1
+    with Connection.open(path, timeout_s=5.0) as conn:
+        assert conn.request(Ping()) == Pong()
+    for sock in silent:
+        sock.close()
+    _wait(lambda: not server.sessions(), "every session to end")
+    _wait(lambda: _session_threads() == 0, "the session threads to end")
+    after = server.stats()
+    # every admitted connection counted once as accepted and once as ended, silent or not
+    assert after.accepted == sum(n for _, n in after.disconnects) == LIMIT + 1
+
+
+def test_a_silent_connection_is_ended_when_the_server_closes_its_sessions(served) -> None:
+    server, _handlers, path = served
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(path)
+    _wait(lambda: len(server.sessions()) == 1, "the connection to be admitted")
+    server.close_sessions("test over", timeout_s=5.0)
+    assert not server.sessions()
+    assert sock.recv(16) == b""  # end of stream: the daemon closed it
+    sock.close()

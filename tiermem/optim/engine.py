@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ from tiermem.optim.kernels import (
     KernelSet,
     run_eager,
 )
+from tiermem.workers import started_pool
 
 __all__ = ["AdamEngine", "DEFAULT_WARMUP", "PendingUpdate", "kernel_key"]
 
@@ -119,7 +120,7 @@ class AdamEngine:
         self.min_piece_numel = min_piece_numel
         self.native = native and hasattr(torch, "_fused_adamw_")
         self._kernels = KernelSet(compile=compile, cache_dir=cache_dir or None)
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tiermem-adam") if self.threads > 1 else None
+        self._pool = started_pool(self.threads, "tiermem-adam") if self.threads > 1 else None
         self.warm_up(warmup)
 
     @classmethod

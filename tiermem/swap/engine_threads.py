@@ -15,10 +15,11 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from tiermem.errors import InvalidArgument, InvalidState
 from tiermem.swap.engine import IOOp, IORequest, Transfer
+from tiermem.workers import started_pool
 
 __all__ = ["ThreadEngine"]
 
@@ -32,7 +33,7 @@ class ThreadEngine:
         if threads <= 0:
             raise InvalidArgument(f"threads must be > 0, got {threads}")
         self._block_size = block_size
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiermem-io")
+        self._pool = started_pool(threads, "tiermem-io")
         self._closed = False
 
     @property
