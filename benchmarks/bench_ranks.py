@@ -12,7 +12,8 @@ The same global model (``--numel`` fp32 params) is sharded ZeRO-2 style over
   updates of ``cores`` threads each at once.
 
 Per step, medians after ``--warmup`` (all ranks start a step together, after
-a barrier; a step's figure is its slowest rank's):
+a barrier; a step's figure is its span over the ranks, from the first rank's
+start to the last rank's end on the machine's monotonic clock):
 
 - ``update``: tiermem: the time of the daemon's update of the shards (the
   ``OffloadAdam.step`` inside ``ShardedOffloadAdam.step``, followed here by a

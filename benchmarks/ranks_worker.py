@@ -4,8 +4,11 @@
 the node's tiermemd through ``ShardedOffloadAdam``.  ``--mode peer``: the rank
 updates its shard itself with ``torch.optim.AdamW(fused=True)`` using every
 core (``torch.set_num_threads(os.cpu_count())``), as DeepSpeed's per-rank CPU
-Adam does.  Every step starts after a barrier; a step's update time is the
-slowest rank's.  Rank 0 writes the medians as JSON.
+Adam does.  Every step starts after a barrier; a step's update time is its
+span on the node's one monotonic clock, from the first rank's start to the
+last rank's end (a rank's own duration would hide the time it waited to be
+scheduled at all, which is most of what oversubscription costs).  Rank 0
+writes the medians as JSON.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ def _cpu_s(pid: int) -> float:
     return total / 1e9
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+def _span(start: float, end: float) -> float:
+    """From the earliest ``start`` to the latest ``end`` over the ranks (``time.monotonic``: one clock for
+    every process of the machine)."""
+    t = torch.tensor([-start, end], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return float(t[1] + t[0])
 
 
 def main() -> None:
@@ -60,9 +65,9 @@ def main() -> None:
         opt: torch.optim.Optimizer = torch.optim.AdamW([shard], lr=1e-3, fused=True)
         for i in range(args.warmup + args.steps):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
             opt.step()
-            dt = _slowest(time.perf_counter() - t0)
+            dt = _span(t0, time.monotonic())
             if i >= args.warmup:
                 updates.append(dt)
                 steps.append(dt)
@@ -74,12 +79,12 @@ def main() -> None:
         inner = sharded.inner
         assert inner is not None
         inner_step = inner.step
-        box = {"update": 0.0}
+        box = {"start": 0.0, "end": 0.0}
 
         def timed_step() -> None:
-            t0 = time.perf_counter()
+            box["start"] = time.monotonic()
             inner_step()
-            box["update"] = time.perf_counter() - t0
+            box["end"] = time.monotonic()
             dist.barrier()  # ranks done first wait here, not in the all-gather's copies beside the others' update
 
         inner.step = timed_step  # type: ignore[method-assign]
@@ -88,10 +93,10 @@ def main() -> None:
                 p.grad = torch.full_like(p, 1e-3)
             dist.barrier()
             c0 = _cpu_s(args.daemon_pid) if rank == 0 and args.daemon_pid else 0.0
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
             sharded.step()
-            step_s = _slowest(time.perf_counter() - t0)
-            update_s = _slowest(box["update"])
+            step_s = _span(t0, time.monotonic())
+            update_s = _span(box["start"], box["end"])
             if i >= args.warmup:
                 updates.append(update_s)
                 steps.append(step_s)

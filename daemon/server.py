@@ -26,7 +26,7 @@ work never runs on these threads: it goes to the ``CpuScheduler``.
   hung up, its thread not yet ended, does not count) and costs little per connection
   (``benchmarks/bench_connections.py``).  The listen backlog is
   ``transport.LISTEN_BACKLOG`` and clients' connects wait for room in it.
-- The watcher thread polls every session's pidfd: when a client process exits
+- The watcher thread polls every talking session's pidfd: when a client process exits
   (even if a forked DataLoader worker still holds its socket), the session is
   shut down, which wakes its thread with end-of-stream, and the service aborts
   its queued work and releases its pins.  It wakes at least every
@@ -581,31 +581,21 @@ class Server:
             )
             return
         try:
-            peer = self.listener.peer(conn, cred)
+            peer = self.listener.peer(conn, cred, watch=False)
         except BaseException:
             with self._lock:
                 self._forget_uid(cred.uid)
             raise
         with self._lock:
-            session_id = next(self._ids)
-            session = Session(
-                session_id,
-                peer,
-                max_oneway=self.config.max_inflight,
-                counters=self.counters,
-                beacon=self.health.register(
-                    f"tiermemd-session-{session_id} (pid {cred.pid}, uid {cred.uid})", kind="session"
-                ),
-            )
+            session = Session(next(self._ids), peer, max_oneway=self.config.max_inflight, counters=self.counters)
             self._sessions[session.id] = session
         try:
-            set_send_timeout(peer.frames.sock, self.config.send_timeout_s)
-            if peer.pidfd is not None:
-                self._selector.register(peer.pidfd, selectors.EVENT_READ, session)
-            # no thread yet: the watcher starts one when the first frame (or the end of the stream) is there
+            # no thread, pidfd or beacon yet: the watcher gives them when the first frame is there, and ends
+            # a session that hangs up before one (epoll sees a registration at once; other selectors are woken)
             self._selector.register(peer.fileno(), selectors.EVENT_READ, _Silent(session))
-            with contextlib.suppress(BlockingIOError):  # a full wake pipe: the watcher is awake already
-                os.write(self._wake_w, b"x")
+            if not isinstance(self._selector, selectors.EpollSelector):
+                with contextlib.suppress(BlockingIOError):  # a full wake pipe: the watcher is awake already
+                    os.write(self._wake_w, b"x")
         except BaseException:
             self._drop(session)  # nothing serves it: else its slot and its session stay forever
             raise
@@ -634,6 +624,14 @@ class Server:
                 self._drop(session)
             return
         try:
+            peer, cred = session.peer, session.cred
+            set_send_timeout(peer.frames.sock, self.config.send_timeout_s)
+            peer.watch()
+            if peer.pidfd is not None:
+                self._selector.register(peer.pidfd, selectors.EVENT_READ, session)
+            session.beacon = self.health.register(
+                f"tiermemd-session-{session.id} (pid {cred.pid}, uid {cred.uid})", kind="session"
+            )
             thread = threading.Thread(
                 target=self._serve, args=(session,), name=f"tiermemd-session-{session.id}", daemon=True
             )

@@ -426,6 +426,12 @@ class Peer:
     def fileno(self) -> int:
         return self.frames.fileno()
 
+    def watch(self) -> None:
+        """Open the pidfd watching the peer's process (none when it is already gone: its socket reads EOF)."""
+        if self.pidfd is None:
+            with contextlib.suppress(OSError):
+                self.pidfd = open_peer_pidfd(self.frames.sock, self.cred.pid)
+
     def set_blocking(self, blocking: bool) -> None:
         self.frames.set_blocking(blocking)
 
@@ -476,14 +482,14 @@ class Listener:
             conn.close()
             raise
 
-    def peer(self, conn: socket.socket, cred: PeerCred) -> Peer:
-        """The second half of ``accept`` for an admitted connection: its frames and a pidfd watching it."""
+    def peer(self, conn: socket.socket, cred: PeerCred, *, watch: bool = True) -> Peer:
+        """The second half of ``accept`` for an admitted connection: its frames and (``watch``) a pidfd
+        watching it (``Peer.watch`` opens one later)."""
         try:
-            try:
-                pidfd: int | None = open_peer_pidfd(conn, cred.pid)
-            except OSError:
-                pidfd = None  # the process is already gone; its socket will read EOF
-            return Peer(FrameSocket(conn, max_frame=self.max_frame, accept_fds=False), cred, pidfd)
+            peer = Peer(FrameSocket(conn, max_frame=self.max_frame, accept_fds=False), cred, None)
+            if watch:
+                peer.watch()
+            return peer
         except BaseException:
             conn.close()
             raise
