@@ -70,11 +70,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--paged", action="store_true", help="the owners' layers only in their daemon's tier")
+    ap.add_argument("--offload", default="cpu")
+    ap.add_argument("--micro", type=int, default=1, help="backward passes per step (gradient accumulation)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    opt = LayerShardedAdam(model, lr=LR, weight_decay=0.0, trace=True)
+    opt = LayerShardedAdam(model, lr=LR, weight_decay=0.0, trace=True, paged=args.paged, offload=args.offload)
     first_grads: dict[int, list[float]] = {}
     start_params = [float(p) for p in opt.gathered_params()]
     traces = []
@@ -82,7 +85,8 @@ def main() -> int:
         x = data(step, world)[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
         assert opt.events is not None
         opt.events.clear()
-        loss_of(model, x).backward()
+        for part in x.chunk(args.micro):  # equal parts: the mean of their mean losses is the batch's
+            (loss_of(model, part) / args.micro).backward()
         opt.step()
         opt.zero_grad()
         traces.append(list(opt.events))
@@ -90,8 +94,12 @@ def main() -> int:
             first_grads = {i: g.tolist() for i, g in opt.reduced.items()}
     final = [float(p) for p in opt.gathered_params()]
     placeholders = [p.numel() for p in model.parameters()]
+    pieces = [p.numel() for ps in opt._pieces.values() for p in ps]
+    report = opt.inner.stats().rank if opt.inner is not None else None
+    nvme = {} if report is None else {"placement": report.placement, "nbytes": report.nvme_state_nbytes}
     everything: list = [None] * world
-    dist.all_gather_object(everything, {"rank": rank, "grads": first_grads, "traces": traces, "held": placeholders})
+    mine = {"rank": rank, "grads": first_grads, "traces": traces, "held": placeholders, "pieces": pieces}
+    dist.all_gather_object(everything, {**mine, "nvme": nvme})
     if rank == 0:
         ref = make_model()
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)

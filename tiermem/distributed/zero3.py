@@ -24,9 +24,19 @@ Each rank's daemon thus holds only its layers: params, master and moments.
 ``trace`` records the events (``gather``, ``release``, ``reduce``,
 ``update``) per unit, so the pipeline can be checked step by step.
 
-Limits: plain Adam/AdamW steps (no clipping, loss scaling or gradient
-accumulation: the overlapped update refuses them), CPU params, each unit
-used once per forward.
+``paged=True`` (ZeRO-Infinity's placement): the owner keeps no copy of its
+layers either.  Their values live only as the ``master`` state key in its
+daemon's tier (with ``offload="nvme"``, paged through the swap files with the
+moments), read from there through the staging window before each broadcast,
+and the reduced grads are written to the daemon's ``grad`` key as each
+layer's reduce lands (accumulating over several backward passes), so the
+trainer holds no param or grad between uses, on any rank.  The update then
+runs at ``step()``, for all the owner's layers at once (the overlapped update
+needs the params resident).
+
+Limits: plain Adam/AdamW steps (no clipping or loss scaling; gradient
+accumulation only with ``paged``: the overlapped update refuses it), CPU
+params, each unit used once per forward.
 """
 
 from __future__ import annotations
@@ -42,10 +52,45 @@ from tiermem.client import Client
 from tiermem.distributed.identity import agree_identity
 from tiermem.distributed.node import node_client
 from tiermem.errors import InvalidArgument, InvalidState, RankLost
-from tiermem.modes import Placement
+from tiermem.modes import Exchange, Placement
 from tiermem.offload.optimizer import OffloadAdam
 
 __all__ = ["LayerShardedAdam"]
+
+
+class _DaemonGrads:
+    """The grad feed of a paged owner's ``OffloadAdam``: the grads are in the daemon's ``grad`` key, written
+    by ``LayerShardedAdam`` as each layer's reduce lands; the feed only says which tensors have one."""
+
+    def __init__(self) -> None:
+        self.landed: set[int] = set()
+        self.accumulated = False
+        self.changed_after_landing = False
+        self.buffer = 0
+        self._by_param: dict[int, Any] = {}
+
+    def land(self, tid: int) -> bool:
+        """Tensor ``tid``'s grad is being written; True when it adds to one written earlier in the step."""
+        again = tid in self.landed
+        self.accumulated = self.accumulated or again
+        self.landed.add(tid)
+        return again
+
+    def check(self) -> list[int]:
+        return sorted(self.landed)
+
+    def reset(self) -> None:
+        self.landed.clear()
+        self.accumulated = False
+
+    def zero(self, *, set_to_none: bool) -> None:
+        self.reset()
+
+    def hook(self) -> None:
+        """Nothing to hook: the layer's reduce lands the grads."""
+
+    def unhook(self) -> None:
+        """Nothing hooked."""
 
 
 class _Unit:
@@ -81,9 +126,11 @@ class LayerShardedAdam:
         job_id: str | None = None,
         token: str | None = None,
         trace: bool = False,
+        paged: bool = False,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise InvalidState("LayerShardedAdam needs torch.distributed initialised (torchrun)")
+        self.paged = paged
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -134,8 +181,9 @@ class LayerShardedAdam:
                 weight_decay=weight_decay,
                 adamw=adamw,
                 offload=offload,
-                overlap_update=True,
+                overlap_update=not paged,
                 bucket_nbytes=1,  # one bucket per tensor: each layer's update starts when its grads are in
+                exchange=Exchange.STAGED if paged else Exchange.AUTO,
                 client=client,
                 job_id=str(ident[0]),
                 token=str(ident[1]),
@@ -143,6 +191,16 @@ class LayerShardedAdam:
                 rank=self.rank,
                 world_size=self.world_size,
             )
+        self._grads: _DaemonGrads | None = None
+        if paged and self.inner is not None:
+            # the daemon has the values now (the staged exchange wrote them as masters): drop every copy here
+            self.inner.feed.unhook()
+            self._grads = _DaemonGrads()
+            self.inner.feed = self._grads  # type: ignore[assignment]
+            self.inner.release_grads = True
+            for pieces in self._pieces.values():
+                for piece in pieces:
+                    piece.data = torch.empty(0, dtype=piece.dtype)
         for unit in self.units:
             self._release(unit, log=False)
             unit.module.register_forward_pre_hook(self._make_hook(unit, self._before_forward))
@@ -172,7 +230,14 @@ class LayerShardedAdam:
         if unit.flat is not None or unit.work is not None:
             return
         flat = torch.empty(unit.numel, dtype=unit.params[0].dtype)
-        if unit.owner == self.rank:
+        if unit.owner == self.rank and self.paged and self.inner is not None:
+            self.inner.transfer.pull_many_into(
+                [
+                    (tid, "master", view)
+                    for tid, view in zip(self._entry_of[unit.index], self._views(unit, flat), strict=True)
+                ]
+            )
+        elif unit.owner == self.rank:
             torch.cat([p.detach().reshape(-1) for p in self._pieces[unit.index]], out=flat)
         src = dist.get_global_rank(self.group, unit.owner) if self.group is not None else unit.owner
         unit.work = (flat, self._collective("gather", dist.broadcast, flat, src=src, async_op=True))
@@ -188,6 +253,11 @@ class LayerShardedAdam:
             p.data = flat[offset : offset + n].view(shape)
             offset += n
         self._log("gather", unit)
+
+    @staticmethod
+    def _views(unit: _Unit, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each param's stretch of a unit's flat buffer."""
+        return list(torch.split(flat, unit.numels))
 
     def _release(self, unit: _Unit, *, log: bool = True) -> None:
         for p in unit.params:
@@ -252,6 +322,13 @@ class LayerShardedAdam:
         flat.div_(self.world_size)
         if self.events is not None:
             self.reduced[unit.index] = flat.clone()
+        if self._grads is not None:  # paged: the grads go to the daemon now, nothing stays here
+            tids = self._entry_of[unit.index]
+            self.inner.transfer.push_many(
+                (tid, "grad", view, 0, self._grads.land(tid))
+                for tid, view in zip(tids, self._views(unit, flat), strict=True)
+            )
+            return
         feed = self.inner.feed
         offset = 0
         for piece, n, entry in zip(self._pieces[unit.index], unit.numels, self._entry_of[unit.index], strict=True):
