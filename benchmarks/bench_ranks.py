@@ -16,9 +16,9 @@ a barrier; a step's figure is its span over the ranks, from the first rank's
 start to the last rank's end on the machine's monotonic clock):
 
 - ``update``: tiermem: the time of the daemon's update of the shards (the
-  ``OffloadAdam.step`` inside ``ShardedOffloadAdam.step``, followed here by a
-  barrier, so that a rank whose shard is done waits instead of copying its
-  slice for the all-gather beside the update of the others); peer: ``opt.step()``;
+  ``OffloadAdam.step`` inside ``ShardedOffloadAdam.step``, between two
+  barriers, so that no rank copies its slice in or out for the step beside the
+  update of the others: that is in ``step``); peer: ``opt.step()``;
 - ``step``: tiermem's whole ``ShardedOffloadAdam.step`` (reduce-scatter,
   statistics, update, all-gather);
 - ``daemon cpu``: the daemon process's CPU time per step (all its threads, from ``schedstat``).
