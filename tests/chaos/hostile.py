@@ -447,12 +447,41 @@ def _storm_result(pid: int, read_end: int) -> tuple[int, int]:
     return int(attempts), int(failures)
 
 
+def _under_storm(
+    victim: str, target: str, seconds: float, hold: int, uid: int, nice: int, stormers: int
+) -> list[float]:
+    """The well-behaved client's round trips to ``victim`` while ``target`` is stormed."""
+    stormers_ = [_fork_storm(target, seconds, hold, uid, nice) for _ in range(stormers)]
+    try:
+        return _round_trips(victim, seconds)
+    finally:
+        for pid, read_end in stormers_:
+            _storm_result(pid, read_end)
+
+
 def connection_storm(
-    daemon: ChaosDaemon, seconds: float, *, uid: int, hold: int = 200, stormers: int = 2, nice: int = 0
+    daemon: ChaosDaemon,
+    seconds: float,
+    *,
+    uid: int,
+    hold: int = 200,
+    stormers: int = 2,
+    nice: int = 0,
+    control: ChaosDaemon | None = None,
 ) -> dict[str, Any]:
     """Storm the daemon from ``stormers`` processes running as ``uid`` (allowed or not: the daemon decides),
-    at CPU priority ``nice`` (0: the same as the daemon's)."""
+    at CPU priority ``nice`` (0: the same as the daemon's).
+
+    The well-behaved client's p99 is given against two baselines: the idle machine, and, with ``control``
+    (a second daemon), the same storm aimed at ``control`` instead, which loads the machine's cores exactly
+    as much (the stormers, the kernel's connects, a daemon's accept thread) but not this daemon: the
+    ratio to it is what being the storm's target costs this daemon's clients."""
     baseline = _round_trips(daemon.socket_path, min(2.0, seconds))
+    controlled = (
+        _under_storm(daemon.socket_path, control.socket_path, seconds, hold, uid, nice, stormers)
+        if control is not None
+        else None
+    )
     stormers_ = [_fork_storm(daemon.socket_path, seconds, hold, uid, nice) for _ in range(stormers)]
     stop = threading.Event()
     connect_times: list[float] = []
@@ -487,6 +516,10 @@ def connection_storm(
             f"{connect_failures[:3]}"
         )
     base_p99, storm_p99 = _p(baseline, 0.99), _p(times, 0.99)
+    versus: dict[str, Any] = {}
+    if controlled is not None:
+        control_p99 = _p(controlled, 0.99)
+        versus = {"control_p99_us": round(control_p99 * 1e6, 1), "p99_vs_control": round(storm_p99 / control_p99, 2)}
     return {
         "storm_uid": uid,
         "storm_nice": nice,
@@ -501,6 +534,7 @@ def connection_storm(
         "storm_p50_us": round(statistics.median(times) * 1e6, 1),
         "storm_p99_us": round(storm_p99 * 1e6, 1),
         "p99_ratio": round(storm_p99 / base_p99, 2),
+        **versus,
     }
 
 

@@ -39,6 +39,17 @@ def chaos_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosDaem
         daemon.cleanup()
 
 
+@pytest.fixture(scope="module")
+def control_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosDaemon]:
+    """A second daemon, the storms' control target (``connection_storm``)."""
+    daemon = ChaosDaemon(tmp_path_factory.mktemp("control")).start()
+    try:
+        yield daemon
+        assert daemon.stop() == 0, daemon.log_text()[-3000:]
+    finally:
+        daemon.cleanup()
+
+
 def _scenario(daemon: ChaosDaemon, capsys: pytest.CaptureFixture[str], name: str, run) -> dict:  # type: ignore[no-untyped-def]
     take = lambda: snapshot(daemon.pid, daemon.socket_path, daemon.watched)  # noqa: E731
     before = settle(take, take(), timeout_s=2.0)
@@ -67,10 +78,15 @@ def _need_root() -> None:
 
 
 @pytest.mark.parametrize("uid", [ALLOWED_UID, REFUSED_UID], ids=["allowed uid", "refused uid"])
-def test_a_connection_storm_does_not_refuse_or_starve_a_well_behaved_client(chaos_daemon, capsys, uid):
+def test_a_connection_storm_does_not_refuse_or_starve_a_well_behaved_client(chaos_daemon, control_daemon, capsys, uid):
     _need_root()
     log_before = chaos_daemon.log_text().count("refused a connection")
-    figures = _scenario(chaos_daemon, capsys, f"storm uid {uid}", lambda: connection_storm(chaos_daemon, 4.0, uid=uid))
+    figures = _scenario(
+        chaos_daemon,
+        capsys,
+        f"storm uid {uid}",
+        lambda: connection_storm(chaos_daemon, 4.0, uid=uid, control=control_daemon),
+    )
     assert figures["storm_connects"] > 1000
     logged = chaos_daemon.log_text().count("refused a connection") - log_before
     refused = figures["storm_connects"] - 64 if uid == ALLOWED_UID else figures["storm_connects"]
