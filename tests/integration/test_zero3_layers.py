@@ -85,7 +85,8 @@ def paged_trace(rank: int, micro: int) -> list[list[object]]:
 
 def test_paged_layers_live_only_in_their_owners_nvme_tier_and_accumulate_there(daemon_factory, tmp_path):
     """ZeRO-Infinity's placement by layer: no rank holds a param or a grad between uses, the owner reads its
-    layer from its daemon (NVMe tier; paging under pressure is test_param_paging's) before each broadcast and writes the reduced grads there, two backward
+    layer from its daemon (NVMe tier; paging under pressure is test_param_paging's) before each broadcast
+    and writes the reduced grads there, two backward
     passes a step accumulating in the daemon; the params still equal AdamW on the whole batch."""
     result = _run(daemon_factory, tmp_path, "--paged", "--offload", "nvme", "--micro", "2")
     diff = max(abs(a - b) for a, b in zip(result["final"], result["reference"], strict=True))

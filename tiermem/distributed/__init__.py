@@ -5,11 +5,15 @@
 ``torch.amp.GradScaler`` with its overflow check made global; ``layout`` is
 the pure plan of who owns which elements; ``LayerShardedAdam`` is ZeRO-3 by
 layer (each layer's params and state on its owner rank, gathered for use,
-updated by the owner's daemon during the backward of the layers before it).
+updated by the owner's daemon during the backward of the layers before it);
+``ShardedPagedAdam`` is ZeRO-3 with param paging: every param sharded across
+the ranks, each shard only in its rank's daemon, a submodule's params
+all-gathered just before they are used.
 """
 
 from tiermem.distributed.layout import Bucket, Piece, ShardLayout, plan_shards
 from tiermem.distributed.optimizer import ShardedOffloadAdam
+from tiermem.distributed.paged import ShardedPagedAdam
 from tiermem.distributed.scaler import ShardedGradScaler
 from tiermem.distributed.zero3 import LayerShardedAdam
 
@@ -20,5 +24,6 @@ __all__ = [
     "ShardLayout",
     "ShardedGradScaler",
     "ShardedOffloadAdam",
+    "ShardedPagedAdam",
     "plan_shards",
 ]

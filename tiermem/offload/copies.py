@@ -54,8 +54,26 @@ class ParamCopies(Protocol):
         """Write the grad into the daemon's ``grad`` key (I/O thread)."""
         ...
 
+    def read_master(self, transfer: StateTransfer, tid: int, out: torch.Tensor) -> None:
+        """Read the param's whole value into the host tensor ``out`` (I/O thread; ``model.state_dict``)."""
+        ...
 
-class HostCopies:
+    def write_master(self, transfer: StateTransfer, tid: int, values: torch.Tensor) -> None:
+        """Write ``values`` as the param's master (I/O thread; a load or an initialization)."""
+        ...
+
+
+class _DirectMaster:
+    """Where the daemon's tensor is the whole param: the master is read and written as it is."""
+
+    def read_master(self, transfer: StateTransfer, tid: int, out: torch.Tensor) -> None:
+        transfer.pull_into(tid, "master", out)
+
+    def write_master(self, transfer: StateTransfer, tid: int, values: torch.Tensor) -> None:
+        transfer.push(tid, "master", values, step=0)
+
+
+class HostCopies(_DirectMaster):
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
@@ -76,7 +94,7 @@ class HostCopies:
         transfer.push(tid, "grad", grad, step=0, accumulate=accumulate)
 
 
-class CudaCopies:
+class CudaCopies(_DirectMaster):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)

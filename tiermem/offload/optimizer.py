@@ -186,6 +186,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._inflight: list[int] = []
         """Tensors of a delayed update whose params are not installed yet."""
         self._skipped = 0
+        self._grad_multiplier = 1.0
+        """Multiplies every grad of the next STEP (sent as a grad scale): a clip coefficient computed outside
+        (``tiermem.distributed.ShardedPagedAdam``'s global norm)."""
         self._register(client, window_nbytes)
         self.state = StateView(self)  # type: ignore[assignment]
 
@@ -439,7 +442,7 @@ class OffloadAdam(torch.optim.Optimizer):
             self.feed.push_grads(ids)
         step_no = self._steps_sent + 1
         delayed = self.policy.delayed(step_no)
-        loss_scale = 1.0 if grad_scale is None or grad_scale is False else float(grad_scale)
+        loss_scale = (1.0 if grad_scale is None or grad_scale is False else float(grad_scale)) / self._grad_multiplier
         attempt = open_attempt.attempt if open_attempt else next(self._attempts)
         groups = open_attempt.groups if open_attempt else self._groups()
         msg = Step(

@@ -53,7 +53,7 @@ class PagedState:
         for e in group:
             if e.data is None:  # pragma: no cover - callers materialize first
                 raise InvalidState(f"{e.describe()} is not on the device")
-            futures.append(self._io.submit(self.transfer.push, e.index, "master", e.data, step=0))
+            futures.append(self._io.submit(self.copies.write_master, self.transfer, e.index, e.data))
         for future in futures:
             future.result()
 
@@ -74,7 +74,7 @@ class PagedState:
         if e.data is not None and e.residency is Residency.RESIDENT:
             return e.data.detach().to("cpu", copy=True)
         out = torch.empty(e.shape, dtype=e.dtype)
-        self._io.submit(self.transfer.pull_into, e.index, "master", out).result()
+        self._io.submit(self.copies.read_master, self.transfer, e.index, out).result()
         return out
 
     def _gather_state(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

@@ -154,7 +154,12 @@ class ParamPager(PagedState):
         device_budget: int | str,
         prefetch: int = 2,
         init: Callable[[nn.Module], None] | None = None,
+        params: list[nn.Parameter] | None = None,
+        copies: ParamCopies | None = None,
     ) -> None:
+        """``params`` and ``copies`` are for a pager whose optimizer's tensors are not the model's params
+        (``tiermem.distributed.ShardedPagedAdam``: tensor i is this rank's shard of ``params[i]``, and
+        ``copies`` gathers and reduce-scatters); by default tensor i is the optimizer's param i."""
         from tiermem.offload.optimizer import OffloadAdam
 
         if not isinstance(model, nn.Module):
@@ -182,14 +187,17 @@ class ParamPager(PagedState):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InvalidArgument(f"prefetch must be an int >= 0 (uses fetched ahead), got {prefetch!r}")
         names = {id(p): n for n, p in model.named_parameters()}
-        by_id = {id(e.param): e for e in optimizer._entries}
+        tensors = [e.param for e in optimizer._entries] if params is None else list(params)
+        if len(tensors) != len(optimizer._entries):
+            raise InvalidArgument(f"{len(tensors)} params for an optimizer of {len(optimizer._entries)} tensors")
+        by_id = {id(p) for p in tensors}
         for p_id, name in names.items():
             if p_id not in by_id:
                 raise InvalidArgument(f"param {name!r} of the model is not in the optimizer; give it every param")
-        for e in optimizer._entries:
-            if id(e.param) not in names:
-                raise InvalidArgument(f"optimizer param {e.index} (shape {tuple(e.param.shape)}) is not in the model")
-        devices = {e.param.device for e in optimizer._entries if e.param.device.type != "meta"}
+        for i, p in enumerate(tensors):
+            if id(p) not in names:
+                raise InvalidArgument(f"optimizer param {i} (shape {tuple(p.shape)}) is not in the model")
+        devices = {p.device for p in tensors if p.device.type != "meta"}
         if len(devices) > 1:
             raise InvalidArgument(f"paged params must share one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
@@ -198,23 +206,23 @@ class ParamPager(PagedState):
         self.model = model
         self.optimizer = optimizer
         self.transfer = optimizer.transfer
-        self.copies: ParamCopies = copies_for(self.device)
+        self.copies: ParamCopies = copies_for(self.device) if copies is None else copies
         # the optimizer's own feed pushes edits made since registration, then it is replaced
-        fresh = [e for e in optimizer._entries if e.param.is_meta]
+        fresh = [p for p in tensors if p.is_meta]
         old = optimizer.feed
         if not fresh and isinstance(old, StagedFeed):
             old.push_params()
         old.unhook()
         self.entries = [
             PagedParam(
-                e.index,
-                e.param,
-                names[id(e.param)],
-                e.param.shape,
-                e.param.dtype,
-                torch.full((), float("nan"), dtype=e.param.dtype, device=self.device).expand(e.param.shape),
+                i,
+                p,
+                names[id(p)],
+                p.shape,
+                p.dtype,
+                torch.full((), float("nan"), dtype=p.dtype, device=self.device).expand(p.shape),
             )
-            for e in optimizer._entries
+            for i, p in enumerate(tensors)
         ]
         self._by_param = {id(e.param): e for e in self.entries}
         self.units = self._units(model)
@@ -256,7 +264,8 @@ class ParamPager(PagedState):
             self._initialize(init)
         self._install_hooks(model)
         optimizer.feed = self
-        optimizer._entries = self.entries
+        if params is None:  # else the optimizer's records stay its own tensors' (the shards)
+            optimizer._entries = self.entries
         optimizer.release_grads = True  # the grads are in the daemon, not in p.grad
 
     # ----------------------------------------------------------------- structure

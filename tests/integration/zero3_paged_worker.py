@@ -1,0 +1,106 @@
+"""One rank of ``test_zero3_paged.py`` under ``torchrun`` (gloo): ZeRO-3 with param paging.
+
+A small MLP with odd sizes (so shards are padded) trains with
+``ShardedPagedAdam`` (clipping by the global norm, a StepLR schedule), each
+rank on its slice of the global batch.  Rank 0 writes, as JSON: the model's
+``state_dict()`` after the steps (gathered from the ranks' daemons), the same
+model trained in one process with ``torch.optim.AdamW`` + ``clip_grad_norm_``
+on the whole batch, both norms per step, what the modules held between
+steps, the pager's peak against its budget, and the error that clipping after
+gradient accumulation raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tiermem.distributed import ShardedPagedAdam
+from tiermem.errors import InvalidState
+
+BATCH_PER_RANK = 3
+LR = 0.02
+MAX_NORM = 0.5
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 13), nn.GELU(), nn.Linear(13, 11), nn.GELU(), nn.Linear(11, 3))
+
+
+def data(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH_PER_RANK * world, 7, generator=g), torch.randn(BATCH_PER_RANK * world, 3, generator=g)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--offload", default="nvme")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    budget = 2 * 13 * 11 * 4 + 4096  # two of the largest layer's params, a little slack
+    opt = ShardedPagedAdam(
+        model, lr=LR, weight_decay=0.01, offload=args.offload, max_grad_norm=MAX_NORM, device_budget=budget, prefetch=1
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    norms, held = [], []
+    for step in range(args.steps):
+        x, y = data(step, world)
+        mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        norms.append(opt.last_grad_norm)
+        held.append(max(p.untyped_storage().nbytes() for p in model.parameters()))
+    state = {k: v.tolist() for k, v in model.state_dict().items()}  # a collective: every rank gathers
+    peak = opt.pager.stats()["peak_nbytes"]
+    accumulation_error = ""
+    x, y = data(99, world)
+    for part in (slice(0, 1), slice(1, 2)):
+        nn.functional.mse_loss(model(x[part]), y[part]).backward()
+    try:
+        opt.step()
+    except InvalidState as exc:
+        accumulation_error = str(exc)
+    opt.zero_grad()
+    everything: list = [None] * world
+    dist.all_gather_object(everything, {"rank": rank, "held": held, "peak": peak, "error": accumulation_error})
+    if rank == 0:
+        ref = make_model()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+        ref_norms = []
+        for step in range(args.steps):
+            x, y = data(step, world)
+            nn.functional.mse_loss(ref(x), y).backward()
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)))
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_sched.step()
+        result = {
+            "state": state,
+            "reference": {k: v.tolist() for k, v in ref.state_dict().items()},
+            "norms": norms,
+            "reference_norms": ref_norms,
+            "budget": budget,
+            "ranks": everything,
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    opt.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

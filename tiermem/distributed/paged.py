@@ -1,0 +1,263 @@
+"""``ShardedPagedAdam``: ZeRO-3 with param paging (ZeRO-Infinity) over ``torch.distributed``.
+
+Every param of the model is cut into one equal shard per rank (``numel``
+rounded up to a multiple of the world size; the last shard padded with
+zeros).  Rank ``r``'s shard of param ``i`` is tensor ``i`` of an
+``OffloadAdam`` attached to its node's daemon as rank ``r`` of one job, made
+with the staged exchange: the daemon keeps the shard's value as its ``master``
+state key beside the moments, in the pool or (``offload="nvme"``) paged
+through the swap files.  No rank holds a whole param, or any param, between
+uses: the model is paged by ``offload_params``' pager (``ParamPager``: hooks
+on the submodules that own params, saved-tensor hooks, prefetch along the
+recorded order, a ``device_budget``), whose copies are collective here:
+
+- fetch: the rank reads its shard of the param from its daemon through the
+  staging window, and ``all_gather_into_tensor`` makes the whole param on
+  every rank, just before the submodule's forward (and again in backward);
+- grad: once a param's grad is complete, ``reduce_scatter_tensor`` sums it
+  across the ranks, each rank divides its shard by the world size (DDP's
+  mean) and writes it to its daemon's ``grad`` key (adding to it from a
+  second backward pass: gradient accumulation);
+- ``model.state_dict()`` gathers each param the same way (a collective: every
+  rank calls it), ``model.load_state_dict()`` writes each rank's shard.
+
+The collectives run on the pager's one I/O thread, in the order the trainer
+asks for them; that order is the same on every rank because every rank runs
+the same model with the same budget (the pager's decisions depend on sizes
+and the recorded order only), which is what ``torch.distributed`` needs.
+
+``step()``: with ``max_grad_norm`` the norm is global: each rank's sum of
+squares of its reduced shards (taken when they were written) is all-reduced,
+and the clip coefficient reaches the daemon with the step as a grad scale, so
+every rank clips by ``clip_grad_norm_``'s coefficient over the unsharded
+model.  Clipping needs the grads of one backward pass (the daemon's
+accumulated sum has no sum of squares here); it is refused after
+accumulation.  Not supported: a ``GradScaler``, the overlapped and delayed
+updates (as with ``offload_params``), params on a device (the copies run on
+the host; a CUDA version needs the collectives on the pager's copy stream).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tiermem import dtypes
+from tiermem.client import Client
+from tiermem.distributed.identity import agree_identity
+from tiermem.distributed.node import node_client
+from tiermem.errors import InvalidArgument, InvalidState, RankLost
+from tiermem.modes import Exchange, Placement
+from tiermem.offload.copies import HostCopies
+from tiermem.offload.optimizer import OffloadAdam
+from tiermem.offload.paging import ParamPager
+from tiermem.offload.transfer import StateTransfer
+
+__all__ = ["ShardCopies", "ShardedPagedAdam"]
+
+# torch 2.13 renamed the tensor collectives (the old names warn); older releases have only the old ones
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements of each rank's shard of a param of ``numel`` elements."""
+    return max(1, -(-numel // world_size))
+
+
+class ShardCopies(HostCopies):
+    """The pager's copies when tensor ``i`` of this rank is its shard of param ``i`` (I/O thread only)."""
+
+    def __init__(self, numels: list[int], rank: int, world_size: int, collective: Callable[..., Any]) -> None:
+        super().__init__(torch.device("cpu"))
+        self.numels = numels
+        self.rank = rank
+        self.world_size = world_size
+        self.collective = collective
+        self.sumsq: dict[int, float] = {}
+        """This step's sum of squares of each reduced shard (first landing only)."""
+        self.accumulated = False
+
+    def _shard(self, tid: int) -> int:
+        return shard_numel(self.numels[tid], self.world_size)
+
+    def _gather(self, transfer: StateTransfer, tid: int, out: torch.Tensor) -> None:
+        n = self._shard(tid)
+        mine = torch.empty(n, dtype=out.dtype)
+        transfer.pull_into(tid, "master", mine)
+        whole = torch.empty(n * self.world_size, dtype=out.dtype)
+        self.collective("the all-gather of a param", _ALL_GATHER, whole, mine)
+        out.view(-1).copy_(whole[: self.numels[tid]])
+
+    def fetch(self, transfer: StateTransfer, tid: int, dest: torch.Tensor) -> Any:
+        self._gather(transfer, tid, dest)
+        return None
+
+    def read_master(self, transfer: StateTransfer, tid: int, out: torch.Tensor) -> None:
+        self._gather(transfer, tid, out)
+
+    def _mine(self, tid: int, values: torch.Tensor) -> torch.Tensor:
+        """This rank's stretch of a whole param's ``values``, padded to the shard's size."""
+        n = self._shard(tid)
+        flat = values.detach().reshape(-1)
+        lo = min(self.rank * n, flat.numel())
+        hi = min(lo + n, flat.numel())
+        out = torch.zeros(n, dtype=values.dtype)
+        out[: hi - lo].copy_(flat[lo:hi])
+        return out
+
+    def write_master(self, transfer: StateTransfer, tid: int, values: torch.Tensor) -> None:
+        transfer.push(tid, "master", self._mine(tid, values), step=0)
+
+    def push(self, transfer: StateTransfer, tid: int, grad: torch.Tensor, accumulate: bool, token: Any) -> None:
+        n = self._shard(tid)
+        whole = torch.zeros(n * self.world_size, dtype=grad.dtype)
+        whole[: self.numels[tid]].copy_(grad.reshape(-1))
+        mine = torch.empty(n, dtype=grad.dtype)
+        self.collective("the reduce-scatter of a grad", _REDUCE_SCATTER, mine, whole)
+        if self.world_size > 1:
+            mine.div_(self.world_size)
+        if accumulate:
+            self.accumulated = True
+        else:
+            self.sumsq[tid] = float(mine.double().square().sum())
+        transfer.push(tid, "grad", mine, step=0, accumulate=accumulate)
+
+    def new_step(self) -> None:
+        self.sumsq.clear()
+        self.accumulated = False
+
+
+class ShardedPagedAdam(OffloadAdam):
+    """AdamW (``adamw=False``: Adam) over a model paged and sharded across ``process_group``; see the module
+    docstring.  ``pager`` is the model's ``ParamPager`` (its figures: ``pager.stats()``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float | None = None,
+        adamw: bool = True,
+        offload: str | Placement = "nvme",
+        max_grad_norm: float | None = None,
+        device_budget: int | str,
+        prefetch: int = 2,
+        process_group: Any = None,
+        window_nbytes: int | None = None,
+        client: Client | None = None,
+        job_id: str | None = None,
+        token: str | None = None,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidState("ShardedPagedAdam needs torch.distributed initialised (torchrun)")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        self.process_group = process_group
+        group_rank = dist.get_rank(process_group)
+        world = dist.get_world_size(process_group)
+        params = [p for p in model.parameters()]
+        if not params:
+            raise InvalidArgument("the model has no params")
+        devices = {p.device.type for p in params}
+        if devices != {"cpu"}:
+            raise InvalidArgument(
+                f"ShardedPagedAdam pages CPU params (its collectives run on the host); the model's are on "
+                f"{sorted(devices)}"
+            )
+        kinds = {p.dtype for p in params}
+        if len(kinds) != 1:
+            raise InvalidArgument(f"ShardedPagedAdam needs one dtype for all params, got {sorted(map(str, kinds))}")
+        self._group_rank = group_rank
+        self._collective_steps = 0
+        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        for p in params:  # one truth to start from: rank 0's values
+            self._collective("broadcast of the initial params", dist.broadcast, p.data, src=src)
+        numels = [p.numel() for p in params]
+        copies = ShardCopies(numels, group_rank, world, self._collective)
+        shards = [nn.Parameter(copies._mine(i, p.data), requires_grad=p.requires_grad) for i, p in enumerate(params)]
+        ident = agree_identity(self._collective, process_group, group_rank, job_id, token)
+        if client is None:
+            client = node_client(
+                self._collective,
+                group_rank,
+                world,
+                sum(s.numel() for s in shards),
+                dtype=dtypes.by_torch(kinds.pop()).name,
+                placement=Placement.parse(offload, "offload"),
+                window_nbytes=window_nbytes,
+            )
+        super().__init__(
+            shards,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw=adamw,
+            offload=offload,
+            exchange=Exchange.STAGED,
+            window_nbytes=window_nbytes,
+            client=client,
+            job_id=str(ident[0]),
+            token=str(ident[1]),
+            create_job=True,
+            rank=group_rank,
+            world_size=world,
+        )
+        self.global_max_grad_norm = max_grad_norm
+        """``max_grad_norm`` over the unsharded model (the daemon gets the coefficient, not the norm)."""
+        self.copies = copies
+        self.pager = ParamPager(
+            model, self, device_budget=device_budget, prefetch=prefetch, params=params, copies=copies
+        )
+
+    def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("group", self.process_group)
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as exc:
+            raise RankLost(during, self._group_rank, self._collective_steps, exc) from exc
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.pager.drain()
+        norm = None
+        coef = 1.0
+        if self.global_max_grad_norm is not None:
+            self.pager.check()  # grads set by hand land now, every push is done
+            flags = torch.tensor(
+                [float(self.copies.accumulated), math.fsum(self.copies.sumsq.values())], dtype=torch.float64
+            )
+            self._collective("the norm's all-reduce", dist.all_reduce, flags)
+            if flags[0] > 0:
+                raise InvalidState(
+                    "ShardedPagedAdam clips with the norm of one backward pass; this step accumulated grads over "
+                    "several (call step() after each backward, or train without max_grad_norm)"
+                )
+            norm = math.sqrt(float(flags[1]))
+            coef = min(1.0, float(torch.tensor(self.global_max_grad_norm / (norm + 1e-6), dtype=torch.float32)))
+        self._grad_multiplier = coef
+        try:
+            super().step()
+        finally:
+            self._grad_multiplier = 1.0
+            self.copies.new_step()
+            self._collective_steps += 1
+        if norm is not None:
+            self.last_grad_norm = norm
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self.copies.new_step()
