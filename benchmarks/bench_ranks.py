@@ -27,6 +27,13 @@ Goal: at 4 ranks, tiermem's update <= 1.1x its 1-rank update for the same
 total params (the daemon does not oversubscribe the cores), and below the
 peer layout's.
 
+OpenMP's wait policy decides much of the peer's figure, so it runs twice:
+with the default (libgomp's workers spin for a while after each parallel
+region, DeepSpeed's case: N ranks' spinning workers oversubscribe the cores)
+and with ``OMP_WAIT_POLICY=PASSIVE`` (``passive``).  tiermem's ranks run with
+``PASSIVE``, the README's setting for trainers that use a daemon (their
+spinning workers would take the cores the daemon's update needs).
+
     .venv/bin/python benchmarks/bench_ranks.py [--numel 16M] [--ranks 1,2,4] [--steps 8] [--json out.json]
 """
 
@@ -52,10 +59,14 @@ def _count(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
-def _run(mode: str, ranks: int, numel: int, args: argparse.Namespace, daemon: EmbeddedDaemon | None) -> dict:
+def _run(
+    mode: str, ranks: int, numel: int, args: argparse.Namespace, daemon: EmbeddedDaemon | None, omp_wait: str
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if omp_wait:
+            env["OMP_WAIT_POLICY"] = omp_wait
         if daemon is not None:
             env["TIERMEM_SOCKET_PATH"] = daemon.socket
             env["TIERMEM_NO_EMBED"] = "1"
@@ -86,23 +97,26 @@ def main() -> None:
     daemon = EmbeddedDaemon(pool_size=max(1 * GiB, numel * 10))
     try:
         for n in counts:
-            tiermem = _run("tiermem", n, numel, args, daemon)
-            peer = _run("peer", n, numel, args, None)
-            rows.append({"ranks": n, "tiermem": tiermem, "peer": peer})
+            tiermem = _run("tiermem", n, numel, args, daemon, "PASSIVE")  # the README's setting for trainers
+            peer = _run("peer", n, numel, args, None, "")  # DeepSpeed's: the OpenMP default, workers spin
+            tuned = _run("peer", n, numel, args, None, "PASSIVE")  # the peer given tiermem's setting too
+            rows.append({"ranks": n, "tiermem": tiermem, "peer": peer, "peer_passive": tuned})
     finally:
         daemon.stop()
     base = rows[0]["tiermem"]["update_ms"]
     print(f"{numel / 1e6:.1f}M fp32 params, {os.cpu_count()} cores; medians of {args.steps} steps")
     head = f"{'ranks':>5} {'update ms':>10} {'x 1 rank':>9} {'step ms':>9} {'daemon cpu ms':>14} {'peer ms':>9}"
-    print(head + f" {'peer/tiermem':>13}")
+    print(head + f" {'peer/tiermem':>13} {'passive ms':>11} {'passive/tiermem':>16}")
     for row in rows:
-        t, p = row["tiermem"], row["peer"]
+        t, p, q = row["tiermem"], row["peer"], row["peer_passive"]
         row["update_vs_one_rank"] = t["update_ms"] / base
         row["peer_vs_tiermem"] = p["update_ms"] / t["update_ms"]
+        row["peer_passive_vs_tiermem"] = q["update_ms"] / t["update_ms"]
         cpu = f"{t['daemon_cpu_ms']:.1f}" if t["daemon_cpu_ms"] is not None else "-"
         print(
             f"{row['ranks']:>5} {t['update_ms']:>10.1f} {row['update_vs_one_rank']:>9.2f} {t['step_ms']:>9.1f} "
-            f"{cpu:>14} {p['update_ms']:>9.1f} {row['peer_vs_tiermem']:>13.2f}"
+            f"{cpu:>14} {p['update_ms']:>9.1f} {row['peer_vs_tiermem']:>13.2f} {q['update_ms']:>11.1f} "
+            f"{row['peer_passive_vs_tiermem']:>16.2f}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "numel": numel, "rows": rows}, indent=2))

@@ -57,6 +57,7 @@ from tiermem.client import Client, connect
 from tiermem.errors import DTypeError, InvalidArgument, InvalidState, ProtocolError, TiermemError
 from tiermem.modes import Exchange, Placement, StepMode
 from tiermem.offload.args import check_hyper, check_torch_flags, optimizer_defaults, private_pool_plan, step_mode
+from tiermem.offload.checkpoint import OptimizerState
 from tiermem.offload.eager import eager_under_compile
 from tiermem.offload.feed import GradFeed, TensorEntry
 from tiermem.offload.paging import ParamPager
@@ -65,18 +66,13 @@ from tiermem.offload.resume import check_resume
 from tiermem.offload.staged import StagedEntry, StagedFeed
 from tiermem.offload.state_view import StateView
 from tiermem.offload.stats import OptimizerStats
-from tiermem.offload.transfer import PushItem, StateTransfer, adopt_saved_groups, packed_groups, plan_load
+from tiermem.offload.transfer import StateTransfer
 from tiermem.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
 from tiermem.units import MiB
 
 __all__ = ["OffloadAdam"]
 
 log = logging.getLogger(__name__)
-
-_COPY_ERROR = (
-    "OffloadAdam holds a connection to tiermemd and its state lives there; it cannot be copied or pickled. "
-    "Save opt.state_dict() (torch.save works on it) and load it into a new OffloadAdam"
-)
 
 
 @dataclass
@@ -101,7 +97,7 @@ class _OpenAttempt:
     applied: set[int] = field(default_factory=set)
 
 
-class OffloadAdam(torch.optim.Optimizer):
+class OffloadAdam(OptimizerState, torch.optim.Optimizer):
     """Adam/AdamW with its state in tiermemd; see the module docstring."""
 
     _step_supports_amp_scaling = True
@@ -598,80 +594,6 @@ class OffloadAdam(torch.optim.Optimizer):
             staleness_steps=1 if self._inflight else 0,
             last_grad_norm=self.last_grad_norm,
         )
-
-    # ----------------------------------------------------------------- state
-
-    def _index_of(self, param: torch.Tensor) -> int | None:
-        entry = self.feed._by_param.get(id(param))
-        return None if entry is None else entry.index
-
-    def _step_of(self, index: int) -> int:
-        self._settle()
-        return self.transfer.step_of(index)
-
-    def _read_state(self, index: int, key: str) -> Any:
-        self.flush()
-        p = self._entries[index].param
-        if key == "step":
-            return torch.tensor(float(self.transfer.step_of(index)))
-        values, _ = self.transfer.pull(index, key, p.numel())
-        return values.view(p.shape)
-
-    def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.AdamW``'s format (plus ``master`` for low-precision params)."""
-        self.flush()
-        if self._open is not None:
-            raise InvalidState("state_dict() during an overlapped backward; call it after step()")
-        # one pipelined transfer for everything (a param that never stepped has no state in torch: dropped)
-        keys = ("exp_avg", "exp_avg_sq", "master")
-        reads: list[tuple[int, str, torch.Tensor]] = []
-        for e in self._entries:
-            p = e.param
-            for key in keys if p.dtype != torch.float32 else keys[:2]:
-                reads.append((e.index, key, torch.empty(p.shape, dtype=torch.float32)))
-        steps = self.transfer.pull_many_into(reads)
-        state: dict[int, dict[str, Any]] = {}
-        for (index, key, values), step in zip(reads, steps, strict=True):
-            if step == 0:
-                continue
-            entry = state.setdefault(index, {"step": torch.tensor(float(step))})
-            entry[key] = values
-        return {"state": state, "param_groups": packed_groups(self.param_groups)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict saved by ``OffloadAdam`` or ``torch.optim.Adam``/``AdamW``.
-
-        Everything is checked before anything changes.  Params that have no state in it start afresh
-        (step 0), as in torch; the model's params are not touched."""
-        loads = plan_load(state_dict, self.param_groups, [e.param.numel() for e in self._entries])
-        groups: list[dict[str, Any]] = state_dict["param_groups"]  # checked by plan_load
-        # checked: now change things
-        self.flush()
-        self._abort_open()
-        self._new_step()
-        adopt_saved_groups(self.param_groups, groups)
-        self.client.reset_state()
-        keep_master = "master" in self.state_keys
-        if isinstance(self.feed, StagedFeed):
-            self.feed.push_params(only_edited=False)  # the model is the truth
-        writes: list[PushItem] = []
-        for t, entry, step in loads:
-            writes.append((t, "exp_avg", entry["exp_avg"], step, False))
-            writes.append((t, "exp_avg_sq", entry["exp_avg_sq"], step, False))
-            if keep_master and "master" in entry and self._entries[t].param.dtype != torch.float32:
-                writes.append((t, "master", entry["master"], step, False))
-        self.transfer.push_many(writes)
-
-    # ----------------------------------------------------------------- copying
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadAdam:
-        raise TypeError(_COPY_ERROR)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(_COPY_ERROR)
-
-    def __getstate__(self) -> Any:
-        raise TypeError(_COPY_ERROR)
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
         try:
