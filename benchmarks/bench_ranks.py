@@ -34,7 +34,7 @@ and with ``OMP_WAIT_POLICY=PASSIVE`` (``passive``).  tiermem's ranks run with
 ``PASSIVE``, the README's setting for trainers that use a daemon (their
 spinning workers would take the cores the daemon's update needs).
 
-    .venv/bin/python benchmarks/bench_ranks.py [--numel 16M] [--ranks 1,2,4] [--steps 8] [--json out.json]
+    .venv/bin/python benchmarks/bench_ranks.py [--numel 16M] [--ranks 1,2,4] [--steps 8] [--chunk 4M] [--json out.json]
 """
 
 from __future__ import annotations
@@ -89,12 +89,14 @@ def main() -> None:
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--chunk", default="", help="the daemon's adam.chunk_numel (its task size), e.g. 16M")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()
     numel = _count(args.numel)
     counts = [int(n) for n in args.ranks.split(",")]
     rows = []
-    daemon = EmbeddedDaemon(pool_size=max(1 * GiB, numel * 10))
+    settings = {"adam.chunk_numel": _count(args.chunk)} if args.chunk else None
+    daemon = EmbeddedDaemon(pool_size=max(1 * GiB, numel * 10), settings=settings)
     try:
         for n in counts:
             tiermem = _run("tiermem", n, numel, args, daemon, "PASSIVE")  # the README's setting for trainers
