@@ -7,7 +7,9 @@ clipped by the global norm under a StepLR schedule.  Checked: the gathered
 the whole batch in one process (fp32; the reduce-scatter sums the ranks' parts
 of the batch, so a few ulps), the global norms equal ``clip_grad_norm_``'s, no rank's modules hold
 param data between steps, the pager stayed within its budget, and clipping
-after gradient accumulation is refused on every rank.
+after gradient accumulation is refused on every rank.  A rank killed mid-step
+fails the others with ``RankLost`` (raised by a collective of the pager's I/O
+thread) instead of hanging.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,8 +26,7 @@ import pytest
 WORKER = str(Path(__file__).with_name("zero3_paged_worker.py"))
 
 
-@pytest.mark.parametrize(("offload", "ranks"), [("cpu", 2), ("nvme", 2), ("nvme", 3)])
-def test_sharded_paged_params_train_like_adamw_with_a_global_clip(daemon_factory, tmp_path, offload, ranks):
+def _torchrun(daemon_factory, tmp_path: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
     d = daemon_factory({"jobs": {"grace_period_s": 60.0, "max_jobs": 16}})
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
     env.update(
@@ -33,14 +35,18 @@ def test_sharded_paged_params_train_like_adamw_with_a_global_clip(daemon_factory
         TMPDIR=str(tmp_path),
         TIERMEM_SECRET_FILE=str(tmp_path / "job-secret"),
     )
-    out = tmp_path / "paged.json"
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", WORKER,
-         "--out", str(out), "--offload", offload],
+         "--out", str(tmp_path / "paged.json"), *extra],
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(("offload", "ranks"), [("cpu", 2), ("nvme", 2), ("nvme", 3)])
+def test_sharded_paged_params_train_like_adamw_with_a_global_clip(daemon_factory, tmp_path, offload, ranks):
+    done = _torchrun(daemon_factory, tmp_path, ranks, "--offload", offload)
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = json.loads((tmp_path / "paged.json").read_text())
     worst = 0.0
     for key, ref in result["reference"].items():
         ours = result["state"][key]
@@ -56,3 +62,13 @@ def test_sharded_paged_params_train_like_adamw_with_a_global_clip(daemon_factory
         assert 0 < r["peak"] <= result["budget"], (r["peak"], result["budget"])
         assert "accumulated" in r["error"], r["error"]
     print(f"\nzero3 paged on {offload}, {ranks} ranks: state_dict within {worst:.1e} of AdamW + clip_grad_norm_")
+
+
+def test_a_rank_killed_mid_step_fails_the_other_with_rank_lost(daemon_factory, tmp_path):
+    started = time.monotonic()
+    done = _torchrun(daemon_factory, tmp_path, 2, "--kill-step", "2")
+    assert done.returncode != 0
+    survivor = json.loads((tmp_path / "paged.json.0").read_text())
+    assert survivor["error"] == "RankLost", survivor
+    print(f"\nzero3 paged, a rank killed: the other got RankLost in {survivor['during']}")
+    assert survivor["at"] - started < 120, "the survivor waited for its collective's timeout"

@@ -7,21 +7,26 @@ rank on its slice of the global batch.  Rank 0 writes, as JSON: the model's
 model trained in one process with ``torch.optim.AdamW`` + ``clip_grad_norm_``
 on the whole batch, both norms per step, what the modules held between
 steps, the pager's peak against its budget, and the error that clipping after
-gradient accumulation raised.
+gradient accumulation raised.  ``--kill-step K``: the last rank dies by
+SIGKILL after the forward of step K; the others write what they caught (a
+``RankLost``, and where) to ``OUT.<rank>``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tiermem.distributed import ShardedPagedAdam
-from tiermem.errors import InvalidState
+from tiermem.errors import InvalidState, RankLost
 
 BATCH_PER_RANK = 3
 LR = 0.02
@@ -43,6 +48,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--offload", default="nvme")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--kill-step", type=int, default=-1)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -53,15 +59,23 @@ def main() -> int:
     )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     norms, held = [], []
-    for step in range(args.steps):
-        x, y = data(step, world)
-        mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        norms.append(opt.last_grad_norm)
-        held.append(max(p.untyped_storage().nbytes() for p in model.parameters()))
+    try:
+        for step in range(args.steps):
+            x, y = data(step, world)
+            mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+            loss = nn.functional.mse_loss(model(x[mine]), y[mine])
+            if step == args.kill_step and rank == world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            norms.append(opt.last_grad_norm)
+            held.append(max(p.untyped_storage().nbytes() for p in model.parameters()))
+    except RankLost as exc:
+        with open(f"{args.out}.{rank}", "w") as f:
+            json.dump({"rank": rank, "error": "RankLost", "during": exc.during, "at": time.monotonic()}, f)
+        return 3
     state = {k: v.tolist() for k, v in model.state_dict().items()}  # a collective: every rank gathers
     peak = opt.pager.stats()["peak_nbytes"]
     accumulation_error = ""
