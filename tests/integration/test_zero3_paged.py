@@ -42,9 +42,14 @@ def _torchrun(daemon_factory, tmp_path: Path, ranks: int, *extra: str) -> subpro
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(("offload", "ranks"), [("cpu", 2), ("nvme", 2), ("nvme", 3)])
-def test_sharded_paged_params_train_like_adamw_with_a_global_clip(daemon_factory, tmp_path, offload, ranks):
-    done = _torchrun(daemon_factory, tmp_path, ranks, "--offload", offload)
+@pytest.mark.parametrize(
+    ("offload", "ranks", "resume"),
+    [("cpu", 2, -1), ("nvme", 2, -1), ("nvme", 3, -1), ("nvme", 2, 3)],
+    ids=["cpu-2", "nvme-2", "nvme-3", "nvme-2-checkpoint-resumed"],
+)
+def test_sharded_paged_params_train_like_adamw_with_a_global_clip(daemon_factory, tmp_path, offload, ranks, resume):
+    """``resume``: before that step every rank checkpoints, and a new model and optimizer load it."""
+    done = _torchrun(daemon_factory, tmp_path, ranks, "--offload", offload, "--resume-at", str(resume))
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((tmp_path / "paged.json").read_text())
     worst = 0.0
@@ -61,7 +66,8 @@ def test_sharded_paged_params_train_like_adamw_with_a_global_clip(daemon_factory
         assert max(r["held"]) <= 4, f"rank {r['rank']}'s modules hold param data between steps: {r['held']}"
         assert 0 < r["peak"] <= result["budget"], (r["peak"], result["budget"])
         assert "accumulated" in r["error"], r["error"]
-    print(f"\nzero3 paged on {offload}, {ranks} ranks: state_dict within {worst:.1e} of AdamW + clip_grad_norm_")
+    resumed = f", resumed from a checkpoint at step {resume}" if resume >= 0 else ""
+    print(f"\nzero3 paged on {offload}, {ranks} ranks{resumed}: within {worst:.1e} of AdamW + clip_grad_norm_")
 
 
 def test_a_rank_killed_mid_step_fails_the_other_with_rank_lost(daemon_factory, tmp_path):

@@ -9,7 +9,11 @@ on the whole batch, both norms per step, what the modules held between
 steps, the pager's peak against its budget, and the error that clipping after
 gradient accumulation raised.  ``--kill-step K``: the last rank dies by
 SIGKILL after the forward of step K; the others write what they caught (a
-``RankLost``, and where) to ``OUT.<rank>``.
+``RankLost``, and where) to ``OUT.<rank>``.  ``--resume-at K``: before step K
+every rank saves ``model.state_dict()`` and ``opt.state_dict()`` (torch.save),
+closes its optimizer, builds the model again with other values and a new
+optimizer (a new job), loads the optimizer's state and then the model's, and
+trains on.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ LR = 0.02
 MAX_NORM = 0.5
 
 
-def make_model() -> nn.Sequential:
-    torch.manual_seed(0)
+def make_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(7, 13), nn.GELU(), nn.Linear(13, 11), nn.GELU(), nn.Linear(11, 3))
 
 
@@ -49,18 +53,42 @@ def main() -> int:
     ap.add_argument("--offload", default="nvme")
     ap.add_argument("--out", required=True)
     ap.add_argument("--kill-step", type=int, default=-1)
+    ap.add_argument("--resume-at", type=int, default=-1)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     budget = 2 * 13 * 11 * 4 + 4096  # two of the largest layer's params, a little slack
-    opt = ShardedPagedAdam(
-        model, lr=LR, weight_decay=0.01, offload=args.offload, max_grad_norm=MAX_NORM, device_budget=budget, prefetch=1
-    )
+
+    def optimizer(model: nn.Module, job_id: str | None = None) -> ShardedPagedAdam:
+        return ShardedPagedAdam(
+            model,
+            lr=LR,
+            weight_decay=0.01,
+            offload=args.offload,
+            max_grad_norm=MAX_NORM,
+            device_budget=budget,
+            prefetch=1,
+            job_id=job_id,
+        )
+
+    opt = optimizer(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     norms, held = [], []
     try:
         for step in range(args.steps):
+            if step == args.resume_at:
+                saved = f"{args.out}.ckpt.{rank}"
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, saved)
+                job = f"{opt.job_id}-resumed"
+                opt.close()
+                model = make_model(seed=7)
+                opt = optimizer(model, job_id=job)
+                sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+                ckpt = torch.load(saved)
+                opt.load_state_dict(ckpt["opt"])  # the optimizer first: the order does not matter
+                model.load_state_dict(ckpt["model"])
+                sched.load_state_dict(ckpt["sched"])
             x, y = data(step, world)
             mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
             loss = nn.functional.mse_loss(model(x[mine]), y[mine])

@@ -21,6 +21,11 @@ recorded order, a ``device_budget``), whose copies are collective here:
 - ``model.state_dict()`` gathers each param the same way (a collective: every
   rank calls it), ``model.load_state_dict()`` writes each rank's shard.
 
+Checkpoints: ``model.state_dict()`` (the whole model, torch's keys, gathered)
+and ``opt.state_dict()`` (this rank's shard of the Adam state, AdamW's format
+over the shards) are saved per rank; a new ``ShardedPagedAdam`` over the same
+model and world size loads both, in either order.
+
 The collectives run on the pager's one I/O thread, in the order the trainer
 asks for them; that order is the same on every rank because every rank runs
 the same model with the same budget (the pager's decisions depend on sizes
@@ -217,6 +222,8 @@ class ShardedPagedAdam(OffloadAdam):
         self.pager = ParamPager(
             model, self, device_budget=device_budget, prefetch=prefetch, params=params, copies=copies
         )
+        for shard in shards:  # the daemon has them as masters now: no copy stays here, only the shape
+            shard.data = torch.full((), float("nan"), dtype=shard.dtype).expand(shard.shape)
 
     def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("group", self.process_group)
