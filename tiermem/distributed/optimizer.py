@@ -56,10 +56,11 @@ import torch.distributed as dist
 
 from tiermem import dtypes
 from tiermem.client import Client
+from tiermem.distributed.collective import guarded
 from tiermem.distributed.identity import agree_identity
 from tiermem.distributed.layout import Piece, ShardLayout, plan_shards
 from tiermem.distributed.node import node_client
-from tiermem.errors import DTypeError, InvalidArgument, InvalidState, RankLost
+from tiermem.errors import DTypeError, InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
 from tiermem.offload.args import check_hyper, check_torch_flags, optimizer_defaults
 from tiermem.offload.optimizer import OffloadAdam
@@ -291,10 +292,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
     def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn`` over the process group; a failure (a rank gone, a timeout) is ``RankLost``."""
         kwargs.setdefault("group", self.process_group)
-        try:
-            return fn(*args, **kwargs)
-        except (RuntimeError, dist.DistError) as exc:
-            raise RankLost(during, self.rank, getattr(self, "_steps", 0), exc) from exc
+        return guarded(during, self.rank, getattr(self, "_steps", 0), fn, *args, **kwargs)
 
     # ----------------------------------------------------------------- properties
 

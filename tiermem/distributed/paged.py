@@ -54,9 +54,10 @@ from torch import nn
 
 from tiermem import dtypes
 from tiermem.client import Client
+from tiermem.distributed.collective import guarded
 from tiermem.distributed.identity import agree_identity
 from tiermem.distributed.node import node_client
-from tiermem.errors import InvalidArgument, InvalidState, RankLost
+from tiermem.errors import InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
 from tiermem.offload.copies import HostCopies
 from tiermem.offload.optimizer import OffloadAdam
@@ -227,10 +228,7 @@ class ShardedPagedAdam(OffloadAdam):
 
     def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("group", self.process_group)
-        try:
-            return fn(*args, **kwargs)
-        except (RuntimeError, dist.DistError) as exc:
-            raise RankLost(during, self._group_rank, self._collective_steps, exc) from exc
+        return guarded(during, self._group_rank, self._collective_steps, fn, *args, **kwargs)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -49,9 +49,10 @@ import torch.distributed as dist
 
 from tiermem import dtypes
 from tiermem.client import Client
+from tiermem.distributed.collective import guarded
 from tiermem.distributed.identity import agree_identity
 from tiermem.distributed.node import node_client
-from tiermem.errors import InvalidArgument, InvalidState, RankLost
+from tiermem.errors import InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
 from tiermem.offload.optimizer import OffloadAdam
 
@@ -215,10 +216,8 @@ class LayerShardedAdam:
         """``fn`` (a collective over the group, or a ``Work``'s ``wait``); a failure is ``RankLost``."""
         if fn is not _wait:
             kwargs.setdefault("group", self.group)
-        try:
-            return fn(*args, **kwargs)
-        except (RuntimeError, dist.DistError) as exc:
-            raise RankLost(during, self.rank, self.inner.steps if self.inner is not None else 0, exc) from exc
+        inner = getattr(self, "inner", None)  # None until it is made (the first collectives come before it)
+        return guarded(during, self.rank, inner.steps if inner is not None else 0, fn, *args, **kwargs)
 
     def _log(self, what: str, unit: _Unit) -> None:
         if self.events is not None:
