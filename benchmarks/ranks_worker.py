@@ -37,11 +37,13 @@ def _cpu_s(pid: int) -> float:
     return total / 1e9
 
 
-def _span(start: float, end: float) -> float:
+def _span(start: float, end: float, skews: list[float] | None = None) -> float:
     """From the earliest ``start`` to the latest ``end`` over the ranks (``time.monotonic``: one clock for
-    every process of the machine)."""
-    t = torch.tensor([-start, end], dtype=torch.float64)
+    every process of the machine); ``skews`` gets the spread of the starts (latest minus earliest)."""
+    t = torch.tensor([-start, end, start], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if skews is not None:
+        skews.append(float(t[2] + t[0]))
     return float(t[1] + t[0])
 
 
@@ -57,7 +59,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    updates, steps, cpu = [], [], []
+    updates, steps, cpu, skews = [], [], [], []
     if args.mode == "peer":
         torch.set_num_threads(os.cpu_count() or 1)
         shard = torch.nn.Parameter(torch.randn(args.numel // world))
@@ -67,7 +69,7 @@ def main() -> None:
             dist.barrier()
             t0 = time.monotonic()
             opt.step()
-            dt = _span(t0, time.monotonic())
+            dt = _span(t0, time.monotonic(), skews if i >= args.warmup else None)
             if i >= args.warmup:
                 updates.append(dt)
                 steps.append(dt)
@@ -97,7 +99,7 @@ def main() -> None:
             t0 = time.monotonic()
             sharded.step()
             step_s = _span(t0, time.monotonic())
-            update_s = _span(box["start"], box["end"])
+            update_s = _span(box["start"], box["end"], skews if i >= args.warmup else None)
             if i >= args.warmup:
                 updates.append(update_s)
                 steps.append(step_s)
@@ -112,6 +114,7 @@ def main() -> None:
             "update_ms": statistics.median(updates) * 1e3,
             "step_ms": statistics.median(steps) * 1e3,
             "daemon_cpu_ms": statistics.median(cpu) * 1e3 if cpu else None,
+            "start_skew_ms": statistics.median(skews) * 1e3,
         }
         Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()
