@@ -1,7 +1,7 @@
 """The daemon's socket side: accepting, admitting and serving connections.
 
 Threading model (chosen by measurement, see ``benchmarks/bench_ipc.py``): one
-thread per connection doing blocking ``recv`` -> handle -> ``send``.  A control
+thread per connection that talks, doing blocking ``recv`` -> handle -> ``send``.  A control
 round trip then costs what a blocking Unix-socket echo costs (asyncio's
 default loop adds ~4x to every request), connections are few (one per training
 process), and a handler that waits for a step blocks only its own client.  CPU
