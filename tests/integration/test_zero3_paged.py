@@ -2,7 +2,8 @@
 
 ``zero3_paged_worker.py`` trains a small MLP (odd sizes: padded shards) on two
 and three ranks, each param sharded across them, each shard only in its rank's daemon,
-clipped by the global norm under a StepLR schedule.  Checked: the gathered
+with two param groups (no weight decay and half the learning rate on the
+biases), clipped by the global norm under a StepLR schedule.  Checked: the gathered
 ``model.state_dict()`` equals ``torch.optim.AdamW`` + ``clip_grad_norm_`` on
 the whole batch in one process (fp32; the reduce-scatter sums the ranks' parts
 of the batch, so a few ulps), the global norms equal ``clip_grad_norm_``'s, no rank's modules hold

@@ -1,7 +1,8 @@
 """One rank of ``test_zero3_paged.py`` under ``torchrun`` (gloo): ZeRO-3 with param paging.
 
 A small MLP with odd sizes (so shards are padded) trains with
-``ShardedPagedAdam`` (clipping by the global norm, a StepLR schedule), each
+``ShardedPagedAdam`` (two param groups: no weight decay and half the learning
+rate on the biases; clipping by the global norm, a StepLR schedule), each
 rank on its slice of the global batch.  Rank 0 writes, as JSON: the model's
 ``state_dict()`` after the steps (gathered from the ranks' daemons), the same
 model trained in one process with ``torch.optim.AdamW`` + ``clip_grad_norm_``
@@ -42,6 +43,13 @@ def make_model(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(7, 13), nn.GELU(), nn.Linear(13, 11), nn.GELU(), nn.Linear(11, 3))
 
 
+def groups(model: nn.Module) -> list[dict]:
+    """The GPT recipe: no weight decay on biases (a group of its own, with its own learning rate too)."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": LR / 2}]
+
+
 def data(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(BATCH_PER_RANK * world, 7, generator=g), torch.randn(BATCH_PER_RANK * world, 3, generator=g)
@@ -63,6 +71,7 @@ def main() -> int:
     def optimizer(model: nn.Module, job_id: str | None = None) -> ShardedPagedAdam:
         return ShardedPagedAdam(
             model,
+            param_groups=groups(model),
             lr=LR,
             weight_decay=0.01,
             offload=args.offload,
@@ -119,7 +128,7 @@ def main() -> int:
     dist.all_gather_object(everything, {"rank": rank, "held": held, "peak": peak, "error": accumulation_error})
     if rank == 0:
         ref = make_model()
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+        ref_opt = torch.optim.AdamW(groups(ref), lr=LR, weight_decay=0.01)
         ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
         ref_norms = []
         for step in range(args.steps):

@@ -139,6 +139,31 @@ class ShardCopies(HostCopies):
         self.accumulated = False
 
 
+def _model_groups(model: nn.Module, param_groups: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The param groups over the model's params, checked: each of its params in exactly one group."""
+    mine = list(model.parameters())
+    if param_groups is None:
+        return [{"params": mine}]
+    if not isinstance(param_groups, list) or not all(isinstance(g, dict) and "params" in g for g in param_groups):
+        raise InvalidArgument("param_groups must be a list of dicts with 'params', as torch.optim takes them")
+    groups = [{**g, "params": list(g["params"])} for g in param_groups]
+    seen: dict[int, int] = {}
+    for i, g in enumerate(groups):
+        for p in g["params"]:
+            if id(p) in seen:
+                raise InvalidArgument(f"a param is in param groups {seen[id(p)]} and {i}; give each param once")
+            seen[id(p)] = i
+    names = {id(p): n for n, p in model.named_parameters()}
+    missing = [names[id(p)] for p in mine if id(p) not in seen]
+    foreign = [i for i, g in enumerate(groups) for p in g["params"] if id(p) not in names]
+    if missing or foreign:
+        raise InvalidArgument(
+            f"param_groups must hold every param of the model and nothing else: missing {missing[:4]}, "
+            f"{len(foreign)} param(s) not in the model"
+        )
+    return groups
+
+
 class ShardedPagedAdam(OffloadAdam):
     """AdamW (``adamw=False``: Adam) over a model paged and sharded across ``process_group``; see the module
     docstring.  ``pager`` is the model's ``ParamPager`` (its figures: ``pager.stats()``)."""
@@ -161,7 +186,11 @@ class ShardedPagedAdam(OffloadAdam):
         client: Client | None = None,
         job_id: str | None = None,
         token: str | None = None,
+        param_groups: list[dict[str, Any]] | None = None,
     ) -> None:
+        """``param_groups``: torch's param groups over the model's params (``{"params": [...], "weight_decay":
+        0.0}``, ...; every param of the model in exactly one), for hyper-parameters per group; by default one
+        group of every param with the keyword arguments' values."""
         if not (dist.is_available() and dist.is_initialized()):
             raise InvalidState("ShardedPagedAdam needs torch.distributed initialised (torchrun)")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -169,7 +198,8 @@ class ShardedPagedAdam(OffloadAdam):
         self.process_group = process_group
         group_rank = dist.get_rank(process_group)
         world = dist.get_world_size(process_group)
-        params = [p for p in model.parameters()]
+        groups = _model_groups(model, param_groups)
+        params = [p for g in groups for p in g["params"]]
         if not params:
             raise InvalidArgument("the model has no params")
         devices = {p.device.type for p in params}
@@ -189,6 +219,11 @@ class ShardedPagedAdam(OffloadAdam):
         numels = [p.numel() for p in params]
         copies = ShardCopies(numels, group_rank, world, self._collective)
         shards = [nn.Parameter(copies._mine(i, p.data), requires_grad=p.requires_grad) for i, p in enumerate(params)]
+        shard_groups, at = [], 0
+        for g in groups:  # the same groups over the shards, in the same order (tensor i is param i's shard)
+            n = len(g["params"])
+            shard_groups.append({**g, "params": shards[at : at + n]})
+            at += n
         ident = agree_identity(self._collective, process_group, group_rank, job_id, token)
         if client is None:
             client = node_client(
@@ -201,7 +236,7 @@ class ShardedPagedAdam(OffloadAdam):
                 window_nbytes=window_nbytes,
             )
         super().__init__(
-            shards,
+            shard_groups,
             lr=lr,
             betas=betas,
             eps=eps,
