@@ -7,16 +7,22 @@ default loop adds ~4x to every request), connections are few (one per training
 process), and a handler that waits for a step blocks only its own client.  CPU
 work never runs on these threads: it goes to the ``CpuScheduler``.
 
+- With ``server.accept_process`` (the node daemon's default), a process of its own,
+  ``tiermemd.acceptor``, does the checks below for refused and silent peers and
+  passes only connections that talk, over a SEQPACKET pair (``SCM_RIGHTS``); the
+  accept thread then reads that channel, counts the refusals it reports and
+  admits what it passes (``_channel_loop``), so a storm never takes the lock
+  the session threads need.  Without it:
 - The accept thread checks each peer's credentials (``SO_PEERCRED``) against the
   allowed uids/gids and the per-uid connection limit before serving it; a
   refused peer gets an ``AuthError``/``AdmissionError`` reply and is closed.
   A refused peer costs no thread: its socket lingers (read and dropped, so the
   refusal is not lost to a reset) in the watcher's selector for at most
-  ``_REFUSAL_LINGER_S``, at most ``_MAX_LINGERING`` at a time; past
-  ``_EXPLAINED_REFUSALS_PER_S`` refusals of one uid a second, a refusal is a
+  ``REFUSAL_LINGER_S``, at most ``MAX_LINGERING`` at a time; past
+  ``EXPLAINED_REFUSALS_PER_S`` refusals of one uid a second, a refusal is a
   close, so a storm costs the accept thread as little as possible; refusals
   are logged once per uid and reason, then summarised with counts every
-  ``_REFUSAL_LOG_EVERY_S``.  An admitted peer costs no thread until it
+  ``REFUSAL_LOG_EVERY_S``.  An admitted peer costs no thread until it
   sends its first frame: its socket waits in the watcher's selector, and a
   peer that hangs up before a word (a storm) is ended there.  A peer that
   talks costs a thread (its stack is virtual memory; a few pages are
@@ -62,7 +68,10 @@ import os
 import pwd
 import select
 import selectors
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -85,20 +94,35 @@ from tiermem.protocol import (
     encode_message,
     peek_request_id,
 )
-from tiermem.transport import HEARTBEAT, Listener, Peer, PeerCred, set_send_timeout
+from tiermem.transport import HEARTBEAT, Listener, Peer, PeerCred, peer_cred, set_send_timeout
 from tiermemd import health
 from tiermemd.health import REGISTRY, Health
 from tiermemd.serverstats import DisconnectReason, ServerCounters, ServerStats
 
-__all__ = ["MAX_ERROR_CHARS", "Reply", "Server", "Session", "SessionState", "error_frame", "header_readable"]
+__all__ = [
+    "EXPLAINED_REFUSALS_PER_S",
+    "MAX_ERROR_CHARS",
+    "MAX_LINGERING",
+    "REFUSAL_LINGER_S",
+    "REFUSAL_LOG_EVERY_S",
+    "RefusalLog",
+    "Reply",
+    "Server",
+    "Session",
+    "SessionState",
+    "TokenBuckets",
+    "error_frame",
+    "header_readable",
+    "uid_allowed",
+]
 
 log = logging.getLogger(__name__)
 
-_REFUSAL_LINGER_S = 2.0
-_MAX_LINGERING = 512
+REFUSAL_LINGER_S = 2.0
+MAX_LINGERING = 512
 """Refused sockets kept lingering at once; past it a refused socket is closed at once."""
-_REFUSAL_LOG_EVERY_S = 10.0
-_EXPLAINED_REFUSALS_PER_S = 50.0
+REFUSAL_LOG_EVERY_S = 10.0
+EXPLAINED_REFUSALS_PER_S = 50.0
 """Refused connections per uid and second answered with the reason (a storm's others are just closed, so the
 accept thread keeps draining the backlog for everyone else)."""
 HEARTBEAT_S = 0.5
@@ -289,6 +313,20 @@ class Session:
         self.peer.send(error_frame(request_id, exc, self.peer.frames.max_frame))
 
 
+def uid_allowed(cred: PeerCred, allowed_uids: tuple[int, ...], allowed_gids: tuple[int, ...], own_uid: int) -> bool:
+    """Whether ``cred`` may use a daemon running as ``own_uid``: root, that uid, an allowed uid, or a member of
+    an allowed gid."""
+    if cred.uid in (0, own_uid) or cred.uid in allowed_uids:
+        return True
+    if not allowed_gids:
+        return False
+    groups = {cred.gid}
+    with contextlib.suppress(KeyError):
+        entry = pwd.getpwuid(cred.uid)
+        groups.update(os.getgrouplist(entry.pw_name, entry.pw_gid))
+    return bool(groups & set(allowed_gids))
+
+
 def header_readable(data: bytes) -> bool:
     """Whether a frame's header can be trusted enough to keep reading the stream after it."""
     return len(data) >= HEADER_NBYTES and data[:2] == MAGIC and data[2] in SUPPORTED_VERSIONS
@@ -399,7 +437,13 @@ class Server:
     ) -> None:
         self.listener = listener
         self.handlers = handlers
-        self.config = config
+        self._config = config
+        self._acceptor: subprocess.Popen[bytes] | None = None
+        self._channel: socket.socket | None = None
+        self._counted = (0, 0)
+        """The acceptor's refusal totals already added to the counters (disallowed uid, over the limit)."""
+        self._acceptor_lock = threading.Lock()
+        """Orders the acceptor's start (the channel thread, after a crash) with its stop (``stop_accepting``)."""
         self._ids = itertools.count(1)
         self._sessions: dict[int, Session] = {}
         self._per_uid: Counter[int] = Counter()
@@ -417,25 +461,156 @@ class Server:
         self.counters = ServerCounters()
         self.health = REGISTRY if health is None else health
         """Beacons of the accept, watcher and session threads (``tiermemd.health``)."""
-        self.refusals = RefusalLog(_REFUSAL_LOG_EVERY_S)
+        self.refusals = RefusalLog(REFUSAL_LOG_EVERY_S)
         """Refused connections and failed token guesses, logged with counts."""
         self._lingering: dict[int, tuple[socket.socket, float]] = {}
-        self._explain = TokenBuckets(_EXPLAINED_REFUSALS_PER_S)
+        self._explain = TokenBuckets(EXPLAINED_REFUSALS_PER_S)
         """Refusals per uid and second that get their reason (a frame, a linger); the others are a close."""
         """Refused sockets by fd, with the time they are closed at the latest."""
+
+    @property
+    def config(self) -> ServerConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: ServerConfig) -> None:
+        """A new configuration (SIGHUP); an acceptor whose policy it changes is started again with it."""
+        old, self._config = self._config, config
+        if self._acceptor is not None and self._policy(old) != self._policy(config):
+            self._stop_acceptor()  # the channel thread starts the next one with the new policy
 
     # ----------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        for target, name in ((self._accept_loop, "tiermemd-accept"), (self._watch_loop, "tiermemd-pidfds")):
+        accept = self._channel_loop if self._config.accept_process else self._accept_loop
+        if self._config.accept_process:
+            self._start_acceptor()
+        for target, name in ((accept, "tiermemd-accept"), (self._watch_loop, "tiermemd-pidfds")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def stop_accepting(self) -> None:
         self._accepting = False
+        self._stop_acceptor()
         with contextlib.suppress(OSError):
             self.listener.sock.shutdown(socket.SHUT_RDWR)
+
+    # ----------------------------------------------------------------- the acceptor process
+
+    def _policy(self, config: ServerConfig) -> str:
+        from tiermemd.acceptor import Policy
+
+        return Policy(
+            config.allowed_uids, config.allowed_gids, self._own_uid, config.max_connections_per_uid, config.max_frame
+        ).to_json()
+
+    def _start_acceptor(self) -> None:
+        """Start ``tiermemd.acceptor`` on the listener, with a fresh channel (``daemon/acceptor.py``); not once
+        the server stopped accepting."""
+        with self._acceptor_lock:
+            if self._accepting:
+                self._spawn_acceptor()
+
+    def _spawn_acceptor(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._acceptor = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tiermemd.acceptor",
+                    "--listen-fd",
+                    str(self.listener.fileno()),
+                    "--channel-fd",
+                    str(theirs.fileno()),
+                    "--policy",
+                    self._policy(self._config),
+                ],
+                pass_fds=(self.listener.fileno(), theirs.fileno()),
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._channel = ours
+        self._counted = (0, 0)
+        log.info("acceptor started (pid %d)", self._acceptor.pid)
+
+    def _stop_acceptor(self) -> None:
+        with self._acceptor_lock:
+            acceptor = self._acceptor
+        if acceptor is None:
+            return
+        with contextlib.suppress(OSError):
+            acceptor.terminate()
+        try:
+            acceptor.wait(5.0)
+        except subprocess.TimeoutExpired:
+            acceptor.kill()
+            acceptor.wait()
+
+    def _channel_loop(self) -> None:
+        """The accept thread with an acceptor process: admit what it passes, count what it refused, and start
+        it again if it ended while the daemon still accepts."""
+        beacon = self.health.register("tiermemd-accept")
+        try:
+            while True:
+                channel = self._channel
+                if channel is None:
+                    return
+                try:
+                    data, fds, _, _ = socket.recv_fds(channel, 64, 4)
+                except OSError as exc:
+                    data, fds = b"", []
+                    log.warning("reading the acceptor's channel failed: %s", exc)
+                if not data and not fds:  # the acceptor ended
+                    self._acceptor_ended(channel)
+                    time.sleep(0.2)  # a crash loop costs a restart every 0.2 s at most
+                    self._start_acceptor()
+                    if self._channel is None:
+                        return  # stopped accepting
+                    continue
+                beacon.enter()
+                try:
+                    self._from_acceptor(data, fds)
+                finally:
+                    beacon.leave()
+        finally:
+            self.health.forget(beacon)
+
+    def _acceptor_ended(self, channel: socket.socket) -> None:
+        acceptor, self._acceptor, self._channel = self._acceptor, None, None
+        channel.close()
+        code = acceptor.wait() if acceptor is not None else None
+        if self._accepting and acceptor is not None and acceptor.returncode != -signal.SIGTERM:
+            log.error("the acceptor (pid %d) ended with status %s; starting it again", acceptor.pid, code)
+
+    def _from_acceptor(self, data: bytes, fds: list[int]) -> None:
+        from tiermemd.acceptor import CONN, COUNTS
+
+        if data.startswith(b"CNTS") and len(data) == COUNTS.size:
+            _, auth, admission = COUNTS.unpack(data)
+            self.counters.add_refused(auth - self._counted[0], admission - self._counted[1])
+            self._counted = (auth, admission)
+        for fd in fds:
+            conn = socket.socket(fileno=fd)
+            if data != CONN:
+                conn.close()
+                continue
+            conn.setblocking(True)  # the acceptor's non-blocking mode came with the file (O_NONBLOCK is shared)
+            try:
+                cred = peer_cred(conn)
+            except OSError:
+                conn.close()
+                continue
+            try:
+                self._admit(conn, cred, talking=True)
+            except Exception:
+                log.exception("admitting a connection from pid %d failed; closing it", cred.pid)
+                conn.close()
 
     def close_sessions(self, why: str, timeout_s: float = 5.0) -> None:
         for session in self.sessions():
@@ -477,22 +652,14 @@ class Server:
     # ----------------------------------------------------------------- admission
 
     def allowed(self, cred: PeerCred) -> bool:
-        if cred.uid in (0, self._own_uid) or cred.uid in self.config.allowed_uids:
-            return True
-        if not self.config.allowed_gids:
-            return False
-        groups = {cred.gid}
-        with contextlib.suppress(KeyError):
-            entry = pwd.getpwuid(cred.uid)
-            groups.update(os.getgrouplist(entry.pw_name, entry.pw_gid))
-        return bool(groups & set(self.config.allowed_gids))
+        return uid_allowed(cred, self.config.allowed_uids, self.config.allowed_gids, self._own_uid)
 
     def _refuse(self, conn: socket.socket, cred: PeerCred, exc: TiermemError, why: str) -> None:
         """Send the refusal, then let the socket linger in the watcher's selector, its input read and
-        dropped until the client hangs up (at most ``_REFUSAL_LINGER_S``): closing with its request unread
+        dropped until the client hangs up (at most ``REFUSAL_LINGER_S``): closing with its request unread
         would reset the connection, and the client would lose the frame that says why.  No thread, no
         buffer, no pidfd: a refused peer costs a socket for two seconds at most (none past
-        ``_MAX_LINGERING`` of them, when the refusal may be lost to a reset)."""
+        ``MAX_LINGERING`` of them, when the refusal may be lost to a reset)."""
         self.counters.refused(exc)
         self.refusals.note(why, cred)
         if not self._explain.take(cred.uid, time.monotonic()):
@@ -503,9 +670,9 @@ class Server:
             conn.send(error_frame(0, exc, self.listener.max_frame))
             conn.shutdown(socket.SHUT_WR)
         with self._lock:
-            keep = len(self._lingering) < _MAX_LINGERING and self._accepting
+            keep = len(self._lingering) < MAX_LINGERING and self._accepting
             if keep:
-                self._lingering[conn.fileno()] = (conn, time.monotonic() + _REFUSAL_LINGER_S)
+                self._lingering[conn.fileno()] = (conn, time.monotonic() + REFUSAL_LINGER_S)
         if not keep:
             conn.close()
             return
@@ -553,7 +720,8 @@ class Server:
         finally:
             self.health.forget(beacon)
 
-    def _admit(self, conn: socket.socket, cred: PeerCred) -> None:
+    def _admit(self, conn: socket.socket, cred: PeerCred, *, talking: bool = False) -> None:
+        """Admit or refuse a connection; ``talking``: its first frame is there (passed by the acceptor)."""
         if not self.allowed(cred):
             self._refuse(
                 conn,
@@ -589,6 +757,9 @@ class Server:
         with self._lock:
             session = Session(next(self._ids), peer, max_oneway=self.config.max_inflight, counters=self.counters)
             self._sessions[session.id] = session
+        if talking:
+            self._serve_thread(session)
+            return
         try:
             # no thread, pidfd or beacon yet: the watcher gives them when the first frame is there, and ends
             # a session that hangs up before one (epoll sees a registration at once; other selectors are woken)
@@ -623,6 +794,10 @@ class Server:
                 self.counters.disconnected(session.disconnect or DisconnectReason.CLIENT_CLOSED)
                 self._drop(session)
             return
+        self._serve_thread(session)
+
+    def _serve_thread(self, session: Session) -> None:
+        """A session that talks: its send timeout, pidfd and beacon, and its thread."""
         try:
             peer, cred = session.peer, session.cred
             set_send_timeout(peer.frames.sock, self.config.send_timeout_s)

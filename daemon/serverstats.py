@@ -79,6 +79,12 @@ class ServerCounters:
             self._refused += 1
             self._auth_errors += 1 if isinstance(exc, AuthError) else 0
 
+    def add_refused(self, auth: int, admission: int) -> None:
+        """Refusals made by the acceptor process: ``auth`` of disallowed uids, ``admission`` over the limit."""
+        with self._lock:
+            self._refused += auth + admission
+            self._auth_errors += auth
+
     def error_reply(self, exc: TiermemError) -> None:
         """An error answered to a request: counted when it is a protocol or an authentication error."""
         if isinstance(exc, ProtocolError):

@@ -152,6 +152,7 @@ class EmbeddedDaemon:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
         env["NOTIFY_SOCKET"] = notify_path
         env["TIERMEM_JOBS_GRACE_PERIOD_S"] = "5"
+        env["TIERMEM_SERVER_ACCEPT_PROCESS"] = "false"  # one user in a 0700 directory: nobody to storm it
         self.log_path = os.path.join(self.dir, "tiermemd.log")
         log_file = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it
         try:

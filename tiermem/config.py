@@ -226,6 +226,10 @@ class ServerConfig:
     send_timeout_s: float = 10.0
     """How long a reply may wait for room on a client's socket before the session is closed (a client that
     sends requests without reading their replies).  A client that reads each reply never waits."""
+    accept_process: bool = True
+    """Accept in a process of its own (``tiermemd.acceptor``): it refuses disallowed uids and holds connections
+    until their first frame, so a connection storm costs the daemon's interpreter nothing.  Private daemons
+    (one user, a 0700 directory) accept in a thread instead."""
     stall_timeout_s: float = 120.0
     """A worker thread (a session handling a request, the CPU scheduler, a rank's pipeline, the pidfd
     watcher) busy this long without progress is wedged: it is logged by name, the systemd watchdog is no

@@ -7,6 +7,7 @@ close until then, which is what a loaded daemon looks like for a moment.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 import tempfile
@@ -47,7 +48,7 @@ def served() -> Iterator[tuple[Server, Handlers, str]]:
     where = tempfile.mkdtemp(prefix="tmadmit-")
     path = str(Path(where) / "s" / "tiermemd.sock")
     handlers = Handlers()
-    config = ServerConfig(socket=path, max_connections_per_uid=LIMIT)
+    config = ServerConfig(socket=path, max_connections_per_uid=LIMIT, accept_process=False)
     server = Server(Listener.bind(path), handlers, config, Health(stall_s=30.0))
     server.start()
     try:
@@ -138,3 +139,80 @@ def test_a_silent_connection_is_ended_when_the_server_closes_its_sessions(served
     assert not server.sessions()
     assert sock.recv(16) == b""  # end of stream: the daemon closed it
     sock.close()
+
+
+# --------------------------------------------------------------------------- with the acceptor process
+
+
+@pytest.fixture
+def accepting() -> Iterator[tuple[Server, Handlers, str]]:
+    """The same server with ``server.accept_process`` (a real ``tiermemd.acceptor`` child on the listener)."""
+    where = tempfile.mkdtemp(prefix="tmacc-")
+    path = str(Path(where) / "s" / "tiermemd.sock")
+    handlers = Handlers()
+    config = ServerConfig(socket=path, max_connections_per_uid=LIMIT, accept_process=True)
+    server = Server(Listener.bind(path), handlers, config, Health(stall_s=30.0))
+    server.start()
+    try:
+        yield server, handlers, path
+    finally:
+        handlers.release.set()
+        server.stop_accepting()
+        server.close_sessions("test over")
+        server.close()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _silent(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(path)
+    return sock
+
+
+def test_the_acceptor_holds_silent_connections_and_passes_the_ones_that_talk(accepting) -> None:
+    server, _handlers, path = accepting
+    assert server._acceptor is not None and server._acceptor.poll() is None
+    silent = [_silent(path) for _ in range(LIMIT)]
+    time.sleep(0.3)
+    assert server.sessions() == [], "a connection that sent nothing reached the daemon"
+    # past the uid's limit of silent connections the acceptor refuses, with the daemon's error
+    with pytest.raises(AdmissionError, match="max_connections_per_uid"), Connection.open(path, timeout_s=5.0) as c:
+        c.request(Ping())
+    silent[0].send(encode_message(Ping(), 7))  # the first frame: passed to the daemon, which serves it
+    assert silent[0].recv(4096)
+    _wait(lambda: len(server.sessions()) == 1, "the talking connection's session")
+    assert _session_threads() == 1
+    for sock in silent:
+        sock.close()
+    _wait(lambda: not server.sessions(), "the session to end")
+    # the refusal was counted, and before what came after it
+    with Connection.open(path, timeout_s=5.0) as conn:
+        assert conn.request(Ping()) == Pong()
+        assert server.stats().refused == 1
+
+
+def test_a_killed_acceptor_is_started_again(accepting) -> None:
+    server, _handlers, path = accepting
+    first = server._acceptor
+    assert first is not None
+    first.kill()
+    _wait(lambda: server._acceptor is not None and server._acceptor is not first, "a new acceptor")
+    with Connection.open(path, timeout_s=5.0) as conn:
+        assert conn.request(Ping()) == Pong()
+
+
+def test_a_new_policy_restarts_the_acceptor_with_it(accepting) -> None:
+    server, _handlers, path = accepting
+    first = server._acceptor
+    assert first is not None
+    server.config = dataclasses.replace(server.config, max_connections_per_uid=LIMIT + 2)
+    _wait(lambda: server._acceptor is not None and server._acceptor is not first, "the acceptor with the new policy")
+    silent = [_silent(path) for _ in range(LIMIT + 1)]  # one more than the old limit: not refused now
+    with Connection.open(path, timeout_s=5.0) as conn:
+        assert conn.request(Ping()) == Pong()
+    for sock in silent:
+        sock.close()
+    unchanged = server._acceptor
+    server.config = dataclasses.replace(server.config, send_timeout_s=3.0)  # not the acceptor's business
+    time.sleep(0.3)
+    assert server._acceptor is unchanged

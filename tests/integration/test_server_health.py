@@ -51,7 +51,7 @@ def served() -> Iterator[tuple[Server, Handlers, Health, str]]:
     path = str(Path(where) / "s" / "tiermemd.sock")
     registry = Health(stall_s=1.0)
     handlers = Handlers()
-    server = Server(Listener.bind(path), handlers, ServerConfig(socket=path), registry)
+    server = Server(Listener.bind(path), handlers, ServerConfig(socket=path, accept_process=False), registry)
     server.start()
     try:
         yield server, handlers, registry, path
