@@ -91,11 +91,16 @@ def _slow_frames(daemon: ChaosDaemon, rng: random.Random) -> dict[str, Any]:
     return {**slow_frames(daemon, 10.0), "wrong_results": 0}
 
 
+_CONTROL: list[ChaosDaemon] = []
+"""The storms' control target, a second daemon made when the soak starts (``connection_storm``)."""
+
+
 def _storm(daemon: ChaosDaemon, rng: random.Random) -> dict[str, Any]:
     if os.geteuid() != 0:  # running the storm as another uid needs root
         return {"skipped": 1, "wrong_results": 0}
     uid = rng.choice([ALLOWED_UID, REFUSED_UID])
-    return {**connection_storm(daemon, 10.0, uid=uid), "wrong_results": 0}
+    control = _CONTROL[0] if _CONTROL else None
+    return {**connection_storm(daemon, 10.0, uid=uid, control=control), "wrong_results": 0}
 
 
 def _sigstop(daemon: ChaosDaemon, rng: random.Random) -> dict[str, Any]:
@@ -147,6 +152,7 @@ def soak(minutes: float, seed: int, root: Path) -> dict[str, Any]:
         "swap": {"fsync": False, "threads": 1},
     }
     daemon = ChaosDaemon(root, overrides=overrides).start()
+    _CONTROL[:] = [ChaosDaemon(root / "control").start()]
     totals: dict[str, dict[str, float]] = {}
     rounds: list[dict[str, Any]] = []
     ledger_problems: list[str] = []
@@ -202,6 +208,10 @@ def soak(minutes: float, seed: int, root: Path) -> dict[str, Any]:
         code = daemon.stop()
     finally:
         daemon.cleanup()
+        for control in _CONTROL:
+            control.stop()
+            control.cleanup()
+        _CONTROL.clear()
     return {
         "minutes": round((time.monotonic() - started) / 60, 2),
         "seed": seed,

@@ -133,6 +133,9 @@ class Acceptor:
                 elif key.data == "channel":
                     if not self._channel_readable():
                         return
+                elif key.data == "wake":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(key.fd, 64)
                 elif key.data == "linger":
                     self._drain_refused(key.fileobj)  # type: ignore[arg-type]
                 else:
@@ -295,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     def stop(*_: Any) -> None:
         acceptor.running = False
 
+    # the signal's byte on a pipe in the selector ends its wait at once (a handler alone runs, and the
+    # interrupted wait is resumed for the rest of its timeout)
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    acceptor.selector.register(wake_r, selectors.EVENT_READ, "wake")
+    signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the daemon's terminal is the daemon's to handle
     try:
