@@ -111,8 +111,9 @@ def _unread(daemon: ChaosDaemon, rng: random.Random) -> dict[str, Any]:
     return {**unread_replies(daemon), "wrong_results": 0}
 
 
-HOSTILE_FRAMES_PER_ROUND = 100_000
-"""Hostile frames per round of ``hostile_frames`` (a 20-minute soak sends well over 10^6)."""
+HOSTILE_FRAMES_PER_ROUND = 200_000
+"""Hostile frames per round of ``hostile_frames``: a 20-minute soak runs about six such rounds, so it sends
+over 10^6 (at 100,000 a round one sent 600,000)."""
 
 SCENARIOS: dict[str, tuple[float, Scenario]] = {
     "client_kills": (3.0, _client_kills),
