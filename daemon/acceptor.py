@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tiermem.errors import AdmissionError, AuthError, TiermemError
+from tiermem.errors import TiermemError
 from tiermem.transport import PeerCred, peer_cred
 from tiermemd.server import (
     EXPLAINED_REFUSALS_PER_S,
@@ -55,6 +55,8 @@ from tiermemd.server import (
     RefusalLog,
     TokenBuckets,
     error_frame,
+    not_allowed,
+    over_limit,
     uid_allowed,
 )
 
@@ -177,23 +179,11 @@ class Acceptor:
         policy = self.policy
         if not uid_allowed(cred, policy.allowed_uids, policy.allowed_gids, policy.daemon_uid):
             self.refused_auth += 1
-            self._refuse(
-                conn,
-                cred,
-                AuthError(f"uid {cred.uid} is not allowed to use this tiermemd (server.allowed_uids/allowed_gids)"),
-                "refused a connection: uid not allowed",
-            )
+            self._refuse(conn, cred, *not_allowed(cred))
             return
         if self.per_uid.get(cred.uid, 0) >= policy.max_per_uid:
             self.refused_admission += 1
-            self._refuse(
-                conn,
-                cred,
-                AdmissionError(
-                    f"uid {cred.uid} already holds {policy.max_per_uid} connections (server.max_connections_per_uid)"
-                ),
-                "refused a connection: over server.max_connections_per_uid",
-            )
+            self._refuse(conn, cred, *over_limit(cred, policy.max_per_uid))
             return
         conn.setblocking(False)
         self.silent[conn.fileno()] = (conn, cred)

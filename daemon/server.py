@@ -113,6 +113,8 @@ __all__ = [
     "TokenBuckets",
     "error_frame",
     "header_readable",
+    "not_allowed",
+    "over_limit",
     "uid_allowed",
 ]
 
@@ -325,6 +327,22 @@ def uid_allowed(cred: PeerCred, allowed_uids: tuple[int, ...], allowed_gids: tup
         entry = pwd.getpwuid(cred.uid)
         groups.update(os.getgrouplist(entry.pw_name, entry.pw_gid))
     return bool(groups & set(allowed_gids))
+
+
+def not_allowed(cred: PeerCred) -> tuple[AuthError, str]:
+    """The refusal of a uid the daemon does not allow: the error its peer gets, and the log's reason."""
+    return (
+        AuthError(f"uid {cred.uid} is not allowed to use this tiermemd (server.allowed_uids/allowed_gids)"),
+        "refused a connection: uid not allowed",
+    )
+
+
+def over_limit(cred: PeerCred, limit: int) -> tuple[AdmissionError, str]:
+    """The refusal of a uid at ``server.max_connections_per_uid``: the error, and the log's reason."""
+    return (
+        AdmissionError(f"uid {cred.uid} already holds {limit} connections (server.max_connections_per_uid)"),
+        "refused a connection: over server.max_connections_per_uid",
+    )
 
 
 def header_readable(data: bytes) -> bool:
@@ -723,12 +741,7 @@ class Server:
     def _admit(self, conn: socket.socket, cred: PeerCred, *, talking: bool = False) -> None:
         """Admit or refuse a connection; ``talking``: its first frame is there (passed by the acceptor)."""
         if not self.allowed(cred):
-            self._refuse(
-                conn,
-                cred,
-                AuthError(f"uid {cred.uid} is not allowed to use this tiermemd (server.allowed_uids/allowed_gids)"),
-                "refused a connection: uid not allowed",
-            )
+            self._refuse(conn, cred, *not_allowed(cred))
             return
         with self._lock:
             held = self._per_uid[cred.uid]
@@ -738,15 +751,7 @@ class Server:
             if not over:
                 self._per_uid[cred.uid] += 1
         if over:
-            self._refuse(
-                conn,
-                cred,
-                AdmissionError(
-                    f"uid {cred.uid} already holds {self.config.max_connections_per_uid} connections "
-                    "(server.max_connections_per_uid)"
-                ),
-                "refused a connection: over server.max_connections_per_uid",
-            )
+            self._refuse(conn, cred, *over_limit(cred, self.config.max_connections_per_uid))
             return
         try:
             peer = self.listener.peer(conn, cred, watch=False)
