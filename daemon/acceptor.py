@@ -54,9 +54,9 @@ from tiermemd.server import (
     REFUSAL_LOG_EVERY_S,
     RefusalLog,
     TokenBuckets,
-    error_frame,
     not_allowed,
     over_limit,
+    send_refusal,
     uid_allowed,
 )
 
@@ -228,10 +228,7 @@ class Acceptor:
         if not self.explain.take(cred.uid, time.monotonic()) or len(self.lingering) >= MAX_LINGERING:
             conn.close()  # a storm from this uid: past its explained refusals, a refusal is one close
             return
-        with contextlib.suppress(OSError):
-            conn.setblocking(False)
-            conn.send(error_frame(0, exc, self.policy.max_frame))
-            conn.shutdown(socket.SHUT_WR)
+        send_refusal(conn, exc, self.policy.max_frame)
         self.lingering[conn.fileno()] = (conn, time.monotonic() + REFUSAL_LINGER_S)
         self.selector.register(conn, selectors.EVENT_READ, "linger")
 

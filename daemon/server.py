@@ -115,6 +115,7 @@ __all__ = [
     "header_readable",
     "not_allowed",
     "over_limit",
+    "send_refusal",
     "uid_allowed",
 ]
 
@@ -327,6 +328,14 @@ def uid_allowed(cred: PeerCred, allowed_uids: tuple[int, ...], allowed_gids: tup
         entry = pwd.getpwuid(cred.uid)
         groups.update(os.getgrouplist(entry.pw_name, entry.pw_gid))
     return bool(groups & set(allowed_gids))
+
+
+def send_refusal(conn: socket.socket, exc: TiermemError, max_frame: int) -> None:
+    """Send a refused peer why, never blocking, and end our side of the stream (the socket then lingers)."""
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.send(error_frame(0, exc, max_frame))
+        conn.shutdown(socket.SHUT_WR)
 
 
 def not_allowed(cred: PeerCred) -> tuple[AuthError, str]:
@@ -683,10 +692,7 @@ class Server:
         if not self._explain.take(cred.uid, time.monotonic()):
             conn.close()  # a storm from this uid: past its explained refusals, a refusal is one close
             return
-        with contextlib.suppress(OSError):
-            conn.setblocking(False)
-            conn.send(error_frame(0, exc, self.listener.max_frame))
-            conn.shutdown(socket.SHUT_WR)
+        send_refusal(conn, exc, self.listener.max_frame)
         with self._lock:
             keep = len(self._lingering) < MAX_LINGERING and self._accepting
             if keep:

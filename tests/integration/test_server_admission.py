@@ -7,6 +7,7 @@ close until then, which is what a loaded daemon looks like for a moment.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import socket
@@ -43,12 +44,12 @@ class Handlers:
         pass
 
 
-@pytest.fixture
-def served() -> Iterator[tuple[Server, Handlers, str]]:
-    where = tempfile.mkdtemp(prefix="tmadmit-")
+@contextlib.contextmanager
+def _serving(prefix: str, *, accept_process: bool) -> Iterator[tuple[Server, Handlers, str]]:
+    where = tempfile.mkdtemp(prefix=prefix)
     path = str(Path(where) / "s" / "tiermemd.sock")
     handlers = Handlers()
-    config = ServerConfig(socket=path, max_connections_per_uid=LIMIT, accept_process=False)
+    config = ServerConfig(socket=path, max_connections_per_uid=LIMIT, accept_process=accept_process)
     server = Server(Listener.bind(path), handlers, config, Health(stall_s=30.0))
     server.start()
     try:
@@ -59,6 +60,12 @@ def served() -> Iterator[tuple[Server, Handlers, str]]:
         server.close_sessions("test over")
         server.close()
         shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Server, Handlers, str]]:
+    with _serving("tmadmit-", accept_process=False) as s:
+        yield s
 
 
 def _busy_connection(path: str, handlers: Handlers) -> socket.socket:
@@ -147,20 +154,8 @@ def test_a_silent_connection_is_ended_when_the_server_closes_its_sessions(served
 @pytest.fixture
 def accepting() -> Iterator[tuple[Server, Handlers, str]]:
     """The same server with ``server.accept_process`` (a real ``tiermemd.acceptor`` child on the listener)."""
-    where = tempfile.mkdtemp(prefix="tmacc-")
-    path = str(Path(where) / "s" / "tiermemd.sock")
-    handlers = Handlers()
-    config = ServerConfig(socket=path, max_connections_per_uid=LIMIT, accept_process=True)
-    server = Server(Listener.bind(path), handlers, config, Health(stall_s=30.0))
-    server.start()
-    try:
-        yield server, handlers, path
-    finally:
-        handlers.release.set()
-        server.stop_accepting()
-        server.close_sessions("test over")
-        server.close()
-        shutil.rmtree(where, ignore_errors=True)
+    with _serving("tmacc-", accept_process=True) as s:
+        yield s
 
 
 def _silent(path: str) -> socket.socket:
