@@ -27,6 +27,15 @@ Goal: at 4 ranks, tiermem's update <= 1.1x its 1-rank update for the same
 total params (the daemon does not oversubscribe the cores), and below the
 peer layout's.
 
+Two 1-rank baselines.  ``x 1 rank`` is paired: inside every launch of N > 1
+ranks, each step also runs the 1-rank update of the same model (rank 0 alone
+updates all of it, a job of one rank on the same daemon, while the others
+wait in a barrier), in alternating order, and the figure is the ratio of the
+two medians.  ``x launch`` divides by the 1-rank launch's figure instead; it
+compares runs a minute apart, and this machine's memory bandwidth drifts by
+15-25% between launches (the same update took 19 ms in one launch and 24 ms
+in the next), which swamps a 5% difference.
+
 OpenMP's wait policy decides much of the peer's figure, so it runs twice:
 with the default (libgomp's workers spin for a while after each parallel
 region, DeepSpeed's case: N ranks' spinning workers oversubscribe the cores)
@@ -34,7 +43,12 @@ and with ``OMP_WAIT_POLICY=PASSIVE`` (``passive``).  tiermem's ranks run with
 ``PASSIVE``, the README's setting for trainers that use a daemon (their
 spinning workers would take the cores the daemon's update needs).
 
-    .venv/bin/python benchmarks/bench_ranks.py [--numel 16M] [--ranks 1,2,4] [--steps 8] [--chunk 4M] [--json out.json]
+``--rounds R`` runs the whole sequence (every rank count, every mode) R
+times, interleaved: a figure is the median over the rounds, and each ratio is
+taken within its round, so the machine's drift between rounds stays out of it.
+
+    .venv/bin/python benchmarks/bench_ranks.py [--numel 16M] [--ranks 1,2,4] [--steps 8] [--rounds 3]
+        [--chunk 4M] [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,45 +98,100 @@ def _run(
         return json.loads(Path(out).read_text())
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", default="16M", help="total params of the model (fp32)")
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="run every rank count and mode this many times, interleaved")
+    ap.add_argument("--no-peer", action="store_true", help="tiermem only (its paired 1-rank ratio needs no peer)")
     ap.add_argument("--chunk", default="", help="the daemon's adam.chunk_numel (its task size), e.g. 16M")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     numel = _count(args.numel)
     counts = [int(n) for n in args.ranks.split(",")]
-    rows = []
     settings = {"adam.chunk_numel": _count(args.chunk)} if args.chunk else None
     daemon = EmbeddedDaemon(pool_size=max(1 * GiB, numel * 10), settings=settings)
+    runs: list[dict[int, dict[str, dict]]] = []
     try:
-        for n in counts:
-            tiermem = _run("tiermem", n, numel, args, daemon, "PASSIVE")  # the README's setting for trainers
-            peer = _run("peer", n, numel, args, None, "")  # DeepSpeed's: the OpenMP default, workers spin
-            tuned = _run("peer", n, numel, args, None, "PASSIVE")  # the peer given tiermem's setting too
-            rows.append({"ranks": n, "tiermem": tiermem, "peer": peer, "peer_passive": tuned})
+        for _ in range(args.rounds):
+            this: dict[int, dict[str, dict]] = {}
+            for n in counts:
+                this[n] = {"tiermem": _run("tiermem", n, numel, args, daemon, "PASSIVE")}  # the README's setting
+                if not args.no_peer:
+                    this[n]["peer"] = _run("peer", n, numel, args, None, "")  # DeepSpeed's: OpenMP's default, spinning
+                    this[n]["peer_passive"] = _run("peer", n, numel, args, None, "PASSIVE")  # given tiermem's too
+            runs.append(this)
     finally:
         daemon.stop()
-    base = rows[0]["tiermem"]["update_ms"]
-    print(f"{numel / 1e6:.1f}M fp32 params, {os.cpu_count()} cores; medians of {args.steps} steps")
-    head = f"{'ranks':>5} {'update ms':>10} {'x 1 rank':>9} {'step ms':>9} {'daemon cpu ms':>14} {'peer ms':>9}"
-    print(head + f" {'peer/tiermem':>13} {'passive ms':>11} {'passive/tiermem':>16}")
+    rows = [_row(n, [r[n] for r in runs], [r[counts[0]]["tiermem"]["update_ms"] for r in runs]) for n in counts]
+    print(f"{numel / 1e6:.1f}M fp32 params, {os.cpu_count()} cores; {args.steps} steps, {args.rounds} rounds")
+    head = f"{'ranks':>5} {'update ms':>10} {'paired 1-rank ms':>17} {'x 1 rank':>9} {'(rounds)':>10}"
+    head += f" {'x launch':>9} {'step ms':>9} {'daemon cpu ms':>14} {'peer ms':>8} {'peer/tiermem':>13}"
+    print(head + f" {'passive ms':>11} {'passive/tiermem':>16}")
     for row in rows:
-        t, p, q = row["tiermem"], row["peer"], row["peer_passive"]
-        row["update_vs_one_rank"] = t["update_ms"] / base
-        row["peer_vs_tiermem"] = p["update_ms"] / t["update_ms"]
-        row["peer_passive_vs_tiermem"] = q["update_ms"] / t["update_ms"]
-        cpu = f"{t['daemon_cpu_ms']:.1f}" if t["daemon_cpu_ms"] is not None else "-"
+        paired = row["update_vs_single_rounds"]
+        spread = f"{min(paired):.2f}-{max(paired):.2f}" if paired else "-"
+        single = f"{row['single_ms']:.1f}" if row["single_ms"] is not None else "-"
+        ratio = f"{row['update_vs_single']:.2f}" if row["update_vs_single"] is not None else "1.00"
+        cpu, peer, vs, tuned, tuned_vs = (
+            "-" if row[k] is None else f"{row[k]:.{d}f}"
+            for k, d in (
+                ("daemon_cpu_ms", 1),
+                ("peer_ms", 1),
+                ("peer_vs_tiermem", 2),
+                ("peer_passive_ms", 1),
+                ("peer_passive_vs_tiermem", 2),
+            )
+        )
         print(
-            f"{row['ranks']:>5} {t['update_ms']:>10.1f} {row['update_vs_one_rank']:>9.2f} {t['step_ms']:>9.1f} "
-            f"{cpu:>14} {p['update_ms']:>9.1f} {row['peer_vs_tiermem']:>13.2f} {q['update_ms']:>11.1f} "
-            f"{row['peer_passive_vs_tiermem']:>16.2f}"
+            f"{row['ranks']:>5} {row['update_ms']:>10.1f} {single:>17} {ratio:>9} {spread:>10} "
+            f"{row['update_vs_one_rank']:>9.2f} {row['step_ms']:>9.1f} {cpu:>14} {peer:>8} {vs:>13} {tuned:>11} "
+            f"{tuned_vs:>16}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "numel": numel, "rows": rows}, indent=2))
+
+
+def _versus(rounds: list[dict[str, dict]], mode: str) -> dict:
+    if not all(mode in r for r in rounds):
+        return {f"{mode}_ms": None, f"{mode}_vs_tiermem": None}
+    return {
+        f"{mode}_ms": _median([r[mode]["update_ms"] for r in rounds]),
+        f"{mode}_vs_tiermem": _median([r[mode]["update_ms"] / r["tiermem"]["update_ms"] for r in rounds]),
+    }
+
+
+def _row(ranks: int, rounds: list[dict[str, dict]], base_ms: list[float]) -> dict:
+    """One rank count over the rounds: medians of the rounds' medians; each ratio is taken within a round (the
+    1-rank update of the same round), so a drift of the machine between rounds does not enter it."""
+    tiermem = [r["tiermem"] for r in rounds]
+    ratios = [t["update_ms"] / b for t, b in zip(tiermem, base_ms, strict=True)]
+    cpu = [t["daemon_cpu_ms"] for t in tiermem if t["daemon_cpu_ms"] is not None]
+    paired = [t["vs_single"] for t in tiermem if t.get("vs_single") is not None]
+    singles = [t["single_ms"] for t in tiermem if t.get("single_ms") is not None]
+    return {
+        "ranks": ranks,
+        "update_ms": _median([t["update_ms"] for t in tiermem]),
+        "step_ms": _median([t["step_ms"] for t in tiermem]),
+        "daemon_cpu_ms": _median(cpu) if cpu else None,
+        "start_skew_ms": _median([t["start_skew_ms"] for t in tiermem]),
+        "update_vs_one_rank": _median(ratios),
+        "update_vs_one_rank_rounds": ratios,
+        "single_ms": _median(singles) if singles else None,
+        "update_vs_single": _median(paired) if paired else None,
+        "update_vs_single_rounds": paired,
+        **_versus(rounds, "peer"),
+        **_versus(rounds, "peer_passive"),
+        "rounds": rounds,
+    }
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
 """One rank of ``bench_ranks.py``, started by ``torchrun`` (gloo); see that script for what is measured.
 
 ``--mode tiermem``: the rank's shard of ``--numel`` fp32 params is updated by
-the node's tiermemd through ``ShardedOffloadAdam``.  ``--mode peer``: the rank
+the node's tiermemd through ``ShardedOffloadAdam``; with more than one rank,
+every step is paired with the 1-rank update of the same model in the same
+launch (rank 0 alone updates all of it through an ``OffloadAdam``, a job of
+its own on the same daemon, while the others wait), in alternating order, so
+the ratio of the two compares updates seconds apart, not launches minutes
+apart (the machine's memory bandwidth drifts by 15-25% between launches).  ``--mode peer``: the rank
 updates its shard itself with ``torch.optim.AdamW(fused=True)`` using every
 core (``torch.set_num_threads(os.cpu_count())``), as DeepSpeed's per-rank CPU
 Adam does.  Every step starts after a barrier; a step's update time is its
@@ -59,7 +64,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    updates, steps, cpu, skews = [], [], [], []
+    updates, steps, cpu, skews, singles = [], [], [], [], []
     if args.mode == "peer":
         torch.set_num_threads(os.cpu_count() or 1)
         shard = torch.nn.Parameter(torch.randn(args.numel // world))
@@ -74,6 +79,7 @@ def main() -> None:
                 updates.append(dt)
                 steps.append(dt)
     else:
+        from tiermem import OffloadAdam
         from tiermem.distributed import ShardedOffloadAdam
 
         params = [torch.nn.Parameter(torch.randn(args.numel // TENSORS)) for _ in range(TENSORS)]
@@ -91,7 +97,15 @@ def main() -> None:
             dist.barrier()  # ranks done first wait here, not in the all-gather's copies beside the others' update
 
         inner.step = timed_step  # type: ignore[method-assign]
-        for i in range(args.warmup + args.steps):
+        # the 1-rank update of the same model, paired step by step in this launch: rank 0 alone updates all of
+        # it (a job of one rank on the same daemon) while the other ranks wait in a barrier
+        whole: list[torch.nn.Parameter] = []
+        single: OffloadAdam | None = None
+        if world > 1 and rank == 0:
+            whole = [torch.nn.Parameter(p.detach().clone()) for p in params]
+            single = OffloadAdam(whole, lr=1e-3, offload="cpu")
+
+        def sharded_update(i: int) -> None:
             for p in params:
                 p.grad = torch.full_like(p, 1e-3)
             dist.barrier()
@@ -105,6 +119,33 @@ def main() -> None:
                 steps.append(step_s)
                 if rank == 0 and args.daemon_pid:
                     cpu.append(_cpu_s(args.daemon_pid) - c0)
+
+        def single_update(i: int) -> None:
+            for p in whole:  # in place: the grads stay in the daemon's shared storage, as backward lands them
+                if p.grad is None:
+                    p.grad = torch.full_like(p, 1e-3)
+                else:
+                    p.grad.fill_(1e-3)
+            dist.barrier()
+            t0 = time.monotonic()
+            if single is not None:
+                single.step()
+            dt = _span(t0, time.monotonic())
+            dist.barrier()
+            if i >= args.warmup:
+                singles.append(dt)
+
+        for i in range(args.warmup + args.steps):
+            if world == 1:
+                sharded_update(i)
+            elif i % 2:  # the order flips every step: neither update always runs second
+                sharded_update(i)
+                single_update(i)
+            else:
+                single_update(i)
+                sharded_update(i)
+        if single is not None:
+            single.close()
         sharded.close()
     if rank == 0:
         result = {
@@ -115,6 +156,8 @@ def main() -> None:
             "step_ms": statistics.median(steps) * 1e3,
             "daemon_cpu_ms": statistics.median(cpu) * 1e3 if cpu else None,
             "start_skew_ms": statistics.median(skews) * 1e3,
+            "single_ms": statistics.median(singles) * 1e3 if singles else None,
+            "vs_single": statistics.median(updates) / statistics.median(singles) if singles else None,
         }
         Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()
