@@ -55,7 +55,14 @@ import torch
 
 from tiermem import privatedir
 from tiermem.config import default_runtime_dir
-from tiermem.errors import ConfigError, DaemonUnavailable, InvalidArgument, ProtocolError, UnsafePathError
+from tiermem.errors import (
+    ConfigError,
+    DaemonUnavailable,
+    InvalidArgument,
+    ProtocolError,
+    TiermemError,
+    UnsafePathError,
+)
 from tiermem.protocol import (
     Abort,
     Aborted,
@@ -290,6 +297,9 @@ class Client:
         """The staging window (bounded; state transfer goes through it)."""
         self.storage: torch.Tensor = torch.empty(0, dtype=torch.uint8)
         """The shared storage of the registered params and grads (mapped at ``register``)."""
+        self.peers_linger_s = 0.0
+        """With an embedded daemon that other processes use too (the private daemon of a node's ranks): how
+        long ``close`` waits for their connections to end before it stops the daemon under them."""
 
     # ----------------------------------------------------------------- session
 
@@ -443,11 +453,34 @@ class Client:
             self._mmap = None
 
     def close(self) -> None:
+        if self.daemon is not None and self.peers_linger_s > 0:
+            self._wait_for_peers(self.peers_linger_s)
         self.conn.close()
         self._unmap()
         if self.daemon is not None:
             self.daemon.stop()
             self.daemon = None
+
+    def _wait_for_peers(self, limit_s: float) -> None:
+        """Until this is the daemon's last connection (the other ranks detached and closed), at most ``limit_s``."""
+        deadline = time.monotonic() + limit_s
+        others = 0
+        while True:
+            try:
+                others = self.stats().node.server.sessions - 1
+            except TiermemError:
+                return  # the daemon or this connection is gone already: nothing to wait for
+            if others <= 0:
+                return
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "stopping the private tiermemd with %d other connection(s) still open after %.0f s "
+                    "(their ranks will see it gone)",
+                    others,
+                    limit_s,
+                )
+                return
+            time.sleep(0.02)
 
     def __enter__(self) -> Client:
         return self

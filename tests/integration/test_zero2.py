@@ -144,11 +144,15 @@ def test_two_nodes_of_two_ranks_each_talk_to_their_own_daemon(daemon_factory, tm
 
 
 def test_without_a_node_daemon_the_ranks_of_a_node_share_one_private_daemon(tmp_path):
-    args = ["--steps", "4"]
+    """...and the rank that started it, closing first, stops it only once the other rank has closed."""
+    args = ["--steps", "4", "--late-close", "1.5"]
     assert finish(tmp_path, torchrun(tmp_path, 2, args, socket_path=None)) == [0], logs(tmp_path)
     check_equal(tmp_path, 2)
     sockets = {r["socket"] for r in results(tmp_path, 2)}
     assert len(sockets) == 1, sockets
+    closes = [json.loads((tmp_path / f"result.{r}.close").read_text()) for r in range(2)]
+    assert closes[1]["warnings"] == [], closes  # its detach reached the daemon
+    assert closes[0]["close_s"] >= 1.0, closes  # the owner waited for it
 
 
 def test_a_rank_killed_mid_step_fails_the_others_with_rank_lost_and_a_relaunch_continues(daemon_factory, tmp_path):

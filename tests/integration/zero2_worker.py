@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -86,6 +87,7 @@ def main() -> int:
     ap.add_argument("--job-id", default=None)
     ap.add_argument("--token", default=None)
     ap.add_argument("--reload", action="store_true")
+    ap.add_argument("--late-close", type=float, default=0.0, help="ranks but 0 wait this long before close()")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -203,9 +205,26 @@ def main() -> int:
         result["moved"] = moved
     with open(f"{args.out}.{rank}", "w") as f:
         json.dump(result, f)
+    if args.late_close and rank != 0:
+        time.sleep(args.late_close)
+    warned = _Warnings()
+    logging.getLogger("tiermem").addHandler(warned)
+    t0 = time.monotonic()
     opt.close()
+    closed = {"close_s": time.monotonic() - t0, "warnings": warned.messages}
+    with open(f"{args.out}.{rank}.close", "w") as f:
+        json.dump(closed, f)
     dist.destroy_process_group()
     return 0
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 if __name__ == "__main__":

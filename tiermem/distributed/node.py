@@ -9,6 +9,8 @@ private daemon sized for the shards of all the node's ranks (the sum of the
 pools each would have started alone, ``private_pool_plan``) and the others
 connect to its socket, so a node's ranks always share one daemon.  A rank
 that fails to start it makes every rank of its node raise, so none waits.
+The rank that started it stops it when it closes, once the node's other
+ranks have disconnected (at most ``PEERS_LINGER_S``): ranks end in any order.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from tiermem.errors import DaemonUnavailable, TiermemError
 from tiermem.modes import Exchange, Placement, StepMode
 from tiermem.offload.args import private_pool_plan
 
-__all__ = ["node_client"]
+__all__ = ["PEERS_LINGER_S", "node_client"]
+
+PEERS_LINGER_S = 60.0
+"""How long the rank that started a node's private daemon waits, at ``close``, for the node's other ranks to
+disconnect before it stops the daemon (ranks end in any order; one that is hung does not keep it forever)."""
 
 
 def node_client(
@@ -67,6 +73,8 @@ def node_client(
                 settings={"pool.arena_size": max(p.arena_size for p in plans)},
             )
             path = found.socket_path
+            if len(plans) > 1:  # the node's other ranks use it too: closing first must not pull it from under them
+                found.peers_linger_s = PEERS_LINGER_S
         except TiermemError as exc:
             error = f"{type(exc).__name__}: {exc}"
     paths: list[Any] = [None] * world_size
