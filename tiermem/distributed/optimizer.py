@@ -63,6 +63,7 @@ from tiermem.distributed.node import node_client
 from tiermem.errors import DTypeError, InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
 from tiermem.offload.args import check_hyper, check_torch_flags, optimizer_defaults
+from tiermem.offload.feed import GradFeed, TensorEntry
 from tiermem.offload.optimizer import OffloadAdam
 from tiermem.offload.transfer import adopt_saved_groups, packed_groups, plan_load
 from tiermem.units import MiB
@@ -196,8 +197,39 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         largest = self.layout.largest_bucket()
         self._flat = torch.empty(largest, dtype=self.dtype.torch, device=self.device)
         self._slice = torch.empty(-(-largest // self.world_size), dtype=self.dtype.torch, device=self.device)
+        self._shared: list[TensorEntry] = []
+        """The inner optimizer's tensors in the shared storage (the shared exchange), one per piece."""
+        if self.inner is not None and isinstance(self.inner.feed, GradFeed):
+            self._shared = self.inner.feed.entries
+        self._param_slices, self._grad_slices = self._storage_slices()
         self._steps = 0
         self._resume(params_)
+
+    def _storage_slices(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Per bucket, this rank's slice of params and of grads as one tensor of the daemon's shared storage,
+        where its pieces fill the slice (no padding) side by side there (the storage packs tensors densely in
+        registration order, ``tiermem.layout``); else None.  The reduce-scatter then writes the grads
+        straight into the daemon's grad buffer and the all-gather reads the updated params straight from
+        the storage, with no copy through the transfer buffer (one pass over the shard each, per step)."""
+        buckets = len(self.layout.buckets)
+        params: list[torch.Tensor | None] = [None] * buckets
+        grads: list[torch.Tensor | None] = [None] * buckets
+        entries = self._shared
+        if self.device.type != "cpu" or not entries or len(entries[0].grad_views) != 1:
+            return params, grads  # device params: the collectives run on the device; two grad buffers: alternated
+        for b, bucket in enumerate(self.layout.buckets):
+            members = self._by_bucket[b]
+            if not members or sum(self.pieces[i].numel for i in members) != bucket.slice_numel:
+                continue
+            first = entries[members[0]]
+            runs = [_run_from(first.view, bucket.slice_numel), _run_from(first.grad_views[0], bucket.slice_numel)]
+            if all(
+                view.data_ptr() == run.data_ptr() + self.pieces[i].at * run.element_size()
+                for i in members
+                for view, run in zip((entries[i].view, entries[i].grad_views[0]), runs, strict=True)
+            ):
+                params[b], grads[b] = runs
+        return params, grads
 
     def _resume(self, params: list[torch.nn.Parameter]) -> None:
         """Agree on where the job's state is: new on every rank, or reattached at one step on every rank
@@ -388,12 +420,18 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         """The mean grads of this rank's pieces (in the pieces' grad tensors), bucket by bucket; adds the
         slices' sums of squares to ``stats[0]``."""
         grads: list[torch.Tensor] = []
-        for pp in self._piece_params:
+        for i, pp in enumerate(self._piece_params):
+            if self._grad_slices[self.pieces[i].bucket] is not None:
+                grads.append(self._shared[i].grad_views[0])  # the reduce-scatter writes it in place
+                continue
             if pp.grad is None:
                 pp.grad = torch.empty_like(pp)
             grads.append(pp.grad)
         for b, bucket in enumerate(self.layout.buckets):
-            flat = self._flat[: self.layout.padded_numel(bucket)]
+            direct = self._grad_slices[b]
+            alone = self.world_size == 1
+            # one rank: its slice is the whole bucket and the grads go straight to the daemon's buffer
+            flat = direct if alone and direct is not None else self._flat[: self.layout.padded_numel(bucket)]
             for index, offset in zip(bucket.params, bucket.offsets, strict=True):
                 grad = params[index].grad
                 dst = flat[offset : offset + params[index].numel()]
@@ -402,26 +440,34 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                 else:
                     dst.copy_(grad.reshape(-1))
             flat[bucket.numel :].zero_()
-            out = self._slice[: bucket.slice_numel]
-            self._collective("reduce-scatter", _REDUCE_SCATTER, out, flat)
-            if self.world_size > 1:
+            if alone:
+                out = flat[: bucket.slice_numel]
+            else:
+                out = direct if direct is not None else self._slice[: bucket.slice_numel]
+                self._collective("reduce-scatter", _REDUCE_SCATTER, out, flat)
                 out.div_(self.world_size)
             if stats is not None:
                 stats[0] += out.double().square().sum()
-            for i in self._by_bucket[b]:
-                piece = self.pieces[i]
-                grads[i].copy_(out[piece.at : piece.at + piece.numel])
+            if direct is None:
+                for i in self._by_bucket[b]:
+                    piece = self.pieces[i]
+                    grads[i].copy_(out[piece.at : piece.at + piece.numel])
         return grads
 
     def _all_gather(self, params: list[torch.nn.Parameter]) -> None:
         for b, bucket in enumerate(self.layout.buckets):
-            mine = self._slice[: bucket.slice_numel]
-            mine.zero_()
-            for i in self._by_bucket[b]:
-                piece = self.pieces[i]
-                mine[piece.at : piece.at + piece.numel].copy_(self._piece_params[i].detach())
-            flat = self._flat[: self.layout.padded_numel(bucket)]
-            self._collective("all-gather", _ALL_GATHER, flat, mine)
+            mine = self._param_slices[b]
+            if mine is None:
+                mine = self._slice[: bucket.slice_numel]
+                mine.zero_()
+                for i in self._by_bucket[b]:
+                    piece = self.pieces[i]
+                    mine[piece.at : piece.at + piece.numel].copy_(self._piece_params[i].detach())
+            if self.world_size == 1:
+                flat = mine  # the slice is the whole bucket
+            else:
+                flat = self._flat[: self.layout.padded_numel(bucket)]
+                self._collective("all-gather", _ALL_GATHER, flat, mine)
             for index, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p = params[index]
                 p.data.copy_(flat[offset : offset + p.numel()].view(p.shape))
@@ -549,6 +595,12 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("ShardedOffloadAdam holds a connection to tiermemd; save full_state_dict() instead")
+
+
+def _run_from(first: torch.Tensor, numel: int) -> torch.Tensor:
+    """``numel`` elements of ``first``'s storage from where ``first`` starts (a flat view across the tensors
+    laid out after it)."""
+    return torch.as_strided(first, (numel,), (1,), first.storage_offset())
 
 
 def _as_tuple(value: Any) -> Any:
