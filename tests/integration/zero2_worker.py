@@ -15,6 +15,7 @@ its reduce-scatter; the others must get ``RankLost``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -87,11 +88,16 @@ def main() -> int:
     ap.add_argument("--job-id", default=None)
     ap.add_argument("--token", default=None)
     ap.add_argument("--reload", action="store_true")
+    ap.add_argument("--overlap", action="store_true", help="overlap_comm=True")
+    ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (each 1/K of the loss)")
+    ap.add_argument("--no-sync", action="store_true", help="all but the last micro-batch inside no_sync()")
     ap.add_argument("--late-close", type=float, default=0.0, help="ranks but 0 wait this long before close()")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    warned = _Warnings()
+    logging.getLogger("tiermem").addHandler(warned)
     model = make_model(7)
     opt = ShardedOffloadAdam(
         model.parameters(),
@@ -102,6 +108,7 @@ def main() -> int:
         bucket_nbytes=args.bucket_nbytes,
         job_id=args.job_id,
         token=args.token,
+        overlap_comm=args.overlap,
     )
     sched = schedule(opt)
     start = opt.steps  # a relaunch reattached to the job's state continues where it is
@@ -111,11 +118,14 @@ def main() -> int:
     result: dict = {"rank": rank, "world": world, "job_id": opt.job_id, "started_at": start}
     try:
         for step in range(start, args.steps):
-            loss = local_losses(model, step, world, args.inf_step)[rank]
-            if scaler is not None:
-                scaler.scale(loss).backward()
-            else:
-                loss.backward()
+            for k in range(args.accumulate):  # K equal micro-batches of 1/K each: the same grads, exactly (K=2)
+                loss = local_losses(model, step, world, args.inf_step)[rank] / args.accumulate
+                held = args.no_sync and k < args.accumulate - 1
+                with opt.no_sync() if held else contextlib.nullcontext():
+                    if scaler is not None:
+                        scaler.scale(loss).backward()
+                    else:
+                        loss.backward()
             if step == args.kill_step and rank == world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             if scaler is not None:
@@ -131,6 +141,7 @@ def main() -> int:
             json.dump(result, f)
         return 3
     result.update(
+        warnings=list(warned.messages),
         steps=opt.steps,
         skipped=opt.skipped_steps,
         last_norm=opt.last_grad_norm,
@@ -175,7 +186,7 @@ def main() -> int:
             if ref_scaler is not None:
                 ref_scaler.unscale_(ref_opt)
             if args.clip:
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip)
+                result["ref_norm"] = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip))
             if ref_scaler is not None:
                 before = ref_scaler.get_scale()
                 ref_scaler.step(ref_opt)
@@ -207,8 +218,7 @@ def main() -> int:
         json.dump(result, f)
     if args.late_close and rank != 0:
         time.sleep(args.late_close)
-    warned = _Warnings()
-    logging.getLogger("tiermem").addHandler(warned)
+    warned.messages.clear()
     t0 = time.monotonic()
     opt.close()
     closed = {"close_s": time.monotonic() - t0, "warnings": warned.messages}

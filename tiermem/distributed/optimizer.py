@@ -23,10 +23,27 @@ swap files and one CPU-Adam scheduler.  A step:
 
 Params edited in place between steps (``p.data.clamp_()``, ``model.load_state_dict``)
 are honoured: each step first copies the rank's pieces from the params, and
-the daemon adopts what differs from its master.  Grads are reduced at
-``step()``, so gradient accumulation is plain repeated backward (DDP's
-``no_sync``); clip with ``max_grad_norm=`` (``clip_grad_norm_`` on the local,
-unreduced grads would clip with the wrong norm).
+the daemon adopts what differs from its master.  By default grads are
+reduced at ``step()``, so gradient accumulation is plain repeated backward;
+clip with ``max_grad_norm=`` (``clip_grad_norm_`` on the local, unreduced
+grads would clip with the wrong norm).
+
+``overlap_comm=True`` (DeepSpeed's ``overlap_comm``, DDP's bucketed
+all-reduce) issues each bucket's reduce-scatter during backward, as soon as
+its params' grads are complete, from the last bucket to the first on every
+rank (a bucket waits for the ones after it, so all ranks issue the
+collectives in one order), and ``step()`` waits for them.  A bucket is
+whole once its params that had a grad at the last step have one (before the
+first step: all that require one), so a layer the forward never uses does not
+hold back the buckets before it.  It costs each rank
+one model-sized transfer buffer (every bucket in flight has its own).  A
+grad that changes after its bucket was issued (a further backward of
+gradient accumulation, ``GradScaler.unscale_``, an in-place edit) is caught
+by its version counter: the ranks agree on such buckets (one all-reduce of
+flags) and reduce them again at ``step()``, so the result never depends on
+when the reduce ran; accumulate inside ``no_sync()`` (DDP's) for all but the
+last micro-batch to reduce each bucket once.  Edits through ``.data`` are not
+seen by version counters: make them before backward, or use the default.
 
 Identity (``identity``): the job id is the launcher's rendezvous id
 (``TORCHELASTIC_RUN_ID``, set by ``torchrun``) or one rank 0 draws, and the
@@ -47,8 +64,11 @@ loads; ``load_state_dict`` takes either.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,6 +89,8 @@ from tiermem.offload.transfer import adopt_saved_groups, packed_groups, plan_loa
 from tiermem.units import MiB
 
 __all__ = ["ShardedOffloadAdam"]
+
+log = logging.getLogger(__name__)
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "maximize", "adamw")
 # torch 2.13 renamed the tensor collectives (the old names warn); older releases have only the old ones
@@ -107,6 +129,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         expected_step: int | None = None,
         rollback: bool = False,
         broadcast_params: bool = True,
+        overlap_comm: bool = False,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise InvalidState(
@@ -203,6 +226,21 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             self._shared = self.inner.feed.entries
         self._param_slices, self._grad_slices = self._storage_slices()
         self._steps = 0
+        self.overlap_comm = overlap_comm
+        self._bucket_of = [0] * len(params_)
+        for b, bucket in enumerate(self.layout.buckets):
+            for index in bucket.params:
+                self._bucket_of[index] = b
+        self._wanted = [sum(params_[i].requires_grad for i in bucket.params) for bucket in self.layout.buckets]
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._holding = False
+        self._told_accumulation = False
+        self._hooks: list[Any] = []
+        self._new_round()
+        if overlap_comm:
+            for index, p in enumerate(params_):
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
         self._resume(params_)
 
     def _storage_slices(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -361,7 +399,13 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         need_norm = scaled or self.max_grad_norm is not None
         flags = [0.0] + [0.0 if p.grad is None else 1.0 for p in params]
         stats = torch.tensor(flags, dtype=torch.float64).to(self.device)
-        grads = self._reduce_scatter(params, stats if need_norm else None)
+        try:
+            grads = self._reduce_scatter(params, stats if need_norm else None)
+        finally:
+            # the next backward's buckets are whole once the params that had a grad this step have one (an
+            # unused layer's params would otherwise hold back every bucket before it until step())
+            self._wanted = [sum(params[i].grad is not None for i in b.params) for b in self.layout.buckets]
+            self._new_round()
         self._collective("statistics", dist.all_reduce, stats)
         values = stats.cpu()
         total_sq = float(values[0])
@@ -416,9 +460,105 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             if p.grad is not None and (p.grad.dtype != p.dtype or p.grad.is_sparse):
                 raise DTypeError(f"param {i} got a {p.grad.dtype} {p.grad.layout} grad; it needs a dense {p.dtype} one")
 
+    # ----------------------------------------------------------------- the reduce-scatter
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside reduce nothing (DDP's ``no_sync``): accumulate micro-batches in it and run
+        the last backward of the step outside.  Needed only for speed, with ``overlap_comm``: without it an
+        accumulated bucket is reduced again at ``step()``, correct but twice."""
+        before, self._holding = self._holding, True
+        try:
+            yield
+        finally:
+            self._holding = before
+
+    def _new_round(self) -> None:
+        """A new step: no param has landed, no bucket is reduced or in flight."""
+        self._landed = [False] * len(self._shapes)
+        self._left = list(self._wanted)
+        self._next = len(self.layout.buckets) - 1
+        """The next bucket to reduce: the last first (backward makes the last params' grads first), so every
+        rank issues the collectives in one order, whichever of them ran during backward."""
+        self._reduces: dict[int, _Reduce] = {}
+        self._accumulated = False
+
+    def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._grad_landed(index)
+
+        return hook
+
+    def _grad_landed(self, index: int) -> None:
+        """``overlap_comm``: a param's grad is complete for this backward; reduce every bucket that is whole."""
+        if self._holding:
+            return
+        if self._landed[index]:
+            self._accumulated = True  # a second backward: step() sees the changed grad and reduces it again
+            return
+        self._landed[index] = True
+        self._left[self._bucket_of[index]] -= 1
+        params = self._params()
+        while self._next >= 0 and self._left[self._next] <= 0:
+            self._reduces[self._next] = self._launch(params, self._next, async_op=True, own=True)
+            self._next -= 1
+
+    def _buffers_of(self, b: int, *, own: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``b``'s flat grads and reduced slice: the shared transfer buffers, or (``own``: its collective
+        runs while others are issued) buffers of its own, kept for the next steps."""
+        bucket = self.layout.buckets[b]
+        padded = self.layout.padded_numel(bucket)
+        if not own:
+            return self._flat[:padded], self._slice[: bucket.slice_numel]
+        if b not in self._buffers:
+            self._buffers[b] = (
+                torch.empty(padded, dtype=self.dtype.torch, device=self.device),
+                torch.empty(bucket.slice_numel, dtype=self.dtype.torch, device=self.device),
+            )
+        return self._buffers[b]
+
+    def _launch(self, params: list[torch.nn.Parameter], b: int, *, async_op: bool, own: bool) -> _Reduce:
+        """Copy bucket ``b``'s grads (zeros for a param without one) and issue its reduce-scatter, into the
+        shared transfer buffers (``own`` False: the caller consumes the result before the next launch) or
+        the bucket's own."""
+        bucket = self.layout.buckets[b]
+        direct = self._grad_slices[b]
+        alone = self.world_size == 1
+        flat, out = self._buffers_of(b, own=own)
+        if alone and direct is not None:
+            flat = direct  # one rank: its slice is the whole bucket, and the grads go straight to the daemon
+        seen: list[tuple[torch.Tensor | None, int]] = []
+        for index, offset in zip(bucket.params, bucket.offsets, strict=True):
+            grad = params[index].grad
+            dst = flat[offset : offset + params[index].numel()]
+            if grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(grad.reshape(-1))
+            seen.append((grad, -1 if grad is None else grad._version))
+        flat[bucket.numel :].zero_()
+        if alone:
+            return _Reduce(None, flat[: bucket.slice_numel], seen)
+        if direct is not None:
+            out = direct  # the mean grads land in the daemon's grad buffer
+        work = self._collective("reduce-scatter", _REDUCE_SCATTER, out, flat, async_op=async_op)
+        return _Reduce(work if async_op else None, out, seen)
+
+    def _changed(self, params: list[torch.nn.Parameter], b: int, reduce: _Reduce) -> bool:
+        """A grad of bucket ``b`` was replaced or changed in place after its reduce was issued (a further
+        backward, ``GradScaler.unscale_``, an edit; edits through ``.data`` are not seen)."""
+        bucket = self.layout.buckets[b]
+        for index, (grad, version) in zip(bucket.params, reduce.seen, strict=True):
+            now = params[index].grad
+            if now is not grad or (now is not None and now._version != version):
+                return True
+        return False
+
     def _reduce_scatter(self, params: list[torch.nn.Parameter], stats: torch.Tensor | None) -> list[torch.Tensor]:
         """The mean grads of this rank's pieces (in the pieces' grad tensors), bucket by bucket; adds the
-        slices' sums of squares to ``stats[0]``."""
+        slices' sums of squares to ``stats[0]``.  With ``overlap_comm`` the buckets reduced during backward
+        are waited for, and those whose grads changed since (on any rank: one all-reduce of the flags, so
+        every rank issues the same collectives) are reduced again."""
         grads: list[torch.Tensor] = []
         for i, pp in enumerate(self._piece_params):
             if self._grad_slices[self.pieces[i].bucket] is not None:
@@ -427,32 +567,41 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             if pp.grad is None:
                 pp.grad = torch.empty_like(pp)
             grads.append(pp.grad)
-        for b, bucket in enumerate(self.layout.buckets):
-            direct = self._grad_slices[b]
-            alone = self.world_size == 1
-            # one rank: its slice is the whole bucket and the grads go straight to the daemon's buffer
-            flat = direct if alone and direct is not None else self._flat[: self.layout.padded_numel(bucket)]
-            for index, offset in zip(bucket.params, bucket.offsets, strict=True):
-                grad = params[index].grad
-                dst = flat[offset : offset + params[index].numel()]
-                if grad is None:
-                    dst.zero_()
-                else:
-                    dst.copy_(grad.reshape(-1))
-            flat[bucket.numel :].zero_()
-            if alone:
-                out = flat[: bucket.slice_numel]
-            else:
-                out = direct if direct is not None else self._slice[: bucket.slice_numel]
-                self._collective("reduce-scatter", _REDUCE_SCATTER, out, flat)
-                out.div_(self.world_size)
-            if stats is not None:
-                stats[0] += out.double().square().sum()
-            if direct is None:
-                for i in self._by_bucket[b]:
-                    piece = self.pieces[i]
-                    grads[i].copy_(out[piece.at : piece.at + piece.numel])
+        if not self.overlap_comm:
+            while self._next >= 0:  # bucket by bucket through the shared buffers
+                self._launch(params, self._next, async_op=False, own=False).finish(self, self._next, stats, grads)
+                self._next -= 1
+            return grads
+        order = range(len(self.layout.buckets) - 1, -1, -1)
+        while self._next >= 0:  # what backward did not reduce (a param without a grad on this rank)
+            self._reduces[self._next] = self._launch(params, self._next, async_op=True, own=True)
+            self._next -= 1
+        for b in order:
+            self._wait(self._reduces[b])
+        flags = torch.tensor(
+            [float(self._changed(params, b, self._reduces[b])) for b in range(len(self.layout.buckets))],
+            device=self.device,
+        )
+        self._collective("check of the overlapped reduces", dist.all_reduce, flags, op=dist.ReduceOp.MAX)
+        again = [b for b in order if float(flags[b]) > 0]
+        if again and self._accumulated and not self._told_accumulation:
+            self._told_accumulation = True
+            log.warning(
+                "grads were accumulated over several backward passes with overlap_comm=True: %d bucket(s) were "
+                "reduced once per pass and again at step(); run all but the last micro-batch's backward inside "
+                "optimizer.no_sync() to reduce each once",
+                len(again),
+            )
+        for b in again:
+            self._reduces[b] = self._launch(params, b, async_op=False, own=True)
+        for b in order:
+            self._reduces[b].finish(self, b, stats, grads)
         return grads
+
+    def _wait(self, reduce: _Reduce) -> None:
+        if reduce.work is not None:
+            guarded("reduce-scatter", self.rank, self._steps, reduce.work.wait)
+            reduce.work = None
 
     def _all_gather(self, params: list[torch.nn.Parameter]) -> None:
         for b, bucket in enumerate(self.layout.buckets):
@@ -586,6 +735,9 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
 
     def close(self, *, keep_state: bool = False) -> None:
         """Detach from the daemon (this rank's shard is freed unless ``keep_state``)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
         if self.inner is not None:
             self.inner.close(keep_state=keep_state)
             self.inner = None
@@ -595,6 +747,28 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("ShardedOffloadAdam holds a connection to tiermemd; save full_state_dict() instead")
+
+
+@dataclass
+class _Reduce:
+    """One bucket's reduce-scatter: its collective while in flight, where the slice lands, and the grads it
+    read with their versions (``_changed``)."""
+
+    work: Any
+    out: torch.Tensor
+    seen: list[tuple[torch.Tensor | None, int]]
+
+    def finish(self, opt: ShardedOffloadAdam, b: int, stats: torch.Tensor | None, grads: list[torch.Tensor]) -> None:
+        """The mean (DDP's), the slice's sum of squares into ``stats[0]``, and the pieces' grads."""
+        out = self.out
+        if opt.world_size > 1:
+            out.div_(opt.world_size)
+        if stats is not None:
+            stats[0] += out.double().square().sum()
+        if opt._grad_slices[b] is None:
+            for i in opt._by_bucket[b]:
+                piece = opt.pieces[i]
+                grads[i].copy_(out[piece.at : piece.at + piece.numel])
 
 
 def _run_from(first: torch.Tensor, numel: int) -> torch.Tensor:
