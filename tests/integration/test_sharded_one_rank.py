@@ -135,3 +135,25 @@ def test_a_shard_of_another_layout_is_refused_before_anything_changes(daemon, gr
         )
     finally:
         opt.close()
+
+
+def test_two_optimizers_of_one_process_get_distinct_default_job_ids(daemon, group, monkeypatch):
+    """Two models in one run (a GAN's two, say): the second default id is the run's with ``-2``, in the order
+    they are made (a relaunch finds each one's state); one made after a close takes the freed id back."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run42")
+    a, b = model(), model()
+    first = ShardedOffloadAdam(a.parameters(), lr=0.05, client=connect(daemon.socket_path))
+    second = ShardedOffloadAdam(b.parameters(), lr=0.05, client=connect(daemon.socket_path))
+    try:
+        assert (first.job_id, second.job_id) == ("torchrun-run42", "torchrun-run42-2")
+        for m, opt in ((a, first), (b, second)):
+            loss_of(m, 0).backward()
+            opt.step()
+            assert opt.steps == 1
+        first.close()
+        again = ShardedOffloadAdam(a.parameters(), lr=0.05, client=connect(daemon.socket_path))
+        assert again.job_id == "torchrun-run42"
+        again.close()
+    finally:
+        first.close()
+        second.close()

@@ -19,6 +19,12 @@ before anyone attaches:
   (a warning says so): that run can then be continued only with ``token=``
   (``opt.token``).
 
+Several sharded optimizers live in one process (two models, say): the
+first gets the run's id, the next ones ``<id>-2``, ``<id>-3``... in the order
+they are made, the lowest index no open optimizer of the process holds, so a
+relaunch that builds them in the same order finds each one's state, and one
+made again after ``close()`` gets the closed one's id back.
+
 Why not random per run: torchrun restarts every worker after a failure, rank 0
 included, and nothing of the first attempt's memory survives to tell the new
 rank 0 the old token.  Why not the job id alone: a token anyone can compute
@@ -36,6 +42,7 @@ import logging
 import os
 import secrets
 import stat
+import threading
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -43,7 +50,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["agree_identity", "job_token", "secret_path"]
+__all__ = ["agree_identity", "job_token", "release_job_id", "secret_path"]
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +107,35 @@ def default_job_id(env: Mapping[str, str] | None = None) -> str:
     return f"torchrun-{run_id}" if run_id and run_id != "none" else f"dist-{uuid.uuid4().hex[:16]}"
 
 
+_held: set[str] = set()
+_held_lock = threading.Lock()
+
+
+def _claim_default(env: Mapping[str, str] | None = None) -> str:
+    """``default_job_id``, or with ``-2``, ``-3``... the first one no open optimizer of this process holds."""
+    base = default_job_id(env)
+    with _held_lock:
+        chosen, n = base, 1
+        while chosen in _held:
+            n += 1
+            chosen = f"{base}-{n}"
+        _held.add(chosen)
+    return chosen
+
+
+def release_job_id(job_id: str) -> None:
+    """The optimizer that held ``job_id`` (a default one) is closed: the next one made may take it."""
+    with _held_lock:
+        _held.discard(job_id)
+
+
 def agree_identity(
     collective: Callable[..., Any], group: Any, rank: int, job_id: str | None, token: str | None
 ) -> tuple[str, str]:
     """Rank 0's job id and token (given, or ``default_job_id`` and ``job_token``), broadcast to every rank."""
     proposal: list[Any] = [None, None]
     if rank == 0:
-        chosen = job_id or default_job_id()
+        chosen = job_id or _claim_default()
         proposal = [chosen, token or job_token(chosen)]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     collective("broadcast of the job id", dist.broadcast_object_list, proposal, src=src)

@@ -77,7 +77,7 @@ import torch.distributed as dist
 from tiermem import dtypes
 from tiermem.client import Client
 from tiermem.distributed.collective import guarded
-from tiermem.distributed.identity import agree_identity
+from tiermem.distributed.identity import agree_identity, release_job_id
 from tiermem.distributed.layout import Piece, ShardLayout, plan_shards
 from tiermem.distributed.node import node_client
 from tiermem.errors import DTypeError, InvalidArgument, InvalidState
@@ -216,6 +216,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                 self.inner = None
             elif client is not None:
                 client.close()
+            release_job_id(self.job_id)
             raise
         largest = self.layout.largest_bucket()
         self._flat = torch.empty(largest, dtype=self.dtype.torch, device=self.device)
@@ -738,6 +739,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        release_job_id(self.job_id)
         if self.inner is not None:
             self.inner.close(keep_state=keep_state)
             self.inner = None

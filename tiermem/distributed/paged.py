@@ -55,7 +55,7 @@ from torch import nn
 from tiermem import dtypes
 from tiermem.client import Client
 from tiermem.distributed.collective import guarded
-from tiermem.distributed.identity import agree_identity
+from tiermem.distributed.identity import agree_identity, release_job_id
 from tiermem.distributed.node import node_client
 from tiermem.errors import InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
@@ -260,6 +260,10 @@ class ShardedPagedAdam(OffloadAdam):
         )
         for shard in shards:  # the daemon has them as masters now: no copy stays here, only the shape
             shard.data = torch.full((), float("nan"), dtype=shard.dtype).expand(shard.shape)
+
+    def close(self, *, keep_state: bool = False) -> None:
+        release_job_id(self.job_id)
+        super().close(keep_state=keep_state)
 
     def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("group", self.process_group)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from tiermem import dtypes
 from tiermem.client import Client
 from tiermem.distributed.collective import guarded
-from tiermem.distributed.identity import agree_identity
+from tiermem.distributed.identity import agree_identity, release_job_id
 from tiermem.distributed.node import node_client
 from tiermem.errors import InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
@@ -160,6 +160,7 @@ class LayerShardedAdam:
             self._entry_of[u.index] = list(range(len(flat_pieces), len(flat_pieces) + len(u.params)))
             flat_pieces += self._pieces[u.index]
         ident = agree_identity(self._collective, process_group, self.rank, job_id, token)
+        self.job_id = str(ident[0])
         self.inner: OffloadAdam | None = None
         if client is None:
             client = node_client(
@@ -368,6 +369,7 @@ class LayerShardedAdam:
         return out
 
     def close(self) -> None:
+        release_job_id(self.job_id)
         if self.inner is not None:
             self.inner.close()
             self.inner = None
