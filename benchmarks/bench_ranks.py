@@ -92,6 +92,7 @@ def _run(
         ]  # fmt: skip
         if daemon is not None:
             cmd += ["--daemon-pid", str(daemon.process.pid)]
+        cmd += getattr(args, "extra", [])
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
         if done.returncode != 0:
             raise SystemExit(f"{mode} with {ranks} ranks failed:\n{done.stderr[-4000:]}")

@@ -54,7 +54,8 @@ def _span(start: float, end: float, skews: list[float] | None = None) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["tiermem", "peer"], required=True)
+    ap.add_argument("--mode", choices=["tiermem", "peer", "overlap"], required=True)
+    ap.add_argument("--batch", type=int, default=32, help="--mode overlap: rows per rank")
     ap.add_argument("--numel", type=int, required=True)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
@@ -65,6 +66,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     updates, steps, cpu, skews, singles = [], [], [], [], []
+    if args.mode == "overlap":
+        _overlap(args, rank, world)
+        return
     if args.mode == "peer":
         torch.set_num_threads(os.cpu_count() or 1)
         shard = torch.nn.Parameter(torch.randn(args.numel // world))
@@ -159,6 +163,40 @@ def main() -> None:
             "single_ms": statistics.median(singles) * 1e3 if singles else None,
             "vs_single": statistics.median(updates) / statistics.median(singles) if singles else None,
         }
+        Path(args.out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _overlap(args: argparse.Namespace, rank: int, world: int) -> None:
+    """Whole training steps (forward, backward, ``step()``) of one MLP with ``overlap_comm`` off and of its
+    twin with it on, alternating per step; rank 0 writes each one's median span."""
+    from tiermem.distributed import ShardedOffloadAdam
+
+    layers = 8
+    dim = int((args.numel / layers) ** 0.5)
+    models, opts = [], []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False) for _ in range(layers)])
+        models.append(model)
+        opts.append(ShardedOffloadAdam(model.parameters(), lr=1e-4, offload="cpu", overlap_comm=overlap))
+    x = torch.randn(args.batch, dim)
+    spans: list[list[float]] = [[], []]
+    for i in range(args.warmup + args.steps):
+        for which in (0, 1) if i % 2 else (1, 0):
+            dist.barrier()
+            t0 = time.monotonic()
+            models[which](x).square().mean().backward()
+            opts[which].step()
+            opts[which].zero_grad()
+            dt = _span(t0, time.monotonic())
+            if i >= args.warmup:
+                spans[which].append(dt)
+    for opt in opts:
+        opt.close()
+    if rank == 0:
+        off, on = (statistics.median(v) * 1e3 for v in spans)
+        result = {"mode": "overlap", "ranks": world, "numel": layers * dim * dim, "off_ms": off, "on_ms": on}
         Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
