@@ -422,6 +422,16 @@ def test_a_directory_the_daemon_did_not_create_keeps_its_mode(tmp_path):
         sock.close()
 
 
+def _put_back(parent: str, real: str) -> None:  # pragma: no cover - child
+    """The real socket directory back at ``parent``, whatever stands there now (the decoy link, or a new
+    directory that bind_listener made while the real one was away)."""
+    if os.path.islink(parent):
+        os.unlink(parent)
+    elif os.path.isdir(parent):
+        shutil.rmtree(parent, ignore_errors=True)
+    os.rename(real, parent)
+
+
 def _race(how: str, tmp: str, stop_fd: int, other_end: int) -> int:  # pragma: no cover - child
     """Attack the socket at ``tmp/sockdir/tiermemd.sock`` until ``stop_fd`` reads EOF; returns the moves made.
 
@@ -431,20 +441,19 @@ def _race(how: str, tmp: str, stop_fd: int, other_end: int) -> int:  # pragma: n
     """
     os.close(other_end)
     parent, sock = f"{tmp}/sockdir", f"{tmp}/sockdir/tiermemd.sock"
+    real = f"{tmp}/sockdir.real"
     moves = 0
     while not select.select([stop_fd], [], [], 0)[0]:
         with contextlib.suppress(OSError):
             if how == "parent":
-                os.rename(parent, f"{tmp}/sockdir.real")
-                os.symlink(f"{tmp}/decoy", parent)
+                if os.path.lexists(real):  # an earlier swap was cut short: put the directory back first
+                    _put_back(parent, real)
+                    continue
+                os.rename(parent, real)
+                os.symlink(f"{tmp}/decoy", parent)  # fails if bind_listener made a new directory in the gap
                 moves += 1
                 time.sleep(0.0002)
-                os.unlink(parent)
-                try:
-                    os.rename(f"{tmp}/sockdir.real", parent)
-                except OSError:  # bind_listener made a new directory in the gap: drop it, put the real one back
-                    shutil.rmtree(parent, ignore_errors=True)
-                    os.rename(f"{tmp}/sockdir.real", parent)
+                _put_back(parent, real)
                 time.sleep(0.0002)
             elif stat.S_ISSOCK(os.lstat(sock).st_mode):
                 os.symlink(f"{tmp}/secret", f"{parent}/.swap")

@@ -51,6 +51,9 @@ def _run(daemon_factory, tmp_path, *extra: str) -> dict:  # type: ignore[no-unty
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
+    refused = {int(p.name.rsplit(".", 1)[1]): p.read_text() for p in tmp_path.glob("zero3.json.refused.*")}
+    if refused:
+        return {"refused": refused}
     return {**json.loads(out.read_text()), "log": d.log_text()}
 
 
@@ -98,3 +101,22 @@ def test_paged_layers_live_only_in_their_owners_nvme_tier_and_accumulate_there(d
         for step, trace in enumerate(r["traces"]):
             assert trace == paged_trace(r["rank"], 2), f"rank {r['rank']} step {step}: {trace}"
     print(f"\nzero3 by layer, paged on NVMe, 2 micro-batches: params within {diff:.1e} of AdamW")
+
+
+def test_paged_layers_clip_by_the_global_norm_as_clip_grad_norm(daemon_factory, tmp_path):
+    """max_grad_norm with paged=True: the owners' sums of squares all-reduced at step(), the coefficient
+    applied by each owner's daemon; the clip is active at three of the four steps (norms 0.30, 0.15, 0.016,
+    0.059 against 0.05)."""
+    result = _run(daemon_factory, tmp_path, "--paged", "--clip", "0.05")
+    for ours, ref in zip(result["norms"], result["ref_norms"], strict=True):
+        assert abs(ours - ref) <= 1e-5 * ref, (result["norms"], result["ref_norms"])
+    assert sum(ref > 0.05 for ref in result["ref_norms"]) >= 2, result["ref_norms"]
+    diff = max(abs(a - b) for a, b in zip(result["final"], result["reference"], strict=True))
+    assert diff <= 1e-6, (result["final"], result["reference"])
+    print(f"\nzero3 by layer, paged, clipped: norms equal clip_grad_norm_'s, params within {diff:.1e} of AdamW")
+
+
+def test_paged_clipping_after_accumulation_is_refused_on_every_rank(daemon_factory, tmp_path):
+    result = _run(daemon_factory, tmp_path, "--paged", "--clip", "0.05", "--micro", "2")
+    assert sorted(result.get("refused", {})) == [0, 1, 2, 3], result
+    assert all("accumulated grads over several" in m for m in result["refused"].values()), result

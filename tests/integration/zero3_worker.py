@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tiermem.distributed import LayerShardedAdam
+from tiermem.errors import InvalidState
 
 BATCH_PER_RANK = 2
 LR = 0.05
@@ -73,11 +74,21 @@ def main() -> int:
     ap.add_argument("--paged", action="store_true", help="the owners' layers only in their daemon's tier")
     ap.add_argument("--offload", default="cpu")
     ap.add_argument("--micro", type=int, default=1, help="backward passes per step (gradient accumulation)")
+    ap.add_argument("--clip", type=float, default=0.0, help="max_grad_norm (with --paged)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    opt = LayerShardedAdam(model, lr=LR, weight_decay=0.0, trace=True, paged=args.paged, offload=args.offload)
+    opt = LayerShardedAdam(
+        model,
+        lr=LR,
+        weight_decay=0.0,
+        trace=True,
+        paged=args.paged,
+        offload=args.offload,
+        max_grad_norm=args.clip or None,
+    )
+    norms: list[float | None] = []
     first_grads: dict[int, list[float]] = {}
     start_params = [float(p) for p in opt.gathered_params()]
     traces = []
@@ -87,7 +98,15 @@ def main() -> int:
         opt.events.clear()
         for part in x.chunk(args.micro):  # equal parts: the mean of their mean losses is the batch's
             (loss_of(model, part) / args.micro).backward()
-        opt.step()
+        try:
+            opt.step()
+        except InvalidState as exc:  # clipping after accumulation: refused on every rank together
+            with open(f"{args.out}.refused.{rank}", "w") as f:
+                f.write(str(exc))
+            opt.close()
+            dist.destroy_process_group()
+            return 0
+        norms.append(opt.last_grad_norm)
         opt.zero_grad()
         traces.append(list(opt.events))
         if step == 0:
@@ -103,8 +122,11 @@ def main() -> int:
     if rank == 0:
         ref = make_model()
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+        ref_norms = []
         for step in range(args.steps):
             loss_of(ref, data(step, world)).backward()
+            if args.clip:
+                ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip)))
             ref_opt.step()
             ref_opt.zero_grad()
         grads: dict[int, list[float]] = {}
@@ -116,6 +138,8 @@ def main() -> int:
             "reduced": ours,
             "final": final,
             "reference": [float(p) for p in ref.parameters()],
+            "norms": norms,
+            "ref_norms": ref_norms,
             "ranks": everything,
         }
         with open(args.out, "w") as f:

@@ -34,13 +34,20 @@ trainer holds no param or grad between uses, on any rank.  The update then
 runs at ``step()``, for all the owner's layers at once (the overlapped update
 needs the params resident).
 
-Limits: plain Adam/AdamW steps (no clipping or loss scaling; gradient
-accumulation only with ``paged``: the overlapped update refuses it), CPU
-params, each unit used once per forward.
+``max_grad_norm`` (with ``paged`` only: the overlapped update applies a
+layer before the global norm exists) clips by the global norm of the reduced
+grads, as ``clip_grad_norm_`` over the whole model: each owner adds up its
+layers' sums of squares as their reduces land, every rank all-reduces them at
+``step()``, and the coefficient reaches the daemon as the STEP's grad scale.
+
+Limits: no loss scaling; gradient accumulation only with ``paged``, and not
+with ``max_grad_norm`` (the sums of squares are of one backward pass; refused
+on every rank); CPU params; each unit used once per forward.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -128,10 +135,22 @@ class LayerShardedAdam:
         token: str | None = None,
         trace: bool = False,
         paged: bool = False,
+        max_grad_norm: float | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise InvalidState("LayerShardedAdam needs torch.distributed initialised (torchrun)")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if max_grad_norm is not None and not paged:
+            raise InvalidArgument(
+                "max_grad_norm needs paged=True: without it a layer is updated during backward, before the "
+                "global norm of all the layers' grads exists"
+            )
         self.paged = paged
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
+        """The global norm of the last step's reduced grads (with ``max_grad_norm``)."""
+        self._sumsq = 0.0
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -320,6 +339,8 @@ class LayerShardedAdam:
         if unit.owner != self.rank or self.inner is None:
             return
         flat.div_(self.world_size)
+        if self.max_grad_norm is not None:
+            self._sumsq += float(flat.double().square().sum())
         if self.events is not None:
             self.reduced[unit.index] = flat.clone()
         if self._grads is not None:  # paged: the grads go to the daemon now, nothing stays here
@@ -345,9 +366,28 @@ class LayerShardedAdam:
     def step(self) -> None:
         """Finish the step: the owner's daemon completes its layers' updates (the first step: all of them now)."""
         self._recording = False
+        coef = 1.0
+        if self.max_grad_norm is not None:  # every rank, owner of a layer or not: the norm is global
+            accumulated = self._grads is not None and self._grads.accumulated
+            stats = torch.tensor([float(accumulated), self._sumsq], dtype=torch.float64)
+            self._sumsq = 0.0
+            self._collective("the norm's all-reduce", dist.all_reduce, stats)
+            if stats[0] > 0:
+                if self._grads is not None:
+                    self._grads.reset()  # the step is refused: the next backward's grads start afresh
+                raise InvalidState(
+                    "LayerShardedAdam clips with the norm of one backward pass; this step accumulated grads over "
+                    "several (call step() after each backward, or train without max_grad_norm)"
+                )
+            self.last_grad_norm = math.sqrt(float(stats[1]))
+            coef = min(1.0, float(torch.tensor(self.max_grad_norm / (self.last_grad_norm + 1e-6), dtype=torch.float32)))
         if self.inner is not None:
             early = self.inner.policy.overlap_now
-            self.inner.step()
+            self.inner._grad_multiplier = coef  # the daemon scales the grads by it (the STEP's grad scale)
+            try:
+                self.inner.step()
+            finally:
+                self.inner._grad_multiplier = 1.0
             if not early and self.events is not None:
                 for index in self._entry_of:
                     self.events.append(("update", index))
