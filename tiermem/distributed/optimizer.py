@@ -499,6 +499,8 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             return
         self._landed[index] = True
         self._left[self._bucket_of[index]] -= 1
+        if self._next < 0 or self._left[self._next] > 0:
+            return  # most grads: their bucket, or one after it, is not whole yet
         params = self._params()
         while self._next >= 0 and self._left[self._next] <= 0:
             self._reduces[self._next] = self._launch(params, self._next, async_op=True, own=True)
