@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 WORKER = str(Path(__file__).with_name("zero3_worker.py"))
 LAYERS = 4
 
@@ -120,3 +122,31 @@ def test_paged_clipping_after_accumulation_is_refused_on_every_rank(daemon_facto
     result = _run(daemon_factory, tmp_path, "--paged", "--clip", "0.05", "--micro", "2")
     assert sorted(result.get("refused", {})) == [0, 1, 2, 3], result
     assert all("accumulated grads over several" in m for m in result["refused"].values()), result
+
+
+def test_paged_layers_under_a_sharded_scaler_skip_a_global_overflow_and_clip_unscaled(daemon_factory, tmp_path):
+    """ShardedGradScaler over LayerShardedAdam(paged=True): the last rank's loss is inf at step 1, so its
+    reduced grads overflow at every owner; all four ranks skip that step and back off the scale together,
+    the other steps are unscaled and clipped in the daemons, as torch's GradScaler + clip_grad_norm_ + AdamW
+    in one process."""
+    result = _run(daemon_factory, tmp_path, "--paged", "--scaler", "sharded", "--inf-step", "1", "--clip", "0.05",
+                  "--steps", "5")  # fmt: skip
+    assert result["skipped"] == result["ref_skipped"] == 1, result
+    assert result["scale"] == result["ref_scale"] == 2.0**9, result
+    pairs = [(ours, ref) for ours, ref in zip(result["norms"], result["ref_norms"], strict=True) if ours is not None]
+    assert len(pairs) == 4, result["norms"]
+    for ours, ref in pairs:
+        assert abs(ours - ref) <= 1e-5 * ref, (result["norms"], result["ref_norms"])
+    diff = max(abs(a - b) for a, b in zip(result["final"], result["reference"], strict=True))
+    assert diff <= 1e-6, (result["final"], result["reference"])
+    print(f"\nzero3 by layer, paged, scaled + clipped, one overflow skipped: params within {diff:.1e} of AdamW")
+
+
+@pytest.mark.parametrize(("scaler", "paged", "message"), [
+    ("torch", True, "use tiermem.distributed.ShardedGradScaler"),
+    ("sharded", False, "loss scaling needs LayerShardedAdam(paged=True)"),
+])  # fmt: skip
+def test_a_scaler_that_cannot_work_is_refused_on_every_rank(daemon_factory, tmp_path, scaler, paged, message):
+    result = _run(daemon_factory, tmp_path, "--scaler", scaler, *(["--paged"] if paged else []))
+    assert sorted(result.get("refused", {})) == [0, 1, 2, 3], result
+    assert all(message in m for m in result["refused"].values()), result

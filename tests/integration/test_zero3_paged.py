@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 WORKER = str(Path(__file__).with_name("zero3_paged_worker.py"))
 
@@ -60,9 +61,7 @@ def test_sharded_paged_params_train_like_adamw_with_a_global_clip(daemon_factory
         flat_ref = [v for row in ref for v in row] if isinstance(ref[0], list) else ref
         worst = max(worst, *(abs(a - b) for a, b in zip(flat_ours, flat_ref, strict=True)))
     assert worst <= 1e-5, worst
-    for ours, ref in zip(result["norms"], result["reference_norms"], strict=True):
-        assert ours == pytest.approx(ref, rel=1e-5), (result["norms"], result["reference_norms"])
-    assert any(n > 0.5 for n in result["reference_norms"]), "the clip never acted: the test would not see it"
+    _check_norms(result)
     for r in result["ranks"]:
         assert max(r["held"]) <= 4, f"rank {r['rank']}'s modules hold param data between steps: {r['held']}"
         assert 0 < r["peak"] <= result["budget"], (r["peak"], result["budget"])
@@ -71,11 +70,44 @@ def test_sharded_paged_params_train_like_adamw_with_a_global_clip(daemon_factory
     print(f"\nzero3 paged on {offload}, {ranks} ranks{resumed}: within {worst:.1e} of AdamW + clip_grad_norm_")
 
 
+def _check_norms(result: dict) -> None:
+    pairs = [(o, r) for o, r in zip(result["norms"], result["reference_norms"], strict=True) if o is not None]
+    for ours, ref in pairs:
+        assert ours == pytest.approx(ref, rel=1e-5), (result["norms"], result["reference_norms"])
+    assert any(r > 0.5 for _, r in pairs), "the clip never acted: the test would not see it"
+
+
+def _worst(result: dict) -> float:
+    worst = 0.0
+    for key, ref in result["reference"].items():
+        ours = torch.tensor(result["state"][key])
+        worst = max(worst, float((ours - torch.tensor(ref)).abs().max()))
+    return worst
+
+
+def test_a_sharded_scaler_skips_a_global_overflow_and_clips_the_unscaled_grads(daemon_factory, tmp_path):
+    """ShardedGradScaler over ShardedPagedAdam, 2 ranks: the last rank's loss is inf at step 2, both ranks
+    skip it and halve the scale, as torch's GradScaler over the whole batch does; the other steps are
+    unscaled and clipped by the daemons like GradScaler.unscale_ + clip_grad_norm_ + AdamW."""
+    done = _torchrun(daemon_factory, tmp_path, 2, "--offload", "cpu", "--scaler", "--inf-step", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "paged.json").read_text())
+    assert result["skipped"] == 1, result["skipped"]
+    assert result["scale"] == result["ref_scale"] == 2.0**11, (result["scale"], result["ref_scale"])
+    assert result["norms"][2] is None and sum(n is None for n in result["norms"]) == 1, result["norms"]
+    _check_norms(result)
+    worst = _worst(result)
+    assert worst <= 1e-5, worst
+    print(f"\nzero3 paged, scaled, one overflow skipped: within {worst:.1e} of GradScaler + AdamW")
+
+
 def test_a_rank_killed_mid_step_fails_the_other_with_rank_lost(daemon_factory, tmp_path):
     started = time.monotonic()
     done = _torchrun(daemon_factory, tmp_path, 2, "--kill-step", "2")
     assert done.returncode != 0
-    survivor = json.loads((tmp_path / "paged.json.0").read_text())
+    report = tmp_path / "paged.json.0"
+    assert report.exists(), done.stderr[-4000:]
+    survivor = json.loads(report.read_text())
     assert survivor["error"] == "RankLost", survivor
     print(f"\nzero3 paged, a rank killed: the other got RankLost in {survivor['during']}")
     assert survivor["at"] - started < 120, "the survivor waited for its collective's timeout"

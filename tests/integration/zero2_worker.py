@@ -94,6 +94,11 @@ def main() -> int:
     ap.add_argument("--late-close", type=float, default=0.0, help="ranks but 0 wait this long before close()")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.kill_step >= 0:
+        # torchrun's agent sees the killed rank within its monitor interval (0.1 s) and SIGTERMs the others; a
+        # survivor that is still computing when the peer dies would be ended before its collective fails: it
+        # stays until it has reported the error it caught (then the agent's kill after 30 s bounds a hang)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     warned = _Warnings()

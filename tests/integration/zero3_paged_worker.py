@@ -14,7 +14,9 @@ SIGKILL after the forward of step K; the others write what they caught (a
 every rank saves ``model.state_dict()`` and ``opt.state_dict()`` (torch.save),
 closes its optimizer, builds the model again with other values and a new
 optimizer (a new job), loads the optimizer's state and then the model's, and
-trains on.
+trains on.  ``--scaler``: both sides train under a loss scaler
+(``ShardedGradScaler`` here, torch's ``GradScaler`` in the reference);
+``--inf-step K`` makes the last rank's loss inf at step K, so both skip it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiermem.distributed import ShardedPagedAdam
+from tiermem.distributed import ShardedGradScaler, ShardedPagedAdam
 from tiermem.errors import InvalidState, RankLost
 
 BATCH_PER_RANK = 3
@@ -62,7 +64,14 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--resume-at", type=int, default=-1)
+    ap.add_argument("--scaler", action="store_true")
+    ap.add_argument("--inf-step", type=int, default=-1)
     args = ap.parse_args()
+    if args.kill_step >= 0:
+        # torchrun's agent sees the killed rank within its monitor interval (0.1 s) and SIGTERMs the others; a
+        # survivor that is still computing when the peer dies would be ended before its collective fails: it
+        # stays until it has reported the error it caught (then the agent's kill after 30 s bounds a hang)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
@@ -83,6 +92,7 @@ def main() -> int:
 
     opt = optimizer(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**12) if args.scaler else None
     norms, held = [], []
     try:
         for step in range(args.steps):
@@ -103,11 +113,18 @@ def main() -> int:
             loss = nn.functional.mse_loss(model(x[mine]), y[mine])
             if step == args.kill_step and rank == world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
-            loss.backward()
-            opt.step()
+            if step == args.inf_step and rank == world - 1:
+                loss = loss * float("inf")
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
             opt.zero_grad()
             sched.step()
-            norms.append(opt.last_grad_norm)
+            norms.append(None if opt.last_found_inf else opt.last_grad_norm)
             held.append(max(p.untyped_storage().nbytes() for p in model.parameters()))
     except RankLost as exc:
         with open(f"{args.out}.{rank}", "w") as f:
@@ -131,11 +148,23 @@ def main() -> int:
         ref_opt = torch.optim.AdamW(groups(ref), lr=LR, weight_decay=0.01)
         ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
         ref_norms = []
+        ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if args.scaler else None
         for step in range(args.steps):
             x, y = data(step, world)
-            nn.functional.mse_loss(ref(x), y).backward()
+            loss = nn.functional.mse_loss(ref(x), y)
+            if step == args.inf_step:
+                loss = loss * float("inf")
+            if ref_scaler is not None:
+                ref_scaler.scale(loss).backward()
+                ref_scaler.unscale_(ref_opt)
+            else:
+                loss.backward()
             ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)))
-            ref_opt.step()
+            if ref_scaler is not None:
+                ref_scaler.step(ref_opt)
+                ref_scaler.update()
+            else:
+                ref_opt.step()
             ref_opt.zero_grad()
             ref_sched.step()
         result = {
@@ -144,6 +173,9 @@ def main() -> int:
             "norms": norms,
             "reference_norms": ref_norms,
             "budget": budget,
+            "scale": scaler.get_scale() if scaler is not None else None,
+            "ref_scale": ref_scaler.get_scale() if ref_scaler is not None else None,
+            "skipped": opt.stats().client_skipped_steps,
             "ranks": everything,
         }
         with open(args.out, "w") as f:

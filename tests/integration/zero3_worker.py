@@ -6,6 +6,9 @@ The model: ``h1 = relu(w1 x + b1)``, ``h2 = relu(w2 h1 + b2)``, ``h3 = relu(w3 h
 Rank 0 writes, as JSON: the reduced grads of the first step next to the
 example's analytic formulas (on the global batch), the final params next to
 ``torch.optim.AdamW`` in one process, and every rank's event trace.
+With ``--scaler`` both sides train under a loss scaler (``ShardedGradScaler``
+here, torch's ``GradScaler`` in the reference); ``--inf-step`` makes the last
+rank's loss inf at that step, so the global loss overflows and both skip it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tiermem.distributed import LayerShardedAdam
+from tiermem.distributed import LayerShardedAdam, ShardedGradScaler
 from tiermem.errors import InvalidState
 
 BATCH_PER_RANK = 2
@@ -76,6 +79,8 @@ def main() -> int:
     ap.add_argument("--offload", default="cpu")
     ap.add_argument("--micro", type=int, default=1, help="backward passes per step (gradient accumulation)")
     ap.add_argument("--clip", type=float, default=0.0, help="max_grad_norm (with --paged)")
+    ap.add_argument("--scaler", choices=["", "sharded", "torch"], default="", help="train under a loss scaler")
+    ap.add_argument("--inf-step", type=int, default=-1, help="the last rank's loss is inf at this step")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -89,6 +94,11 @@ def main() -> int:
         offload=args.offload,
         max_grad_norm=args.clip or None,
     )
+    scaler: torch.amp.GradScaler | None = None
+    if args.scaler == "sharded":
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
+    elif args.scaler == "torch":  # the wrong one: it cannot see the grads, which are in the owners' daemons
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     norms: list[float | None] = []
     first_grads: dict[int, list[float]] = {}
     start_params = [float(p) for p in opt.gathered_params()]
@@ -98,16 +108,23 @@ def main() -> int:
         assert opt.events is not None
         opt.events.clear()
         for part in x.chunk(args.micro):  # equal parts: the mean of their mean losses is the batch's
-            (loss_of(model, part) / args.micro).backward()
+            loss = loss_of(model, part) / args.micro
+            if step == args.inf_step and rank == world - 1:
+                loss = loss * float("inf")
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         try:
-            opt.step()
-        except InvalidState as exc:  # clipping after accumulation: refused on every rank together
+            if scaler is not None:
+                scaler.step(opt)  # type: ignore[arg-type]
+                scaler.update()
+            else:
+                opt.step()
+        except InvalidState as exc:  # refused on every rank together (clipping after accumulation, ...)
             with open(f"{args.out}.refused.{rank}", "w") as f:
                 f.write(str(exc))
             opt.close()
             dist.destroy_process_group()
             return 0
-        norms.append(opt.last_grad_norm)
+        norms.append(None if opt.last_found_inf else opt.last_grad_norm)
         opt.zero_grad()
         traces.append(list(opt.events))
         if step == 0:
@@ -124,11 +141,24 @@ def main() -> int:
         ref = make_model()
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
         ref_norms = []
+        ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler is not None else None
+        ref_skipped = 0
         for step in range(args.steps):
-            loss_of(ref, data(step, world)).backward()
+            loss = loss_of(ref, data(step, world))
+            if step == args.inf_step:
+                loss = loss * float("inf")
+            (ref_scaler.scale(loss) if ref_scaler is not None else loss).backward()
+            if ref_scaler is not None:
+                ref_scaler.unscale_(ref_opt)
             if args.clip:
                 ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip)))
-            ref_opt.step()
+            if ref_scaler is not None:
+                before = ref_scaler.get_scale()
+                ref_scaler.step(ref_opt)
+                ref_scaler.update()
+                ref_skipped += ref_scaler.get_scale() < before
+            else:
+                ref_opt.step()
             ref_opt.zero_grad()
         grads: dict[int, list[float]] = {}
         for r in everything:
@@ -141,6 +171,10 @@ def main() -> int:
             "reference": [float(p) for p in ref.parameters()],
             "norms": norms,
             "ref_norms": ref_norms,
+            "scale": scaler.get_scale() if scaler is not None else None,
+            "ref_scale": ref_scaler.get_scale() if ref_scaler is not None else None,
+            "skipped": opt.skipped_steps,
+            "ref_skipped": ref_skipped,
             "ranks": everything,
         }
         with open(args.out, "w") as f:

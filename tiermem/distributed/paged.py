@@ -37,9 +37,18 @@ and the clip coefficient reaches the daemon with the step as a grad scale, so
 every rank clips by ``clip_grad_norm_``'s coefficient over the unsharded
 model.  Clipping needs the grads of one backward pass (the daemon's
 accumulated sum has no sum of squares here); it is refused after
-accumulation.  Not supported: a ``GradScaler``, the overlapped and delayed
-updates (as with ``offload_params``), params on a device (the copies run on
-the host; a CUDA version needs the collectives on the pager's copy stream).
+accumulation.
+
+Loss scaling: ``ShardedGradScaler``, used as torch's ``GradScaler``.  Each
+reduced shard is checked for inf/nan as it is written (an overflow on any
+rank is in every rank's reduced shard); the scaler all-reduces the flags, so
+every rank skips the same steps; an applied step's inverse scale reaches the
+daemon with the grad scale (times the clip coefficient), and the norm is
+that of the unscaled grads.
+
+Not supported: the overlapped and delayed updates (as with
+``offload_params``), params on a device (the copies run on the host; a CUDA
+version needs the collectives on the pager's copy stream).
 """
 
 from __future__ import annotations
@@ -88,6 +97,8 @@ class ShardCopies(HostCopies):
         self.sumsq: dict[int, float] = {}
         """This step's sum of squares of each reduced shard (first landing only)."""
         self.accumulated = False
+        self.nonfinite = False
+        """Whether a reduced shard written this step had an inf or a nan."""
 
     def _shard(self, tid: int) -> int:
         return shard_numel(self.numels[tid], self.world_size)
@@ -128,15 +139,18 @@ class ShardCopies(HostCopies):
         self.collective("the reduce-scatter of a grad", _REDUCE_SCATTER, mine, whole)
         if self.world_size > 1:
             mine.div_(self.world_size)
+        sq = float(torch.linalg.vector_norm(mine, dtype=torch.float64)) ** 2
+        self.nonfinite = self.nonfinite or not math.isfinite(sq)
         if accumulate:
             self.accumulated = True
         else:
-            self.sumsq[tid] = float(mine.double().square().sum())
+            self.sumsq[tid] = sq
         transfer.push(tid, "grad", mine, step=0, accumulate=accumulate)
 
     def new_step(self) -> None:
         self.sumsq.clear()
         self.accumulated = False
+        self.nonfinite = False
 
 
 def _model_groups(model: nn.Module, param_groups: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -252,6 +266,8 @@ class ShardedPagedAdam(OffloadAdam):
             rank=group_rank,
             world_size=world,
         )
+        self._unscaled_by = 1.0
+        self._scale_checked = False
         self.global_max_grad_norm = max_grad_norm
         """``max_grad_norm`` over the unsharded model (the daemon gets the coefficient, not the norm)."""
         self.copies = copies
@@ -269,6 +285,21 @@ class ShardedPagedAdam(OffloadAdam):
         kwargs.setdefault("group", self.process_group)
         return guarded(during, self._group_rank, self._collective_steps, fn, *args, **kwargs)
 
+    def _unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+        """``ShardedGradScaler``'s check: whether this rank's reduced shards overflowed (it all-reduces the
+        flag); the inverse scale is applied by the daemon at ``step()``."""
+        self.pager.check()  # grads set by hand land now, every push is done
+        self._unscaled_by = float(inv_scale)
+        self._scale_checked = True
+        if self.copies.nonfinite:
+            found_inf.fill_(1.0)
+        return found_inf
+
+    def _scaler_inputs(self) -> tuple[Any, Any]:
+        """``step()`` has turned the scale into the grad multiplier: the inner step sees no scale, only whether
+        to skip."""
+        return False, getattr(self, "found_inf", None)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
@@ -276,6 +307,27 @@ class ShardedPagedAdam(OffloadAdam):
             with torch.enable_grad():
                 loss = closure()
         self.pager.drain()
+        grad_scale = getattr(self, "grad_scale", False)  # set by GradScaler.step (None: unscale_ came first)
+        scaled = grad_scale is not False
+        checked, self._scale_checked = self._scale_checked, False
+        if scaled and not checked:
+            raise InvalidState(
+                "a torch.amp.GradScaler cannot see ShardedPagedAdam's grads (they are in the ranks' daemons) and "
+                "checks only this rank; use tiermem.distributed.ShardedGradScaler (the same API)"
+            )
+        inv_scale = 1.0
+        if scaled:
+            inv_scale = self._unscaled_by
+            if grad_scale is not None:
+                inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
+        found_inf = getattr(self, "found_inf", None)
+        if scaled and found_inf is not None and float(found_inf) > 0:
+            try:  # an overflow on some rank: every rank skips (the flag is global); the inner step drops it
+                super().step()
+            finally:
+                self.copies.new_step()
+                self._collective_steps += 1
+            return loss
         norm = None
         coef = 1.0
         if self.global_max_grad_norm is not None:
@@ -289,9 +341,9 @@ class ShardedPagedAdam(OffloadAdam):
                     "ShardedPagedAdam clips with the norm of one backward pass; this step accumulated grads over "
                     "several (call step() after each backward, or train without max_grad_norm)"
                 )
-            norm = math.sqrt(float(flags[1]))
+            norm = math.sqrt(float(flags[1])) * inv_scale
             coef = min(1.0, float(torch.tensor(self.global_max_grad_norm / (norm + 1e-6), dtype=torch.float32)))
-        self._grad_multiplier = coef
+        self._grad_multiplier = inv_scale * coef
         try:
             super().step()
         finally:

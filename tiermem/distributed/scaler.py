@@ -8,6 +8,14 @@ This scaler all-reduces (max) the found-inf flags it computes over the
 optimizer's process group, and hands them to the optimizer, which also sets
 them when the reduced grads themselves overflow (a sum of finite fp16 grads
 can).  Everything else is torch's ``GradScaler``.
+
+The ZeRO-3 optimizers (``LayerShardedAdam(paged=True)``, ``ShardedPagedAdam``)
+hold no grads in the trainer: each owner's reduced grads went to its daemon
+as they landed, and the owner recorded whether any was non-finite.  For them
+the scaler asks the optimizer (``_unscale_shards``) for those flags instead of
+looking at ``param_groups``; the unscaling itself happens in the daemon (the
+inverse scale is part of the STEP's grad scale), and the flags are
+all-reduced the same way.
 """
 
 from __future__ import annotations
@@ -26,9 +34,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
-        per_device: dict[torch.device, torch.Tensor] = super()._unscale_grads_(
-            optimizer, inv_scale, found_inf, allow_fp16
-        )
+        shards = getattr(optimizer, "_unscale_shards", None)
+        per_device: dict[torch.device, torch.Tensor]
+        if shards is not None:  # the grads are in the owners' daemons: the owner knows whether its overflowed
+            per_device = {found_inf.device: shards(inv_scale, found_inf)}
+        else:
+            per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         group: Any = getattr(optimizer, "process_group", None)
         if dist.is_available() and dist.is_initialized():
             for flag in per_device.values():

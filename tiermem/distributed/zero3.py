@@ -40,9 +40,18 @@ grads, as ``clip_grad_norm_`` over the whole model: each owner adds up its
 layers' sums of squares as their reduces land, every rank all-reduces them at
 ``step()``, and the coefficient reaches the daemon as the STEP's grad scale.
 
-Limits: no loss scaling; gradient accumulation only with ``paged``, and not
-with ``max_grad_norm`` (the sums of squares are of one backward pass; refused
-on every rank); CPU params; each unit used once per forward.
+Loss scaling (with ``paged`` only, for the same reason): use
+``ShardedGradScaler`` as torch's ``GradScaler`` (``scale``, ``step``,
+``update``).  Each owner notes whether a reduced grad of its layers is
+non-finite as it lands (an overflow on any rank is in the sum the owner
+gets); the scaler all-reduces those flags, so every rank skips the same
+steps and backs off its scale together; an applied step's inverse scale
+reaches the daemon with the STEP's grad scale (times the clip coefficient),
+and the global norm is that of the unscaled grads.
+
+Limits: gradient accumulation only with ``paged``, and not with
+``max_grad_norm`` (the sums of squares are of one backward pass; refused on
+every rank); CPU params; each unit used once per forward.
 """
 
 from __future__ import annotations
@@ -118,6 +127,10 @@ class _Unit:
 class LayerShardedAdam:
     """See the module docstring.  ``step()``, ``zero_grad()``, ``close()``, like an optimizer."""
 
+    _step_supports_amp_scaling = True
+    """``GradScaler.step`` hands the scale and the found-inf flag over as attributes and always calls
+    ``step()``, which skips by itself (the grads are in the owners' daemons, not here to unscale)."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -151,6 +164,13 @@ class LayerShardedAdam:
         self.last_grad_norm: float | None = None
         """The global norm of the last step's reduced grads (with ``max_grad_norm``)."""
         self._sumsq = 0.0
+        self._nonfinite = False
+        """Whether a reduced grad of this owner's layers was non-finite this step."""
+        self._unscaled_by = 1.0
+        self._scale_checked = False
+        self.skipped_steps = 0
+        """Steps skipped on an overflow (a ``ShardedGradScaler`` found inf/nan on some rank)."""
+        self.last_found_inf = False
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -339,8 +359,10 @@ class LayerShardedAdam:
         if unit.owner != self.rank or self.inner is None:
             return
         flat.div_(self.world_size)
-        if self.max_grad_norm is not None:
-            self._sumsq += float(flat.double().square().sum())
+        if self.paged:  # the global norm and the overflow check of this step, at step() (the grads go now)
+            sq = float(torch.linalg.vector_norm(flat, dtype=torch.float64)) ** 2
+            self._sumsq += sq
+            self._nonfinite = self._nonfinite or not math.isfinite(sq)
         if self.events is not None:
             self.reduced[unit.index] = flat.clone()
         if self._grads is not None:  # paged: the grads go to the daemon now, nothing stays here
@@ -363,27 +385,80 @@ class LayerShardedAdam:
 
     # ----------------------------------------------------------------- the step
 
+    @property
+    def process_group(self) -> Any:
+        """The group the layers are sharded over (what ``ShardedGradScaler`` all-reduces its flags over)."""
+        return self.group
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The model's params, as one group (torch's ``GradScaler`` looks here; their grads are released)."""
+        return [{"params": [p for unit in self.units for p in unit.params]}]
+
+    def _unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+        """``ShardedGradScaler``'s check: whether this owner's reduced grads overflowed (it all-reduces the
+        flag); the inverse scale is applied by the daemon at ``step()``."""
+        if not self.paged:
+            raise InvalidState(
+                "loss scaling needs LayerShardedAdam(paged=True): without it a layer is updated during backward, "
+                "before an overflow on any rank is known"
+            )
+        self._unscaled_by = float(inv_scale)
+        self._scale_checked = True
+        if self._nonfinite:
+            found_inf.fill_(1.0)
+        return found_inf
+
+    def _new_step(self) -> None:
+        self._sumsq = 0.0
+        self._nonfinite = False
+        self._scale_checked = False
+        if self._grads is not None:
+            self._grads.reset()  # the next backward's grads start afresh in the daemon
+
     def step(self) -> None:
         """Finish the step: the owner's daemon completes its layers' updates (the first step: all of them now)."""
         self._recording = False
+        grad_scale = getattr(self, "grad_scale", False)  # set by GradScaler.step (None: unscale_ came first)
+        found_inf = getattr(self, "found_inf", None)
+        scaled = grad_scale is not False
+        if scaled and not self._scale_checked:
+            self._new_step()
+            raise InvalidState(
+                "a torch.amp.GradScaler cannot see LayerShardedAdam's grads (they are in the owners' daemons) and "
+                "checks only this rank; use tiermem.distributed.ShardedGradScaler (the same API)"
+            )
+        inv_scale = 1.0
+        if scaled:
+            inv_scale = self._unscaled_by
+            if grad_scale is not None:
+                inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
+        if scaled and found_inf is not None and float(found_inf) > 0:
+            self.skipped_steps += 1  # an overflow on some rank: every rank skips (the flag is global)
+            self.last_found_inf = True
+            self._new_step()
+            return
+        self.last_found_inf = False
         coef = 1.0
         if self.max_grad_norm is not None:  # every rank, owner of a layer or not: the norm is global
             accumulated = self._grads is not None and self._grads.accumulated
             stats = torch.tensor([float(accumulated), self._sumsq], dtype=torch.float64)
-            self._sumsq = 0.0
             self._collective("the norm's all-reduce", dist.all_reduce, stats)
             if stats[0] > 0:
-                if self._grads is not None:
-                    self._grads.reset()  # the step is refused: the next backward's grads start afresh
+                self._new_step()  # the step is refused
                 raise InvalidState(
                     "LayerShardedAdam clips with the norm of one backward pass; this step accumulated grads over "
                     "several (call step() after each backward, or train without max_grad_norm)"
                 )
-            self.last_grad_norm = math.sqrt(float(stats[1]))
+            self.last_grad_norm = math.sqrt(float(stats[1])) * inv_scale
             coef = min(1.0, float(torch.tensor(self.max_grad_norm / (self.last_grad_norm + 1e-6), dtype=torch.float32)))
+        self._sumsq = 0.0
+        self._nonfinite = False
+        self._scale_checked = False
         if self.inner is not None:
             early = self.inner.policy.overlap_now
-            self.inner._grad_multiplier = coef  # the daemon scales the grads by it (the STEP's grad scale)
+            # the daemon scales the grads by it (the STEP's grad scale): unscaled, then clipped
+            self.inner._grad_multiplier = inv_scale * coef
             try:
                 self.inner.step()
             finally:
@@ -398,6 +473,8 @@ class LayerShardedAdam:
                 p.grad = None
         if self.inner is not None:
             self.inner.zero_grad(set_to_none=set_to_none)
+        self._sumsq = 0.0
+        self._nonfinite = False
 
     def gathered_params(self) -> list[torch.Tensor]:
         """Collective: every unit's params, gathered (copies), in the model's order."""

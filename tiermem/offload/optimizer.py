@@ -397,8 +397,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._settle()
-        grad_scale = getattr(self, "grad_scale", False)
-        found_inf = getattr(self, "found_inf", None)
+        grad_scale, found_inf = self._scaler_inputs()
         scaled = grad_scale is not False
         changed = self.feed.changed_after_landing
         ids = self.feed.check()
@@ -467,6 +466,11 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             self._new_step()
             raise
         return loss
+
+    def _scaler_inputs(self) -> tuple[Any, Any]:
+        """What ``GradScaler.step`` handed over as attributes: the scale (False: no scaler; None: ``unscale_``
+        came first) and the found-inf flag (None: none)."""
+        return getattr(self, "grad_scale", False), getattr(self, "found_inf", None)
 
     def _finish(self, done: StepDone, ids: list[int], delayed: bool) -> None:
         self._steps_sent = done.step
