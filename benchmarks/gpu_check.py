@@ -23,7 +23,13 @@ command line (``gpu_check.json``), a table on stdout:
    steps against the unpaged ones;
 5. sharded: ``tiermem.distributed.ShardedOffloadAdam`` in a one-rank NCCL
    process group on the GPU (collectives and statistics on device tensors),
-   with clipping, against ``torch.optim.AdamW`` + ``clip_grad_norm_``.
+   with clipping, against ``torch.optim.AdamW`` + ``clip_grad_norm_``;
+6. sharded_paged: ``tiermem.distributed.ShardedPagedAdam`` in a one-rank
+   NCCL group, the model on the GPU paged through a device budget of half its
+   params (all-gathers and reduce-scatters on the pager's copy stream), with
+   clipping and ``ShardedGradScaler``, against ``GradScaler`` +
+   ``clip_grad_norm_`` + ``torch.optim.AdamW``; the pager's peak against its
+   budget.
 
     python benchmarks/gpu_check.py OUT_DIR [--steps 20]
 
@@ -33,9 +39,11 @@ Without CUDA it writes ``{"cuda": false}`` and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -236,45 +244,99 @@ def paging(socket: str, steps: int) -> dict[str, Any]:
     return out
 
 
-def sharded(socket: str, steps: int, device: str = "cuda", backend: str = "nccl") -> dict[str, Any]:
-    """``ShardedOffloadAdam`` in a one-rank process group on ``device``: reduce-scatter, statistics and
-    all-gather on device tensors, the shard's grads and params copied between the device and the daemon's
-    storage, with clipping; against ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the same device."""
+@contextlib.contextmanager
+def one_rank_group(backend: str) -> Iterator[None]:
     import tempfile
 
     import torch.distributed as dist
 
+    with tempfile.TemporaryDirectory(prefix="tiermem-gpu-check-") as where:
+        dist.init_process_group(backend, init_method=f"file://{where}/rendezvous", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def sharded_paged(socket: str, steps: int, device: str = "cuda", backend: str = "nccl") -> dict[str, Any]:
+    """``ShardedPagedAdam`` on ``device`` in a one-rank group, paged within half the params, clipped and
+    loss-scaled; against GradScaler + ``clip_grad_norm_`` + AdamW on the same device."""
+    from tiermem.distributed import ShardedGradScaler, ShardedPagedAdam
+
+    data = batches(steps, 64, device)
+    base = mlp(64, 4).to(device)
+    budget = sum(p.numel() * p.element_size() for p in base.parameters()) // 2
+    with one_rank_group(backend):
+        ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+        opt = ShardedPagedAdam(
+            ours, lr=1e-3, offload="cpu", device_budget=budget, max_grad_norm=0.5, client=connect(socket)
+        )
+        try:
+            scaler = ShardedGradScaler(device, init_scale=2.0**10)
+            t0 = time.perf_counter()
+            for x, y in data:
+                scaler.scale(F.mse_loss(ours(x), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+            ref_scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
+            for x, y in data:
+                ref_scaler.scale(F.mse_loss(ref(x), y)).backward()
+                ref_scaler.unscale_(ref_opt)
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+                ref_scaler.step(ref_opt)
+                ref_scaler.update()
+                ref_opt.zero_grad()
+            state = ours.state_dict()  # gathered from the daemon
+            return {
+                "backend": backend,
+                "max_param_diff": max(float((state[k] - v).abs().max()) for k, v in ref.state_dict().items()),
+                "last_grad_norm": opt.last_grad_norm,
+                "scale": scaler.get_scale(),
+                "ref_scale": ref_scaler.get_scale(),
+                "peak_nbytes": opt.pager.peak_nbytes,
+                "budget": budget,
+                "step_ms": seconds / steps * 1e3,
+            }
+        finally:
+            opt.close()
+
+
+def sharded(socket: str, steps: int, device: str = "cuda", backend: str = "nccl") -> dict[str, Any]:
+    """``ShardedOffloadAdam`` in a one-rank process group on ``device``: reduce-scatter, statistics and
+    all-gather on device tensors, the shard's grads and params copied between the device and the daemon's
+    storage, with clipping; against ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the same device."""
     from tiermem.distributed import ShardedOffloadAdam
 
     data = batches(steps, 64, device)
     base = mlp(64, 3).to(device)
-    with tempfile.TemporaryDirectory(prefix="tiermem-gpu-check-") as where:
-        dist.init_process_group(backend, init_method=f"file://{where}/rendezvous", rank=0, world_size=1)
-        try:
-            ours, ref = copy.deepcopy(base), copy.deepcopy(base)
-            opt = ShardedOffloadAdam(ours.parameters(), lr=1e-3, max_grad_norm=0.5, client=connect(socket))
-            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-            t0 = time.perf_counter()
-            for x, y in data:
-                F.mse_loss(ours(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-            seconds = time.perf_counter() - t0
-            for x, y in data:
-                F.mse_loss(ref(x), y).backward()
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-                ref_opt.step()
-                ref_opt.zero_grad()
-            result = {
-                "backend": backend,
-                "max_param_diff": max_diff(ours, ref),
-                "last_grad_norm": opt.last_grad_norm,
-                "step_ms": seconds / steps * 1e3,
-            }
-            opt.close()
-            return result
-        finally:
-            dist.destroy_process_group()
+    with one_rank_group(backend):
+        ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+        opt = ShardedOffloadAdam(ours.parameters(), lr=1e-3, max_grad_norm=0.5, client=connect(socket))
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        t0 = time.perf_counter()
+        for x, y in data:
+            F.mse_loss(ours(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        seconds = time.perf_counter() - t0
+        for x, y in data:
+            F.mse_loss(ref(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        result = {
+            "backend": backend,
+            "max_param_diff": max_diff(ours, ref),
+            "last_grad_norm": opt.last_grad_norm,
+            "step_ms": seconds / steps * 1e3,
+        }
+        opt.close()
+        return result
 
 
 def main() -> None:
@@ -299,6 +361,7 @@ def main() -> None:
             "overlap": lambda: overlap(owner.socket_path, args.steps),
             "paging": lambda: paging(owner.socket_path, args.steps),
             "sharded": lambda: sharded(owner.socket_path, args.steps),
+            "sharded_paged": lambda: sharded_paged(owner.socket_path, args.steps),
         }
         for name, fn in parts.items():
             try:

@@ -1,8 +1,9 @@
-"""``ShardedOffloadAdam`` in a one-rank gloo group inside the test process, against a real daemon.
+"""The sharded optimizers in a one-rank gloo group inside the test process, against a real daemon.
 
-The many-rank runs are ``test_zero2.py`` (torchrun); these check what does
-not need several ranks, quickly: the errors a user meets, in-place edits of
-params between steps, and checkpoints into and out of ``torch.optim.AdamW``.
+The many-rank runs are ``test_zero2.py`` and ``test_zero3_*.py`` (torchrun);
+these check what does not need several ranks, quickly: the errors a user
+meets, in-place edits of params between steps, and checkpoints into and out
+of ``torch.optim.AdamW``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tiermem.client import connect
-from tiermem.distributed import ShardedGradScaler, ShardedOffloadAdam
+from tiermem.distributed import LayerShardedAdam, ShardedGradScaler, ShardedOffloadAdam, ShardedPagedAdam
 from tiermem.errors import InvalidArgument, InvalidState
 
 
@@ -157,3 +158,46 @@ def test_two_optimizers_of_one_process_get_distinct_default_job_ids(daemon, grou
     finally:
         first.close()
         second.close()
+
+
+def test_zero3_under_a_plain_grad_scaler_is_refused_naming_the_sharded_one(daemon, group):
+    """Their grads are in the daemon, where torch's GradScaler cannot look: it would check nothing."""
+    for make in (
+        lambda m: LayerShardedAdam(m, paged=True, client=connect(daemon.socket_path)),
+        lambda m: ShardedPagedAdam(m, device_budget="1MiB", offload="cpu", client=connect(daemon.socket_path)),
+    ):
+        m = model()
+        opt = make(m)
+        try:
+            scaler = torch.amp.GradScaler("cpu")
+            scaler.scale(loss_of(m, 0)).backward()
+            with pytest.raises(InvalidState, match=r"use tiermem\.distributed\.ShardedGradScaler"):
+                scaler.step(opt)
+            opt.zero_grad()
+            good = ShardedGradScaler("cpu")
+            scaler_loss = good.scale(loss_of(m, 1))
+            scaler_loss.backward()
+            good.step(opt)
+            good.update()
+            assert opt.last_found_inf is False
+        finally:
+            opt.close()
+
+
+def test_loss_scaling_of_layers_updated_during_backward_is_refused(daemon, group):
+    m = model()
+    opt = LayerShardedAdam(m, client=connect(daemon.socket_path))
+    try:
+        scaler = ShardedGradScaler("cpu")
+        scaler.scale(loss_of(m, 0)).backward()
+        with pytest.raises(InvalidState, match=r"loss scaling needs LayerShardedAdam\(paged=True\)"):
+            scaler.step(opt)
+    finally:
+        opt.close()
+
+
+def test_a_model_on_the_meta_device_is_refused_naming_it(group):
+    with torch.device("meta"):
+        m = model()
+    with pytest.raises(InvalidArgument, match=r"one device, the host or a GPU; the model's are on \['meta'\]"):
+        ShardedPagedAdam(m, device_budget="1MiB")

@@ -46,13 +46,19 @@ every rank skips the same steps; an applied step's inverse scale reaches the
 daemon with the grad scale (times the clip coefficient), and the norm is
 that of the unscaled grads.
 
+Params on a GPU (one device per rank, NCCL): the model's placeholders and
+materialized params are on the device, the copies and collectives run on
+the pager's copy stream (``ShardCopies``), and the staging window is
+registered with CUDA so the shards' copies to and from it are DMA.
+
 Not supported: the overlapped and delayed updates (as with
-``offload_params``), params on a device (the copies run on the host; a CUDA
-version needs the collectives on the pager's copy stream).
+``offload_params``), a model on the meta device (the initial values are
+broadcast from rank 0).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -68,7 +74,6 @@ from tiermem.distributed.identity import agree_identity, release_job_id
 from tiermem.distributed.node import node_client
 from tiermem.errors import InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
-from tiermem.offload.copies import HostCopies
 from tiermem.offload.optimizer import OffloadAdam
 from tiermem.offload.paging import ParamPager
 from tiermem.offload.transfer import StateTransfer
@@ -85,11 +90,27 @@ def shard_numel(numel: int, world_size: int) -> int:
     return max(1, -(-numel // world_size))
 
 
-class ShardCopies(HostCopies):
-    """The pager's copies when tensor ``i`` of this rank is its shard of param ``i`` (I/O thread only)."""
+class ShardCopies:
+    """The pager's copies when tensor ``i`` of this rank is its shard of param ``i`` (I/O thread only).
 
-    def __init__(self, numels: list[int], rank: int, world_size: int, collective: Callable[..., Any]) -> None:
-        super().__init__(torch.device("cpu"))
+    ``device``: where the model's params are.  On the host every copy and collective completes when it
+    returns.  On a CUDA device they run on one copy stream, as ``CudaCopies``' do: a fetch pulls the shard
+    from the (CUDA-registered) staging window to the device, all-gathers it there (NCCL orders its stream
+    after the current one, the copy stream, and a synchronous collective orders the copy stream after its
+    own) and records an event that the compute stream waits on before the param is used; a grad push
+    waits on the event recorded where the grad was produced, reduce-scatters on the device and writes the
+    reduced shard to the daemon.  Every temporary is allocated on the copy stream."""
+
+    def __init__(
+        self,
+        numels: list[int],
+        rank: int,
+        world_size: int,
+        collective: Callable[..., Any],
+        device: torch.device | None = None,
+    ) -> None:
+        self.device = torch.device("cpu") if device is None else device
+        self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self.numels = numels
         self.rank = rank
         self.world_size = world_size
@@ -103,23 +124,51 @@ class ShardCopies(HostCopies):
     def _shard(self, tid: int) -> int:
         return shard_numel(self.numels[tid], self.world_size)
 
+    def _on_copy_stream(self) -> Any:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _event(self) -> Any:
+        """What the compute stream waits on before using what the copy stream wrote (None on the host)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def ready(self, token: Any) -> None:
+        if token is not None:
+            torch.cuda.current_stream(self.device).wait_event(token)
+
+    def grad_token(self, grad: torch.Tensor) -> Any:
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        grad.record_stream(self.stream)  # the copy stream reads it: its memory is not handed out before
+        return event
+
     def _gather(self, transfer: StateTransfer, tid: int, out: torch.Tensor) -> None:
         n = self._shard(tid)
-        mine = torch.empty(n, dtype=out.dtype)
-        transfer.pull_into(tid, "master", mine)
-        whole = torch.empty(n * self.world_size, dtype=out.dtype)
-        self.collective("the all-gather of a param", _ALL_GATHER, whole, mine)
-        out.view(-1).copy_(whole[: self.numels[tid]])
+        with self._on_copy_stream():
+            mine = torch.empty(n, dtype=out.dtype, device=self.device)
+            transfer.pull_into(tid, "master", mine)
+            whole = torch.empty(n * self.world_size, dtype=out.dtype, device=self.device)
+            self.collective("the all-gather of a param", _ALL_GATHER, whole, mine)
+            out.view(-1).copy_(whole[: self.numels[tid]])  # to a host ``out``: complete when it returns
 
     def fetch(self, transfer: StateTransfer, tid: int, dest: torch.Tensor) -> Any:
         self._gather(transfer, tid, dest)
-        return None
+        return self._event()
 
     def read_master(self, transfer: StateTransfer, tid: int, out: torch.Tensor) -> None:
         self._gather(transfer, tid, out)
 
     def _mine(self, tid: int, values: torch.Tensor) -> torch.Tensor:
-        """This rank's stretch of a whole param's ``values``, padded to the shard's size."""
+        """This rank's stretch of a whole param's ``values`` (any device), on the host, padded to the shard's
+        size."""
         n = self._shard(tid)
         flat = values.detach().reshape(-1)
         lo = min(self.rank * n, flat.numel())
@@ -133,19 +182,22 @@ class ShardCopies(HostCopies):
 
     def push(self, transfer: StateTransfer, tid: int, grad: torch.Tensor, accumulate: bool, token: Any) -> None:
         n = self._shard(tid)
-        whole = torch.zeros(n * self.world_size, dtype=grad.dtype)
-        whole[: self.numels[tid]].copy_(grad.reshape(-1))
-        mine = torch.empty(n, dtype=grad.dtype)
-        self.collective("the reduce-scatter of a grad", _REDUCE_SCATTER, mine, whole)
-        if self.world_size > 1:
-            mine.div_(self.world_size)
-        sq = float(torch.linalg.vector_norm(mine, dtype=torch.float64)) ** 2
-        self.nonfinite = self.nonfinite or not math.isfinite(sq)
-        if accumulate:
-            self.accumulated = True
-        else:
-            self.sumsq[tid] = sq
-        transfer.push(tid, "grad", mine, step=0, accumulate=accumulate)
+        if token is not None and self.stream is not None:
+            self.stream.wait_event(token)
+        with self._on_copy_stream():
+            whole = torch.zeros(n * self.world_size, dtype=grad.dtype, device=self.device)
+            whole[: self.numels[tid]].copy_(grad.reshape(-1))
+            mine = torch.empty(n, dtype=grad.dtype, device=self.device)
+            self.collective("the reduce-scatter of a grad", _REDUCE_SCATTER, mine, whole)
+            if self.world_size > 1:
+                mine.div_(self.world_size)
+            sq = float(torch.linalg.vector_norm(mine, dtype=torch.float64)) ** 2  # waits for the copy stream
+            self.nonfinite = self.nonfinite or not math.isfinite(sq)
+            if accumulate:
+                self.accumulated = True
+            else:
+                self.sumsq[tid] = sq
+            transfer.push(tid, "grad", mine, step=0, accumulate=accumulate)
 
     def new_step(self) -> None:
         self.sumsq.clear()
@@ -216,12 +268,15 @@ class ShardedPagedAdam(OffloadAdam):
         params = [p for g in groups for p in g["params"]]
         if not params:
             raise InvalidArgument("the model has no params")
-        devices = {p.device.type for p in params}
-        if devices != {"cpu"}:
+        devices = {p.device for p in params}
+        if len(devices) > 1 or not {d.type for d in devices} <= {"cpu", "cuda"}:
             raise InvalidArgument(
-                f"ShardedPagedAdam pages CPU params (its collectives run on the host); the model's are on "
-                f"{sorted(devices)}"
+                f"ShardedPagedAdam pages the params of one device, the host or a GPU; the model's are on "
+                f"{sorted(map(str, devices))}"
             )
+        device = devices.pop() if devices else torch.device("cpu")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidArgument(f"the model's params are on {device}, but CUDA is not available")
         kinds = {p.dtype for p in params}
         if len(kinds) != 1:
             raise InvalidArgument(f"ShardedPagedAdam needs one dtype for all params, got {sorted(map(str, kinds))}")
@@ -231,7 +286,7 @@ class ShardedPagedAdam(OffloadAdam):
         for p in params:  # one truth to start from: rank 0's values
             self._collective("broadcast of the initial params", dist.broadcast, p.data, src=src)
         numels = [p.numel() for p in params]
-        copies = ShardCopies(numels, group_rank, world, self._collective)
+        copies = ShardCopies(numels, group_rank, world, self._collective, device)
         shards = [nn.Parameter(copies._mine(i, p.data), requires_grad=p.requires_grad) for i, p in enumerate(params)]
         shard_groups, at = [], 0
         for g in groups:  # the same groups over the shards, in the same order (tensor i is param i's shard)
@@ -266,6 +321,8 @@ class ShardedPagedAdam(OffloadAdam):
             rank=group_rank,
             world_size=world,
         )
+        if device.type == "cuda":  # the shards are host tensors; the copies go between the window and the GPU
+            self._pinned = self._pin_window(client, params)
         self._unscaled_by = 1.0
         self._scale_checked = False
         self.global_max_grad_norm = max_grad_norm
