@@ -21,7 +21,14 @@ start to the last rank's end on the machine's monotonic clock):
   update of the others: that is in ``step``); peer: ``opt.step()``;
 - ``step``: tiermem's whole ``ShardedOffloadAdam.step`` (reduce-scatter,
   statistics, update, all-gather);
-- ``daemon cpu``: the daemon process's CPU time per step (all its threads, from ``schedstat``).
+- ``daemon cpu``: the daemon process's CPU time per step (all its threads, from ``schedstat``);
+- ``daemon span``: the update as the daemon ran it: its scheduler's busy
+  period (STATS ``adam.busy_period_s``: from the first task started on an
+  idle executor to the last one ended with none queued; the ranks' STEPs
+  arrive together, so one period per update), which leaves out the trainer
+  processes' own wake-ups and sends.  Four trainers and the daemon on two
+  cores make those slow and noisy here; on a node with a core per rank they
+  are not on the update's cores.  ``daemon x 1`` is its paired ratio.
 
 Goal: at 4 ranks, tiermem's update <= 1.1x its 1-rank update for the same
 total params (the daemon does not oversubscribe the cores), and below the
@@ -135,12 +142,17 @@ def main() -> None:
     rows = [_row(n, [r[n] for r in runs], [r[counts[0]]["tiermem"]["update_ms"] for r in runs]) for n in counts]
     print(f"{numel / 1e6:.1f}M fp32 params, {os.cpu_count()} cores; {args.steps} steps, {args.rounds} rounds")
     head = f"{'ranks':>5} {'update ms':>10} {'paired 1-rank ms':>17} {'x 1 rank':>9} {'(rounds)':>10}"
+    head += f" {'daemon span ms':>15} {'daemon x 1':>11} {'(rounds)':>10}"
     head += f" {'x launch':>9} {'step ms':>9} {'daemon cpu ms':>14} {'peer ms':>8} {'peer/tiermem':>13}"
     print(head + f" {'passive ms':>11} {'passive/tiermem':>16}")
     for row in rows:
         paired = row["update_vs_single_rounds"]
         spread = f"{min(paired):.2f}-{max(paired):.2f}" if paired else "-"
         single = f"{row['single_ms']:.1f}" if row["single_ms"] is not None else "-"
+        spans = row["daemon_vs_single_rounds"]
+        span_spread = f"{min(spans):.2f}-{max(spans):.2f}" if spans else "-"
+        span = f"{row['daemon_span_ms']:.1f}" if row["daemon_span_ms"] is not None else "-"
+        span_ratio = f"{row['daemon_vs_single']:.2f}" if row["daemon_vs_single"] is not None else "1.00"
         ratio = f"{row['update_vs_single']:.2f}" if row["update_vs_single"] is not None else "1.00"
         cpu, peer, vs, tuned, tuned_vs = (
             "-" if row[k] is None else f"{row[k]:.{d}f}"
@@ -154,8 +166,8 @@ def main() -> None:
         )
         print(
             f"{row['ranks']:>5} {row['update_ms']:>10.1f} {single:>17} {ratio:>9} {spread:>10} "
-            f"{row['update_vs_one_rank']:>9.2f} {row['step_ms']:>9.1f} {cpu:>14} {peer:>8} {vs:>13} {tuned:>11} "
-            f"{tuned_vs:>16}"
+            f"{span:>15} {span_ratio:>11} {span_spread:>10} {row['update_vs_one_rank']:>9.2f} "
+            f"{row['step_ms']:>9.1f} {cpu:>14} {peer:>8} {vs:>13} {tuned:>11} {tuned_vs:>16}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "numel": numel, "rows": rows}, indent=2))
@@ -178,6 +190,8 @@ def _row(ranks: int, rounds: list[dict[str, dict]], base_ms: list[float]) -> dic
     cpu = [t["daemon_cpu_ms"] for t in tiermem if t["daemon_cpu_ms"] is not None]
     paired = [t["vs_single"] for t in tiermem if t.get("vs_single") is not None]
     singles = [t["single_ms"] for t in tiermem if t.get("single_ms") is not None]
+    spans = [t["daemon_span_ms"] for t in tiermem if t.get("daemon_span_ms") is not None]
+    span_ratios = [t["daemon_vs_single"] for t in tiermem if t.get("daemon_vs_single") is not None]
     return {
         "ranks": ranks,
         "update_ms": _median([t["update_ms"] for t in tiermem]),
@@ -189,6 +203,10 @@ def _row(ranks: int, rounds: list[dict[str, dict]], base_ms: list[float]) -> dic
         "single_ms": _median(singles) if singles else None,
         "update_vs_single": _median(paired) if paired else None,
         "update_vs_single_rounds": paired,
+        "daemon_span_ms": _median(spans) if spans else None,
+        "daemon_periods": _median([t["daemon_periods"] for t in tiermem if t.get("daemon_periods") is not None] or [0]),
+        "daemon_vs_single": _median(span_ratios) if span_ratios else None,
+        "daemon_vs_single_rounds": span_ratios,
         **_versus(rounds, "peer"),
         **_versus(rounds, "peer_passive"),
         "rounds": rounds,

@@ -12,8 +12,12 @@ core (``torch.set_num_threads(os.cpu_count())``), as DeepSpeed's per-rank CPU
 Adam does.  Every step starts after a barrier; a step's update time is its
 span on the node's one monotonic clock, from the first rank's start to the
 last rank's end (a rank's own duration would hide the time it waited to be
-scheduled at all, which is most of what oversubscription costs).  Rank 0
-writes the medians as JSON.
+scheduled at all, which is most of what oversubscription costs).  Beside it,
+rank 0 reads the daemon's scheduler figures (STATS) before and after each
+update: its busy period (from the first task started on an idle executor to
+the last one ended with none queued) is the update as the daemon ran it,
+without the trainers' own wake-ups and sends, which four trainer processes on
+two cores make slow and noisy.  Rank 0 writes the medians as JSON.
 """
 
 from __future__ import annotations
@@ -53,6 +57,36 @@ def _span(start: float, end: float, skews: list[float] | None = None) -> float:
     return float(t[1] + t[0])
 
 
+class _Scheduler:
+    """The daemon's busy periods across one update, read through ``client`` (STATS; rank 0 only)."""
+
+    def __init__(self, client: object | None) -> None:
+        self.client = client
+        self.spans: list[float] = []
+        self.periods: list[int] = []
+        self._before: tuple[int, float] | None = None
+
+    def _read(self) -> tuple[int, float]:
+        adam = self.client.stats().node.adam  # type: ignore[attr-defined]
+        return adam.busy_periods, adam.busy_period_s
+
+    def before(self) -> None:
+        if self.client is not None:
+            self._before = self._read()
+
+    def after(self, keep: bool) -> None:
+        if self.client is None or self._before is None:
+            return
+        for _ in range(200):  # the executor closes its period just after the update's last task completed
+            periods, seconds = self._read()
+            if periods > self._before[0]:
+                break
+            time.sleep(0.001)
+        if keep:
+            self.periods.append(periods - self._before[0])
+            self.spans.append(seconds - self._before[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["tiermem", "peer", "overlap"], required=True)
@@ -67,6 +101,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     updates, steps, cpu, skews, singles = [], [], [], [], []
+    daemon_figures: dict[str, float | None] = {}
     if args.mode == "overlap":
         _overlap(args, rank, world)
         return
@@ -92,14 +127,17 @@ def main() -> None:
         inner = sharded.inner
         assert inner is not None
         inner_step = inner.step
-        box = {"start": 0.0, "end": 0.0}
+        box = {"start": 0.0, "end": 0.0, "keep": False}
+        sched = _Scheduler(inner.client if rank == 0 else None)
 
         def timed_step() -> None:
+            sched.before()
             dist.barrier()  # every rank has handed its slice over: the update alone, not a rank's copying beside it
             box["start"] = time.monotonic()
             inner_step()
             box["end"] = time.monotonic()
             dist.barrier()  # ranks done first wait here, not in the all-gather's copies beside the others' update
+            sched.after(bool(box["keep"]))
 
         inner.step = timed_step  # type: ignore[method-assign]
         # the 1-rank update of the same model, paired step by step in this launch: rank 0 alone updates all of
@@ -109,12 +147,14 @@ def main() -> None:
         if world > 1 and rank == 0:
             whole = [torch.nn.Parameter(p.detach().clone()) for p in params]
             single = OffloadAdam(whole, lr=1e-3, offload="cpu")
+        single_sched = _Scheduler(single.client if single is not None else None)
 
         def sharded_update(i: int) -> None:
             for p in params:
                 p.grad = torch.full_like(p, 1e-3)
             dist.barrier()
             c0 = _cpu_s(args.daemon_pid) if rank == 0 and args.daemon_pid else 0.0
+            box["keep"] = i >= args.warmup
             t0 = time.monotonic()
             sharded.step()
             step_s = _span(t0, time.monotonic())
@@ -131,11 +171,13 @@ def main() -> None:
                     p.grad = torch.full_like(p, 1e-3)
                 else:
                     p.grad.fill_(1e-3)
+            single_sched.before()
             dist.barrier()
             t0 = time.monotonic()
             if single is not None:
                 single.step()
             dt = _span(t0, time.monotonic())
+            single_sched.after(i >= args.warmup)
             dist.barrier()
             if i >= args.warmup:
                 singles.append(dt)
@@ -152,6 +194,11 @@ def main() -> None:
         if single is not None:
             single.close()
         sharded.close()
+        daemon_figures = {
+            "daemon_span_ms": statistics.median(sched.spans) * 1e3 if sched.spans else None,
+            "daemon_periods": statistics.median(sched.periods) if sched.periods else None,
+            "single_daemon_span_ms": statistics.median(single_sched.spans) * 1e3 if single_sched.spans else None,
+        }
     if rank == 0:
         result = {
             "mode": args.mode,
@@ -163,7 +210,10 @@ def main() -> None:
             "start_skew_ms": statistics.median(skews) * 1e3,
             "single_ms": statistics.median(singles) * 1e3 if singles else None,
             "vs_single": statistics.median(updates) / statistics.median(singles) if singles else None,
+            **daemon_figures,
         }
+        span, single_span = result.get("daemon_span_ms"), result.get("single_daemon_span_ms")
+        result["daemon_vs_single"] = span / single_span if span and single_span else None
         Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -190,6 +190,14 @@ def adam_families(node: NodeStats) -> Iterator[Any]:
     yield _gauge("tiermem_scheduler_queued_tasks", "CPU tasks waiting for the scheduler.", sched.queued)
     yield _counter("tiermem_scheduler_tasks", "CPU tasks the scheduler ran.", sched.tasks)
     yield _counter("tiermem_scheduler_busy_seconds", "Time the scheduler spent running tasks.", sched.busy_s)
+    yield _counter(
+        "tiermem_scheduler_busy_periods", "Busy periods of the scheduler (tasks back to back until none is queued).",
+        sched.busy_periods,
+    )  # fmt: skip
+    yield _counter(
+        "tiermem_scheduler_busy_period_seconds", "Total length of the busy periods: tasks and the gaps between them.",
+        sched.busy_period_s,
+    )  # fmt: skip
 
 
 def server_families(node: NodeStats) -> Iterator[Any]:

@@ -10,6 +10,14 @@ long update cannot starve another, because tasks are chunk-sized (the engine's
 
 Queued tasks of a tenant can be cancelled at once (a client died); the task
 that is running completes (it holds pins that it releases itself).
+
+Busy periods: a period starts when a task starts on an idle executor and
+ends when a task ends with nothing queued.  Their count and total length are
+kept beside the tasks' own time, so an operator (and ``bench_ranks``) can
+tell how long the node's CPU Adam runs without a break per step, and how
+much of that is the kernels (``busy_s``) rather than the scheduling between
+them: the updates of four ranks that arrive together make one period, as
+long as one rank's update of the same params when nothing oversubscribes.
 """
 
 from __future__ import annotations
@@ -50,6 +58,10 @@ class SchedulerStats:
     busy_s: float
     """Time the executor spent running tasks."""
     tenants: int
+    busy_periods: int
+    """Busy periods that ended: from a task started on an idle executor to a task ended with none queued."""
+    busy_period_s: float
+    """Their total length (tasks and the gaps between them)."""
 
 
 class CpuScheduler:
@@ -62,6 +74,9 @@ class CpuScheduler:
         self._running: str | None = None
         self._tasks = 0
         self._busy_s = 0.0
+        self._periods = 0
+        self._period_s = 0.0
+        self._period_start: float | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -111,6 +126,8 @@ class CpuScheduler:
                 tasks=self._tasks,
                 busy_s=self._busy_s,
                 tenants=len(self._tenants),
+                busy_periods=self._periods,
+                busy_period_s=self._period_s,
             )
 
     @property
@@ -150,6 +167,8 @@ class CpuScheduler:
                 del fn, future
                 continue
             start = time.perf_counter()
+            if self._period_start is None:  # only this thread reads or writes it
+                self._period_start = start
             beacon.enter()
             try:
                 future.set_result(fn())
@@ -158,9 +177,14 @@ class CpuScheduler:
             finally:
                 beacon.leave()
                 with self._cond:
-                    busy = time.perf_counter() - start
+                    end = time.perf_counter()
+                    busy = end - start
                     self._tasks += 1
                     self._busy_s += busy
+                    if not any(t.queue for t in self._tenants.values()):
+                        self._periods += 1
+                        self._period_s += end - self._period_start
+                        self._period_start = None
                     state = self._tenants.get(name)
                     if state is not None:
                         state.busy_s += busy

@@ -269,6 +269,9 @@ def _node_report(node: NodeStats) -> NodeReport:
             update_s=totals.update_s,
             steps=totals.steps,
             skipped_steps=totals.skipped_steps,
+            cpu_busy_s=node.scheduler.busy_s,
+            busy_periods=node.scheduler.busy_periods,
+            busy_period_s=node.scheduler.busy_period_s,
         ),
         prefetch=PrefetchReport(
             acquires=totals.prefetch_acquires, hits=totals.prefetch_hits, stall_s=totals.prefetch_stall_s

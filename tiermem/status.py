@@ -127,6 +127,10 @@ def render(now: Sample, before: Sample | None = None, *, socket_path: str = "") 
             f"{mean} per update  steps {adam.steps}"
         )
     )
+    period = f"{adam.busy_period_s / adam.busy_periods * 1e3:.1f}ms" if adam.busy_periods else "-"
+    filled = _pct(round(adam.cpu_busy_s * 1e6), round(adam.busy_period_s * 1e6)) if adam.busy_period_s else "-"
+    busy = f"CPU busy {adam.cpu_busy_s:.2f}s  periods {adam.busy_periods}  {period} each, {filled} in tasks"
+    out.append(_line(f"         {busy}"))
     budgets = [f"{b.resource} {format_size(b.held_nbytes)} of {format_size(b.capacity_nbytes)}" for b in node.budgets]
     for i in range(0, len(budgets), 2):
         out.append(_line(f"{'Budgets' if i == 0 else '':<9}" + "  ".join(budgets[i : i + 2])))

@@ -289,6 +289,9 @@ def test_tiermem_status_shows_the_node_and_the_job(metered: tuple[DaemonProcess,
     (job,) = [j for j in report["jobs"] if j["job_id"] == "status-job"]
     assert job["last_step"] == 2 and job["cpu_state_nbytes"] == 8 * (32 * 32 + 32) and job["ranks"] == 1
     assert "status-job" in screen and "Pool" in screen and "Swap" in screen
+    adam = report["node"]["adam"]
+    assert adam["busy_periods"] >= 2 and adam["busy_period_s"] >= adam["cpu_busy_s"] > 0, adam  # one per update
+    assert f"periods {adam['busy_periods']}" in screen, screen
     assert max(len(line) for line in screen.splitlines()) <= 88
 
 

@@ -44,7 +44,7 @@ def _node(retired: Totals | None = None) -> NodeStats:
         pool=PoolStats(capacity=1 << 30, used=4096, free=(1 << 30) - 4096, largest_free=1 << 29, blocks=1,
                        compactions=0, bytes_moved=0, locked=1 << 30),
         ledger=ledger.stats(),
-        scheduler=SchedulerStats(queued=0, tasks=5, busy_s=0.1, tenants=2),
+        scheduler=SchedulerStats(queued=0, tasks=5, busy_s=0.1, tenants=2, busy_periods=2, busy_period_s=0.12),
         server=counters.stats(sessions=2),
         jobs=jobs,
         retired=retired or Totals(),

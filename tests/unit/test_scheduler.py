@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from tiermemd.scheduler import CpuScheduler
+from tiermemd.scheduler import CpuScheduler, SchedulerStats
 
 
 def test_tenants_take_turns() -> None:
@@ -52,3 +53,32 @@ def test_submit_after_close_is_refused() -> None:
     sched.close()
     with pytest.raises(Exception, match="shut down"):
         sched.submit("a", lambda: 1)
+
+
+def _after(sched: CpuScheduler, tasks: int) -> SchedulerStats:
+    """The stats once ``tasks`` tasks are counted (a task's future completes just before its accounting)."""
+    deadline = time.monotonic() + 5
+    while (stats := sched.stats()).tasks < tasks:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.001)
+    return stats
+
+
+def test_tasks_back_to_back_make_one_busy_period_and_an_idle_gap_starts_another() -> None:
+    sched = CpuScheduler()
+    gate = threading.Event()
+    futures = [sched.submit("blocker", gate.wait)]
+    futures += [sched.submit(name, lambda: time.sleep(0.02)) for name in ("rank0", "rank1", "rank2", "rank3")]
+    time.sleep(0.03)
+    gate.set()
+    for f in futures:
+        f.result(5)
+    one = _after(sched, 5)
+    assert one.busy_periods == 1, one
+    assert one.busy_period_s >= one.busy_s >= 0.03 + 4 * 0.02, one  # the gate's wait is a task's time too
+    time.sleep(0.05)  # idle: not in any period
+    sched.submit("rank0", lambda: time.sleep(0.01)).result(5)
+    two = _after(sched, 6)
+    assert two.busy_periods == 2, two
+    assert 0.01 <= two.busy_period_s - one.busy_period_s < 0.05, (one, two)
+    sched.close()

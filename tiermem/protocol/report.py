@@ -99,6 +99,13 @@ class AdamReport(Wire):
     """Steps applied or skipped, summed over ranks."""
     skipped_steps: Annotated[int, COUNT]
     """Steps skipped because a gradient was inf/nan."""
+    cpu_busy_s: Annotated[float, SECONDS]
+    """Time the node's CPU scheduler spent running tasks (the kernels of every rank)."""
+    busy_periods: Annotated[int, COUNT]
+    """Busy periods of the scheduler that ended (a task started on an idle executor to one ended with none
+    queued)."""
+    busy_period_s: Annotated[float, SECONDS]
+    """Their total length: the tasks and the gaps between them."""
 
 
 @wire
