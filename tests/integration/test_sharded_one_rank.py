@@ -201,3 +201,17 @@ def test_a_model_on_the_meta_device_is_refused_naming_it(group):
         m = model()
     with pytest.raises(InvalidArgument, match=r"one device, the host or a GPU; the model's are on \['meta'\]"):
         ShardedPagedAdam(m, device_budget="1MiB")
+
+
+def test_layer_sharded_adam_has_no_checkpoint_to_lose_silently(daemon, group):
+    """torch.optim.Optimizer's state_dict would hold no Adam state here (it is in the daemons) and the
+    modules only placeholders: refused naming what does checkpoint."""
+    opt = LayerShardedAdam(model(), client=connect(daemon.socket_path))
+    try:
+        with pytest.raises(InvalidState, match="ShardedPagedAdam is the ZeRO-3 optimizer with checkpoints"):
+            opt.state_dict()
+        with pytest.raises(InvalidArgument, match="one param group"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+        assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["lr"] == 1e-3
+    finally:
+        opt.close()

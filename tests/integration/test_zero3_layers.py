@@ -58,7 +58,9 @@ def _run(daemon_factory, tmp_path, *extra: str) -> dict:  # type: ignore[no-unty
 
 
 def test_four_layers_on_four_ranks_follow_the_example_step_by_step(daemon_factory, tmp_path):
-    result = _run(daemon_factory, tmp_path)
+    """With an LR schedule on both sides: the overlapped updates of a step run during its backward, so each
+    owner must hand the scheduler's new rate to its daemon before then, not at step()."""
+    result = _run(daemon_factory, tmp_path, "--schedule")
     for ours, formula in zip(result["reduced"], result["analytic"], strict=True):
         assert abs(ours - formula) <= 1e-6 * max(1.0, abs(formula)), (result["reduced"], result["analytic"])
     diff = max(abs(a - b) for a, b in zip(result["final"], result["reference"], strict=True))
@@ -91,7 +93,7 @@ def test_paged_layers_live_only_in_their_owners_nvme_tier_and_accumulate_there(d
     layer from its daemon (NVMe tier; paging under pressure is test_param_paging's) before each broadcast
     and writes the reduced grads there, two backward
     passes a step accumulating in the daemon; the params still equal AdamW on the whole batch."""
-    result = _run(daemon_factory, tmp_path, "--paged", "--offload", "nvme", "--micro", "2")
+    result = _run(daemon_factory, tmp_path, "--paged", "--offload", "nvme", "--micro", "2", "--schedule")
     diff = max(abs(a - b) for a, b in zip(result["final"], result["reference"], strict=True))
     assert diff <= 1e-6, (result["final"], result["reference"])
     for r in result["ranks"]:

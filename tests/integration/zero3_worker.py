@@ -46,6 +46,10 @@ def data(step: int, world: int) -> torch.Tensor:
     return 0.5 + torch.rand(BATCH_PER_RANK * world, 1, generator=g)
 
 
+def schedule(step: int) -> float:
+    return 1.0 / (1.0 + 0.5 * step)
+
+
 def loss_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return (0.5 * (model(x) - x) ** 2).mean()
 
@@ -81,6 +85,7 @@ def main() -> int:
     ap.add_argument("--clip", type=float, default=0.0, help="max_grad_norm (with --paged)")
     ap.add_argument("--scaler", choices=["", "sharded", "torch"], default="", help="train under a loss scaler")
     ap.add_argument("--inf-step", type=int, default=-1, help="the last rank's loss is inf at this step")
+    ap.add_argument("--schedule", action="store_true", help="an LR schedule on both sides (LambdaLR)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -99,6 +104,7 @@ def main() -> int:
         scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
     elif args.scaler == "torch":  # the wrong one: it cannot see the grads, which are in the owners' daemons
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if args.schedule else None
     norms: list[float | None] = []
     first_grads: dict[int, list[float]] = {}
     start_params = [float(p) for p in opt.gathered_params()]
@@ -126,6 +132,8 @@ def main() -> int:
             return 0
         norms.append(None if opt.last_found_inf else opt.last_grad_norm)
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
         traces.append(list(opt.events))
         if step == 0:
             first_grads = {i: g.tolist() for i, g in opt.reduced.items()}
@@ -143,6 +151,7 @@ def main() -> int:
         ref_norms = []
         ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler is not None else None
         ref_skipped = 0
+        ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule) if args.schedule else None
         for step in range(args.steps):
             loss = loss_of(ref, data(step, world))
             if step == args.inf_step:
@@ -160,6 +169,8 @@ def main() -> int:
             else:
                 ref_opt.step()
             ref_opt.zero_grad()
+            if ref_sched is not None:
+                ref_sched.step()
         grads: dict[int, list[float]] = {}
         for r in everything:
             grads.update({int(k): v for k, v in r["grads"].items()})

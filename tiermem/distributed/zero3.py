@@ -51,7 +51,9 @@ and the global norm is that of the unscaled grads.
 
 Limits: gradient accumulation only with ``paged``, and not with
 ``max_grad_norm`` (the sums of squares are of one backward pass; refused on
-every rank); CPU params; each unit used once per forward.
+every rank); CPU params; each unit used once per forward; one param group;
+no checkpoints (``state_dict`` says so: the modules hold placeholders;
+``ShardedPagedAdam`` is the ZeRO-3 optimizer with them).
 """
 
 from __future__ import annotations
@@ -70,9 +72,12 @@ from tiermem.distributed.identity import agree_identity, release_job_id
 from tiermem.distributed.node import node_client
 from tiermem.errors import InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
+from tiermem.offload.args import check_hyper, optimizer_defaults
 from tiermem.offload.optimizer import OffloadAdam
 
 __all__ = ["LayerShardedAdam"]
+
+_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize", "adamw")
 
 
 class _DaemonGrads:
@@ -124,8 +129,10 @@ class _Unit:
         self.grads_left = 0
 
 
-class LayerShardedAdam:
-    """See the module docstring.  ``step()``, ``zero_grad()``, ``close()``, like an optimizer."""
+class LayerShardedAdam(torch.optim.Optimizer):
+    """See the module docstring.  A ``torch.optim.Optimizer`` over the model's params (one param group: LR
+    schedulers and edits of ``param_groups[0]["lr"]`` reach the owners' daemons with the next update);
+    ``step()``, ``zero_grad()``, ``close()``."""
 
     _step_supports_amp_scaling = True
     """``GradScaler.step`` hands the scale and the found-inf flag over as attributes and always calls
@@ -182,6 +189,9 @@ class LayerShardedAdam:
         if len(owner_of) != count or not all(0 <= o < self.world_size for o in owner_of):
             raise InvalidArgument(f"owners must give a rank in [0, {self.world_size}) for each of the {count} units")
         self.units = [_Unit(i, m, o) for i, (m, o) in enumerate(zip(modules, owner_of, strict=True))]
+        hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
+        defaults = optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw)
+        super().__init__([{"params": [p for unit in self.units for p in unit.params]}], defaults)
         self.events: list[tuple[str, int]] | None = [] if trace else None
         self.reduced: dict[int, torch.Tensor] = {}
         """With ``trace``: the last reduced (mean) grads of the units this rank owns, flat."""
@@ -358,6 +368,7 @@ class LayerShardedAdam:
         self._release(unit)
         if unit.owner != self.rank or self.inner is None:
             return
+        self._sync_hyper()  # an overlapped update of this layer starts now, with the current hyper-parameters
         flat.div_(self.world_size)
         if self.paged:  # the global norm and the overflow check of this step, at step() (the grads go now)
             sq = float(torch.linalg.vector_norm(flat, dtype=torch.float64)) ** 2
@@ -390,11 +401,6 @@ class LayerShardedAdam:
         """The group the layers are sharded over (what ``ShardedGradScaler`` all-reduces its flags over)."""
         return self.group
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The model's params, as one group (torch's ``GradScaler`` looks here; their grads are released)."""
-        return [{"params": [p for unit in self.units for p in unit.params]}]
-
     def _unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
         """``ShardedGradScaler``'s check: whether this owner's reduced grads overflowed (it all-reduces the
         flag); the inverse scale is applied by the daemon at ``step()``."""
@@ -416,8 +422,13 @@ class LayerShardedAdam:
         if self._grads is not None:
             self._grads.reset()  # the next backward's grads start afresh in the daemon
 
-    def step(self) -> None:
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Finish the step: the owner's daemon completes its layers' updates (the first step: all of them now)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         self._recording = False
         grad_scale = getattr(self, "grad_scale", False)  # set by GradScaler.step (None: unscale_ came first)
         found_inf = getattr(self, "found_inf", None)
@@ -437,7 +448,7 @@ class LayerShardedAdam:
             self.skipped_steps += 1  # an overflow on some rank: every rank skips (the flag is global)
             self.last_found_inf = True
             self._new_step()
-            return
+            return loss
         self.last_found_inf = False
         coef = 1.0
         if self.max_grad_norm is not None:  # every rank, owner of a layer or not: the norm is global
@@ -456,6 +467,7 @@ class LayerShardedAdam:
         self._nonfinite = False
         self._scale_checked = False
         if self.inner is not None:
+            self._sync_hyper()
             early = self.inner.policy.overlap_now
             # the daemon scales the grads by it (the STEP's grad scale): unscaled, then clipped
             self.inner._grad_multiplier = inv_scale * coef
@@ -466,6 +478,32 @@ class LayerShardedAdam:
             if not early and self.events is not None:
                 for index in self._entry_of:
                     self.events.append(("update", index))
+        return loss
+
+    def _sync_hyper(self) -> None:
+        """The group's hyper-parameters (a scheduler or the user may have changed them) into the inner
+        optimizer's group, which the daemon's updates read."""
+        if self.inner is None:
+            return
+        ours = self.param_groups[0]
+        for group in self.inner.param_groups:
+            for key in _HYPER:
+                group[key] = ours[key]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self.param_groups:
+            raise InvalidArgument("LayerShardedAdam takes the model's params as one param group; make a new one")
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        raise InvalidState(
+            "LayerShardedAdam has no checkpoint: its layers' params and Adam state are in the owners' daemons and "
+            "the modules hold placeholders (model.state_dict() would save those); gathered_params() collects "
+            "the values, and ShardedPagedAdam is the ZeRO-3 optimizer with checkpoints"
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise InvalidState("LayerShardedAdam has no checkpoint to load (see state_dict)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.units:
