@@ -134,6 +134,17 @@ def test_overlapped_reduce_scatter_equals_one_process(daemon_factory, tmp_path, 
     assert (told == []) if no_sync else (len(told) == 2), warnings  # once per rank
 
 
+def test_the_delayed_update_follows_the_one_step_late_rule(daemon_factory, tmp_path):
+    """delayed_update=True after two synchronous steps, clipped, scheduled, with overlap_comm: each step's
+    all-gather brings the update before it, as the rule does in one process (an fp32 master copy with AdamW,
+    installed into the model one step late); flush() brings the last one on every rank."""
+    d = daemon_factory(LONG_GRACE)
+    args = ["--steps", "6", "--clip", "0.05", "--delayed", "2", "--overlap"]
+    assert finish(tmp_path, torchrun(tmp_path, 2, args, socket_path=d.socket_path)) == [0], logs(tmp_path)
+    check_equal(tmp_path, 2)
+    assert all(r["warnings"] == [] for r in results(tmp_path, 2)), results(tmp_path, 2)
+
+
 def test_four_ranks_equal_one_process(daemon_factory, tmp_path):
     d = daemon_factory(LONG_GRACE)
     args = ["--steps", "5", "--clip", "0.05", "--scaler", "--inf-step", "3"]

@@ -92,6 +92,7 @@ def main() -> int:
     ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (each 1/K of the loss)")
     ap.add_argument("--no-sync", action="store_true", help="all but the last micro-batch inside no_sync()")
     ap.add_argument("--late-close", type=float, default=0.0, help="ranks but 0 wait this long before close()")
+    ap.add_argument("--delayed", type=int, default=-1, help="delayed_update=True after this many warmup steps")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.kill_step >= 0:
@@ -114,6 +115,8 @@ def main() -> int:
         job_id=args.job_id,
         token=args.token,
         overlap_comm=args.overlap,
+        delayed_update=args.delayed >= 0,
+        warmup_steps=max(args.delayed, 0),
     )
     sched = schedule(opt)
     start = opt.steps  # a relaunch reattached to the job's state continues where it is
@@ -145,6 +148,8 @@ def main() -> int:
         with open(f"{args.out}.{rank}", "w") as f:
             json.dump(result, f)
         return 3
+    if args.delayed >= 0:
+        opt.flush()  # every rank: the last update's params into the model
     result.update(
         warnings=list(warned.messages),
         steps=opt.steps,
@@ -181,17 +186,30 @@ def main() -> int:
         result["reload_exact"] = exact
     if rank == 0:
         ref = make_model(7)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=2e-2, weight_decay=0.01)
+        # --delayed: the DPU rule; the optimizer keeps a master copy of the model, installed into it one step late
+        master = make_model(7) if args.delayed >= 0 else ref
+        ref_opt = torch.optim.AdamW(master.parameters(), lr=2e-2, weight_decay=0.01)
         ref_sched = schedule(ref_opt)
+
+        def install() -> None:
+            with torch.no_grad():
+                for p, q in zip(ref.parameters(), master.parameters(), strict=True):
+                    p.copy_(q)
+
         ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if args.scaler else None
         skipped = 0
         for step in range(args.steps):
             loss = torch.stack(local_losses(ref, step, world, args.inf_step)).mean()
             (ref_scaler.scale(loss) if ref_scaler is not None else loss).backward()
+            if master is not ref:
+                for p, q in zip(ref.parameters(), master.parameters(), strict=True):
+                    q.grad, p.grad = p.grad, None
+                if step >= args.delayed:
+                    install()  # the model gets update t-1 while update t runs
             if ref_scaler is not None:
                 ref_scaler.unscale_(ref_opt)
             if args.clip:
-                result["ref_norm"] = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip))
+                result["ref_norm"] = float(torch.nn.utils.clip_grad_norm_(master.parameters(), args.clip))
             if ref_scaler is not None:
                 before = ref_scaler.get_scale()
                 ref_scaler.step(ref_opt)
@@ -199,8 +217,12 @@ def main() -> int:
                 skipped += ref_scaler.get_scale() < before
             else:
                 ref_opt.step()
+            if master is not ref and step < args.delayed:
+                install()  # a warmup step: synchronous
             ref_opt.zero_grad()
             ref_sched.step()
+        if master is not ref:
+            install()  # flush()
         result["param_diff"] = max(
             float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), ref.parameters(), strict=True)
         )

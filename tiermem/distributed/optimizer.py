@@ -45,6 +45,16 @@ when the reduce ran; accumulate inside ``no_sync()`` (DDP's) for all but the
 last micro-batch to reduce each bucket once.  Edits through ``.data`` are not
 seen by version counters: make them before backward, or use the default.
 
+``delayed_update=True`` (ZeRO-Offload's delayed parameter update, after
+``warmup_steps`` synchronous steps): the daemon's update of step t runs while
+step t+1 computes.  Its params are installed into the storage at the next
+``step()``, so each step's all-gather brings the params of the update before
+(one update behind, as the rule is in one process: ``OffloadAdam``'s); the
+reduce-scatter and the update overlap nothing of each other's buffers (the
+delayed inner optimizer alternates two grad buffers).  ``flush()``
+(collective) installs the last update and gathers it into every rank's
+model: before evaluating, saving ``model.state_dict()`` or ending.
+
 Identity (``identity``): the job id is the launcher's rendezvous id
 (``TORCHELASTIC_RUN_ID``, set by ``torchrun``) or one rank 0 draws, and the
 token is derived from it and the user's secret, so a relaunch of the run finds
@@ -130,6 +140,8 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         rollback: bool = False,
         broadcast_params: bool = True,
         overlap_comm: bool = False,
+        delayed_update: bool = False,
+        warmup_steps: int = 10,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise InvalidState(
@@ -142,6 +154,9 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if bucket_nbytes <= 0:
             raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
+        if warmup_steps < 0:
+            raise InvalidArgument(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self._delayed = (delayed_update, warmup_steps)
         defaults = optimizer_defaults(hyper, foreach=foreach, maximize=maximize, fused=fused, adamw=adamw)
         super().__init__(params, defaults)
         self.process_group = process_group
@@ -328,6 +343,8 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             world_size=self.world_size,
             expected_step=expected_step,
             rollback=rollback,
+            delayed_update=self._delayed[0],
+            warmup_steps=self._delayed[1],
         )
 
     def _agree_on_model(self, params: list[torch.nn.Parameter], group_of: list[int]) -> None:
@@ -563,9 +580,15 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         are waited for, and those whose grads changed since (on any rank: one all-reduce of the flags, so
         every rank issues the same collectives) are reduced again."""
         grads: list[torch.Tensor] = []
+        buffer = self.inner.feed.buffer if self.inner is not None else 0
         for i, pp in enumerate(self._piece_params):
             if self._grad_slices[self.pieces[i].bucket] is not None:
                 grads.append(self._shared[i].grad_views[0])  # the reduce-scatter writes it in place
+                continue
+            if self._shared:
+                # this step's grad buffer of the daemon's storage, never the one a delayed update still reads
+                # (pp.grad is left pointing at the last step's buffer by the inner optimizer)
+                grads.append(self._shared[i].grad_views[buffer])
                 continue
             if pp.grad is None:
                 pp.grad = torch.empty_like(pp)
@@ -623,6 +646,18 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             for index, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p = params[index]
                 p.data.copy_(flat[offset : offset + p.numel()].view(p.shape))
+
+    def flush(self) -> None:
+        """Collective: wait for a delayed update, install its params and gather them into every rank's model
+        (``delayed_update=True``; a no-op's worth of copies otherwise)."""
+        if self.inner is not None:
+            self.inner.flush()
+        self._all_gather(self._params())
+
+    @property
+    def params_behind(self) -> bool:
+        """Whether this rank's daemon holds an update that the model does not have yet (``flush()``)."""
+        return self.inner is not None and bool(self.inner._inflight)
 
     def _pull_params_into_pieces(self, params: list[torch.nn.Parameter]) -> None:
         for piece, pp in zip(self.pieces, self._piece_params, strict=True):
@@ -738,6 +773,11 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
 
     def close(self, *, keep_state: bool = False) -> None:
         """Detach from the daemon (this rank's shard is freed unless ``keep_state``)."""
+        if self.params_behind:
+            log.warning(
+                "closing with a delayed update the model does not have: its params are one update behind (call "
+                "flush() on every rank before close())"
+            )
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
