@@ -137,12 +137,14 @@ def test_overlapped_reduce_scatter_equals_one_process(daemon_factory, tmp_path, 
 def test_the_delayed_update_follows_the_one_step_late_rule(daemon_factory, tmp_path):
     """delayed_update=True after two synchronous steps, clipped, scheduled, with overlap_comm: each step's
     all-gather brings the update before it, as the rule does in one process (an fp32 master copy with AdamW,
-    installed into the model one step late); flush() brings the last one on every rank."""
+    installed into the model one step late); flush() brings the last one on every rank, and the shard and the
+    full dict reload bit for bit."""
     d = daemon_factory(LONG_GRACE)
-    args = ["--steps", "6", "--clip", "0.05", "--delayed", "2", "--overlap"]
+    args = ["--steps", "6", "--clip", "0.05", "--delayed", "2", "--overlap", "--reload"]
     assert finish(tmp_path, torchrun(tmp_path, 2, args, socket_path=d.socket_path)) == [0], logs(tmp_path)
     check_equal(tmp_path, 2)
-    assert all(r["warnings"] == [] for r in results(tmp_path, 2)), results(tmp_path, 2)
+    ranks = results(tmp_path, 2)
+    assert all(r["warnings"] == [] and r["reload_exact"] == [True, True] for r in ranks), ranks
 
 
 def test_four_ranks_equal_one_process(daemon_factory, tmp_path):
