@@ -50,6 +50,13 @@ and with ``OMP_WAIT_POLICY=PASSIVE`` (``passive``).  tiermem's ranks run with
 ``PASSIVE``, the README's setting for trainers that use a daemon (their
 spinning workers would take the cores the daemon's update needs).
 
+``--daemon-cpus 0`` pins the daemon to those CPUs (its update then uses as
+many threads) and the ranks to the others, so no trainer process runs on the
+update's cores: what is left of ``x 1 rank`` is the daemon's own cost per
+rank (its session threads share its cores).  On two cores this separates the
+four trainers' own CPU (their STEPs, replies and barriers, about 0.4 ms per
+extra rank) from the scheduling.
+
 ``--rounds R`` runs the whole sequence (every rank count, every mode) R
 times, interleaved: a figure is the median over the rounds, and each ratio is
 taken within its round, so the machine's drift between rounds stays out of it.
@@ -106,6 +113,15 @@ def _run(
         return json.loads(Path(out).read_text())
 
 
+def _cpus(text: str) -> set[int]:
+    """``0,2-3`` -> {0, 2, 3}."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -119,6 +135,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="run every rank count and mode this many times, interleaved")
     ap.add_argument("--no-peer", action="store_true", help="tiermem only (its paired 1-rank ratio needs no peer)")
     ap.add_argument("--chunk", default="", help="the daemon's adam.chunk_numel (its task size), e.g. 16M")
+    ap.add_argument("--daemon-cpus", default="", help="the daemon on these CPUs (0,1 or 0-1), the ranks on the rest")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()
     if args.rounds < 1:
@@ -126,13 +143,22 @@ def main() -> None:
     numel = _count(args.numel)
     counts = [int(n) for n in args.ranks.split(",")]
     settings = {"adam.chunk_numel": _count(args.chunk)} if args.chunk else None
+    everything = os.sched_getaffinity(0)
+    pinned = _cpus(args.daemon_cpus) if args.daemon_cpus else set()
+    if pinned and (not pinned < everything):
+        ap.error(f"--daemon-cpus must be a proper subset of this process's CPUs {sorted(everything)}")
+    if pinned:
+        os.sched_setaffinity(0, pinned)  # the daemon (and every thread it starts) inherits it
     daemon = EmbeddedDaemon(pool_size=max(1 * GiB, numel * 10), settings=settings)
+    ranks_cpus = everything - pinned if pinned else everything
     runs: list[dict[int, dict[str, dict]]] = []
     try:
         for _ in range(args.rounds):
             this: dict[int, dict[str, dict]] = {}
             for n in counts:
+                os.sched_setaffinity(0, ranks_cpus)  # torchrun and its ranks inherit it
                 this[n] = {"tiermem": _run("tiermem", n, numel, args, daemon, "PASSIVE")}  # the README's setting
+                os.sched_setaffinity(0, everything)  # the peer layout has no daemon: every core is its own
                 if not args.no_peer:
                     this[n]["peer"] = _run("peer", n, numel, args, None, "")  # DeepSpeed's: OpenMP's default, spinning
                     this[n]["peer_passive"] = _run("peer", n, numel, args, None, "PASSIVE")  # given tiermem's too
@@ -140,7 +166,8 @@ def main() -> None:
     finally:
         daemon.stop()
     rows = [_row(n, [r[n] for r in runs], [r[counts[0]]["tiermem"]["update_ms"] for r in runs]) for n in counts]
-    print(f"{numel / 1e6:.1f}M fp32 params, {os.cpu_count()} cores; {args.steps} steps, {args.rounds} rounds")
+    layout = f"; daemon on CPUs {sorted(pinned)}, ranks on {sorted(everything - pinned)}" if pinned else ""
+    print(f"{numel / 1e6:.1f}M fp32 params, {os.cpu_count()} cores{layout}; {args.steps} steps, {args.rounds} rounds")
     head = f"{'ranks':>5} {'update ms':>10} {'paired 1-rank ms':>17} {'x 1 rank':>9} {'(rounds)':>10}"
     head += f" {'daemon span ms':>15} {'daemon x 1':>11} {'(rounds)':>10}"
     head += f" {'x launch':>9} {'step ms':>9} {'daemon cpu ms':>14} {'peer ms':>8} {'peer/tiermem':>13}"
