@@ -72,6 +72,7 @@ from tiermem.client import Client
 from tiermem.distributed.collective import guarded
 from tiermem.distributed.identity import agree_identity, release_job_id
 from tiermem.distributed.node import node_client
+from tiermem.distributed.scaler import shard_scaler_inputs
 from tiermem.errors import InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
 from tiermem.offload.optimizer import OffloadAdam
@@ -364,21 +365,9 @@ class ShardedPagedAdam(OffloadAdam):
             with torch.enable_grad():
                 loss = closure()
         self.pager.drain()
-        grad_scale = getattr(self, "grad_scale", False)  # set by GradScaler.step (None: unscale_ came first)
-        scaled = grad_scale is not False
         checked, self._scale_checked = self._scale_checked, False
-        if scaled and not checked:
-            raise InvalidState(
-                "a torch.amp.GradScaler cannot see ShardedPagedAdam's grads (they are in the ranks' daemons) and "
-                "checks only this rank; use tiermem.distributed.ShardedGradScaler (the same API)"
-            )
-        inv_scale = 1.0
-        if scaled:
-            inv_scale = self._unscaled_by
-            if grad_scale is not None:
-                inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
-        found_inf = getattr(self, "found_inf", None)
-        if scaled and found_inf is not None and float(found_inf) > 0:
+        inv_scale, skip = shard_scaler_inputs(self, checked=checked, unscaled_by=self._unscaled_by)
+        if skip:
             try:  # an overflow on some rank: every rank skips (the flag is global); the inner step drops it
                 super().step()
             finally:

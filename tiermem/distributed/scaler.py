@@ -25,7 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShardedGradScaler"]
+from tiermem.errors import InvalidState
+
+__all__ = ["ShardedGradScaler", "shard_scaler_inputs"]
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -46,3 +48,23 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         optimizer._global_found_inf = per_device  # type: ignore[attr-defined]
         return per_device
+
+
+def shard_scaler_inputs(optimizer: Any, *, checked: bool, unscaled_by: float) -> tuple[float, bool]:
+    """For a ZeRO-3 optimizer's ``step()``: (the inverse scale its daemons apply, whether to skip the step), from
+    what ``GradScaler.step`` set on it (``grad_scale``: None after ``unscale_``, when ``unscaled_by`` is the
+    inverse; ``found_inf``).  ``checked``: ``ShardedGradScaler`` asked the optimizer this step; a plain
+    ``GradScaler`` did not, and looked at grads that are not in the trainer: refused."""
+    grad_scale = getattr(optimizer, "grad_scale", False)
+    if grad_scale is False:
+        return 1.0, False
+    if not checked:
+        raise InvalidState(
+            f"a torch.amp.GradScaler cannot see {type(optimizer).__name__}'s grads (they are in the daemons) and "
+            "checks only this rank; use tiermem.distributed.ShardedGradScaler (the same API)"
+        )
+    inv_scale = unscaled_by
+    if grad_scale is not None:
+        inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
+    found_inf = getattr(optimizer, "found_inf", None)
+    return inv_scale, found_inf is not None and float(found_inf) > 0

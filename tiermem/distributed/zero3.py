@@ -70,6 +70,7 @@ from tiermem.client import Client
 from tiermem.distributed.collective import guarded
 from tiermem.distributed.identity import agree_identity, release_job_id
 from tiermem.distributed.node import node_client
+from tiermem.distributed.scaler import shard_scaler_inputs
 from tiermem.errors import InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
 from tiermem.offload.args import check_hyper, optimizer_defaults
@@ -430,21 +431,12 @@ class LayerShardedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._recording = False
-        grad_scale = getattr(self, "grad_scale", False)  # set by GradScaler.step (None: unscale_ came first)
-        found_inf = getattr(self, "found_inf", None)
-        scaled = grad_scale is not False
-        if scaled and not self._scale_checked:
+        try:
+            inv_scale, skip = shard_scaler_inputs(self, checked=self._scale_checked, unscaled_by=self._unscaled_by)
+        except InvalidState:
             self._new_step()
-            raise InvalidState(
-                "a torch.amp.GradScaler cannot see LayerShardedAdam's grads (they are in the owners' daemons) and "
-                "checks only this rank; use tiermem.distributed.ShardedGradScaler (the same API)"
-            )
-        inv_scale = 1.0
-        if scaled:
-            inv_scale = self._unscaled_by
-            if grad_scale is not None:
-                inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
-        if scaled and found_inf is not None and float(found_inf) > 0:
+            raise
+        if skip:
             self.skipped_steps += 1  # an overflow on some rank: every rank skips (the flag is global)
             self.last_found_inf = True
             self._new_step()
