@@ -16,8 +16,8 @@ ends when a task ends with nothing queued.  Their count and total length are
 kept beside the tasks' own time, so an operator (and ``bench_ranks``) can
 tell how long the node's CPU Adam runs without a break per step, and how
 much of that is the kernels (``busy_s``) rather than the scheduling between
-them: the updates of four ranks that arrive together make one period, as
-long as one rank's update of the same params when nothing oversubscribes.
+them.  The updates of four ranks that arrive together make one period, to
+compare with the period of one rank's update of the same params.
 """
 
 from __future__ import annotations

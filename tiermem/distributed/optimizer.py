@@ -92,7 +92,7 @@ from tiermem.distributed.layout import Piece, ShardLayout, plan_shards
 from tiermem.distributed.node import node_client
 from tiermem.errors import DTypeError, InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
-from tiermem.offload.args import check_hyper, check_torch_flags, optimizer_defaults
+from tiermem.offload.args import HYPER_KEYS, check_hyper, check_torch_flags, optimizer_defaults
 from tiermem.offload.feed import GradFeed, TensorEntry
 from tiermem.offload.optimizer import OffloadAdam
 from tiermem.offload.transfer import adopt_saved_groups, packed_groups, plan_load
@@ -102,7 +102,6 @@ __all__ = ["ShardedOffloadAdam"]
 
 log = logging.getLogger(__name__)
 
-_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize", "adamw")
 # torch 2.13 renamed the tensor collectives (the old names warn); older releases have only the old ones
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -459,7 +458,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                     grad.mul_(coef)
                 pp.grad = grad
             for g, ig in self._inner_of_group.items():
-                for key in _HYPER:
+                for key in HYPER_KEYS:
                     self.inner.param_groups[ig][key] = self.param_groups[g][key]
             self.inner.step()
         self._all_gather(params)
@@ -729,7 +728,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         adopt_saved_groups(self.param_groups, groups)
         if self.inner is not None and inner is not None:
             for g, ig in self._inner_of_group.items():
-                for key in _HYPER:
+                for key in HYPER_KEYS:
                     inner["param_groups"][ig][key] = self.param_groups[g][key]
             self.inner.load_state_dict(inner)
         if shard is not None:

@@ -275,9 +275,7 @@ class ShardedPagedAdam(OffloadAdam):
                 f"ShardedPagedAdam pages the params of one device, the host or a GPU; the model's are on "
                 f"{sorted(map(str, devices))}"
             )
-        device = devices.pop() if devices else torch.device("cpu")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidArgument(f"the model's params are on {device}, but CUDA is not available")
+        (device,) = devices
         kinds = {p.dtype for p in params}
         if len(kinds) != 1:
             raise InvalidArgument(f"ShardedPagedAdam needs one dtype for all params, got {sorted(map(str, kinds))}")

@@ -73,12 +73,10 @@ from tiermem.distributed.node import node_client
 from tiermem.distributed.scaler import shard_scaler_inputs
 from tiermem.errors import InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
-from tiermem.offload.args import check_hyper, optimizer_defaults
+from tiermem.offload.args import HYPER_KEYS, check_hyper, optimizer_defaults
 from tiermem.offload.optimizer import OffloadAdam
 
 __all__ = ["LayerShardedAdam"]
-
-_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize", "adamw")
 
 
 class _DaemonGrads:
@@ -416,12 +414,14 @@ class LayerShardedAdam(torch.optim.Optimizer):
             found_inf.fill_(1.0)
         return found_inf
 
-    def _new_step(self) -> None:
+    def _new_step(self, *, drop_grads: bool = True) -> None:
+        """This step's statistics start afresh; ``drop_grads``: so do the daemon's grads (a skipped or refused
+        step: the next backward overwrites them; after an applied step the inner optimizer did it)."""
         self._sumsq = 0.0
         self._nonfinite = False
         self._scale_checked = False
-        if self._grads is not None:
-            self._grads.reset()  # the next backward's grads start afresh in the daemon
+        if drop_grads and self._grads is not None:
+            self._grads.reset()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -455,9 +455,7 @@ class LayerShardedAdam(torch.optim.Optimizer):
                 )
             self.last_grad_norm = math.sqrt(float(stats[1])) * inv_scale
             coef = min(1.0, float(torch.tensor(self.max_grad_norm / (self.last_grad_norm + 1e-6), dtype=torch.float32)))
-        self._sumsq = 0.0
-        self._nonfinite = False
-        self._scale_checked = False
+        self._new_step(drop_grads=False)
         if self.inner is not None:
             self._sync_hyper()
             early = self.inner.policy.overlap_now
@@ -479,7 +477,7 @@ class LayerShardedAdam(torch.optim.Optimizer):
             return
         ours = self.param_groups[0]
         for group in self.inner.param_groups:
-            for key in _HYPER:
+            for key in HYPER_KEYS:
                 group[key] = ours[key]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -503,8 +501,7 @@ class LayerShardedAdam(torch.optim.Optimizer):
                 p.grad = None
         if self.inner is not None:
             self.inner.zero_grad(set_to_none=set_to_none)
-        self._sumsq = 0.0
-        self._nonfinite = False
+        self._new_step(drop_grads=False)
 
     def gathered_params(self) -> list[torch.Tensor]:
         """Collective: every unit's params, gathered (copies), in the model's order."""

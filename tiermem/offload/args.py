@@ -40,6 +40,10 @@ __all__ = [
 ADAMW_WEIGHT_DECAY = 1e-2
 
 
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "adamw")
+"""The keys of a param group that its updates read (what a wrapping optimizer copies into its inner one)."""
+
+
 def optimizer_defaults(
     hyper: Hyper, *, foreach: bool | None, maximize: bool, fused: bool | None, adamw: bool
 ) -> dict[str, object]:
