@@ -7,7 +7,9 @@ master itself).
 
 Kernels are compiled lazily, on the first update of each (grad dtype, param
 dtype) pair, and kept in inductor's on-disk cache, so the daemon is ready as
-soon as its pool is; the first step of a new combination pays the compile.
+soon as its pool is; the first step of a new combination pays the compile
+(seconds), unless ``adam.warmup`` lists its job dtype: those are built at
+start, before the daemon says it is ready.
 """
 
 from __future__ import annotations
@@ -50,8 +52,18 @@ class EngineKernel:
         self.engine.close()
 
 
+def warmup_keys(dtypes: tuple[str, ...]) -> list[tuple[torch.dtype, torch.dtype | None]]:
+    """The (grad dtype, out dtype) kernels the jobs of these dtypes run: fp16/bf16 params are written in the
+    update's pass, fp32 ones are the master (no out)."""
+    out: list[tuple[torch.dtype, torch.dtype | None]] = []
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        out.append((dtype, None if dtype == torch.float32 else dtype))
+    return out
+
+
 def default_kernel(config: AdamConfig) -> EngineKernel:
-    engine = AdamEngine.from_config(config, warmup=())
+    engine = AdamEngine.from_config(config, warmup=warmup_keys(config.warmup))
     # the native fp32 path and the eager one parallelise over torch's intra-op threads: as many as the engine's
     torch.set_num_threads(engine.threads)
     return EngineKernel(engine)

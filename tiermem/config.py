@@ -147,10 +147,21 @@ class AdamConfig:
     """Compile the single-pass update with torch.compile (inductor C++); False runs the eager fallback."""
     cache_dir: str = ""
     """Inductor's compile cache (TORCHINDUCTOR_CACHE_DIR) for the Adam kernels; empty keeps torch's default."""
+    warmup: tuple[str, ...] = ()
+    """Job dtypes (float32, float16, bfloat16) whose compiled kernel is built at start, before the daemon is
+    ready, instead of at the first update that needs it (seconds, while that step waits): fp16/bf16 jobs, and
+    fp32 jobs whose updates scale the grads (loss scaling, clipping); an unscaled fp32 update needs none."""
 
     def __post_init__(self) -> None:
         _check_nonneg("adam.threads", self.threads)
         _check_positive("adam.chunk_numel", self.chunk_numel)
+        unknown = [d for d in self.warmup if d not in WARMUP_DTYPES]
+        if unknown:
+            raise ConfigError("adam.warmup", f"unknown dtype {unknown[0]!r}; expected some of {list(WARMUP_DTYPES)}")
+
+
+WARMUP_DTYPES = ("float32", "float16", "bfloat16")
+"""The job dtypes ``adam.warmup`` takes."""
 
 
 @dataclass(frozen=True, kw_only=True)

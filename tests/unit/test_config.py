@@ -3,6 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiermem.config import DaemonConfig, PoolConfig, config_to_dict, load_config
 from tiermem.errors import ConfigError
@@ -88,3 +89,24 @@ def test_config_to_dict_round_trips_through_load(tmp_path: Path) -> None:
     overrides = {f"{s}.{k}": v for s, values in tables.items() for k, v in values.items()}
     assert load_config(env={}, overrides=overrides) == config
     assert isinstance(config, DaemonConfig)
+
+
+def test_adam_warmup_takes_job_dtypes_and_names_a_wrong_one(tmp_path: Path) -> None:
+    env = {"HOME": str(tmp_path)}
+    config = load_config(None, env={**env, "TIERMEM_ADAM_WARMUP": "float32,bfloat16"})
+    assert config.adam.warmup == ("float32", "bfloat16")
+    with pytest.raises(ConfigError, match=r"adam\.warmup.*'fp16'.*float16"):
+        load_config(None, env=env, overrides={"adam.warmup": ["fp16"]})
+
+
+def test_the_warmup_dtypes_are_built_when_the_daemon_kernel_is_made() -> None:
+    from tiermem.config import AdamConfig
+    from tiermemd.kernel import default_kernel, warmup_keys
+
+    assert warmup_keys(("float32", "bfloat16")) == [(torch.float32, None), (torch.bfloat16, torch.bfloat16)]
+    kernel = default_kernel(AdamConfig(warmup=("float16",), compile=False))  # the eager build: no compiler here
+    try:
+        built = [(r.key.grad_dtype, r.key.out_dtype) for r in kernel.engine.kernels()]
+    finally:
+        kernel.close()
+    assert built == [(torch.float16, torch.float16)], built

@@ -188,7 +188,12 @@ class KernelSet:
             return rec
         seconds = time.perf_counter() - started
         if hot:
-            log.warning("compiled the Adam kernel %s on first use (%.1f s); list it in the warmup", key, seconds)
+            log.warning(
+                "compiled the Adam kernel %s on first use (%.1f s); list it in the warmup (tiermemd: its job dtype "
+                "in adam.warmup)",
+                key,
+                seconds,
+            )
         else:
             log.info("compiled the Adam kernel %s in %.1f s", key, seconds)
         return KernelRecord(key, KernelState.COMPILED, fn=fn, compile_s=seconds)
