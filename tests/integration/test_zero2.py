@@ -18,10 +18,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import DaemonProcess, start_daemon
+from launch import Launch
 
 WORKER = str(Path(__file__).with_name("zero2_worker.py"))
 TOLERANCE = 1e-6
@@ -66,10 +69,11 @@ def torchrun(
     return subprocess.Popen([*launch, WORKER, "--out", str(tmp / "result"), *args], env=env, stdout=log, stderr=log)
 
 
-def results(tmp: Path, world: int) -> list[dict[str, Any]]:
+def results(tmp: Path, world: int, base: str = "result") -> list[dict[str, Any]]:
+    """Every rank's report: ``<tmp>/<base>.<rank>`` (``base`` ``out`` for a scenario of a launch)."""
     out = []
     for r in range(world):
-        path = tmp / f"result.{r}"
+        path = tmp / f"{base}.{r}"
         out.append(json.loads(path.read_text()) if path.exists() else {"missing": r})
     return out
 
@@ -88,10 +92,10 @@ def _attached(log: str, job: str, rank: int, world: int) -> bool:
     return re.search(rf"(created|joined|reattached) job {re.escape(repr(job))} rank {rank}/{world} ", log) is not None
 
 
-def check_equal(tmp: Path, world: int, *, skipped: int = 0) -> dict[str, Any]:
-    ranks = results(tmp, world)
+def check_equal(tmp: Path, world: int, *, skipped: int = 0, base: str = "result") -> dict[str, Any]:
+    ranks = results(tmp, world, base)
     first = ranks[0]
-    assert "param_diff" in first, (ranks, logs(tmp))
+    assert "param_diff" in first, (ranks, logs(tmp) if base == "result" else "")
     assert first["moved"] > 1e-2, "training did not move the params"
     assert first["param_diff"] <= TOLERANCE and first["state_diff"] <= TOLERANCE, first
     assert first["step_equal"] and first["same_params_with_state"], first
@@ -104,46 +108,63 @@ def check_equal(tmp: Path, world: int, *, skipped: int = 0) -> dict[str, Any]:
     return first
 
 
+# the two-rank runs against one daemon, in one launch (``scenarios.py``)
+TWO_RANKS = {
+    tier: ["--tier", tier, "--steps", "6", "--clip", "0.05", "--scaler", "--inf-step", "2", "--reload"]
+    for tier in ("cpu", "nvme")
+}
+OVERLAP = ["--steps", "5", "--clip", "0.05", "--scaler", "--inf-step", "2", "--overlap", "--accumulate", "2"]
+TWO_RANKS["no_sync"] = [*OVERLAP, "--no-sync"]
+TWO_RANKS["accumulated"] = OVERLAP
+TWO_RANKS["delayed"] = ["--steps", "6", "--clip", "0.05", "--delayed", "2", "--overlap", "--reload"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Launch, DaemonProcess]]:
+    tmp = tmp_path_factory.mktemp("zero2")
+    d = start_daemon(tmp / "tiermemd", LONG_GRACE)
+    try:
+        yield Launch(WORKER, 2, TWO_RANKS, tmp, d.socket_path).run(), d
+    finally:
+        d.cleanup()
+
+
+def _scenario(two_ranks: tuple[Launch, DaemonProcess], name: str) -> Path:
+    """The directory of scenario ``name``'s reports (``out.<rank>``), once it ran on both ranks."""
+    return two_ranks[0].check(name).parent
+
+
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_two_ranks_against_one_daemon_equal_one_process_with_clipping_overflow_and_schedule(
-    daemon_factory, tmp_path, tier
-):
-    d = daemon_factory(LONG_GRACE)
-    args = ["--tier", tier, "--steps", "6", "--clip", "0.05", "--scaler", "--inf-step", "2", "--reload"]
-    assert finish(tmp_path, torchrun(tmp_path, 2, args, socket_path=d.socket_path)) == [0], logs(tmp_path)
-    check_equal(tmp_path, 2, skipped=1)
+def test_two_ranks_against_one_daemon_equal_one_process_with_clipping_overflow_and_schedule(two_ranks, tier):
+    tmp = _scenario(two_ranks, tier)
+    check_equal(tmp, 2, skipped=1, base="out")
     # each rank's shard, and the full AdamW-format dict, loaded into a new job: the same state, bit for bit
-    assert all(r["reload_exact"] == [True, True] for r in results(tmp_path, 2)), results(tmp_path, 2)
-    log = d.log_text()
-    job = results(tmp_path, 2)[0]["job_id"]
+    ranks = results(tmp, 2, "out")
+    assert all(r["reload_exact"] == [True, True] for r in ranks), ranks
+    log = two_ranks[1].log_text()
     for r in range(2):
-        assert _attached(log, job, r, 2), log[-2000:]
+        assert _attached(log, ranks[0]["job_id"], r, 2), log[-2000:]
 
 
 @pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "accumulated"])
-def test_overlapped_reduce_scatter_equals_one_process(daemon_factory, tmp_path, no_sync):
+def test_overlapped_reduce_scatter_equals_one_process(two_ranks, no_sync):
     """overlap_comm: buckets reduced during backward; two micro-batches a step, the first inside no_sync()
     (reduced once) or not (reduced per backward, found changed at step() and reduced again, with a warning)."""
-    d = daemon_factory(LONG_GRACE)
-    args = ["--steps", "5", "--clip", "0.05", "--scaler", "--inf-step", "2", "--overlap", "--accumulate", "2"]
-    args += ["--no-sync"] if no_sync else []
-    assert finish(tmp_path, torchrun(tmp_path, 2, args, socket_path=d.socket_path)) == [0], logs(tmp_path)
-    check_equal(tmp_path, 2, skipped=1)
-    warnings = [w for r in results(tmp_path, 2) for w in r["warnings"]]
+    tmp = _scenario(two_ranks, "no_sync" if no_sync else "accumulated")
+    check_equal(tmp, 2, skipped=1, base="out")
+    warnings = [w for r in results(tmp, 2, "out") for w in r["warnings"]]
     told = [w for w in warnings if "no_sync()" in w]
     assert (told == []) if no_sync else (len(told) == 2), warnings  # once per rank
 
 
-def test_the_delayed_update_follows_the_one_step_late_rule(daemon_factory, tmp_path):
+def test_the_delayed_update_follows_the_one_step_late_rule(two_ranks):
     """delayed_update=True after two synchronous steps, clipped, scheduled, with overlap_comm: each step's
     all-gather brings the update before it, as the rule does in one process (an fp32 master copy with AdamW,
     installed into the model one step late); flush() brings the last one on every rank, and the shard and the
     full dict reload bit for bit."""
-    d = daemon_factory(LONG_GRACE)
-    args = ["--steps", "6", "--clip", "0.05", "--delayed", "2", "--overlap", "--reload"]
-    assert finish(tmp_path, torchrun(tmp_path, 2, args, socket_path=d.socket_path)) == [0], logs(tmp_path)
-    check_equal(tmp_path, 2)
-    ranks = results(tmp_path, 2)
+    tmp = _scenario(two_ranks, "delayed")
+    check_equal(tmp, 2, base="out")
+    ranks = results(tmp, 2, "out")
     assert all(r["warnings"] == [] and r["reload_exact"] == [True, True] for r in ranks), ranks
 
 

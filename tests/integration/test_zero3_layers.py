@@ -14,10 +14,12 @@ backward starts (from the second step on; the first step is synchronous).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+from conftest import start_daemon
+from launch import Launch
 
 WORKER = str(Path(__file__).with_name("zero3_worker.py"))
 LAYERS = 4
@@ -35,32 +37,40 @@ def expected_trace(rank: int, overlapped: bool) -> list[list[object]]:
     return forward + backward + ([] if overlapped else [["update", rank]])
 
 
-def _run(daemon_factory, tmp_path, *extra: str) -> dict:  # type: ignore[no-untyped-def]
-    d = daemon_factory({"jobs": {"grace_period_s": 60.0, "max_jobs": 16}})
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
-    env.update(
-        TIERMEM_SOCKET_PATH=d.socket_path,
-        TIERMEM_NO_EMBED="1",
-        TMPDIR=str(tmp_path),
-        TIERMEM_SECRET_FILE=str(tmp_path / "job-secret"),
-    )
-    out = tmp_path / "zero3.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", WORKER,
-         "--out", str(out), "--steps", "4", *extra],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    refused = {int(p.name.rsplit(".", 1)[1]): p.read_text() for p in tmp_path.glob("zero3.json.refused.*")}
+# every scenario of this module, in one launch of four ranks against one daemon (``scenarios.py``)
+PLAN = {
+    "schedule": ["--schedule"],
+    "paged_nvme": ["--paged", "--offload", "nvme", "--micro", "2", "--schedule"],
+    "paged_clip": ["--paged", "--clip", "0.05"],
+    "paged_clip_accumulated": ["--paged", "--clip", "0.05", "--micro", "2"],
+    "paged_scaled": ["--paged", "--scaler", "sharded", "--inf-step", "1", "--clip", "0.05", "--steps", "5"],
+}
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Launch, str]]:
+    tmp = tmp_path_factory.mktemp("zero3-layers")
+    d = start_daemon(tmp / "tiermemd", {"jobs": {"grace_period_s": 60.0, "max_jobs": 16}})
+    try:
+        done = Launch(WORKER, 4, {name: ["--steps", "4", *args] for name, args in PLAN.items()}, tmp, d.socket_path)
+        yield done.run(), d.log_text()
+    finally:
+        d.cleanup()
+
+
+def _result(launch: tuple[Launch, str], name: str) -> dict:
+    done, log = launch
+    out = done.check(name)
+    refused = {int(p.name.rsplit(".", 1)[1]): p.read_text() for p in out.parent.glob("out.refused.*")}
     if refused:
         return {"refused": refused}
-    return {**json.loads(out.read_text()), "log": d.log_text()}
+    return {**json.loads(out.read_text()), "log": log}
 
 
-def test_four_layers_on_four_ranks_follow_the_example_step_by_step(daemon_factory, tmp_path):
+def test_four_layers_on_four_ranks_follow_the_example_step_by_step(launch):
     """With an LR schedule on both sides: the overlapped updates of a step run during its backward, so each
     owner must hand the scheduler's new rate to its daemon before then, not at step()."""
-    result = _run(daemon_factory, tmp_path, "--schedule")
+    result = _result(launch, "schedule")
     for ours, formula in zip(result["reduced"], result["analytic"], strict=True):
         assert abs(ours - formula) <= 1e-6 * max(1.0, abs(formula)), (result["reduced"], result["analytic"])
     diff = max(abs(a - b) for a, b in zip(result["final"], result["reference"], strict=True))
@@ -88,12 +98,12 @@ def paged_trace(rank: int, micro: int) -> list[list[object]]:
     return one * micro + [["update", rank]]
 
 
-def test_paged_layers_live_only_in_their_owners_nvme_tier_and_accumulate_there(daemon_factory, tmp_path):
+def test_paged_layers_live_only_in_their_owners_nvme_tier_and_accumulate_there(launch):
     """ZeRO-Infinity's placement by layer: no rank holds a param or a grad between uses, the owner reads its
     layer from its daemon (NVMe tier; paging under pressure is test_param_paging's) before each broadcast
     and writes the reduced grads there, two backward
     passes a step accumulating in the daemon; the params still equal AdamW on the whole batch."""
-    result = _run(daemon_factory, tmp_path, "--paged", "--offload", "nvme", "--micro", "2", "--schedule")
+    result = _result(launch, "paged_nvme")
     diff = max(abs(a - b) for a, b in zip(result["final"], result["reference"], strict=True))
     assert diff <= 1e-6, (result["final"], result["reference"])
     for r in result["ranks"]:
@@ -105,11 +115,11 @@ def test_paged_layers_live_only_in_their_owners_nvme_tier_and_accumulate_there(d
     print(f"\nzero3 by layer, paged on NVMe, 2 micro-batches: params within {diff:.1e} of AdamW")
 
 
-def test_paged_layers_clip_by_the_global_norm_as_clip_grad_norm(daemon_factory, tmp_path):
+def test_paged_layers_clip_by_the_global_norm_as_clip_grad_norm(launch):
     """max_grad_norm with paged=True: the owners' sums of squares all-reduced at step(), the coefficient
     applied by each owner's daemon; the clip is active at three of the four steps (norms 0.30, 0.15, 0.016,
     0.059 against 0.05)."""
-    result = _run(daemon_factory, tmp_path, "--paged", "--clip", "0.05")
+    result = _result(launch, "paged_clip")
     for ours, ref in zip(result["norms"], result["ref_norms"], strict=True):
         assert abs(ours - ref) <= 1e-5 * ref, (result["norms"], result["ref_norms"])
     assert sum(ref > 0.05 for ref in result["ref_norms"]) >= 2, result["ref_norms"]
@@ -118,19 +128,18 @@ def test_paged_layers_clip_by_the_global_norm_as_clip_grad_norm(daemon_factory, 
     print(f"\nzero3 by layer, paged, clipped: norms equal clip_grad_norm_'s, params within {diff:.1e} of AdamW")
 
 
-def test_paged_clipping_after_accumulation_is_refused_on_every_rank(daemon_factory, tmp_path):
-    result = _run(daemon_factory, tmp_path, "--paged", "--clip", "0.05", "--micro", "2")
+def test_paged_clipping_after_accumulation_is_refused_on_every_rank(launch):
+    result = _result(launch, "paged_clip_accumulated")
     assert sorted(result.get("refused", {})) == [0, 1, 2, 3], result
     assert all("accumulated grads over several" in m for m in result["refused"].values()), result
 
 
-def test_paged_layers_under_a_sharded_scaler_skip_a_global_overflow_and_clip_unscaled(daemon_factory, tmp_path):
+def test_paged_layers_under_a_sharded_scaler_skip_a_global_overflow_and_clip_unscaled(launch):
     """ShardedGradScaler over LayerShardedAdam(paged=True): the last rank's loss is inf at step 1, so its
     reduced grads overflow at every owner; all four ranks skip that step and back off the scale together,
     the other steps are unscaled and clipped in the daemons, as torch's GradScaler + clip_grad_norm_ + AdamW
     in one process."""
-    result = _run(daemon_factory, tmp_path, "--paged", "--scaler", "sharded", "--inf-step", "1", "--clip", "0.05",
-                  "--steps", "5")  # fmt: skip
+    result = _result(launch, "paged_scaled")
     assert result["skipped"] == result["ref_skipped"] == 1, result
     assert result["scale"] == result["ref_scale"] == 2.0**9, result
     pairs = [(ours, ref) for ours, ref in zip(result["norms"], result["ref_norms"], strict=True) if ours is not None]

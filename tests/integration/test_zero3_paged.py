@@ -20,16 +20,20 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import start_daemon
+from launch import Launch
 
 WORKER = str(Path(__file__).with_name("zero3_paged_worker.py"))
+DAEMON = {"jobs": {"grace_period_s": 60.0, "max_jobs": 16}}
 
 
 def _torchrun(daemon_factory, tmp_path: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
-    d = daemon_factory({"jobs": {"grace_period_s": 60.0, "max_jobs": 16}})
+    d = daemon_factory(DAEMON)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
     env.update(
         TIERMEM_SOCKET_PATH=d.socket_path,
@@ -44,16 +48,40 @@ def _torchrun(daemon_factory, tmp_path: Path, ranks: int, *extra: str) -> subpro
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("offload", "ranks", "resume"),
-    [("cpu", 2, -1), ("nvme", 2, -1), ("nvme", 3, -1), ("nvme", 2, 3)],
-    ids=["cpu-2", "nvme-2", "nvme-3", "nvme-2-checkpoint-resumed"],
-)
-def test_sharded_paged_params_train_like_adamw_with_a_global_clip(daemon_factory, tmp_path, offload, ranks, resume):
-    """``resume``: before that step every rank checkpoints, and a new model and optimizer load it."""
-    done = _torchrun(daemon_factory, tmp_path, ranks, "--offload", offload, "--resume-at", str(resume))
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads((tmp_path / "paged.json").read_text())
+# the two-rank scenarios in one launch against one daemon (``scenarios.py``), the three-rank one in another
+TWO_RANKS = {
+    "cpu-2": ["--offload", "cpu"],
+    "nvme-2": ["--offload", "nvme"],
+    "nvme-2-checkpoint-resumed": ["--offload", "nvme", "--resume-at", "3"],
+    "scaler": ["--offload", "cpu", "--scaler", "--inf-step", "2"],
+}
+THREE_RANKS = {"nvme-3": ["--offload", "nvme"]}
+
+
+def _launch(tmp_path_factory: pytest.TempPathFactory, nproc: int, plan: dict[str, list[str]]) -> Iterator[Launch]:
+    tmp = tmp_path_factory.mktemp(f"zero3-paged-{nproc}")
+    d = start_daemon(tmp / "tiermemd", DAEMON)
+    try:
+        yield Launch(WORKER, nproc, plan, tmp, d.socket_path).run()
+    finally:
+        d.cleanup()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launch]:
+    yield from _launch(tmp_path_factory, 2, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launch]:
+    yield from _launch(tmp_path_factory, 3, THREE_RANKS)
+
+
+@pytest.mark.parametrize("name", ["cpu-2", "nvme-2", "nvme-3", "nvme-2-checkpoint-resumed"])
+def test_sharded_paged_params_train_like_adamw_with_a_global_clip(request, name):
+    """``-checkpoint-resumed``: before step 3 every rank checkpoints, and a new model and optimizer load it."""
+    launch: Launch = request.getfixturevalue("three_ranks" if name in THREE_RANKS else "two_ranks")
+    result = json.loads(launch.check(name).read_text())
     worst = 0.0
     for key, ref in result["reference"].items():
         ours = result["state"][key]
@@ -66,8 +94,7 @@ def test_sharded_paged_params_train_like_adamw_with_a_global_clip(daemon_factory
         assert max(r["held"]) <= 4, f"rank {r['rank']}'s modules hold param data between steps: {r['held']}"
         assert 0 < r["peak"] <= result["budget"], (r["peak"], result["budget"])
         assert "accumulated" in r["error"], r["error"]
-    resumed = f", resumed from a checkpoint at step {resume}" if resume >= 0 else ""
-    print(f"\nzero3 paged on {offload}, {ranks} ranks{resumed}: within {worst:.1e} of AdamW + clip_grad_norm_")
+    print(f"\nzero3 paged, {name}: within {worst:.1e} of AdamW + clip_grad_norm_")
 
 
 def _check_norms(result: dict) -> None:
@@ -85,13 +112,11 @@ def _worst(result: dict) -> float:
     return worst
 
 
-def test_a_sharded_scaler_skips_a_global_overflow_and_clips_the_unscaled_grads(daemon_factory, tmp_path):
+def test_a_sharded_scaler_skips_a_global_overflow_and_clips_the_unscaled_grads(two_ranks):
     """ShardedGradScaler over ShardedPagedAdam, 2 ranks: the last rank's loss is inf at step 2, both ranks
     skip it and halve the scale, as torch's GradScaler over the whole batch does; the other steps are
     unscaled and clipped by the daemons like GradScaler.unscale_ + clip_grad_norm_ + AdamW."""
-    done = _torchrun(daemon_factory, tmp_path, 2, "--offload", "cpu", "--scaler", "--inf-step", "2")
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads((tmp_path / "paged.json").read_text())
+    result = json.loads(two_ranks.check("scaler").read_text())
     assert result["skipped"] == 1, result["skipped"]
     assert result["scale"] == result["ref_scale"] == 2.0**11, (result["scale"], result["ref_scale"])
     assert result["norms"][2] is None and sum(n is None for n in result["norms"]) == 1, result["norms"]

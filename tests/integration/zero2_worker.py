@@ -76,7 +76,7 @@ def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--tier", default="cpu")
@@ -94,13 +94,15 @@ def main() -> int:
     ap.add_argument("--late-close", type=float, default=0.0, help="ranks but 0 wait this long before close()")
     ap.add_argument("--delayed", type=int, default=-1, help="delayed_update=True after this many warmup steps")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.kill_step >= 0:
         # torchrun's agent sees the killed rank within its monitor interval (0.1 s) and SIGTERMs the others; a
         # survivor that is still computing when the peer dies would be ended before its collective fails: it
         # stays until it has reported the error it caught (then the agent's kill after 30 s bounds a hang)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    dist.init_process_group("gloo")
+    owned = not dist.is_initialized()  # scenarios.py makes one group for all of its runs
+    if owned:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     warned = _Warnings()
     logging.getLogger("tiermem").addHandler(warned)
@@ -248,10 +250,12 @@ def main() -> int:
     warned.messages.clear()
     t0 = time.monotonic()
     opt.close()
+    logging.getLogger("tiermem").removeHandler(warned)  # the next scenario of the launch has its own
     closed = {"close_s": time.monotonic() - t0, "warnings": warned.messages}
     with open(f"{args.out}.{rank}.close", "w") as f:
         json.dump(closed, f)
-    dist.destroy_process_group()
+    if owned:
+        dist.destroy_process_group()
     return 0
 
 

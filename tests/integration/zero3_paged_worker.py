@@ -57,7 +57,7 @@ def data(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH_PER_RANK * world, 7, generator=g), torch.randn(BATCH_PER_RANK * world, 3, generator=g)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--offload", default="nvme")
@@ -66,13 +66,15 @@ def main() -> int:
     ap.add_argument("--resume-at", type=int, default=-1)
     ap.add_argument("--scaler", action="store_true")
     ap.add_argument("--inf-step", type=int, default=-1)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.kill_step >= 0:
         # torchrun's agent sees the killed rank within its monitor interval (0.1 s) and SIGTERMs the others; a
         # survivor that is still computing when the peer dies would be ended before its collective fails: it
         # stays until it has reported the error it caught (then the agent's kill after 30 s bounds a hang)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    dist.init_process_group("gloo")
+    owned = not dist.is_initialized()  # scenarios.py makes one group for all of its runs
+    if owned:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     budget = 2 * 13 * 11 * 4 + 4096  # two of the largest layer's params, a little slack
@@ -181,7 +183,8 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(result, f)
     opt.close()
-    dist.destroy_process_group()
+    if owned:
+        dist.destroy_process_group()
     return 0
 
 

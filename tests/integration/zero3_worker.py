@@ -75,7 +75,7 @@ def analytic_grads(params: list[float], x: torch.Tensor) -> list[float]:
     return [t / x.shape[0] for t in total]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", required=True)
@@ -86,8 +86,10 @@ def main() -> int:
     ap.add_argument("--scaler", choices=["", "sharded", "torch"], default="", help="train under a loss scaler")
     ap.add_argument("--inf-step", type=int, default=-1, help="the last rank's loss is inf at this step")
     ap.add_argument("--schedule", action="store_true", help="an LR schedule on both sides (LambdaLR)")
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
+    args = ap.parse_args(argv)
+    owned = not dist.is_initialized()  # scenarios.py makes one group for all of its runs
+    if owned:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     opt = LayerShardedAdam(
@@ -128,7 +130,8 @@ def main() -> int:
             with open(f"{args.out}.refused.{rank}", "w") as f:
                 f.write(str(exc))
             opt.close()
-            dist.destroy_process_group()
+            if owned:
+                dist.destroy_process_group()
             return 0
         norms.append(None if opt.last_found_inf else opt.last_grad_norm)
         opt.zero_grad()
@@ -191,7 +194,8 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(result, f)
     opt.close()
-    dist.destroy_process_group()
+    if owned:
+        dist.destroy_process_group()
     return 0
 
 

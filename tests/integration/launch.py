@@ -1,0 +1,75 @@
+"""The test side of ``scenarios.py``: one ``torchrun`` launch runs a module's scenarios against one daemon.
+
+A module builds a ``Launch`` in a module-scoped fixture; each test asks for
+its scenario with ``launch.check(name)``, which fails with the scenario's own
+traceback (or the launch's output) when it did not finish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SCENARIOS = str(Path(__file__).with_name("scenarios.py"))
+
+
+@dataclass
+class Launch:
+    """One ``torchrun --nproc-per-node N`` of ``worker`` over ``plan`` (``{name: args}``, run in that order)."""
+
+    worker: str
+    nproc: int
+    plan: dict[str, list[str]]
+    tmp: Path
+    socket_path: str
+    returncode: int | None = None
+    output: str = ""
+
+    def out(self, name: str) -> Path:
+        """The ``--out`` path of scenario ``name``."""
+        return self.tmp / name / "out"
+
+    def run(self, timeout_s: float = 600.0) -> Launch:
+        plan = []
+        for name, args in self.plan.items():
+            self.out(name).parent.mkdir(parents=True, exist_ok=True)
+            plan.append([name, ["--out", str(self.out(name)), *args]])
+        plan_file = self.tmp / "plan.json"
+        plan_file.write_text(json.dumps(plan))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+        env.update(
+            TIERMEM_SOCKET_PATH=self.socket_path,
+            TIERMEM_NO_EMBED="1",
+            TMPDIR=str(self.tmp),
+            TIERMEM_SECRET_FILE=str(self.tmp / "job-secret"),  # the user's job secret, out of the home directory
+        )
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
+                 SCENARIOS, self.worker, str(plan_file)],
+                env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            self.returncode = -1
+            self.output = f"timed out after {timeout_s} s:\n{exc.stderr!r}"[-6000:]
+            return self
+        self.returncode = done.returncode
+        self.output = (done.stdout + done.stderr)[-6000:]
+        return self
+
+    def check(self, name: str) -> Path:
+        """``name``'s ``--out`` path, once it is known that the scenario ran to its end on every rank."""
+        errors = sorted(self.tmp.glob(f"{name}.error.*"))
+        if errors:
+            raise AssertionError(f"scenario {name} failed:\n" + "\n".join(p.read_text()[-4000:] for p in errors))
+        order = list(self.plan)
+        failed = sorted({p.name.split(".error.")[0] for p in self.tmp.glob("*.error.*")}, key=order.index)
+        if failed and order.index(failed[0]) < order.index(name):
+            raise AssertionError(f"scenario {name} did not run: {failed[0]}, run before it, failed")
+        if not failed and self.returncode != 0:
+            raise AssertionError(f"the launch ended with {self.returncode}:\n{self.output}")
+        return self.out(name)

@@ -1,0 +1,62 @@
+"""Several runs of one ``torchrun`` worker in one launch, so that torch, the ranks and gloo start once.
+
+A launch of ``torchrun --nproc-per-node 4`` costs about 10 s on two cores
+before a worker does anything (five interpreters importing torch), more than
+most runs themselves.  The ZeRO tests that share a daemon and a world size
+therefore run their scenarios in one launch: every rank calls the worker's
+``main(argv)`` once per scenario, in order, over one process group that this
+launcher makes; each scenario makes and closes its own optimizers (a job of
+its own in the daemon), and each test then reads its scenario's outputs.
+
+Usage, under ``torchrun``::
+
+    scenarios.py WORKER_FILE PLAN_JSON
+
+``PLAN_JSON`` is a file holding ``[[name, [arg, ...]], ...]``.  A scenario
+that raises writes its traceback to ``<PLAN_JSON dir>/<name>.error.<rank>``
+and ends the launch (its peers may be waiting in a collective; torchrun ends
+them); the scenarios after it did not run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def main() -> int:
+    worker_file, plan_file = Path(sys.argv[1]), Path(sys.argv[2])
+    spec = importlib.util.spec_from_file_location(worker_file.stem, worker_file)
+    assert spec is not None and spec.loader is not None, worker_file
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    # one process group for every run: torch's default group made again over the launcher's store can meet
+    # the previous group's keys there and hang; the workers use a group that is already made
+    dist.init_process_group("gloo")
+    rank = os.environ.get("RANK", "0")
+    for name, argv in json.loads(plan_file.read_text()):
+        try:
+            code = worker.main(argv)
+        except BaseException:
+            (plan_file.parent / f"{name}.error.{rank}").write_text(traceback.format_exc())
+            return 1
+        if code:
+            (plan_file.parent / f"{name}.error.{rank}").write_text(f"main returned {code}")
+            return code
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # what the tests check is written by now: leave without interpreter finalization, in which torch's gloo
+    # once aborted a rank that had already destroyed its process group
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
