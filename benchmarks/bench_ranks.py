@@ -57,12 +57,17 @@ rank (its session threads share its cores).  On two cores this separates the
 four trainers' own CPU (their STEPs, replies and barriers, about 0.4 ms per
 extra rank) from the scheduling.
 
+``--threads T`` sets the daemon's ``adam.threads`` (default: one per core
+it may use).  One thread leaves a core to the trainers' wake-ups, but on two
+cores it is slower at 4 ranks, not faster (16M: 1.20x against 1.08x with
+two threads, the 1-rank update 17.0 against 12.4 ms).
+
 ``--rounds R`` runs the whole sequence (every rank count, every mode) R
 times, interleaved: a figure is the median over the rounds, and each ratio is
 taken within its round, so the machine's drift between rounds stays out of it.
 
     .venv/bin/python benchmarks/bench_ranks.py [--numel 16M] [--ranks 1,2,4] [--steps 8] [--rounds 3]
-        [--chunk 4M] [--json out.json]
+        [--chunk 4M] [--threads T] [--daemon-cpus C] [--json out.json]
 """
 
 from __future__ import annotations
@@ -135,6 +140,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="run every rank count and mode this many times, interleaved")
     ap.add_argument("--no-peer", action="store_true", help="tiermem only (its paired 1-rank ratio needs no peer)")
     ap.add_argument("--chunk", default="", help="the daemon's adam.chunk_numel (its task size), e.g. 16M")
+    ap.add_argument("--threads", type=int, default=0, help="the daemon's adam.threads (0: one per core it may use)")
     ap.add_argument("--daemon-cpus", default="", help="the daemon on these CPUs (0,1 or 0-1), the ranks on the rest")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()
@@ -142,14 +148,16 @@ def main() -> None:
         ap.error("--rounds must be >= 1")
     numel = _count(args.numel)
     counts = [int(n) for n in args.ranks.split(",")]
-    settings = {"adam.chunk_numel": _count(args.chunk)} if args.chunk else None
+    settings: dict[str, int] = {"adam.chunk_numel": _count(args.chunk)} if args.chunk else {}
+    if args.threads:
+        settings["adam.threads"] = args.threads
     everything = os.sched_getaffinity(0)
     pinned = _cpus(args.daemon_cpus) if args.daemon_cpus else set()
     if pinned and (not pinned < everything):
         ap.error(f"--daemon-cpus must be a proper subset of this process's CPUs {sorted(everything)}")
     if pinned:
         os.sched_setaffinity(0, pinned)  # the daemon (and every thread it starts) inherits it
-    daemon = EmbeddedDaemon(pool_size=max(1 * GiB, numel * 10), settings=settings)
+    daemon = EmbeddedDaemon(pool_size=max(1 * GiB, numel * 10), settings=settings or None)
     ranks_cpus = everything - pinned if pinned else everything
     runs: list[dict[int, dict[str, dict]]] = []
     try:
