@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ class Launch:
         """The ``--out`` path of scenario ``name``."""
         return self.tmp / name / "out"
 
-    def run(self, timeout_s: float = 600.0) -> Launch:
+    def run(self, timeout_s: float = 240.0) -> Launch:
+        """Launch it; a launch still running after ``timeout_s`` is killed (below pytest's own 300 s, so the
+        tests report the launch's output rather than a stack dump)."""
         plan = []
         for name, args in self.plan.items():
             self.out(name).parent.mkdir(parents=True, exist_ok=True)
@@ -47,18 +50,20 @@ class Launch:
             TMPDIR=str(self.tmp),
             TIERMEM_SECRET_FILE=str(self.tmp / "job-secret"),  # the user's job secret, out of the home directory
         )
+        process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
+             SCENARIOS, self.worker, str(plan_file)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,  # a launch that hangs is killed with its ranks, not only torchrun
+        )  # fmt: skip
         try:
-            done = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
-                 SCENARIOS, self.worker, str(plan_file)],
-                env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
-            )  # fmt: skip
-        except subprocess.TimeoutExpired as exc:
-            self.returncode = -1
-            self.output = f"timed out after {timeout_s} s:\n{exc.stderr!r}"[-6000:]
-            return self
-        self.returncode = done.returncode
-        self.output = (done.stdout + done.stderr)[-6000:]
+            output, _ = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            output = f"killed after {timeout_s} s:\n{output}"
+        self.returncode = process.returncode
+        self.output = output[-6000:]
         return self
 
     def check(self, name: str) -> Path:
