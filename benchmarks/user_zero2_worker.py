@@ -9,6 +9,12 @@ The process then ends as a user's script does: ``close()``,
 Rank 0 writes, as JSON, the largest difference of the final params from
 ``torch.optim.AdamW`` + ``clip_grad_norm_`` trained in one process on the
 same global batches.
+
+``--optimizer torch`` is the control without tiermem: the same script with
+each rank all-reducing the grads itself (DDP's mean) into
+``torch.optim.AdamW`` after ``clip_grad_norm_``, the same checkpoint, resume
+and exit (its resumed run does not restore AdamW's state bit for bit, so its
+params are not compared).
 """
 
 from __future__ import annotations
@@ -21,8 +27,6 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from tiermem.distributed import ShardedOffloadAdam
 
 ROWS_PER_RANK = 8
 
@@ -48,11 +52,16 @@ def main() -> None:
     ap.add_argument("--resume-at", type=int, default=10)
     ap.add_argument("--tier", default="cpu")
     ap.add_argument("--dir", required=True, help="checkpoints and the result go here")
+    ap.add_argument("--optimizer", choices=["tiermem", "torch"], default="tiermem")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    def optimizer(model: nn.Module, job_id: str | None = None) -> ShardedOffloadAdam:
+    def optimizer(model: nn.Module, job_id: str | None = None) -> torch.optim.Optimizer:
+        if args.optimizer == "torch":
+            return _ReducingAdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        from tiermem.distributed import ShardedOffloadAdam  # the control never imports tiermem
+
         return ShardedOffloadAdam(
             model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=1.0, offload=args.tier, job_id=job_id
         )
@@ -64,7 +73,7 @@ def main() -> None:
     for step in range(args.steps):
         if step == args.resume_at:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, ckpt)
-            opt.close()
+            opt.close()  # type: ignore[attr-defined]
             model = build()
             opt = optimizer(model, job_id=f"resumed-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
             saved = torch.load(ckpt)
@@ -78,7 +87,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         sched.step()
-    if rank == 0:
+    if rank == 0 and args.optimizer == "tiermem":
         ref = build()
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
         ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule)
@@ -95,8 +104,23 @@ def main() -> None:
         )
         with open(os.path.join(args.dir, "result.json"), "w") as f:
             json.dump({"param_diff": diff, "ranks": world, "tier": args.tier}, f)
-    opt.close()
+    opt.close()  # type: ignore[attr-defined]
     dist.destroy_process_group()
+
+
+class _ReducingAdamW(torch.optim.AdamW):
+    """The control: DDP's mean of the grads, a global clip and AdamW, all in this process."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p in params:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        nn.utils.clip_grad_norm_(params, 1.0)
+        return super().step(closure)
+
+    def close(self) -> None:
+        pass
 
 
 if __name__ == "__main__":
