@@ -95,7 +95,7 @@ def _attached(log: str, job: str, rank: int, world: int) -> bool:
 def check_equal(tmp: Path, world: int, *, skipped: int = 0, base: str = "result") -> dict[str, Any]:
     ranks = results(tmp, world, base)
     first = ranks[0]
-    assert "param_diff" in first, (ranks, logs(tmp) if base == "result" else "")
+    assert "param_diff" in first, (ranks, logs(tmp))
     assert first["moved"] > 1e-2, "training did not move the params"
     assert first["param_diff"] <= TOLERANCE and first["state_diff"] <= TOLERANCE, first
     assert first["step_equal"] and first["same_params_with_state"], first
