@@ -59,6 +59,7 @@ from tiermem.errors import (
     ConfigError,
     DaemonUnavailable,
     InvalidArgument,
+    InvalidState,
     ProtocolError,
     TiermemError,
     UnsafePathError,
@@ -296,7 +297,8 @@ class Client:
         self.window: torch.Tensor = torch.empty(0, dtype=torch.uint8)
         """The staging window (bounded; state transfer goes through it)."""
         self.storage: torch.Tensor = torch.empty(0, dtype=torch.uint8)
-        """The shared storage of the registered params and grads (mapped at ``register``)."""
+        """The shared storage of the registered params and grads (mapped at ``register``), as one tensor."""
+        self._storage_map: memoryview | None = None
         self.peers_linger_s = 0.0
         """With an embedded daemon that other processes use too (the private daemon of a node's ranks): how
         long ``close`` waits for their connections to end before it stops the daemon under them."""
@@ -373,8 +375,27 @@ class Client:
         finally:
             os.close(fds[0])
         # the tensors' views keep the mapping alive after the client closes (the model keeps its params)
-        self.storage = torch.frombuffer(storage, dtype=torch.uint8)
+        self._storage_map = memoryview(storage)
+        self.storage = torch.frombuffer(self._storage_map, dtype=torch.uint8)
         return reply
+
+    def storage_tensor(self, offset: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the shared storage from ``offset`` as a uint8 tensor with a torch storage of its own.
+
+        Model params and grads are bound to these, never to views of ``storage``: checkpoint writers
+        (``safetensors``, ``accelerate``, ``torch.save``) treat views of one storage as tied tensors and keep
+        one of them (or write the whole storage per tensor).  Each storage here is its own object over its own
+        bytes of the mapping, so every tensor is saved alone, at its own size.
+        """
+        if self._storage_map is None:
+            raise InvalidState("no shared storage is mapped: register with the shared exchange first")
+        if offset < 0 or nbytes < 0 or offset + nbytes > len(self._storage_map):
+            raise InvalidArgument(
+                f"bytes [{offset}, {offset + nbytes}) lie outside the shared storage of {len(self._storage_map)} bytes"
+            )
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self._storage_map[offset : offset + nbytes], dtype=torch.uint8)
 
     def bucket_ready(
         self,
@@ -447,6 +468,7 @@ class Client:
     def _unmap(self) -> None:
         self.window = torch.empty(0, dtype=torch.uint8)
         self.storage = torch.empty(0, dtype=torch.uint8)
+        self._storage_map = None
         if self._mmap is not None:
             with contextlib.suppress(BufferError):
                 self._mmap.close()

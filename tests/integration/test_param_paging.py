@@ -415,6 +415,21 @@ def test_meta_params_without_an_initializer_are_refused(offload: OffloadDaemon) 
         tiermem.offload_params(model, opt, device_budget="1KiB")
 
 
+def test_meta_params_without_the_staged_exchange_are_refused_at_construction(offload: OffloadDaemon) -> None:
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    with pytest.raises(InvalidArgument, match=r"2 of 2 params .* meta device.*offload_params"):
+        offload.make(model.parameters(), offload="cpu", **HYPER)
+
+
+def test_meta_params_never_paged_are_refused_at_step_by_name(offload: OffloadDaemon) -> None:
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    opt = make_opt(offload, model)
+    with pytest.raises(InvalidState, match=r"param 0 .* meta device at step\(\).*offload_params"):
+        opt.step()
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

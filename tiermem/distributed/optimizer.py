@@ -268,14 +268,18 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         params: list[torch.Tensor | None] = [None] * buckets
         grads: list[torch.Tensor | None] = [None] * buckets
         entries = self._shared
-        if self.device.type != "cpu" or not entries or len(entries[0].grad_views) != 1:
+        if self.device.type != "cpu" or not entries or len(entries[0].grad_views) != 1 or self.inner is None:
             return params, grads  # device params: the collectives run on the device; two grad buffers: alternated
+        base = self.inner.client.storage
         for b, bucket in enumerate(self.layout.buckets):
             members = self._by_bucket[b]
             if not members or sum(self.pieces[i].numel for i in members) != bucket.slice_numel:
                 continue
             first = entries[members[0]]
-            runs = [_run_from(first.view, bucket.slice_numel), _run_from(first.grad_views[0], bucket.slice_numel)]
+            runs = [
+                _run_from(base, first.view, bucket.slice_numel),
+                _run_from(base, first.grad_views[0], bucket.slice_numel),
+            ]
             if all(
                 view.data_ptr() == run.data_ptr() + self.pieces[i].at * run.element_size()
                 for i in members
@@ -814,10 +818,11 @@ class _Reduce:
                 grads[i].copy_(out[piece.at : piece.at + piece.numel])
 
 
-def _run_from(first: torch.Tensor, numel: int) -> torch.Tensor:
-    """``numel`` elements of ``first``'s storage from where ``first`` starts (a flat view across the tensors
-    laid out after it)."""
-    return torch.as_strided(first, (numel,), (1,), first.storage_offset())
+def _run_from(base: torch.Tensor, first: torch.Tensor, numel: int) -> torch.Tensor:
+    """``numel`` elements of the shared storage ``base`` (uint8) from where ``first`` starts: a flat view across
+    the tensors laid out after it (each of which has a torch storage of its own over the same mapping)."""
+    offset = first.data_ptr() - base.data_ptr()
+    return base[offset : offset + numel * first.element_size()].view(first.dtype)
 
 
 def _as_tuple(value: Any) -> Any:

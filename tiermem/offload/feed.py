@@ -48,6 +48,9 @@ class TensorEntry:
     bucket: int
     landed: bool = False
     """Its grad reached the grad buffer in this step."""
+    landed_version: int = -1
+    """Its grad view's version counter when its grad last landed (each grad view has a storage, and so a
+    version counter, of its own)."""
 
     def describe(self) -> str:
         return f"param {self.index} (shape {tuple(self.view.shape)}, {self.view.dtype})"
@@ -67,8 +70,6 @@ class GradFeed:
     instead of the storage's grad buffer, so no grad memory stays on this side."""
     accumulated: bool = False
     """A grad landed twice in this step (gradient accumulation)."""
-    landed_version: int | None = None
-    """The grad buffers' version counter after the last landing (all grad views share one counter)."""
     _by_param: dict[int, TensorEntry] = field(default_factory=dict)
     _left: list[int] = field(default_factory=list)
     _hooks: list[Any] = field(default_factory=list)
@@ -102,7 +103,6 @@ class GradFeed:
         for e in self.entries:
             e.landed = False
         self.accumulated = False
-        self.landed_version = None
         self._left = [len(m) for m in self.buckets.members]
 
     # ----------------------------------------------------------------- landing
@@ -141,15 +141,15 @@ class GradFeed:
             self.accumulated = True
         entry.landed = True
         entry.param.grad = None if self.release_grads else target
-        self.landed_version = target._version
+        entry.landed_version = target._version
 
     @property
     def changed_after_landing(self) -> bool:
         """Grads were changed in place after the last hook ran (``clip_grad_norm_``, ``GradScaler.unscale_``;
         edits through ``.data`` do not count: torch's version counters do not see them)."""
-        if self.landed_version is None or not self.entries:
-            return False
-        return bool(self.entries[0].grad_views[self.buffer]._version != self.landed_version)
+        if self.push is not None:
+            return False  # the grads went to the daemon as they landed; none stays here to be edited
+        return any(e.landed and e.grad_views[self.buffer]._version != e.landed_version for e in self.entries)
 
     @staticmethod
     def _copy_in(target: torch.Tensor, grad: torch.Tensor, *, accumulate: bool) -> None:

@@ -216,6 +216,14 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         dtype = dtypes.by_torch(kinds.pop())
         on_cpu = all(p.device.type == "cpu" for p in params)
         exchange = self._exchange_asked
+        meta = [i for i, p in enumerate(params) if p.is_meta]
+        if meta and exchange is not Exchange.STAGED:
+            raise InvalidArgument(
+                f"{len(meta)} of {len(params)} params (first: param {meta[0]}, shape {tuple(params[meta[0]].shape)}) "
+                "are on the meta device and have no values for OffloadAdam to update; build the model on the CPU "
+                "or a GPU, or page it from the meta device: OffloadAdam(..., exchange='staged') then "
+                "tiermem.offload_params(model, opt, init=...)"
+            )
         if exchange is Exchange.AUTO:
             exchange = Exchange.SHARED if on_cpu else Exchange.STAGED
         if exchange is Exchange.SHARED and not on_cpu:
@@ -307,11 +315,11 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
     def _bind_shared(
         self, client: Client, params: list[torch.nn.Parameter], slots: Any, dtype: Any, *, reattached: bool
     ) -> None:
-        storage = client.storage
         buckets = plan_buckets([p.numel() * dtype.itemsize for p in params], self.bucket_nbytes)
 
         def view(offset: int, length: int, p: torch.Tensor) -> torch.Tensor:
-            return storage[offset : offset + length].view(dtype.torch).view(p.shape)
+            # a torch storage of its own per param and per grad: checkpoint writers see distinct tensors
+            return client.storage_tensor(offset, length).view(dtype.torch).view(p.shape)
 
         self._entries = [
             TensorEntry(

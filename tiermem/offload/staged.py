@@ -265,6 +265,11 @@ class StagedFeed:
                 )
             if p.device != e.device or p.shape != e.shape:
                 raise InvalidState(f"{e.describe()} is now {tuple(p.shape)} on {p.device}; it may not change")
+            if p.is_meta:
+                raise InvalidState(
+                    f"{e.describe()} is still on the meta device at step(): it has no values; page the model "
+                    "with tiermem.offload_params(model, opt, init=...) before training, or build it on a real device"
+                )
             grad = p.grad
             if grad is None:
                 if e.landed:
