@@ -179,8 +179,11 @@ def adam_families(node: NodeStats) -> Iterator[Any]:
     yield _counter(
         "tiermem_adam_grad_stats_seconds", "Time spent on gradient norms and overflow checks.", t.grad_stats_s
     )
-    yield _counter("tiermem_steps", "Optimizer steps applied or skipped, summed over ranks.", t.steps)
-    yield _counter("tiermem_skipped_steps", "Steps skipped because a gradient was inf or nan.", t.skipped_steps)
+    yield _counter("tiermem_steps", "Optimizer steps applied, summed over ranks (skips are not steps).", t.steps)
+    yield _counter(
+        "tiermem_skipped_steps", "Steps skipped (GradScaler found an inf or nan grad), summed over ranks.",
+        t.skipped_steps,
+    )  # fmt: skip
     ranks = [r for job in node.jobs for r in job.ranks]
     yield _gauge(
         "tiermem_dpu_staleness_steps", "Largest lag of the params behind the state over ranks (1: a delayed update "

@@ -59,6 +59,7 @@ class StepCounts:
     last_step: int
     steps: tuple[int, ...]
     failed_step: int = 0
+    skipped_steps: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,6 +67,7 @@ class StepCounts:
             "last_step": self.last_step,
             "steps": list(self.steps),
             "failed_step": self.failed_step,
+            "skipped_steps": self.skipped_steps,
         }
 
     @classmethod
@@ -75,6 +77,7 @@ class StepCounts:
             last_step=int(d["last_step"]),
             steps=tuple(int(x) for x in d["steps"]),
             failed_step=int(d.get("failed_step", 0)),
+            skipped_steps=int(d.get("skipped_steps", 0)),
         )
 
 
@@ -89,6 +92,8 @@ class RankRecord:
     last_step: int
     failed_step: int = 0
     """Nonzero: the update of this step failed part-way; the rank comes back FAILED."""
+    skipped_steps: int = 0
+    """Steps skipped (``GradScaler`` overflows) up to ``last_step``: the rank's skip count survives a restart."""
     exchange: str = "shared"
     grads_in_state: bool = False
     generation: int = 0
@@ -102,7 +107,7 @@ class RankRecord:
 
     @property
     def counts(self) -> StepCounts:
-        return StepCounts(self.generation, self.last_step, self.steps, self.failed_step)
+        return StepCounts(self.generation, self.last_step, self.steps, self.failed_step, self.skipped_steps)
 
     def pending(self, generation: int, durable: StepCounts | None) -> RankRecord:
         """This record as the counts of ``generation``, with ``durable`` (the generation before) kept."""
@@ -122,6 +127,7 @@ class RankRecord:
                 last_step=p.last_step,
                 steps=p.steps,
                 failed_step=p.failed_step,
+                skipped_steps=p.skipped_steps,
                 previous=None,
                 lost="",
             )
@@ -142,6 +148,7 @@ class RankRecord:
             "steps": list(self.steps),
             "last_step": self.last_step,
             "failed_step": self.failed_step,
+            "skipped_steps": self.skipped_steps,
             "exchange": self.exchange,
             "grads_in_state": self.grads_in_state,
             "generation": self.generation,
@@ -165,6 +172,7 @@ class RankRecord:
             steps=steps,
             last_step=int(d["last_step"]),
             failed_step=int(d.get("failed_step", 0)),
+            skipped_steps=int(d.get("skipped_steps", 0)),
             exchange=str(d.get("exchange", "shared")),
             grads_in_state=bool(d.get("grads_in_state", False)),
             generation=int(d["generation"]),

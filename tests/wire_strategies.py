@@ -59,7 +59,8 @@ def valid(kind: Kind) -> st.SearchStrategy[Any]:
         floats = st.floats(lo, hi, exclude_min=kind.lo_open, exclude_max=kind.hi_open)
         some = [i for i in range(math.ceil(lo), math.ceil(lo) + 6) if passes(kind, i)]
         ints = st.sampled_from(some) if some else st.nothing()  # valid: float()ed
-        extra = st.sampled_from([math.nan, math.inf]) if not kind.finite else st.nothing()
+        non_finite = [x for x in (math.nan, math.inf) if passes(kind, x)] if not kind.finite else []
+        extra = st.sampled_from(non_finite) if non_finite else st.nothing()  # inf only where the bounds allow
         return floats | ints | extra
     if kind is Bool:
         return st.booleans()

@@ -16,8 +16,10 @@ A ``RankOptimizer`` owns, for one rank of one job:
   overlapped attempt, and the update runner.
 
 A step (``STEP``) is validated completely before anything changes; then the
-gradient statistics are taken if the step clips or may skip; an overflow skips
-the step (state and counts untouched); else the planner's pieces run.  An
+gradient statistics are taken if the step clips, and ``tiermem.optim.step_rules``
+decides: a skip (the trainer's, from ``GradScaler``) leaves params, state and
+the step count untouched and counts the skip; else the planner's pieces run
+with the decided grad scale.  An
 update that raises leaves the rank FAILED (``StepFailed`` for every later
 request until every tensor's state is reset and reloaded), and the job file of
 a FAILED rank says so: nothing is recorded as applied that was not.
@@ -34,6 +36,7 @@ request of any kind waits for it first.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +49,7 @@ from tiermem import dtypes
 from tiermem.errors import InvalidArgument, InvalidState, StepFailed, TiermemError
 from tiermem.layout import Layout, plan_layout
 from tiermem.layout import TensorSpec as LayoutSpec
+from tiermem.optim.step_rules import GradStats, combine_grad_stats, decide
 from tiermem.pool import Arena
 from tiermem.protocol import (
     Abort,
@@ -218,6 +222,7 @@ class RankOptimizer(StateIO):
             for rec, step in zip(self.records, restored.steps, strict=True):
                 rec.step = step
             self.last_step = restored.last_step
+            self.skipped_steps = restored.skipped_steps
             self.restored = None
             self.phase.move(RankPhase.IDLE)
             if restored.failed_step:
@@ -410,12 +415,18 @@ class RankOptimizer(StateIO):
         self._check_groups(msg.groups)
         if not (msg.loss_scale > 0 and math.isfinite(msg.loss_scale)):
             raise InvalidArgument(f"loss_scale must be a positive finite number, got {msg.loss_scale}")
+        if msg.max_grad_norm is not None and msg.clip_coef is not None:
+            raise InvalidArgument(
+                "a STEP gives max_grad_norm (the daemon clips by the rank's norm) or clip_coef (the trainer's, "
+                "from the global norm), not both"
+            )
         ids = check_ids(msg.tensor_ids, len(self.records))
         groups = tuple(msg.groups) or self.groups
         if attempt is not None:
             self._close_attempt(attempt)  # the overlapped updates of this step are done (or the rank failed)
             self.phase.check_usable()
-            if msg.loss_scale != 1.0 or msg.max_grad_norm is not None or msg.skip_nonfinite or groups != attempt.groups:
+            rules = msg.loss_scale != 1.0 or msg.max_grad_norm is not None or msg.clip_coef is not None
+            if rules or msg.skip or groups != attempt.groups:
                 raise InvalidState(
                     f"step {msg.step} asks for loss scaling, clipping or other hyper-parameters, but "
                     f"{len(attempt.applied)} tensor(s) were already updated as their buckets landed; they keep "
@@ -426,20 +437,24 @@ class RankOptimizer(StateIO):
         t0 = time.perf_counter()
         grads = None if self.grads_in_state else self._region(layout.grad_offsets[msg.grad_buffer])
         inv_scale = 1.0 / msg.loss_scale
-        grad_norm: float | None = None
-        found_inf = False
-        if msg.max_grad_norm is not None or msg.skip_nonfinite:
-            grad_norm, found_inf = self._grad_stats(grads, ids, inv_scale)
+        stats = None
+        if msg.max_grad_norm is not None and not msg.skip:
+            stats = self._grad_stats(grads, ids, inv_scale)
+        decision = decide(stats, inv_scale=inv_scale, max_grad_norm=msg.max_grad_norm, scaler_found_inf=msg.skip)
         t1 = time.perf_counter()
         self.timings["stats_s"] += t1 - t0
-        if found_inf and msg.skip_nonfinite:
-            self.last_step = msg.step
+        if decision.skip:
             self.skipped_steps += 1
-            return StepDone(step=msg.step, attempt=msg.attempt, found_inf=True, grad_norm=grad_norm)
-        clip_coef = 1.0
-        if msg.max_grad_norm is not None and grad_norm is not None:
-            clip_coef = min(1.0, msg.max_grad_norm / (grad_norm + 1e-6))
-        grad_scale = inv_scale * clip_coef
+            return StepDone(
+                step=self.last_step,
+                attempt=msg.attempt,
+                skipped=True,
+                nonfinite=decision.nonfinite,
+                skipped_steps=self.skipped_steps,
+                grad_norm=decision.grad_norm,
+            )
+        grad_scale = decision.grad_scale if msg.clip_coef is None else inv_scale * msg.clip_coef
+        grad_norm, nonfinite = decision.grad_norm, decision.nonfinite
         if msg.delayed:
             self._install(ids)
             if not self.master_in_params and not self.staged:
@@ -454,7 +469,12 @@ class RankOptimizer(StateIO):
             self._uninstalled.update(ids)
             self.phase.move(RankPhase.DELAYED)
             return StepDone(
-                step=msg.step, attempt=msg.attempt, found_inf=found_inf, grad_norm=grad_norm, params_ready=False
+                step=msg.step,
+                attempt=msg.attempt,
+                nonfinite=nonfinite,
+                skipped_steps=self.skipped_steps,
+                grad_norm=grad_norm,
+                params_ready=False,
             )
         self._install(ids)
         pieces = self._advance(ids, groups)
@@ -468,45 +488,37 @@ class RankOptimizer(StateIO):
         return StepDone(
             step=msg.step,
             attempt=msg.attempt,
-            found_inf=found_inf,
+            nonfinite=nonfinite,
+            skipped_steps=self.skipped_steps,
             grad_norm=grad_norm,
             timings=(("stats", t1 - t0), ("update", t2 - t1)),
         )
 
-    def _grad_stats(self, grads: torch.Tensor | None, ids: Sequence[int], inv_scale: float) -> tuple[float, bool]:
-        """The global norm of the unscaled grads of ``ids`` (in the storage, or staged in the ``grad`` key)
-        and whether any is inf/nan."""
+    def _grad_stats(self, grads: torch.Tensor | None, ids: Sequence[int], inv_scale: float) -> GradStats:
+        """The statistics of the unscaled grads of ``ids`` (in the storage, or staged in the ``grad`` key).
+
+        Taken over the same pieces (each tensor cut at the state's chunk boundaries) and summed in the same
+        order whichever exchange holds the grads, so both exchanges get the same norm to the last bit."""
         futures = []
         _, state = self._parts()
         for tid in ids:
             rec = self.records[tid]
-            if grads is not None:
-                piece = grads[rec.start : rec.stop]
-                futures.append(
-                    self.scheduler.submit(self.tenant, lambda piece=piece: self.kernel.grad_stats(piece, 1.0))
-                )
-                continue
             for chunk, a, b in chunk_ranges(rec.start, rec.stop, state.chunk_numel):
-                futures.append(
-                    self.scheduler.submit(self.tenant, lambda c=chunk, a=a, b=b: self._staged_stats(c, a, b))
-                )
-        total_sq = 0.0
-        found_inf = False
-        for future in futures:
-            sq, nonfinite = health.wait(future)
-            total_sq += sq
-            found_inf = found_inf or nonfinite
-        grad_norm = math.sqrt(total_sq) * inv_scale if math.isfinite(total_sq) else math.inf
-        return grad_norm, found_inf or not math.isfinite(grad_norm)
+                if grads is not None:
+                    task = functools.partial(self.kernel.grad_stats, grads[a:b], inv_scale)
+                else:
+                    task = functools.partial(self._staged_stats, chunk, a, b, inv_scale)
+                futures.append(self.scheduler.submit(self.tenant, task))
+        return combine_grad_stats(health.wait(future) for future in futures)
 
-    def _staged_stats(self, chunk: int, a: int, b: int) -> tuple[float, bool]:
+    def _staged_stats(self, chunk: int, a: int, b: int, inv_scale: float) -> tuple[float, bool]:
         _, state = self._parts()
         c0 = chunk * state.chunk_numel
         tensors = state.acquire(chunk)
         try:
             if tensors.grad is None:
                 raise InvalidState("the rank keeps no staged grads")
-            return self.kernel.grad_stats(tensors.grad[a - c0 : b - c0], 1.0)
+            return self.kernel.grad_stats(tensors.grad[a - c0 : b - c0], inv_scale)
         finally:
             state.release(chunk, dirty=False)
 
@@ -566,6 +578,7 @@ class RankOptimizer(StateIO):
             steps=tuple(rec.step for rec in self.records),
             last_step=self.last_step,
             failed_step=self.phase.failed_step if self.phase.phase is RankPhase.FAILED else 0,
+            skipped_steps=self.skipped_steps,
             exchange=self.exchange,
             grads_in_state=self.grads_in_state,
         )

@@ -25,7 +25,7 @@ class RankStats:
     """``cpu`` or ``nvme``; empty before REGISTER."""
     last_step: int
     skipped_steps: int
-    """Steps skipped because a gradient was inf/nan."""
+    """Steps skipped (the trainer's GradScaler found an inf/nan grad): never counted in ``last_step``."""
     failed: bool
     overlapped_tensors: int
     tensors: int

@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tiermem import __version__
 from tiermem.errors import AuthError
 from tiermem.offload import OffloadAdam
+from tiermem.optim.step_rules import decide
 from tiermem.units import parse_size
 
 pytestmark = pytest.mark.timeout(300)
@@ -155,6 +156,45 @@ def test_a_cpu_job_is_counted_as_the_test_ran_it(metered: tuple[DaemonProcess, i
     # the job is gone, its work stays counted: node counters never go down
     assert value(after, "tiermem_steps_total") == value(busy, "tiermem_steps_total")
     assert value(after, "tiermem_adam_updated_params_total") == value(busy, "tiermem_adam_updated_params_total")
+
+
+def test_skipped_steps_are_counted_by_the_daemon_and_survive_a_reattach(metered: tuple[DaemonProcess, int]) -> None:
+    """GradScaler overflows reach the daemon as skipped STEPs: it counts them (not as steps), the optimizer
+    mirrors its counts, a reattach restores them, and the node's counters never go down."""
+    daemon, port = metered
+    before = scrape(port)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id="metrics-skips", offload="cpu")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=1000)  # overflows fp32 for a while
+    history = []
+    for _ in range(14):
+        scaler.scale(model(torch.randn(4, 8)).square().mean() * 1000).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        history.append(opt.last_skipped)
+    skipped, applied = sum(history), len(history) - sum(history)
+    assert skipped >= 2 and applied >= 1, history
+    assert (opt.steps, opt.skipped_steps) == (applied, skipped)
+    busy = scrape(port)
+    assert value(busy, "tiermem_skipped_steps_total") - value(before, "tiermem_skipped_steps_total") == skipped
+    assert value(busy, "tiermem_steps_total") - value(before, "tiermem_steps_total") == applied
+    token = opt.token
+    opt.close(keep_state=True)
+    again = OffloadAdam(
+        model.parameters(), lr=1e-3, client=daemon.client(), job_id="metrics-skips", offload="cpu", token=token
+    )
+    assert (again.steps, again.skipped_steps) == (applied, skipped)
+    again.step(decision=decide(None, scaler_found_inf=True))  # one more skip, as the sharded optimizers hand it
+    assert (again.steps, again.skipped_steps, again.last_skipped) == (applied, skipped + 1, True)
+    after = scrape(port)
+    for name in ("tiermem_steps_total", "tiermem_skipped_steps_total"):
+        assert value(after, name) >= value(busy, name), name
+    again.close()
+    gone = scrape(port)
+    for name in ("tiermem_steps_total", "tiermem_skipped_steps_total"):
+        assert value(gone, name) >= value(after, name), name
 
 
 def test_an_nvme_job_pages_and_its_io_is_counted(metered: tuple[DaemonProcess, int]) -> None:

@@ -259,3 +259,77 @@ def test_staged_sparse_grads_are_refused_naming_sparse(offload: OffloadDaemon) -
     with pytest.raises(InvalidArgument, match="sparse"):
         opt.step()
     F.mse_loss(torch.zeros(1), torch.zeros(1))  # the process goes on
+
+
+# ----------------------------------------------------------------------------- step rules: the two exchanges agree
+
+
+def _run_with_an_inf_grad(opt: Any, model: nn.Module, scaler: Any = None) -> list[tuple[Any, ...]]:
+    """Five steps, an inf in one grad at step 3; per step: (found inf, skipped, norm, params)."""
+    out = []
+    for step, (x, y) in enumerate(mlp_batches(5), start=1):
+        loss = mlp_loss(model, (x, y))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if step == 3:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        params = [p.detach().clone() for p in model.parameters()]
+        out.append((opt.last_found_inf, opt.last_skipped, opt.last_grad_norm, params))
+    return out
+
+
+def _assert_same_steps(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> None:
+    for step, (x, y) in enumerate(zip(a, b, strict=True), start=1):
+        assert x[:2] == y[:2], f"step {step}: found inf / skipped {x[:2]} (shared) against {y[:2]} (staged)"
+        assert (x[2] is None) == (y[2] is None), step
+        if x[2] is not None:
+            assert x[2] == y[2] or (x[2] != x[2] and y[2] != y[2]), (step, x[2], y[2])  # NaN: both NaN
+        for p, q in zip(x[3], y[3], strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True, msg=f"step {step}")
+
+
+def test_shared_and_staged_exchanges_agree_step_by_step_when_clipping_an_inf_grad(offload: OffloadDaemon) -> None:
+    """``clip_grad_norm_`` over an inf norm multiplies every grad by 0 (the inf one becomes NaN) and torch
+    applies it: so do both exchanges, and the staged one hands the model the params the daemon made."""
+    m_shared, m_staged, m_ref = replicas(mlp(), 3)
+    shared = offload.make(m_shared.parameters(), offload="cpu", exchange="shared", max_grad_norm=1.0, **HYPER)
+    stage = staged(offload, m_staged.parameters(), "cpu", max_grad_norm=1.0, **HYPER)
+    a = _run_with_an_inf_grad(shared, m_shared)
+    b = _run_with_an_inf_grad(stage, m_staged)
+    _assert_same_steps(a, b)
+    assert [s[:2] for s in a] == [(False, False), (False, False), (True, False), (True, False), (True, False)]
+    # torch: clip_grad_norm_ then AdamW gives the same params (NaN where the inf grad went)
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    for step, batch in enumerate(mlp_batches(5), start=1):
+        mlp_loss(m_ref, batch).backward()
+        if step == 3:
+            next(m_ref.parameters()).grad.view(-1)[0] = float("inf")
+        torch.nn.utils.clip_grad_norm_(m_ref.parameters(), 1.0)
+        ref.step()
+        ref.zero_grad()
+    for p, q in zip(m_ref.parameters(), m_staged.parameters(), strict=True):
+        torch.testing.assert_close(q, p, equal_nan=True)
+    shared.close()
+    stage.close()
+
+
+def test_shared_and_staged_exchanges_agree_step_by_step_on_a_grad_scaler_overflow(offload: OffloadDaemon) -> None:
+    """A ``GradScaler`` overflow skips the step in the daemon (its skip count) and nowhere else changes."""
+    m_shared, m_staged = replicas(mlp(), 2)
+    shared = offload.make(m_shared.parameters(), offload="cpu", exchange="shared", **HYPER)
+    stage = staged(offload, m_staged.parameters(), "cpu", **HYPER)
+    runs = []
+    for opt, model in ((shared, m_shared), (stage, m_staged)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        runs.append(_run_with_an_inf_grad(opt, model, scaler))
+    _assert_same_steps(*runs)
+    assert [s[:2] for s in runs[0]] == [(False, False), (False, False), (True, True), (False, False), (False, False)]
+    for opt in (shared, stage):
+        assert (opt.steps, opt.skipped_steps) == (4, 1)
+        assert opt.stats().rank.skipped_steps == 1
+        opt.close()

@@ -96,6 +96,7 @@ from tiermem.offload.args import HYPER_KEYS, check_hyper, check_torch_flags, opt
 from tiermem.offload.feed import GradFeed, TensorEntry
 from tiermem.offload.optimizer import OffloadAdam
 from tiermem.offload.transfer import adopt_saved_groups, packed_groups, plan_load
+from tiermem.optim.step_rules import GradStats, decide
 from tiermem.units import MiB
 
 __all__ = ["ShardedOffloadAdam"]
@@ -431,42 +432,35 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         values = stats.cpu()
         total_sq = float(values[0])
         has_grad = values[1:] > 0
-        found = scaled and (
-            (found_inf is not None and float(found_inf) > 0) or (need_norm and not math.isfinite(total_sq))
+        inv_scale = 1.0
+        if scaled and grad_scale is not None:
+            inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
+        # the scaler's rule over the reduced grads: every rank decides on the same global statistics
+        decision = decide(
+            GradStats.of(total_sq * inv_scale * inv_scale, False) if need_norm else None,
+            inv_scale=inv_scale,
+            max_grad_norm=self.max_grad_norm,
+            scaler_found_inf=scaled and found_inf is not None and float(found_inf) > 0,
+            skip_nonfinite=scaled,
         )
-        if found:
+        self.last_found_inf = decision.nonfinite
+        if decision.skip:
             if global_flags is not None:
                 for flag in global_flags.values():
                     flag.fill_(1.0)  # the reduced grads overflowed: the scaler backs off as every rank does
             self.skipped_steps += 1
-            self.last_found_inf = True
             self._steps += 1
             return loss
-        self.last_found_inf = False
-        inv_scale = 1.0
-        if scaled and grad_scale is not None:
-            inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
-        norm = math.sqrt(total_sq) * inv_scale if need_norm else None
-        coef = 1.0
-        if self.max_grad_norm is not None and norm is not None:
-            coef = min(1.0, float(torch.tensor(self.max_grad_norm / (norm + 1e-6), dtype=torch.float32)))
         if self.inner is not None:
             self._pull_params_into_pieces(params)  # in-place edits of the params since the last step
             for piece, pp, grad in zip(self.pieces, self._piece_params, grads, strict=True):
-                if not has_grad[piece.param]:
-                    pp.grad = None
-                    continue
-                if inv_scale != 1.0:
-                    grad.mul_(inv_scale)
-                if coef < 1.0:
-                    grad.mul_(coef)
-                pp.grad = grad
+                pp.grad = grad if has_grad[piece.param] else None
             for g, ig in self._inner_of_group.items():
                 for key in HYPER_KEYS:
                     self.inner.param_groups[ig][key] = self.param_groups[g][key]
-            self.inner.step()
+            self.inner.step(decision=decision)  # the daemon unscales and clips in its update pass
         self._all_gather(params)
-        self.last_grad_norm = norm
+        self.last_grad_norm = decision.grad_norm
         self._steps += 1
         return loss
 

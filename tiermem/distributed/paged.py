@@ -78,6 +78,7 @@ from tiermem.modes import Exchange, Placement
 from tiermem.offload.optimizer import OffloadAdam
 from tiermem.offload.paging import ParamPager
 from tiermem.offload.transfer import StateTransfer
+from tiermem.optim.step_rules import GradStats, decide
 
 __all__ = ["ShardCopies", "ShardedPagedAdam"]
 
@@ -352,8 +353,7 @@ class ShardedPagedAdam(OffloadAdam):
         return found_inf
 
     def _scaler_inputs(self) -> tuple[Any, Any]:
-        """``step()`` has turned the scale into the grad multiplier: the inner step sees no scale, only whether
-        to skip."""
+        """``step()`` takes the scale into its decision: the inner step sees no scale, only whether to skip."""
         return False, getattr(self, "found_inf", None)
 
     @torch.no_grad()
@@ -372,8 +372,7 @@ class ShardedPagedAdam(OffloadAdam):
                 self.copies.new_step()
                 self._collective_steps += 1
             return loss
-        norm = None
-        coef = 1.0
+        stats = None
         if self.global_max_grad_norm is not None:
             self.pager.check()  # grads set by hand land now, every push is done
             flags = torch.tensor(
@@ -385,17 +384,13 @@ class ShardedPagedAdam(OffloadAdam):
                     "ShardedPagedAdam clips with the norm of one backward pass; this step accumulated grads over "
                     "several (call step() after each backward, or train without max_grad_norm)"
                 )
-            norm = math.sqrt(float(flags[1])) * inv_scale
-            coef = min(1.0, float(torch.tensor(self.global_max_grad_norm / (norm + 1e-6), dtype=torch.float32)))
-        self._grad_multiplier = inv_scale * coef
+            stats = GradStats.of(float(flags[1]) * inv_scale * inv_scale, False)
+        decision = decide(stats, inv_scale=inv_scale, max_grad_norm=self.global_max_grad_norm)
         try:
-            super().step()
+            super().step(decision=decision)
         finally:
-            self._grad_multiplier = 1.0
             self.copies.new_step()
             self._collective_steps += 1
-        if norm is not None:
-            self.last_grad_norm = norm
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

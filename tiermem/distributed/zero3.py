@@ -75,6 +75,7 @@ from tiermem.errors import InvalidArgument, InvalidState
 from tiermem.modes import Exchange, Placement
 from tiermem.offload.args import HYPER_KEYS, check_hyper, optimizer_defaults
 from tiermem.offload.optimizer import OffloadAdam
+from tiermem.optim.step_rules import GradStats, decide
 
 __all__ = ["LayerShardedAdam"]
 
@@ -436,35 +437,32 @@ class LayerShardedAdam(torch.optim.Optimizer):
         except InvalidState:
             self._new_step()
             raise
-        if skip:
-            self.skipped_steps += 1  # an overflow on some rank: every rank skips (the flag is global)
-            self.last_found_inf = True
-            self._new_step()
-            return loss
-        self.last_found_inf = False
-        coef = 1.0
-        if self.max_grad_norm is not None:  # every rank, owner of a layer or not: the norm is global
+        stats = None
+        if self.max_grad_norm is not None and not skip:  # every rank, owner of a layer or not: the norm is global
             accumulated = self._grads is not None and self._grads.accumulated
-            stats = torch.tensor([float(accumulated), self._sumsq], dtype=torch.float64)
-            self._collective("the norm's all-reduce", dist.all_reduce, stats)
-            if stats[0] > 0:
+            flags = torch.tensor([float(accumulated), self._sumsq], dtype=torch.float64)
+            self._collective("the norm's all-reduce", dist.all_reduce, flags)
+            if flags[0] > 0:
                 self._new_step()  # the step is refused
                 raise InvalidState(
                     "LayerShardedAdam clips with the norm of one backward pass; this step accumulated grads over "
                     "several (call step() after each backward, or train without max_grad_norm)"
                 )
-            self.last_grad_norm = math.sqrt(float(stats[1])) * inv_scale
-            coef = min(1.0, float(torch.tensor(self.max_grad_norm / (self.last_grad_norm + 1e-6), dtype=torch.float32)))
+            stats = GradStats.of(float(flags[1]) * inv_scale * inv_scale, False)
+        decision = decide(stats, inv_scale=inv_scale, max_grad_norm=self.max_grad_norm, scaler_found_inf=skip)
+        self.last_found_inf = decision.nonfinite
+        if decision.skip:
+            self.skipped_steps += 1  # an overflow on some rank: every rank skips (the flag is global)
+            self._new_step()
+            return loss
+        if decision.grad_norm is not None:
+            self.last_grad_norm = decision.grad_norm
         self._new_step(drop_grads=False)
         if self.inner is not None:
             self._sync_hyper()
             early = self.inner.policy.overlap_now
-            # the daemon scales the grads by it (the STEP's grad scale): unscaled, then clipped
-            self.inner._grad_multiplier = inv_scale * coef
-            try:
-                self.inner.step()
-            finally:
-                self.inner._grad_multiplier = 1.0
+            # the daemon scales the grads by the decision's factor: unscaled, then clipped
+            self.inner.step(decision=decision)
             if not early and self.events is not None:
                 for index in self._entry_of:
                     self.events.append(("update", index))

@@ -16,9 +16,19 @@ Semantics are ``torch.optim.AdamW``'s (``adamw=False``: ``torch.optim.Adam``'s):
 the same defaults, argument checks and messages (``args``); params and grads
 edited in place between steps are honoured; ``load_state_dict`` never touches
 the model's params, so it may come before or after ``model.load_state_dict``;
-params without state in a loaded checkpoint start afresh.  The last step's
-global gradient norm (when one was computed) and overflow flag are
-``last_grad_norm`` and ``last_found_inf``.
+params without state in a loaded checkpoint start afresh.
+
+Step rules: ``tiermem.optim.step_rules``, decided where the facts are.  A
+``GradScaler`` overflow (its own check) skips the step: the STEP goes to the
+daemon with ``skip`` and only the rank's skip count moves.  ``max_grad_norm``:
+the daemon takes the grad statistics and clips (``clip_grad_norm_``; a
+non-finite norm is applied as torch applies it).  A sharding strategy that has
+the global statistics passes its ``StepDecision`` to ``step(decision=...)``.
+The daemon owns the counts: ``steps`` (applied) and ``skipped_steps`` mirror
+its replies, survive a reattach, and are what ``/metrics`` counts.  The last
+step's global norm (when one was computed) is ``last_grad_norm``;
+``last_found_inf`` says whether it found an inf/nan grad (the scaler or the
+daemon), ``last_skipped`` whether it was skipped.
 
 Interrupts: a ``KeyboardInterrupt`` while the daemon works on a step leaves
 that step to finish there; the next call reads its outcome, so each step is
@@ -67,6 +77,7 @@ from tiermem.offload.staged import StagedEntry, StagedFeed
 from tiermem.offload.state_view import StateView
 from tiermem.offload.stats import OptimizerStats
 from tiermem.offload.transfer import StateTransfer
+from tiermem.optim.step_rules import StepDecision
 from tiermem.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
 from tiermem.units import MiB
 
@@ -85,6 +96,7 @@ class _SentStep:
     delayed: bool
     request_id: int
     before_id: int
+    skip: bool = False
 
 
 @dataclass
@@ -163,7 +175,9 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         """The global norm of the last applied step's (unscaled) grads, when that step computed one."""
         self.last_found_inf = False
-        """Whether the last step was skipped for inf/nan grads."""
+        """Whether the last step found an inf/nan grad (the scaler's check, or the daemon's when it clipped)."""
+        self.last_skipped = False
+        """Whether the last step was skipped (a ``GradScaler`` overflow): nothing changed but the skip count."""
         self._token = token
         self._create_job = create_job
         self._expected_step = expected_step
@@ -182,9 +196,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         self._inflight: list[int] = []
         """Tensors of a delayed update whose params are not installed yet."""
         self._skipped = 0
-        self._grad_multiplier = 1.0
-        """Multiplies every grad of the next STEP (sent as a grad scale): a clip coefficient computed outside
-        (``tiermem.distributed.ShardedPagedAdam``'s global norm)."""
+        """The rank's skip count, as the daemon's last reply gave it."""
         self._register(client, window_nbytes)
         self.state = StateView(self)  # type: ignore[assignment]
 
@@ -216,20 +228,20 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         dtype = dtypes.by_torch(kinds.pop())
         on_cpu = all(p.device.type == "cpu" for p in params)
         exchange = self._exchange_asked
-        meta = [i for i, p in enumerate(params) if p.is_meta]
-        if meta and exchange is not Exchange.STAGED:
-            raise InvalidArgument(
-                f"{len(meta)} of {len(params)} params (first: param {meta[0]}, shape {tuple(params[meta[0]].shape)}) "
-                "are on the meta device and have no values for OffloadAdam to update; build the model on the CPU "
-                "or a GPU, or page it from the meta device: OffloadAdam(..., exchange='staged') then "
-                "tiermem.offload_params(model, opt, init=...)"
-            )
         if exchange is Exchange.AUTO:
             exchange = Exchange.SHARED if on_cpu else Exchange.STAGED
         if exchange is Exchange.SHARED and not on_cpu:
             raise InvalidArgument(
                 "exchange='shared' needs every param on the CPU (their storage becomes memory shared with tiermemd); "
                 f"got params on {sorted({str(p.device) for p in params})}"
+            )
+        meta = [i for i, p in enumerate(params) if p.is_meta]
+        if meta and self._exchange_asked is not Exchange.STAGED:  # auto would pick staged: ask for it
+            raise InvalidArgument(
+                f"{len(meta)} of {len(params)} params (first: param {meta[0]}, shape {tuple(params[meta[0]].shape)}) "
+                "are on the meta device and have no values for OffloadAdam to update; build the model on the CPU "
+                "or a GPU, or page it from the meta device: OffloadAdam(..., exchange='staged') then "
+                "tiermem.offload_params(model, opt, init=...)"
             )
         if self.release_grads and self.policy.mode is StepMode.DELAYED:
             raise InvalidArgument(
@@ -303,7 +315,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             else:
                 self._bind_shared(client, params, reply.slots, dtype, reattached=info.reattached)
             if info.reattached:
-                self._steps_sent = _rank_report(client).last_step
+                report = _rank_report(client)
+                self._steps_sent, self._skipped = report.last_step, report.skipped_steps
                 self.feed.buffer = self._next_buffer()
         except BaseException:
             if self._own_client:
@@ -392,20 +405,29 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
 
     @property
     def steps(self) -> int:
-        """Steps applied (or skipped on overflow) so far."""
+        """Steps applied so far (the daemon's count; skipped steps are ``skipped_steps``)."""
         return self._steps_sent
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far (``GradScaler`` overflows; the daemon's count)."""
+        return self._skipped
 
     # ----------------------------------------------------------------- the step
 
     @eager_under_compile
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None, *, decision: StepDecision | None = None) -> float | None:
+        """One step.  ``decision``: taken by a sharding strategy over the global grad statistics (its skip,
+        inverse scale and clip coefficient replace the scaler's hand-over and ``max_grad_norm``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._settle()
         grad_scale, found_inf = self._scaler_inputs()
+        if decision is not None:  # the strategy took the scaler's hand-over into its decision
+            grad_scale, found_inf = False, decision.skip
         scaled = grad_scale is not False
         changed = self.feed.changed_after_landing
         ids = self.feed.check()
@@ -430,10 +452,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 "GradScaler (bf16 needs none) or with release_grads=False"
             )
         if found_inf is not None and float(found_inf) > 0:
-            self._skipped += 1  # GradScaler found an overflow: skip, as torch's fused Adam does
-            self.last_found_inf = True
-            self._abort_open()
-            self._new_step()
+            self._abort_open()  # GradScaler found an overflow: skip, as torch's fused Adam does
+            self._send(Step(step=self._steps_sent + 1, attempt=next(self._attempts), skip=True), [], delayed=False)
             return loss
         if self._inflight:
             self._install()
@@ -445,7 +465,10 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             self.feed.push_grads(ids)
         step_no = self._steps_sent + 1
         delayed = self.policy.delayed(step_no)
-        loss_scale = (1.0 if grad_scale is None or grad_scale is False else float(grad_scale)) / self._grad_multiplier
+        if decision is not None:
+            loss_scale = 1.0 / decision.inv_scale
+        else:
+            loss_scale = 1.0 if grad_scale is None or grad_scale is False else float(grad_scale)
         attempt = open_attempt.attempt if open_attempt else next(self._attempts)
         groups = open_attempt.groups if open_attempt else self._groups()
         msg = Step(
@@ -453,12 +476,19 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             attempt=attempt,
             groups=groups,
             loss_scale=loss_scale,
-            max_grad_norm=self.max_grad_norm,
-            skip_nonfinite=self.release_grads and scaled,
+            max_grad_norm=self.max_grad_norm if decision is None else None,
+            clip_coef=None if decision is None or decision.grad_norm is None else decision.clip_coef,
             tensor_ids=tuple(ids),
             delayed=delayed,
             grad_buffer=self.feed.buffer,
         )
+        self._send(msg, ids, delayed)
+        if decision is not None and decision.grad_norm is not None:
+            self.last_grad_norm = decision.grad_norm  # the strategy's global norm (the daemon took none)
+            self.last_found_inf = decision.nonfinite
+        return loss
+
+    def _send(self, msg: Step, ids: list[int], delayed: bool) -> None:
         conn = self.client.conn
         before = conn.last_request_id
         try:
@@ -467,13 +497,12 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             # must leave the step to be settled too (else the next step() sends an applied step again)
             self._finish(done, ids, delayed)
         except KeyboardInterrupt:
-            self._sent = _SentStep(step_no, attempt, ids, delayed, conn.last_request_id, before)
+            self._sent = _SentStep(msg.step, msg.attempt, ids, delayed, conn.last_request_id, before, msg.skip)
             raise
         except TiermemError:
             self._open = None
             self._new_step()
             raise
-        return loss
 
     def _scaler_inputs(self) -> tuple[Any, Any]:
         """What ``GradScaler.step`` handed over as attributes: the scale (False: no scaler; None: ``unscale_``
@@ -482,11 +511,15 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
 
     def _finish(self, done: StepDone, ids: list[int], delayed: bool) -> None:
         self._steps_sent = done.step
+        self._skipped = done.skipped_steps
         self.last_grad_norm = done.grad_norm
-        self.last_found_inf = done.found_inf
-        if delayed:
+        self.last_skipped = done.skipped
+        self.last_found_inf = done.nonfinite or done.skipped
+        if done.skipped:
+            pass  # nothing changed in the daemon: the model keeps its params
+        elif delayed:
             self._inflight = ids
-        elif isinstance(self.feed, StagedFeed) and not done.found_inf:
+        elif isinstance(self.feed, StagedFeed):
             self.feed.pull_params(ids)
         self._open = None
         self._new_step()
@@ -536,8 +569,12 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             self._new_step()
             raise late
         # the reply was read before the interrupt landed, or the request never left: ask the daemon
-        last = _rank_report(self.client).last_step
-        if last >= sent.step:
+        report = _rank_report(self.client)
+        last = report.last_step
+        if sent.skip:
+            self._skipped = report.skipped_steps  # counted there or not: nothing else changed
+            self._new_step()
+        elif last >= sent.step:
             self._steps_sent = last
             if sent.delayed:
                 self._inflight = sent.ids

@@ -1,7 +1,10 @@
 """tiermem.optim: the CPU Adam engine and the in-process ``CPUAdam`` optimizer.
 
-- ``adam_math``: the arithmetic as pure functions (one Adam/AdamW step, grad
-  statistics, clipping coefficient), tested alone against ``torch.optim``.
+- ``adam_math``: the arithmetic as pure functions (one Adam/AdamW step),
+  tested alone against ``torch.optim``.
+- ``step_rules``: skip, norm and grad scale of a step from the gradient
+  statistics and the scaler (``clip_grad_norm_``'s and ``GradScaler``'s
+  semantics), the one home of those rules.
 - ``kernels``: that arithmetic compiled into one pass over memory per chunk
   (torch.compile, inductor C++), with an eager fallback.
 - ``engine``: ``AdamEngine``, checked multi-threaded chunked updates over
@@ -9,19 +12,18 @@
 - ``optimizer``: ``CPUAdam``, a ``torch.optim.Optimizer`` on the same engine.
 """
 
-from tiermem.optim.adam_math import (
-    AdamHyper,
-    AdamScalars,
-    GradStats,
-    adam_update,
-    clip_coefficient,
-    combine_grad_stats,
-    grad_stats,
-    step_scalars,
-)
+from tiermem.optim.adam_math import AdamHyper, AdamScalars, adam_update, step_scalars
 from tiermem.optim.engine import DEFAULT_WARMUP, AdamEngine, PendingUpdate
 from tiermem.optim.kernels import KernelKey, KernelRecord, KernelState
 from tiermem.optim.optimizer import CPUAdam, StepReport
+from tiermem.optim.step_rules import (
+    GradStats,
+    StepDecision,
+    clip_coefficient,
+    combine_grad_stats,
+    decide,
+    grad_stats,
+)
 
 __all__ = [
     "DEFAULT_WARMUP",
@@ -34,10 +36,12 @@ __all__ = [
     "KernelRecord",
     "KernelState",
     "PendingUpdate",
+    "StepDecision",
     "StepReport",
     "adam_update",
     "clip_coefficient",
     "combine_grad_stats",
+    "decide",
     "grad_stats",
     "step_scalars",
 ]

@@ -1,10 +1,10 @@
 """The Adam/AdamW arithmetic as pure functions (no threads, no compilation, no I/O).
 
 Owns the definition of one step, exactly as ``torch.optim.Adam`` and
-``torch.optim.AdamW`` compute it (amsgrad off), and of the gradient handling
-around it (loss-scale unscaling, overflow detection, global-norm clipping as in
-``torch.nn.utils.clip_grad_norm_``).  Everything else in ``tiermem.optim``
-binds these functions to memory, threads and the compiler.
+``torch.optim.AdamW`` compute it (amsgrad off); the gradient handling around
+it (unscaling, overflow, clipping) is ``tiermem.optim.step_rules``'s.
+Everything else in ``tiermem.optim`` binds these functions to memory, threads
+and the compiler.
 
 One step of parameter ``p`` with gradient ``g`` (``t`` = the step count after
 increment, all tensors fp32 except ``g``, which is read in its own dtype)::
@@ -31,7 +31,7 @@ Invariants: ``adam_update`` never modifies its inputs; ``step`` counts from 1.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -42,12 +42,8 @@ from tiermem.errors import InvalidArgument
 __all__ = [
     "AdamHyper",
     "AdamScalars",
-    "GradStats",
     "SCALAR_COUNT",
     "adam_update",
-    "clip_coefficient",
-    "combine_grad_stats",
-    "grad_stats",
     "step_scalars",
 ]
 
@@ -143,8 +139,9 @@ def step_scalars(hyper: AdamHyper, step: int, grad_scale: float = 1.0) -> AdamSc
     """The constants of step ``step`` (>= 1), computed in double as torch does."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise InvalidArgument(f"Adam step count must be an integer >= 1, got {step!r}")
-    if not math.isfinite(grad_scale):
-        raise InvalidArgument(f"grad_scale must be finite, got {grad_scale!r}")
+    if math.isinf(grad_scale):
+        raise InvalidArgument(f"grad_scale must not be infinite, got {grad_scale!r}")
+    # NaN passes: clip_grad_norm_ over a NaN norm multiplies every grad by NaN, and torch applies that
     t = float(step)
     bias1 = 1 - hyper.beta1**t
     bias2 = 1 - hyper.beta2**t
@@ -192,56 +189,3 @@ def adam_update(
     denom = v.sqrt() / s.bias2_sqrt + s.eps
     p = p + s.neg_step_size * m / denom if as_values else torch.addcdiv(p, m, denom, value=float(s.neg_step_size))
     return p, m, v
-
-
-# --------------------------------------------------------------------------- gradient statistics
-
-
-class GradStats(NamedTuple):
-    """Statistics of (a piece of) the unscaled gradients."""
-
-    sq_norm: float
-    """Sum of squares of ``grad * inv_scale`` (inf when any element is inf/nan)."""
-    found_inf: bool
-    """Some element is inf or nan: the step must be skipped."""
-
-    @property
-    def norm(self) -> float:
-        return math.sqrt(self.sq_norm)
-
-
-def grad_stats(grad: torch.Tensor, inv_scale: float = 1.0) -> GradStats:
-    """Squared L2 norm of ``grad * inv_scale`` and whether ``grad`` holds inf/nan; one read of ``grad``.
-
-    The norm accumulates in fp32 (fp16/bf16 grads are upcast on the fly), as
-    ``clip_grad_norm_`` does on unscaled fp32 grads; if the fp32 sum overflows
-    although every element is finite, it is redone in fp64.
-    """
-    if grad.numel() == 0:
-        return GradStats(0.0, False)
-    norm = float(torch.linalg.vector_norm(grad, 2, dtype=torch.float32))
-    if not math.isfinite(norm):
-        if not bool(torch.isfinite(grad).all()):
-            return GradStats(math.inf, True)
-        norm = float(torch.linalg.vector_norm(grad, 2, dtype=torch.float64))
-    scaled = norm * inv_scale
-    return GradStats(scaled * scaled, False)
-
-
-def combine_grad_stats(parts: Iterable[tuple[float, bool]]) -> GradStats:
-    """Statistics of the whole gradient from those of its pieces."""
-    total = 0.0
-    found_inf = False
-    for sq_norm, inf in parts:
-        total += sq_norm
-        found_inf = found_inf or bool(inf)
-    return GradStats(math.inf if found_inf else total, found_inf)
-
-
-def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
-    """The factor ``clip_grad_norm_`` multiplies the grads by: min(max_norm / (total_norm + 1e-6), 1)."""
-    if max_norm is None:
-        return 1.0
-    if not max_norm > 0:
-        raise InvalidArgument(f"max_norm must be > 0, got {max_norm!r}")
-    return min(max_norm / (total_norm + 1e-6), 1.0)

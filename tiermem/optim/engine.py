@@ -48,7 +48,7 @@ import torch
 
 from tiermem.config import AdamConfig
 from tiermem.errors import DTypeError, InvalidArgument
-from tiermem.optim.adam_math import AdamHyper, AdamScalars, GradStats, grad_stats, step_scalars
+from tiermem.optim.adam_math import AdamHyper, AdamScalars, step_scalars
 from tiermem.optim.kernels import (
     GRAD_DTYPES,
     MIN_COMPILED_NUMEL,
@@ -58,6 +58,7 @@ from tiermem.optim.kernels import (
     KernelSet,
     run_eager,
 )
+from tiermem.optim.step_rules import GradStats, grad_stats
 from tiermem.workers import started_pool
 
 __all__ = ["AdamEngine", "DEFAULT_WARMUP", "PendingUpdate", "kernel_key"]

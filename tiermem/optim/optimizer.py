@@ -18,11 +18,14 @@ accepted as the name of ``decoupled_weight_decay``.  Step counts are per
 parameter; a parameter without a gradient is skipped and its count stays.
 
 Loss scaling and clipping: ``step(inv_scale=..., max_grad_norm=...)`` first
-reads every gradient once for its norm and inf/nan (``grad_stats``); on
-overflow it skips the step as ``torch.amp.GradScaler`` does (nothing changes,
-counts do not advance) and reports it in ``last_step``; otherwise the grads are
-multiplied by ``inv_scale * clip_coef`` inside the update (``clip_grad_norm_``
-semantics), without modifying ``.grad``.
+reads every gradient once for its norm and inf/nan (``grad_stats``), then
+decides by ``tiermem.optim.step_rules``: with a loss scale (``inv_scale`` not
+1) an overflow skips the step as ``torch.amp.GradScaler`` does (nothing
+changes, counts do not advance), reported in ``last_step``; otherwise the
+grads are multiplied by ``inv_scale * clip_coef`` inside the update
+(``clip_grad_norm_`` semantics: with a non-finite norm and no loss scale the
+coefficient is 0 or NaN and the update applies it, as torch does), without
+modifying ``.grad``.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from typing import Any
 import torch
 
 from tiermem.errors import DTypeError, InvalidArgument
-from tiermem.optim.adam_math import AdamHyper, GradStats, clip_coefficient, combine_grad_stats
+from tiermem.optim.adam_math import AdamHyper
 from tiermem.optim.engine import AdamEngine, PendingUpdate
+from tiermem.optim.step_rules import combine_grad_stats, decide
 
 __all__ = ["CPUAdam", "StepReport"]
 
@@ -141,16 +145,16 @@ class CPUAdam(torch.optim.Optimizer):
         work = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
         for _, p in work:
             _check_grad(p)
-        total_norm = math.nan
-        clip = 1.0
+        stats = None
         if inv_scale != 1.0 or max_grad_norm is not None:
-            stats: GradStats = combine_grad_stats(engine.grad_stats(_flat(p.grad), inv_scale) for _, p in work)
-            if stats.found_inf:
-                self.last_step = StepReport(skipped=True, total_norm=math.inf, clip_coef=0.0, updated=0)
-                return loss
-            total_norm = stats.norm
-            clip = clip_coefficient(total_norm, max_grad_norm)
-        grad_scale = inv_scale * clip
+            stats = combine_grad_stats(engine.grad_stats(_flat(p.grad), inv_scale) for _, p in work)
+        decision = decide(stats, inv_scale=inv_scale, max_grad_norm=max_grad_norm, skip_nonfinite=inv_scale != 1.0)
+        total_norm = math.nan if decision.grad_norm is None else decision.grad_norm
+        if decision.skip:
+            self.last_step = StepReport(skipped=True, total_norm=total_norm, clip_coef=0.0, updated=0)
+            return loss
+        clip = decision.clip_coef
+        grad_scale = decision.grad_scale
         pending: list[tuple[PendingUpdate, torch.Tensor]] = []
         try:
             for group, p in work:

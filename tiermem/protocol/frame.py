@@ -67,8 +67,8 @@ __all__ = [
 ]
 
 MAGIC = b"TM"
-PROTOCOL_VERSION = 4
-SUPPORTED_VERSIONS: tuple[int, ...] = (4,)
+PROTOCOL_VERSION = 5
+SUPPORTED_VERSIONS: tuple[int, ...] = (5,)
 HEADER = struct.Struct("<2sBBHHII")
 HEADER_NBYTES = HEADER.size  # 16
 DEFAULT_MAX_FRAME = 1 * MiB

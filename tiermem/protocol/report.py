@@ -96,9 +96,9 @@ class AdamReport(Wire):
     updated_elements: Annotated[int, COUNT]
     update_s: Annotated[float, SECONDS]
     steps: Annotated[int, COUNT]
-    """Steps applied or skipped, summed over ranks."""
+    """Steps applied, summed over ranks (skipped steps are ``skipped_steps``)."""
     skipped_steps: Annotated[int, COUNT]
-    """Steps skipped because a gradient was inf/nan."""
+    """Steps skipped (``GradScaler`` found an inf/nan grad), summed over ranks."""
     cpu_busy_s: Annotated[float, SECONDS]
     """Time the node's CPU scheduler spent running tasks (the kernels of every rank)."""
     busy_periods: Annotated[int, COUNT]

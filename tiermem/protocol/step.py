@@ -49,6 +49,8 @@ __all__ = [
 
 GROUPS = List(ParamGroup, MAX_GROUPS)
 POSITIVE = Float(gt=0.0)
+CLIP_COEF = Float(ge=0.0, le=1.0, finite=False)
+"""``clip_grad_norm_``'s coefficient: in [0, 1], or NaN (a NaN norm; torch applies it too)."""
 
 
 @wire
@@ -60,11 +62,15 @@ class Step(Message):
     last step or REGISTER).  ``tensor_ids``: tensors whose grads are present
     (empty: all registered), in grad buffer ``grad_buffer``.  ``attempt``: the
     client's id for this try of the step (an ABORT names it; a reply echoes it).
-    ``max_grad_norm``: clip to this global norm
-    (None: no clipping).  ``skip_nonfinite``: skip the whole step when any grad
-    is inf/nan (``torch.amp.GradScaler``'s rule); without it non-finite grads are
-    applied as torch would.  ``delayed``: reply once the gradient statistics are
-    known; the update runs on, and the next STEP or FETCH_PARAMS waits for it.
+    The gradient rules are ``tiermem.optim.step_rules``'s, on both sides:
+    ``loss_scale``: the grads are divided by it (``GradScaler``'s scale).
+    ``max_grad_norm``: the daemon takes the rank's grad statistics and clips to
+    this global norm (``clip_grad_norm_``; a world of one).  ``clip_coef``: a
+    clip coefficient the trainer decided from global statistics (the sharded
+    optimizers); not with ``max_grad_norm``.  ``skip``: the trainer decided to
+    skip this step (``GradScaler`` found an inf/nan): only the rank's skip count
+    changes.  ``delayed``: reply once the gradient statistics are known; the
+    update runs on, and the next STEP or FETCH_PARAMS waits for it.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.STEP
@@ -73,7 +79,8 @@ class Step(Message):
     groups: Annotated[tuple[ParamGroup, ...], GROUPS] = ()
     loss_scale: Annotated[float, POSITIVE] = 1.0
     max_grad_norm: Annotated[float | None, Opt(POSITIVE)] = None
-    skip_nonfinite: bool = False
+    clip_coef: Annotated[float | None, Opt(CLIP_COEF)] = None
+    skip: bool = False
     tensor_ids: Annotated[tuple[int, ...], TENSOR_IDS] = ()
     delayed: bool = False
     grad_buffer: Annotated[int, GRAD_BUFFER] = 0
@@ -142,13 +149,18 @@ class StateReset(Message):
 @wire
 @dataclass(slots=True)
 class StepDone(Message):
-    """Step ``step`` (attempt ``attempt``) is applied, or skipped when ``found_inf``; ``grad_norm`` is the
-    unclipped global norm (None when the step needed none)."""
+    """Attempt ``attempt`` of step ``step`` is done: applied, or ``skipped`` (params, state and the step count
+    unchanged).  ``step``: the rank's applied step count now (``step - 1`` after a skip).
+    ``skipped_steps``: the rank's skip count now.  ``nonfinite``: the grads the daemon examined hold an
+    inf/nan (False when it did not look).  ``grad_norm``: the unclipped global norm (None when the step
+    needed none)."""
 
     TYPE: ClassVar[MsgType] = MsgType.STEP_DONE
     step: Annotated[int, STEP_NO]
     attempt: Annotated[int, STEP_NO]
-    found_inf: bool
+    skipped: bool = False
+    nonfinite: bool = False
+    skipped_steps: Annotated[int, STEP_NO] = 0
     grad_norm: Annotated[float | None, Opt(Float(ge=0.0, finite=False))] = None
     params_ready: bool = True
     timings: Annotated[tuple[tuple[str, float], ...], Map(NAME, NON_NEGATIVE, MAX_TIMINGS)] = ()
