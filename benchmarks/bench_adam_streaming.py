@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from tiermem.config import SwapConfig
-from tiermem.optim import AdamEngine, AdamHyper
-from tiermem.pool import BufferPool
-from tiermem.swap import open_engine
-from tiermem.swap.store import SwapStore
-from tiermem.tiers import TierManager
-from tiermem.units import MiB, align_up, format_size, parse_size
+from tiermem.core.config import SwapConfig
+from tiermem.core.units import MiB, align_up, format_size, parse_size
+from tiermem.engine.optim import AdamEngine, AdamHyper
+from tiermem.engine.pool import BufferPool
+from tiermem.engine.swap import open_engine
+from tiermem.engine.swap.store import SwapStore
+from tiermem.engine.tiers import TierManager
 
 STATE_BYTES = 12
 CACHE_CHUNKS = 6

@@ -1,4 +1,5 @@
-"""Message codec cost: the declarative codec of ``tiermem.protocol`` against a plain json-only baseline (and msgspec).
+"""Message codec cost: the declarative codec of ``tiermem.core.protocol`` against a plain json-only baseline
+(and msgspec).
 
 For STEP (one group, clipping, 64 tensor ids), BUCKET_READY (64 tensor ids, one
 group), STEP_DONE (two timings), REGISTER (200 tensors, two groups) and
@@ -11,7 +12,7 @@ whole frame (header + JSON payload) and to decode one:
   payload from the object, checking every field, building the objects);
 - ``declared``: ``encode_message`` / ``decode_message(decode_frame(...))``,
   the ``to_payload``/``from_payload`` that ``@wire`` generates from each
-  message's declaration (``tiermem.protocol.spec``);
+  message's declaration (``tiermem.core.protocol.spec``);
 - ``declared, checks only``: decoding through the interpreted checks alone
   (``RecordSpec.decode_checked``), what a payload needing conversion (an int
   for a float) or carrying an error pays;
@@ -41,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from tiermem.protocol import (
+from tiermem.core.protocol import (
     BucketReady,
     MemRef,
     Message,
@@ -59,7 +60,7 @@ from tiermem.protocol import (
     encode_message,
     encode_payload,
 )
-from tiermem.protocol.records import (
+from tiermem.core.protocol.records import (
     DTYPES,
     MAX_DIM,
     MAX_GROUPS,
@@ -73,7 +74,7 @@ from tiermem.protocol.records import (
     PLACEMENTS,
     STATE_KEYS,
 )
-from tiermem.protocol.spec import FLOAT_MAX
+from tiermem.core.protocol.spec import FLOAT_MAX
 
 try:
     import msgspec

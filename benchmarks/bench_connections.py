@@ -10,7 +10,7 @@ run, so ratios compare the two on the same machine state:
   ``server.max_connections_per_uid`` are refused by the daemon), then closed.
   The daemon's RSS, threads and fds before, while held, and ``--settle-s``
   after the close; connects that failed (the backlog was full).
-- ``ping``: PING round trips through ``tiermem.transport.Connection``, p50/p99
+- ``ping``: PING round trips through ``tiermem.net.frames.Connection``, p50/p99
   (the ``tiermemd PING`` row of ``bench_ipc.py``), the two daemons alternating
   in rounds.
 - ``drain``: a client pipelines ``--unread`` PINGs and never reads a reply,
@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiermem.protocol import Ping, encode_message
-from tiermem.transport import Connection
+from tiermem.client.connection import Connection
+from tiermem.core.protocol import Ping, encode_message
 
 REPO = Path(__file__).resolve().parent.parent
 

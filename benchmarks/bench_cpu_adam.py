@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from tiermem.optim import AdamEngine, AdamHyper
+    from tiermem.engine.optim import AdamEngine, AdamHyper
 
     t0 = time.perf_counter()
     engine = AdamEngine(threads=args.threads, warmup=[(torch.float16, torch.float16)])

@@ -10,7 +10,7 @@ mode sees the same machine state; ratios to the blocking SEQPACKET echo:
 - ``echo asyncio reader`` / ``echo uvloop reader``: SEQPACKET, non-blocking socket,
   ``loop.add_reader`` callback (asyncio's stream API does not do SEQPACKET);
 - ``proto <server> PING`` / ``proto <server> STEP``: the full protocol through
-  ``tiermem.transport.Connection`` (encode, send, server decode + encode the
+  ``tiermem.net.frames.Connection`` (encode, send, server decode + encode the
   reply, client decode and checks), the server being ``thread`` (a blocking
   thread per connection: ``Listener``/``Peer``), ``asyncio`` or ``uvloop``
   (``Peer`` non-blocking + ``add_reader``).  STEP carries one param group and
@@ -53,8 +53,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tiermem.errors import ConnectionClosed
-from tiermem.protocol import (
+from tiermem.client.connection import Connection
+from tiermem.core.errors import ConnectionClosed
+from tiermem.core.protocol import (
     BucketReady,
     MemRef,
     Message,
@@ -71,7 +72,7 @@ from tiermem.protocol import (
     decode_message,
     encode_message,
 )
-from tiermem.transport import Connection, Listener, Peer
+from tiermemd.listener import Listener, Peer
 
 ECHO_NBYTES = 64
 STEP = Step(
@@ -309,7 +310,7 @@ DAEMON_CASE = "tiermemd PING"
 def start_daemon() -> tuple[Any, str] | None:
     """An embedded tiermemd (the real server) or None when it cannot start here."""
     try:
-        from tiermem.client import EmbeddedDaemon
+        from tiermem.client.link import EmbeddedDaemon
 
         daemon = EmbeddedDaemon(pool_size=64 << 20)
     except Exception as exc:  # the row is optional: report and go on
@@ -428,10 +429,10 @@ def copies_per_gradient_byte(steps: int = 20) -> dict[str, float]:
     """
     import torch
 
-    from tiermem.client import connect
-    from tiermem.offload import OffloadAdam
-    from tiermem.offload.feed import GradFeed
-    from tiermem.transport import FrameSocket
+    from tiermem.client.link import connect
+    from tiermem.client.offload import OffloadAdam
+    from tiermem.client.offload.feed import GradFeed
+    from tiermem.net.frames import FrameSocket
 
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
     grad_bytes_per_step = sum(p.numel() * p.element_size() for p in model.parameters())

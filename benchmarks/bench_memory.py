@@ -14,7 +14,7 @@ Modes, each run alone in a fresh worker process (one model in memory at a time):
   same with ``release_grads=True`` when ``OffloadAdam`` accepts that keyword,
   else reported as ``n/a``.
 
-The model is the demo GPT (``tiermem.demo.model``, ``GPTConfig.for_params``)
+The model is the demo GPT (``tiermem.client.demo.model``, ``GPTConfig.for_params``)
 built directly in the measured dtype (no transient fp32 copy of a bf16 model),
 trained for ``--steps`` steps on random tokens, batch ``--batch`` x
 ``--seq`` tokens: small, so that activations stay small next to the optimizer
@@ -428,7 +428,7 @@ def _train(spec: RunSpec, send: Any, phase: Any) -> int:
     import torch
 
     import tiermem
-    from tiermem.demo.model import GPT, GPTConfig
+    from tiermem.client.demo.model import GPT, GPTConfig
 
     cfg = GPTConfig.for_params(spec.params, block_size=spec.seq)
     daemon_spec = importlib.util.find_spec("tiermemd")
@@ -445,7 +445,7 @@ def _train(spec: RunSpec, send: Any, phase: Any) -> int:
     offload = spec.mode.startswith("offload-")
     release = spec.mode.endswith("-release")
     if release:
-        from tiermem.offload import OffloadAdam
+        from tiermem.client.offload import OffloadAdam
 
         if "release_grads" not in inspect.signature(OffloadAdam.__init__).parameters:
             send(info={"unsupported": "OffloadAdam has no release_grads keyword in this version"})
@@ -479,7 +479,7 @@ def _train(spec: RunSpec, send: Any, phase: Any) -> int:
     elif spec.mode == "cpuadam":
         opt = tiermem.CPUAdam(params, **hyper)
     elif offload:
-        from tiermem.offload import OffloadAdam
+        from tiermem.client.offload import OffloadAdam
 
         kwargs: dict[str, Any] = {"offload": "nvme" if "nvme" in spec.mode else "cpu"}
         if release:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from bench_ranks import _count, _run
 
-from tiermem.client import EmbeddedDaemon
-from tiermem.units import GiB
+from tiermem.client.link import EmbeddedDaemon
+from tiermem.core.units import GiB
 
 
 def main() -> None:

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from tiermem.pool import BufferPool
-from tiermem.units import PAGE_SIZE, KiB, MiB, align_up, format_size, parse_size
+from tiermem.core.units import PAGE_SIZE, KiB, MiB, align_up, format_size, parse_size
+from tiermem.engine.pool import BufferPool
 
 MIN_SIZE, MAX_SIZE = 4 * KiB, 256 * MiB
 

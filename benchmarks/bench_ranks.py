@@ -81,8 +81,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tiermem.client import EmbeddedDaemon
-from tiermem.units import GiB
+from tiermem.client.link import EmbeddedDaemon
+from tiermem.core.units import GiB
 
 WORKER = str(Path(__file__).with_name("ranks_worker.py"))
 

@@ -70,7 +70,7 @@ STATE_BYTES = {"offload-nvme": 12, "offload-nvme-paged": 16}
 
 
 def parse_size(text: str) -> int:
-    from tiermem.units import parse_size as parse
+    from tiermem.core.units import parse_size as parse
 
     return parse(text)
 
@@ -226,7 +226,7 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import tiermem
-    from tiermem.demo.model import GPT, GPTConfig
+    from tiermem.client.demo.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     mode = spec["mode"]

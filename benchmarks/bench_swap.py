@@ -44,10 +44,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tiermem.swap.engine import IOOp, make_request
-from tiermem.swap.engine_libaio import LibaioEngine
-from tiermem.swap.store import SwapStore
-from tiermem.units import KiB, MiB, format_size, parse_size
+from tiermem.core.units import KiB, MiB, format_size, parse_size
+from tiermem.engine.swap.engine import IOOp, make_request
+from tiermem.engine.swap.engine_libaio import LibaioEngine
+from tiermem.engine.swap.store import SwapStore
 
 BLOCKS = [1 * MiB, 128 * KiB]
 DEPTHS = [1, 8, 32]
@@ -200,8 +200,8 @@ def tier_run(d: Path, size: int, qd: int = 32, prefetch: int = 8) -> tuple[float
     """Seconds for a full page-out (flush) and page-in (prefetched pass) of ``size`` bytes of fp32 state."""
     import torch
 
-    from tiermem.pool import BufferPool
-    from tiermem.tiers import TierManager
+    from tiermem.engine.pool import BufferPool
+    from tiermem.engine.tiers import TierManager
 
     engine = LibaioEngine(block_size=MiB, queue_depth=qd)
     holder: list[TierManager] = []

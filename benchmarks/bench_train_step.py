@@ -15,7 +15,7 @@ in memory at a time, for the largest sizes):
 - ``dpu``: ``OffloadAdam(offload="cpu", delayed_update=True)``, the update of
   step t running during the forward and backward of step t+1.
 
-The daemon is a private ``tiermemd`` child (what ``tiermem.client.connect``
+The daemon is a private ``tiermemd`` child (what ``tiermem.client.link.connect``
 starts), one per run, with a pool sized for the largest model (per mode and
 param: 8 bytes of state for fp32 params on the CPU tier, which are their own
 master, 12 with the delayed update; the model's params and grads live in the
@@ -67,13 +67,13 @@ from typing import Any
 
 import torch
 
-from tiermem.client import Client, EmbeddedDaemon, connect
-from tiermem.config import AdamConfig
-from tiermem.demo.model import GPT, GPTConfig
-from tiermem.offload import OffloadAdam
-from tiermem.offload.stats import OptimizerStats
-from tiermem.transport import Connection
-from tiermem.units import GiB, MiB, align_up, format_size, parse_size
+from tiermem.client.connection import Connection
+from tiermem.client.demo.model import GPT, GPTConfig
+from tiermem.client.link import Client, EmbeddedDaemon, connect
+from tiermem.client.offload import OffloadAdam
+from tiermem.client.offload.stats import OptimizerStats
+from tiermem.core.config import AdamConfig
+from tiermem.core.units import GiB, MiB, align_up, format_size, parse_size
 
 MODES = ("torch", "cpu", "overlap", "nvme", "dpu")
 

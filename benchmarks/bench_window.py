@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from tiermem.client import connect
-from tiermem.offload import OffloadAdam
-from tiermem.units import format_size, parse_size
+from tiermem.client.link import connect
+from tiermem.client.offload import OffloadAdam
+from tiermem.core.units import format_size, parse_size
 
 
 def measure(params: int, window: int, repeats: int, socket_path: str) -> dict[str, float]:

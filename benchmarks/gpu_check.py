@@ -51,9 +51,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tiermem.client import connect
-from tiermem.offload import OffloadAdam
-from tiermem.pool.pinning import default_pinner
+from tiermem.client.link import connect
+from tiermem.client.offload import OffloadAdam
+from tiermem.engine.pool.pinning import default_pinner
 
 MiB = 1 << 20
 
@@ -207,8 +207,8 @@ def overlap(socket: str, steps: int) -> dict[str, Any]:
 
 
 def paging(socket: str, steps: int) -> dict[str, Any]:
-    from tiermem.demo.model import GPT, GPTConfig
-    from tiermem.offload import offload_params
+    from tiermem.client.demo.model import GPT, GPTConfig
+    from tiermem.client.offload import offload_params
 
     cfg = GPTConfig(n_layer=8, n_head=8, n_embd=512, block_size=128)
     g = torch.Generator().manual_seed(1)
@@ -261,7 +261,7 @@ def one_rank_group(backend: str) -> Iterator[None]:
 def sharded_paged(socket: str, steps: int, device: str = "cuda", backend: str = "nccl") -> dict[str, Any]:
     """``ShardedPagedAdam`` on ``device`` in a one-rank group, paged within half the params, clipped and
     loss-scaled; against GradScaler + ``clip_grad_norm_`` + AdamW on the same device."""
-    from tiermem.distributed import ShardedGradScaler, ShardedPagedAdam
+    from tiermem.client.distributed import ShardedGradScaler, ShardedPagedAdam
 
     data = batches(steps, 64, device)
     base = mlp(64, 4).to(device)
@@ -310,7 +310,7 @@ def sharded(socket: str, steps: int, device: str = "cuda", backend: str = "nccl"
     """``ShardedOffloadAdam`` in a one-rank process group on ``device``: reduce-scatter, statistics and
     all-gather on device tensors, the shard's grads and params copied between the device and the daemon's
     storage, with clipping; against ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the same device."""
-    from tiermem.distributed import ShardedOffloadAdam
+    from tiermem.client.distributed import ShardedOffloadAdam
 
     data = batches(steps, 64, device)
     base = mlp(64, 3).to(device)

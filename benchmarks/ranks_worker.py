@@ -120,7 +120,7 @@ def main() -> None:
                 steps.append(dt)
     else:
         from tiermem import OffloadAdam
-        from tiermem.distributed import ShardedOffloadAdam
+        from tiermem.client.distributed import ShardedOffloadAdam
 
         params = [torch.nn.Parameter(torch.randn(args.numel // TENSORS)) for _ in range(TENSORS)]
         sharded = ShardedOffloadAdam(params, lr=1e-3, offload="cpu")
@@ -221,7 +221,7 @@ def main() -> None:
 def _overlap(args: argparse.Namespace, rank: int, world: int) -> None:
     """Whole training steps (forward, backward, ``step()``) of one MLP with ``overlap_comm`` off and of its
     twin with it on, alternating per step; rank 0 writes each one's median span."""
-    from tiermem.distributed import ShardedOffloadAdam
+    from tiermem.client.distributed import ShardedOffloadAdam
 
     layers = 8
     dim = int((args.numel / layers) ** 0.5)

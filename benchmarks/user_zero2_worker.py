@@ -60,7 +60,7 @@ def main() -> None:
     def optimizer(model: nn.Module, job_id: str | None = None) -> torch.optim.Optimizer:
         if args.optimizer == "torch":
             return _ReducingAdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-        from tiermem.distributed import ShardedOffloadAdam  # the control never imports tiermem
+        from tiermem.client.distributed import ShardedOffloadAdam  # the control never imports tiermem
 
         return ShardedOffloadAdam(
             model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=1.0, offload=args.tier, job_id=job_id

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tiermem.swap.engine import IOEngine, IOOp, IORequest, Transfer
+from tiermem.engine.swap.engine import IOEngine, IOOp, IORequest, Transfer
 
 
 class FaultKind(Enum):

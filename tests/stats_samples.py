@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiermem.protocol import (
+from tiermem.core.protocol import (
     AdamReport,
     BudgetReport,
     JobReport,

@@ -1,4 +1,4 @@
-"""Hypothesis strategies derived from declared field kinds (``tiermem.protocol.spec``), for the protocol tests.
+"""Hypothesis strategies derived from declared field kinds (``tiermem.core.protocol.spec``), for the protocol tests.
 
 ``valid(kind)`` draws wire values that pass a kind's own checks, its edges
 included; ``wrong(kind)`` values aimed at its edges and at its neighbours'
@@ -15,9 +15,9 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from tiermem.protocol.fields import FieldError
-from tiermem.protocol.session import Fact, PowerOfTwo
-from tiermem.protocol.spec import Bool, Choice, Float, Int, Kind, List, Map, Opt, RecordSpec, Str, Tuple
+from tiermem.core.protocol.fields import FieldError
+from tiermem.core.protocol.session import Fact, PowerOfTwo
+from tiermem.core.protocol.spec import Bool, Choice, Float, Int, Kind, List, Map, Opt, RecordSpec, Str, Tuple
 
 __all__ = ["join", "json_values", "mutated", "passes", "shape", "valid", "wrong"]
 

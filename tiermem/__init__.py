@@ -14,14 +14,14 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "BufferPool": "tiermem.pool",
-    "CPUAdam": "tiermem.optim",
-    "Client": "tiermem.client",
-    "OffloadAdam": "tiermem.offload",
-    "ParamPager": "tiermem.offload",
-    "ShardedOffloadAdam": "tiermem.distributed",
-    "connect": "tiermem.client",
-    "offload_params": "tiermem.offload",
+    "BufferPool": "tiermem.engine.pool",
+    "CPUAdam": "tiermem.engine.optim",
+    "Client": "tiermem.client.link",
+    "OffloadAdam": "tiermem.client.offload",
+    "ParamPager": "tiermem.client.offload",
+    "ShardedOffloadAdam": "tiermem.client.distributed",
+    "connect": "tiermem.client.link",
+    "offload_params": "tiermem.client.offload",
 }
 
 __all__ = [

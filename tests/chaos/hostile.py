@@ -45,8 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tiermem.errors import DaemonTimeout
-from tiermem.protocol import (
+from tiermem.client.connection import Connection
+from tiermem.core.errors import DaemonTimeout
+from tiermem.core.protocol import (
     HEADER_NBYTES,
     Attach,
     Detach,
@@ -60,7 +61,6 @@ from tiermem.protocol import (
     decode_frame,
     encode_message,
 )
-from tiermem.transport import Connection
 from tiermemd.main import to_toml
 
 __all__ = [

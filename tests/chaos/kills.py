@@ -84,8 +84,8 @@ def _victim(socket_path: str, index: int, rng: random.Random) -> None:
     """One victim (a forked child): attach a new job, train, maybe fork a socket holder, maybe save state."""
     import torch
 
-    from tiermem.client import connect
-    from tiermem.offload import OffloadAdam
+    from tiermem.client.link import connect
+    from tiermem.client.offload import OffloadAdam
 
     torch.set_num_threads(1)
     client = connect(socket_path, embed=False)
@@ -111,7 +111,7 @@ def _victim(socket_path: str, index: int, rng: random.Random) -> None:
 def _victims(socket_path: str, kills: int, seed: int, max_delay_s: float) -> dict[str, Any]:
     import torch  # noqa: F401 - imported once here, so a forked victim starts in milliseconds
 
-    import tiermem.offload  # noqa: F401
+    import tiermem.client.offload  # noqa: F401
 
     rng = random.Random(seed)
     killed = finished = failed = holders = 0
@@ -155,8 +155,8 @@ def _survivor(
 ) -> dict[str, Any]:
     import torch
 
-    from tiermem.client import connect
-    from tiermem.offload import OffloadAdam
+    from tiermem.client.link import connect
+    from tiermem.client.offload import OffloadAdam
 
     torch.set_num_threads(1)
     client = connect(socket_path, embed=False)
@@ -283,9 +283,9 @@ def client_kills(daemon: Any, kills: int, *, seed: int = 0, survivors: int = 2) 
 def daemon_kill(daemon: Any, *, commit_every: int, steps_before: int, steps_after: int) -> dict[str, Any]:
     """Kill the daemon while a job trains; restart it; see the module docstring.  ``daemon`` must have been
     started with ``jobs.commit_every = commit_every``; it is running again (a new process) on return."""
-    from tiermem.client import connect
-    from tiermem.errors import DaemonUnavailable, StaleStateError
-    from tiermem.offload import OffloadAdam
+    from tiermem.client.link import connect
+    from tiermem.client.offload import OffloadAdam
+    from tiermem.core.errors import DaemonUnavailable, StaleStateError
 
     seed, job = 11, f"phoenix-{steps_before}"
     model = _model(seed)

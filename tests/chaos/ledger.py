@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiermem.protocol import Stats
-from tiermem.transport import Connection
+from tiermem.client.connection import Connection
+from tiermem.core.protocol import Stats
 
 __all__ = ["Snapshot", "daemon_counters", "problems", "settle", "snapshot"]
 

@@ -27,13 +27,13 @@ import torch
 from faults import Fault, FaultyEngine, mounted
 from hostile import ChaosDaemon
 
-from tiermem.client import Client, connect
-from tiermem.errors import AdmissionError, CorruptionError, DataLostError, SwapFullError, SwapIOError, TiermemError
-from tiermem.offload import OffloadAdam
-from tiermem.swap.engine import IOOp
-from tiermem.swap.engine_threads import ThreadEngine
-from tiermem.swap.manifest import read_manifest
-from tiermem.swap.store import SwapStore
+from tiermem.client.link import Client, connect
+from tiermem.client.offload import OffloadAdam
+from tiermem.core.errors import AdmissionError, CorruptionError, DataLostError, SwapFullError, SwapIOError, TiermemError
+from tiermem.engine.swap.engine import IOOp
+from tiermem.engine.swap.engine_threads import ThreadEngine
+from tiermem.engine.swap.manifest import read_manifest
+from tiermem.engine.swap.store import SwapStore
 
 pytestmark = pytest.mark.timeout(600)
 

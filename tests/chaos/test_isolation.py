@@ -21,11 +21,11 @@ import torch
 from hostile import ALLOWED_UID, ChaosDaemon
 from ledger import problems, settle, snapshot
 
-from tiermem.client import connect
-from tiermem.errors import AdmissionError, AuthError, UnknownJob
-from tiermem.offload import OffloadAdam
-from tiermem.protocol import Attach, AttachOk, Detach
-from tiermem.transport import Connection
+from tiermem.client.connection import Connection
+from tiermem.client.link import connect
+from tiermem.client.offload import OffloadAdam
+from tiermem.core.errors import AdmissionError, AuthError, UnknownJob
+from tiermem.core.protocol import Attach, AttachOk, Detach
 
 pytestmark = [
     pytest.mark.timeout(300),

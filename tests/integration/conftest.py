@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tiermem.protocol import ErrorReply, Frame, NodeReport, Stats, StatsReply, decode_frame, decode_message
-from tiermem.transport import Connection
+from tiermem.client.connection import Connection
+from tiermem.core.protocol import ErrorReply, Frame, NodeReport, Stats, StatsReply, decode_frame, decode_message
 from tiermemd.main import to_toml
 
 if TYPE_CHECKING:
-    from tiermem.client import Client
+    from tiermem.client.link import Client
 
 CLIENT_SCRIPT = Path(__file__).with_name("daemon_client.py")
 GRACE_PERIOD_S = 3.0
@@ -120,7 +120,7 @@ class DaemonProcess:
         return Connection.open(self.socket_path, timeout_s=timeout_s)
 
     def client(self, timeout_s: float = 60.0) -> Client:
-        from tiermem.client import Client  # imports torch: only for the tests that use it
+        from tiermem.client.link import Client  # imports torch: only for the tests that use it
 
         return Client(self.connection(timeout_s), socket_path=self.socket_path)
 

@@ -1,6 +1,6 @@
 """A training client of tiermemd, run as its own process by the daemon integration tests.
 
-It speaks to the daemon with ``tiermem.transport`` and ``tiermem.protocol`` and
+It speaks to the daemon with ``tiermem.net.frames`` and ``tiermem.core.protocol`` and
 moves data through the mapped window with numpy (no torch import, so a client
 process starts in about a second).  The numbers it trains on are pure functions
 of (seed, step), so a test can replay the same run through
@@ -30,8 +30,9 @@ import time
 
 import numpy as np
 
-from tiermem.errors import TiermemError
-from tiermem.protocol import (
+from tiermem.client.connection import Connection
+from tiermem.core.errors import TiermemError
+from tiermem.core.protocol import (
     Attach,
     AttachOk,
     Detach,
@@ -46,7 +47,6 @@ from tiermem.protocol import (
     TensorSlot,
     TensorSpec,
 )
-from tiermem.transport import Connection
 
 LR = 1e-2
 WEIGHT_DECAY = 0.1

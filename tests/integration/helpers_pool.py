@@ -15,7 +15,7 @@ import os
 import resource
 import sys
 
-from tiermem.pool import Allocator, BlockState
+from tiermem.engine.pool import Allocator, BlockState
 
 NOBODY = 65534
 
@@ -56,7 +56,7 @@ def _drop_to_nobody() -> None:
 
 
 def _map(fd: int, nbytes: int) -> dict[str, object]:
-    from tiermem.pool import Arena
+    from tiermem.engine.pool import Arena
 
     with Arena.from_fd(fd) as arena:
         seen = bytes(arena.view(0, nbytes)) == parent_pattern(nbytes)
@@ -93,7 +93,7 @@ def _mlock(limit: int, nbytes: int) -> dict[str, object]:
     records = _Records()
     logging.getLogger("tiermem").addHandler(records)
     logging.getLogger("tiermem").setLevel(logging.DEBUG)
-    from tiermem.pool import BufferPool
+    from tiermem.engine.pool import BufferPool
 
     with BufferPool.create(nbytes, arena_size=nbytes // 2, mlock=True) as pool:
         blocks = [pool.alloc(arena.nbytes) for arena in pool.arenas]  # fill every arena, all of it

@@ -1,6 +1,6 @@
 """Shared pieces of the ``OffloadAdam`` integration tests: a private daemon, models, data, training loops.
 
-``OffloadDaemon`` starts one real private tiermemd (``tiermem.client.connect``)
+``OffloadDaemon`` starts one real private tiermemd (``tiermem.client.link.connect``)
 for a test module and hands out ``OffloadAdam`` optimizers, each on its own
 connection to that daemon (one connection attaches to one job), closing them
 all at teardown.  The daemon runs its Adam eagerly (``adam.compile = false``,
@@ -8,12 +8,12 @@ compiling costs tens of seconds per daemon here) on one thread, and the tests
 run torch on one thread: on a shared 2-core machine, oversubscribed OpenMP
 threads make every step an order of magnitude slower.
 
-Reference optimizers: ``cpu_adam`` builds ``tiermem.optim.CPUAdam`` with the
+Reference optimizers: ``cpu_adam`` builds ``tiermem.engine.optim.CPUAdam`` with the
 daemon's engine settings (eager, one thread), the same arithmetic the daemon
 runs, so long trajectories can be compared exactly; ``torch.optim.AdamW`` is the
 external reference (see each test for the tolerance and why).
 
-Models: ``tiny_gpt`` (``tiermem.demo.model.GPT``, about 21k parameters, about
+Models: ``tiny_gpt`` (``tiermem.client.demo.model.GPT``, about 21k parameters, about
 10 chunks of 2048 elements), ``mlp`` (fixed data, where torch and the engine
 stay within ``assert_close``'s default tolerances over 100 steps).
 """
@@ -31,11 +31,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tiermem.client import Client, EmbeddedDaemon, connect
-from tiermem.demo.model import GPT, CharCorpus, GPTConfig
-from tiermem.offload import OffloadAdam
-from tiermem.optim import CPUAdam
-from tiermem.transport import Connection
+from tiermem.client.connection import Connection
+from tiermem.client.demo.model import GPT, CharCorpus, GPTConfig
+from tiermem.client.link import Client, EmbeddedDaemon, connect
+from tiermem.client.offload import OffloadAdam
+from tiermem.engine.optim import CPUAdam
 
 TINY_GPT = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
 BATCH = 4

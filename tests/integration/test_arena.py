@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from tiermem.errors import BoundsError, InvalidArgument, InvalidState
-from tiermem.pool import Arena, MlockRefusal, memlock_warning
-from tiermem.units import KiB, MiB
+from tiermem.core.errors import BoundsError, InvalidArgument, InvalidState
+from tiermem.core.units import KiB, MiB
+from tiermem.engine.pool import Arena, MlockRefusal, memlock_warning
 
 
 def resident_bytes(address: int) -> int:

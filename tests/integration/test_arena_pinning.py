@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiermem.pool import BufferPool, CudaPinner, PinStatus
-from tiermem.units import MiB
+from tiermem.core.units import MiB
+from tiermem.engine.pool import BufferPool, CudaPinner, PinStatus
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,10 +12,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tiermem.config import PoolConfig
-from tiermem.errors import BoundsError, InvalidState, PoolExhausted
-from tiermem.pool import Block, BufferPool, NullPinner, PinStatus, arena_sizes, auto_pool_size
-from tiermem.units import GiB, KiB, MiB
+from tiermem.core.config import PoolConfig
+from tiermem.core.errors import BoundsError, InvalidState, PoolExhausted
+from tiermem.core.units import GiB, KiB, MiB
+from tiermem.engine.pool import Block, BufferPool, NullPinner, PinStatus, arena_sizes, auto_pool_size
 
 PAGE = 4096
 ARENA = 32 * PAGE

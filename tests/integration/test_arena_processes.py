@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers_pool import NOBODY, child_pattern, parent_pattern
 
-from tiermem.pool import Arena
-from tiermem.units import KiB, MiB
+from tiermem.core.units import KiB, MiB
+from tiermem.engine.pool import Arena
 
 HELPER = Path(__file__).with_name("helpers_pool.py")
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,9 +11,9 @@ import pytest
 from conftest import DaemonProcess
 from daemon_client import Trainer
 
-from tiermem.errors import AdmissionError, AuthError
-from tiermem.protocol import Ping, Pong
-from tiermem.transport import Connection
+from tiermem.client.connection import Connection
+from tiermem.core.errors import AdmissionError, AuthError
+from tiermem.core.protocol import Ping, Pong
 
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3"

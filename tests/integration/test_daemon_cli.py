@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from tiermem.config import config_to_dict, load_config
+from tiermem.core.config import config_to_dict, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMD = REPO / "systemd"

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiermem.client import Client, connect
-from tiermem.errors import DaemonUnavailable, DataLostError, StaleStateError
-from tiermem.offload import OffloadAdam
+from tiermem.client.link import Client, connect
+from tiermem.client.offload import OffloadAdam
+from tiermem.core.errors import DaemonUnavailable, DataLostError, StaleStateError
 from tiermemd.main import EXIT_DATA_LOST
 
 pytestmark = pytest.mark.timeout(600)

@@ -23,8 +23,8 @@ from daemon_client import Trainer, adamw_reference, grads_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiermem.errors import BoundsError, InvalidArgument, UnknownKey
-from tiermem.protocol import (
+from tiermem.core.errors import BoundsError, InvalidArgument, UnknownKey
+from tiermem.core.protocol import (
     Attach,
     AttachOk,
     BucketReady,
@@ -42,7 +42,7 @@ from tiermem.protocol import (
     encode_message,
     peek_request_id,
 )
-from tiermem.protocol.frame import PROTOCOL_VERSION
+from tiermem.core.protocol.frame import PROTOCOL_VERSION
 
 HEADER = struct.Struct("<2sBBHHII")
 SENTINEL = 0xFFFFFFFF

@@ -17,7 +17,7 @@ import torch
 from conftest import GRACE_PERIOD_S
 from daemon_client import adamw_reference
 
-from tiermem.protocol import NodeReport, Stats
+from tiermem.core.protocol import NodeReport, Stats
 
 SIZES = [300, 40, 7]
 SIZES_ARG = ",".join(map(str, SIZES))

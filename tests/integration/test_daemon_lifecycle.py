@@ -16,9 +16,9 @@ import time
 import pytest
 from conftest import MAX_CONNECTIONS_PER_UID, NotifyRecorder, RawConn, daemon_settings, error_of
 
-from tiermem.protocol import MsgType, Stats, StatsReply
-from tiermem.protocol.frame import PROTOCOL_VERSION
-from tiermem.units import MiB
+from tiermem.core.protocol import MsgType, Stats, StatsReply
+from tiermem.core.protocol.frame import PROTOCOL_VERSION
+from tiermem.core.units import MiB
 from tiermemd.main import to_toml
 from tiermemd.service import DRAIN_TIMEOUT_S
 

@@ -13,9 +13,9 @@ import pytest
 from conftest import daemon_settings
 from daemon_client import Trainer
 
-from tiermem.errors import AuthError, BoundsError
-from tiermem.protocol import Attach, AttachOk, Detach, MemRef, Ping, Pong, StateRead
-from tiermem.transport import Connection
+from tiermem.client.connection import Connection
+from tiermem.core.errors import AuthError, BoundsError
+from tiermem.core.protocol import Attach, AttachOk, Detach, MemRef, Ping, Pong, StateRead
 from tiermemd.main import to_toml
 
 

@@ -30,10 +30,10 @@ from conftest import DaemonProcess, RawConn, start_daemon
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiermem import __version__
-from tiermem.errors import AuthError
-from tiermem.offload import OffloadAdam
-from tiermem.optim.step_rules import decide
-from tiermem.units import parse_size
+from tiermem.client.offload import OffloadAdam
+from tiermem.core.errors import AuthError
+from tiermem.core.step_rules import decide
+from tiermem.core.units import parse_size
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -318,7 +318,7 @@ def test_tiermem_status_shows_the_node_and_the_job(metered: tuple[DaemonProcess,
             model(torch.randn(4, 32)).square().mean().backward()
             opt.step()
             opt.zero_grad()
-        cmd = [sys.executable, "-m", "tiermem.cli", "status", "--socket", daemon.socket_path]
+        cmd = [sys.executable, "-m", "tiermem.client.cli", "status", "--socket", daemon.socket_path]
         shown = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, check=True)
         screen = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
     finally:
@@ -338,7 +338,7 @@ def test_tiermem_status_shows_the_node_and_the_job(metered: tuple[DaemonProcess,
 def test_tiermem_status_without_a_daemon_says_so(tmp_path: Path) -> None:
     missing = tmp_path / "nobody.sock"
     result = subprocess.run(
-        [sys.executable, "-m", "tiermem.cli", "status", "--socket", str(missing)],
+        [sys.executable, "-m", "tiermem.client.cli", "status", "--socket", str(missing)],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert result.returncode == 1

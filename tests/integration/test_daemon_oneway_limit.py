@@ -6,7 +6,7 @@ from typing import Any
 
 from conftest import RawConn, error_of
 
-from tiermem.protocol import FLAG_ONEWAY, BucketReady, ParamGroup, Ping, encode_message
+from tiermem.core.protocol import FLAG_ONEWAY, BucketReady, ParamGroup, Ping, encode_message
 
 
 def test_a_flood_of_one_way_messages_closes_only_that_connection(daemon_factory: Any) -> None:

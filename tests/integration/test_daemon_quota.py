@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from tiermem.errors import AdmissionError
-from tiermem.protocol import ParamGroup, TensorSpec
+from tiermem.core.errors import AdmissionError
+from tiermem.core.protocol import ParamGroup, TensorSpec
 
 
 def test_a_job_over_its_pool_quota_is_refused_at_register(daemon_factory: Any) -> None:

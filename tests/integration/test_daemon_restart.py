@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiermem.client import Client, connect
-from tiermem.errors import DaemonUnavailable
-from tiermem.offload import OffloadAdam
+from tiermem.client.link import Client, connect
+from tiermem.client.offload import OffloadAdam
+from tiermem.core.errors import DaemonUnavailable
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -13,7 +13,7 @@ import pytest
 def demo(*args: str, cwd) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
     return subprocess.run(
-        [sys.executable, "-m", "tiermem.cli", "demo", *args],
+        [sys.executable, "-m", "tiermem.client.cli", "demo", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
 
@@ -43,7 +43,7 @@ def test_demo_quiet_names_an_unwritable_plot_path(tmp_path):
 
 
 def test_no_plot_clears_the_path():
-    from tiermem.cli import build_parser
+    from tiermem.client.cli import build_parser
 
     assert build_parser().parse_args(["demo"]).plot == "tiermem-demo-loss.png"
     assert build_parser().parse_args(["demo", "--no-plot"]).plot == ""

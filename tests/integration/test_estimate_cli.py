@@ -9,14 +9,19 @@ import sys
 
 import pytest
 
-from tiermem.capacity import probe_daemon
+from tiermem.client.capacity import probe_daemon
 
 
 def tiermem(*args: str, home: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
     env.update({"HOME": home, "XDG_RUNTIME_DIR": home, "XDG_STATE_HOME": home, "TIERMEM_NO_EMBED": "1"})
     return subprocess.run(
-        [sys.executable, "-m", "tiermem.cli", *args], env=env, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "tiermem.client.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tiermem.config import DEFAULT_QUEUE_DEPTH, MAX_QUEUE_DEPTH, SwapConfig
-from tiermem.pool import BufferPool
-from tiermem.swap.engine_libaio import LibaioEngine
-from tiermem.swap.engine_select import open_engine
-from tiermem.swap.engine_threads import ThreadEngine
-from tiermem.swap.probe import DiskPoint, DiskProbe
-from tiermem.swap.store import SwapStore
-from tiermem.tiers.sizing import plan_cache
-from tiermem.units import KiB, MiB
+from tiermem.core.config import DEFAULT_QUEUE_DEPTH, MAX_QUEUE_DEPTH, SwapConfig
+from tiermem.core.units import KiB, MiB
+from tiermem.engine.pool import BufferPool
+from tiermem.engine.swap.engine_libaio import LibaioEngine
+from tiermem.engine.swap.engine_select import open_engine
+from tiermem.engine.swap.engine_threads import ThreadEngine
+from tiermem.engine.swap.probe import DiskPoint, DiskProbe
+from tiermem.engine.swap.store import SwapStore
+from tiermem.engine.tiers.sizing import plan_cache
 from tiermemd.nvme import NvmeStateChunks, SwapDevice
 
 CHUNK_NUMEL = 16384  # 192 KiB of state per chunk (three fp32 keys)

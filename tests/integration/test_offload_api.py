@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tiermem import OffloadAdam
-from tiermem.errors import DTypeError, InvalidArgument
+from tiermem.core.errors import DTypeError, InvalidArgument
 
 HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
 

@@ -12,7 +12,7 @@ import torch
 from offload_helpers import OffloadDaemon, offload_daemon
 from torch import nn
 
-from tiermem.errors import InvalidState
+from tiermem.core.errors import InvalidState
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tiermem import OffloadAdam
-from tiermem.errors import InvalidState
+from tiermem.core.errors import InvalidState
 
 HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
 """Explicit hyper-parameters for every test but the defaults' own (so a wrong default cannot mask another error)."""

@@ -33,7 +33,7 @@ from offload_helpers import (
 from torch import nn
 from torch.nn import functional as F
 
-from tiermem.errors import InvalidArgument, InvalidState
+from tiermem.core.errors import InvalidArgument, InvalidState
 
 HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
 WINDOW = 8192

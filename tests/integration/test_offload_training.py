@@ -37,8 +37,8 @@ from offload_helpers import (
 )
 from torch import nn
 
-from tiermem.errors import DTypeError, InvalidArgument, InvalidState
-from tiermem.offload import OffloadAdam
+from tiermem.client.offload import OffloadAdam
+from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 
 STEPS = 40
 

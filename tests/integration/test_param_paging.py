@@ -30,9 +30,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import tiermem
-from tiermem.demo.model import GPT, GPTConfig
-from tiermem.errors import InvalidArgument, InvalidState
-from tiermem.offload import ParamPager
+from tiermem.client.demo.model import GPT, GPTConfig
+from tiermem.client.offload import ParamPager
+from tiermem.core.errors import InvalidArgument, InvalidState
 
 HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
 WINDOW = 4096

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tiermem.config import ServerConfig
-from tiermem.errors import AdmissionError
-from tiermem.protocol import Message, Ping, Pong, Stats, encode_message
-from tiermem.transport import Connection, Listener
+from tiermem.client.connection import Connection
+from tiermem.core.config import ServerConfig
+from tiermem.core.errors import AdmissionError
+from tiermem.core.protocol import Message, Ping, Pong, Stats, encode_message
 from tiermemd.health import Health
+from tiermemd.listener import Listener
 from tiermemd.server import Reply, Server, Session
 
 LIMIT = 2

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from tiermem.config import ServerConfig
-from tiermem.errors import DaemonTimeout
-from tiermem.protocol import Message, Ping, Pong, Stats
-from tiermem.transport import Connection, Listener
+from tiermem.client.connection import Connection
+from tiermem.core.config import ServerConfig
+from tiermem.core.errors import DaemonTimeout
+from tiermem.core.protocol import Message, Ping, Pong, Stats
 from tiermemd import health
 from tiermemd.health import Health
+from tiermemd.listener import Listener
 from tiermemd.server import Reply, Server, Session
 
 

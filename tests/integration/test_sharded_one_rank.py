@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tiermem.client import connect
-from tiermem.distributed import LayerShardedAdam, ShardedGradScaler, ShardedOffloadAdam, ShardedPagedAdam
-from tiermem.errors import InvalidArgument, InvalidState
+from tiermem.client.distributed import LayerShardedAdam, ShardedGradScaler, ShardedOffloadAdam, ShardedPagedAdam
+from tiermem.client.link import connect
+from tiermem.core.errors import InvalidArgument, InvalidState
 
 
 @pytest.fixture

@@ -28,11 +28,12 @@ from typing import Any
 
 import pytest
 
-from tiermem.client import connect
-from tiermem.errors import ConfigError, UnsafePathError
-from tiermem.protocol import Stats, StatsReply
-from tiermem.sockpath import Trust, remove_socket
-from tiermem.transport import bind_listener, connect_trusted
+from tiermem.client.connection import connect_trusted
+from tiermem.client.link import connect
+from tiermem.core.errors import ConfigError, UnsafePathError
+from tiermem.core.protocol import Stats, StatsReply
+from tiermem.net.sockpath import Trust, remove_socket
+from tiermemd.listener import bind_listener
 
 IS_ROOT = os.geteuid() == 0
 NOBODY = 65534

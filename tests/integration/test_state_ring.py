@@ -15,8 +15,8 @@ import pytest
 import torch
 from offload_helpers import OffloadDaemon, offload_daemon
 
-from tiermem.errors import InvalidArgument
-from tiermem.protocol import MemRef, Ping, StateRead
+from tiermem.core.errors import InvalidArgument
+from tiermem.core.protocol import MemRef, Ping, StateRead
 
 WINDOW = 4096
 SIZES = [0, 1, 511, 512, 513, 1024, 3000, 7]

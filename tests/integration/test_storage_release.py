@@ -13,7 +13,7 @@ import time
 import torch
 
 from tiermem import OffloadAdam
-from tiermem.client import connect
+from tiermem.client.link import connect
 
 
 def _storage_refs(pid: int, job_id: str) -> list[str]:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tiermem.swap.engine_libaio import LibaioEngine
-from tiermem.swap.store import SwapStore
-from tiermem.units import MiB
+from tiermem.core.units import MiB
+from tiermem.engine.swap.engine_libaio import LibaioEngine
+from tiermem.engine.swap.store import SwapStore
 
 P = 4096
 NKEYS = 12
@@ -25,8 +25,8 @@ NKEYS = 12
 # deleting key 0 on odd rounds, commits, then prints "committed <r>".
 CHILD = r"""
 import mmap, sys
-from tiermem.swap.engine_libaio import LibaioEngine
-from tiermem.swap.store import SwapStore
+from tiermem.engine.swap.engine_libaio import LibaioEngine
+from tiermem.engine.swap.store import SwapStore
 
 def pattern(i, r, nbytes):
     head = (i * 1000003 + r).to_bytes(8, "little")

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from faults import mounted
 
-from tiermem.config import SwapConfig
-from tiermem.errors import ConfigError, InvalidArgument, SwapIOError
-from tiermem.swap.engine import IOEngine, IOOp, IORequest, make_request
-from tiermem.swap.engine_libaio import LibaioEngine
-from tiermem.swap.engine_select import open_engine
-from tiermem.swap.engine_threads import ThreadEngine
+from tiermem.core.config import SwapConfig
+from tiermem.core.errors import ConfigError, InvalidArgument, SwapIOError
+from tiermem.engine.swap.engine import IOEngine, IOOp, IORequest, make_request
+from tiermem.engine.swap.engine_libaio import LibaioEngine
+from tiermem.engine.swap.engine_select import open_engine
+from tiermem.engine.swap.engine_threads import ThreadEngine
 
 P = 4096
 DISK_TMP = "/var/tmp"  # ext4 on this machine's disk: O_DIRECT works there (tmpfs /dev/shm does not)
@@ -186,7 +186,7 @@ def test_open_engine_picks_libaio_on_disk_and_threads_where_o_direct_is_refused(
     assert forced.name == "threads"
     forced.close()
     with mounted("ramfs") as ramfs:  # ramfs refuses O_DIRECT with EINVAL (recent kernels' tmpfs accepts it)
-        with caplog.at_level(logging.WARNING, logger="tiermem.swap.engine_select"):
+        with caplog.at_level(logging.WARNING, logger="tiermem.engine.swap.engine_select"):
             fallback = open_engine(SwapConfig(), [disk_dir, ramfs])
             again = open_engine(SwapConfig(), [disk_dir, ramfs])
         try:

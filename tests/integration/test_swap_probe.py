@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tiermem.errors import InvalidArgument
-from tiermem.swap.engine import IOOp, make_request
-from tiermem.swap.engine_libaio import LibaioEngine
-from tiermem.swap.probe import probe_disk
-from tiermem.units import KiB, MiB
+from tiermem.core.errors import InvalidArgument
+from tiermem.core.units import KiB, MiB
+from tiermem.engine.swap.engine import IOOp, make_request
+from tiermem.engine.swap.engine_libaio import LibaioEngine
+from tiermem.engine.swap.probe import probe_disk
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from faults import Fault, FaultKind, FaultyEngine, mounted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiermem.errors import (
+from tiermem.core.errors import (
     CorruptionError,
     DataLostError,
     InvalidArgument,
@@ -24,11 +24,11 @@ from tiermem.errors import (
     SwapIOError,
     UnknownKey,
 )
-from tiermem.swap.engine import IOEngine, IOOp
-from tiermem.swap.engine_libaio import LibaioEngine
-from tiermem.swap.engine_threads import ThreadEngine
-from tiermem.swap.store import SwapStore
-from tiermem.units import MiB
+from tiermem.core.units import MiB
+from tiermem.engine.swap.engine import IOEngine, IOOp
+from tiermem.engine.swap.engine_libaio import LibaioEngine
+from tiermem.engine.swap.engine_threads import ThreadEngine
+from tiermem.engine.swap.store import SwapStore
 
 P = 4096
 

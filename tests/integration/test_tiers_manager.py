@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiermem.errors import CorruptionError, InvalidState, PoolExhausted
-from tiermem.pool import BufferPool
-from tiermem.swap.engine_libaio import LibaioEngine
-from tiermem.swap.store import SwapStore
-from tiermem.tiers import TensorState, TierManager
-from tiermem.units import MiB
+from tiermem.core.errors import CorruptionError, InvalidState, PoolExhausted
+from tiermem.core.units import MiB
+from tiermem.engine.pool import BufferPool
+from tiermem.engine.swap.engine_libaio import LibaioEngine
+from tiermem.engine.swap.store import SwapStore
+from tiermem.engine.tiers import TensorState, TierManager
 
 SHAPES = [(4096 * (1 + i % 5),) for i in range(16)]  # 16..80 KiB of fp32 each
 KEYS = [f"t{i}" for i in range(len(SHAPES))]

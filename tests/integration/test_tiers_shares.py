@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiermem.errors import PoolExhausted
-from tiermem.pool import BufferPool
-from tiermem.swap.engine_libaio import LibaioEngine
-from tiermem.swap.store import SwapStore
-from tiermem.tiers import PoolShares, TierManager
+from tiermem.core.errors import PoolExhausted
+from tiermem.engine.pool import BufferPool
+from tiermem.engine.swap.engine_libaio import LibaioEngine
+from tiermem.engine.swap.store import SwapStore
+from tiermem.engine.tiers import PoolShares, TierManager
 
 TENSOR_NUMEL = 64 * 1024  # 256 KiB of fp32
 TENSOR_NBYTES = TENSOR_NUMEL * 4

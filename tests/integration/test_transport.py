@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 from stats_samples import sample_reply
 
-from tiermem.errors import ConfigError, ConnectionClosed, DaemonUnavailable, PoolExhausted, ProtocolError
-from tiermem.protocol import (
+from tiermem.client.connection import Connection, connect_socket
+from tiermem.core.errors import ConfigError, ConnectionClosed, DaemonUnavailable, PoolExhausted, ProtocolError
+from tiermem.core.protocol import (
     FLAG_FDS,
     Attach,
     AttachOk,
@@ -37,7 +38,8 @@ from tiermem.protocol import (
     decode_message,
     encode_message,
 )
-from tiermem.transport import Connection, FrameSocket, Listener, adopt_listener, bind_listener, connect_socket
+from tiermem.net.frames import FrameSocket
+from tiermemd.listener import Listener, adopt_listener, bind_listener
 
 IS_ROOT = os.geteuid() == 0
 
@@ -573,7 +575,7 @@ def test_threads_share_one_connection(pair):
 
 
 def test_oneway_send_gets_no_reply_and_requests_must_expect_one(pair):
-    from tiermem.protocol import FLAG_ONEWAY, BucketReady
+    from tiermem.core.protocol import FLAG_ONEWAY, BucketReady
 
     conn, server = pair
     conn.send_oneway(BucketReady(step=1, attempt=1, bucket=0, tensor_ids=(0,), groups=(ParamGroup(lr=0.1),)))

@@ -12,17 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from tiermem.client import client_timeout
-from tiermem.errors import ConfigError, ConnectionClosed, DaemonTimeout, DaemonUnavailable, InvalidArgument
-from tiermem.protocol import Ping, Pong, decode_frame, encode_message
-from tiermem.transport import (
-    DEFAULT_TIMEOUT_S,
-    HEARTBEAT,
-    Connection,
-    FrameSocket,
-    connect_socket,
-    set_send_timeout,
-)
+from tiermem.client.connection import DEFAULT_TIMEOUT_S, Connection, connect_socket
+from tiermem.client.link import client_timeout
+from tiermem.core.errors import ConfigError, ConnectionClosed, DaemonTimeout, DaemonUnavailable, InvalidArgument
+from tiermem.core.protocol import Ping, Pong, decode_frame, encode_message
+from tiermem.net.frames import HEARTBEAT, FrameSocket, set_send_timeout
 
 
 @pytest.fixture

@@ -25,8 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from tiermem.distributed import ShardedGradScaler, ShardedOffloadAdam
-from tiermem.errors import RankLost
+from tiermem.client.distributed import ShardedGradScaler, ShardedOffloadAdam
+from tiermem.core.errors import RankLost
 
 DIM, HIDDEN, BATCH = 24, 40, 16
 

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiermem.distributed import ShardedGradScaler, ShardedPagedAdam
-from tiermem.errors import InvalidState, RankLost
+from tiermem.client.distributed import ShardedGradScaler, ShardedPagedAdam
+from tiermem.core.errors import InvalidState, RankLost
 
 BATCH_PER_RANK = 3
 LR = 0.02

@@ -19,8 +19,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from tiermem.distributed import LayerShardedAdam, ShardedGradScaler
-from tiermem.errors import InvalidState
+from tiermem.client.distributed import LayerShardedAdam, ShardedGradScaler
+from tiermem.core.errors import InvalidState
 
 BATCH_PER_RANK = 2
 LR = 0.05

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tiermem.errors import InvalidArgument
-from tiermem.optim.adam_math import AdamHyper, adam_update, step_scalars
+from tiermem.core.adam_math import AdamHyper, adam_update, step_scalars
+from tiermem.core.errors import InvalidArgument
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -8,9 +8,9 @@ import os
 import pytest
 from stats_samples import sample_node
 
-from tiermem.capacity import cgroup_headroom, daemon_budget, free_disk, host_available, read_meminfo
-from tiermem.errors import TiermemError
-from tiermem.protocol import BudgetReport, StatsReply
+from tiermem.client.capacity import cgroup_headroom, daemon_budget, free_disk, host_available, read_meminfo
+from tiermem.core.errors import TiermemError
+from tiermem.core.protocol import BudgetReport, StatsReply
 
 MEMINFO = """\
 MemTotal:       24684084 kB

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiermem.config import DaemonConfig, PoolConfig, config_to_dict, load_config
-from tiermem.errors import ConfigError
-from tiermem.units import GiB, MiB
+from tiermem.core.config import DaemonConfig, PoolConfig, config_to_dict, load_config
+from tiermem.core.errors import ConfigError
+from tiermem.core.units import GiB, MiB
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "systemd" / "tiermemd.toml"
 
@@ -100,7 +100,7 @@ def test_adam_warmup_takes_job_dtypes_and_names_a_wrong_one(tmp_path: Path) -> N
 
 
 def test_the_warmup_dtypes_are_built_when_the_daemon_kernel_is_made() -> None:
-    from tiermem.config import AdamConfig
+    from tiermem.core.config import AdamConfig
     from tiermemd.kernel import default_kernel, warmup_keys
 
     assert warmup_keys(("float32", "bfloat16")) == [(torch.float32, None), (torch.bfloat16, torch.bfloat16)]

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from tiermem.errors import DTypeError, InvalidArgument
-from tiermem.optim import AdamEngine, AdamHyper, CPUAdam, KernelState
+from tiermem.core.errors import DTypeError, InvalidArgument
+from tiermem.engine.optim import AdamEngine, AdamHyper, CPUAdam, KernelState
 
 
 @pytest.fixture(autouse=True, scope="module")

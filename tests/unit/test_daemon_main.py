@@ -14,7 +14,7 @@ import tomllib
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiermem.config import config_to_dict, load_config
+from tiermem.core.config import config_to_dict, load_config
 from tiermemd import main as daemon_main
 from tiermemd.main import EXIT_CONFIG, EXIT_OK, main, to_toml
 

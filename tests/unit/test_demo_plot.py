@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from tiermem.demo.plot import PlotUnavailable, plot_losses, smooth
-from tiermem.demo.train import RunResult
+from tiermem.client.demo.plot import PlotUnavailable, plot_losses, smooth
+from tiermem.client.demo.train import RunResult
 
 
 def test_smooth_is_a_trailing_mean():

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiermem.optim import AdamEngine
-from tiermem.optim.adam_math import AdamHyper
+from tiermem.core.adam_math import AdamHyper
+from tiermem.engine.optim import AdamEngine
 
 N = 5000
 STEPS = 4

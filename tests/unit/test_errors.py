@@ -5,8 +5,8 @@ import pickle
 
 import pytest
 
-from tiermem import errors
-from tiermem.errors import (
+from tiermem.core import errors
+from tiermem.core.errors import (
     ConfigError,
     CorruptionError,
     PoolExhausted,

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiermem.errors import InvalidArgument
-from tiermem.estimate import (
+from tiermem.core.errors import InvalidArgument
+from tiermem.core.estimate import (
     DAEMON_PROCESS_NBYTES,
     DAEMON_STATE_BYTES,
     NVME_CACHE_CHUNKS,

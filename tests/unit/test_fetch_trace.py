@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiermem.offload.trace import LOOK_AHEAD, FetchTrace
+from tiermem.client.offload.trace import LOOK_AHEAD, FetchTrace
 
 STEP = [(0, 1), (2, 3), (4, 5), (6, 7), (6,), (4,), (2,)]
 """The seed network's uses: four layers forward, then the weights of layers 4, 3 and 2 in backward."""

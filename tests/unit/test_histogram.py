@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiermem.histogram import IO_SECONDS, Histogram, HistogramSnapshot
+from tiermem.core.histogram import IO_SECONDS, Histogram, HistogramSnapshot
 
 
 def test_values_land_in_the_first_bucket_whose_bound_holds_them() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
-from tiermem.distributed.identity import default_job_id, job_token
+from tiermem.client.distributed.identity import default_job_id, job_token
 
 
 def test_the_same_job_id_gives_the_same_token_and_another_id_another(tmp_path):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiermem.errors import AdmissionError, AuthError, InvalidArgument, UnknownJob
+from tiermem.core.errors import AdmissionError, AuthError, InvalidArgument, UnknownJob
 from tiermemd.jobs import JobState, JobTable
 
 

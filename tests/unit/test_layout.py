@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiermem.errors import DTypeError, InvalidArgument
-from tiermem.layout import DTYPE_NBYTES, TensorSpec, plan_layout
+from tiermem.core.errors import DTypeError, InvalidArgument
+from tiermem.core.layout import DTYPE_NBYTES, TensorSpec, plan_layout
 
 
 def specs_strategy() -> st.SearchStrategy[list[TensorSpec]]:

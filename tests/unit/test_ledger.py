@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiermem.errors import AdmissionError
-from tiermem.units import GiB, MiB
+from tiermem.core.errors import AdmissionError
+from tiermem.core.units import GiB, MiB
 from tiermemd.ledger import Ledger, Resource
 
 

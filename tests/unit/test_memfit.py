@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tiermem.config import PoolConfig
-from tiermem.units import GiB, MiB
+from tiermem.core.config import PoolConfig
+from tiermem.core.units import GiB, MiB
 from tiermemd.memfit import DoesNotFit, MemoryLimit, cgroup_limits, check_fit, fit_pool, ram_limit
 
 

@@ -6,8 +6,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from tiermem.histogram import UPDATE_SECONDS, Histogram
-from tiermem.pool import PoolStats
+from tiermem.core.histogram import UPDATE_SECONDS, Histogram
+from tiermem.engine.pool import PoolStats
 from tiermemd.ledger import Ledger, Resource
 from tiermemd.metrics import adam_families, job_families, pool_families, server_families, swap_families
 from tiermemd.rank import RankStats

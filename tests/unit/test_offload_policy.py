@@ -10,12 +10,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiermem import dtypes
-from tiermem.errors import DTypeError, InvalidArgument, InvalidState
-from tiermem.layout import DTYPE_NBYTES
-from tiermem.modes import Exchange, Placement, StepMode
-from tiermem.offload.args import Hyper, check_hyper, check_torch_flags, step_mode
-from tiermem.offload.policy import StepPolicy, plan_buckets
+from tiermem.client.offload.args import Hyper, check_hyper, check_torch_flags, step_mode
+from tiermem.client.offload.policy import StepPolicy, plan_buckets
+from tiermem.core import dtypes
+from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
+from tiermem.core.layout import DTYPE_NBYTES
+from tiermem.core.modes import Exchange, Placement, StepMode
 
 # ----------------------------------------------------------------- hyper-parameters against torch
 

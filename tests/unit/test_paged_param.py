@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from tiermem.errors import InvalidState
-from tiermem.offload.pagedparam import BufferCache, PagedParam, Residency
+from tiermem.client.offload.pagedparam import BufferCache, PagedParam, Residency
+from tiermem.core.errors import InvalidState
 
 
 def entry() -> PagedParam:

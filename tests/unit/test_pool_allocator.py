@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from tiermem.errors import InvalidArgument, InvalidState, PoolExhausted
-from tiermem.pool import Allocator, Block, BlockState, Move, plan_compaction, plan_evacuation, plan_local_slide
+from tiermem.core.errors import InvalidArgument, InvalidState, PoolExhausted
+from tiermem.engine.pool import Allocator, Block, BlockState, Move, plan_compaction, plan_evacuation, plan_local_slide
 
 A = 4096
 

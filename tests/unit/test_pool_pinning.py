@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiermem.pool import CudaPinner, NullPinner, Pinner, PinStatus, default_pinner
+from tiermem.engine.pool import CudaPinner, NullPinner, Pinner, PinStatus, default_pinner
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 

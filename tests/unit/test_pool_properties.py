@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from integration.helpers_pool import check_layout
 
-from tiermem.errors import InvalidState
-from tiermem.pool import Allocator, Block, Move
+from tiermem.core.errors import InvalidState
+from tiermem.engine.pool import Allocator, Block, Move
 
 ALIGN = 64
 CAPACITY = 64 * ALIGN

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tiermem.errors import InvalidArgument
-from tiermem.modes import Exchange, Placement, StepMode
-from tiermem.offload.args import packed_pool_nbytes, private_pool_plan
-from tiermem.pool import BufferPool
-from tiermem.units import MiB
+from tiermem.client.offload.args import packed_pool_nbytes, private_pool_plan
+from tiermem.core.errors import InvalidArgument
+from tiermem.core.modes import Exchange, Placement, StepMode
+from tiermem.core.units import MiB
+from tiermem.engine.pool import BufferPool
 
 
 def test_blocks_that_tile_need_no_slack() -> None:

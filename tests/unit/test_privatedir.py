@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tiermem import privatedir
+from tiermem.net import privatedir
 
 
 def _make(parent: Path, name: str) -> tuple[Path, int]:

@@ -8,8 +8,8 @@ import math
 import pytest
 from stats_samples import sample_node, sample_reply
 
-from tiermem.errors import BoundsError, PoolExhausted, ProtocolError, SwapIOError, TiermemError, UnknownKey
-from tiermem.protocol import (
+from tiermem.core.errors import BoundsError, PoolExhausted, ProtocolError, SwapIOError, TiermemError, UnknownKey
+from tiermem.core.protocol import (
     FLAG_FDS,
     FLAG_ONEWAY,
     HEADER_NBYTES,

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from stats_samples import sample_reply
 from wire_strategies import mutated, shape, valid
 
-from tiermem.errors import ProtocolError
-from tiermem.protocol import (
+from tiermem.core.errors import ProtocolError
+from tiermem.core.protocol import (
     DTYPES,
     HEADER_NBYTES,
     MESSAGE_CLASSES,
@@ -53,7 +53,7 @@ from tiermem.protocol import (
     decode_message,
     encode_message,
 )
-from tiermem.protocol.fields import FieldError
+from tiermem.core.protocol.fields import FieldError
 
 u64 = st.integers(0, (1 << 56) - 1)
 step_no = st.integers(0, (1 << 62) - 1)

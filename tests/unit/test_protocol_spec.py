@@ -1,7 +1,7 @@
-"""Declarative wire records: the layer (``tiermem.protocol.spec``) on the product's messages, and on every kind.
+"""Declarative wire records: the layer (``tiermem.core.protocol.spec``) on the product's messages, and on every kind.
 
 Payload strategies are derived from the declared kinds (``tests/wire_strategies.py``), so every field's
-range, its edges and its wrong types are exercised on each record and message of ``tiermem.protocol``:
+range, its edges and its wrong types are exercised on each record and message of ``tiermem.core.protocol``:
 a payload that passes its kinds decodes and encodes back to the same JSON (same keys, same order); one
 defect is refused at that field (or by the record's cross-field check); no input raises anything but
 ``FieldError``.  ``test_protocol_fuzz.py`` holds the generated decoder to the interpreted checks.
@@ -22,10 +22,10 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 from wire_strategies import json_values, mutated, passes, shape, valid
 
-from tiermem.protocol import MESSAGE_CLASSES, MemRef, ParamGroup, Step, StepDone, TensorSlot, TensorSpec
-from tiermem.protocol.fields import FieldError
-from tiermem.protocol.records import MAX_GROUPS, MAX_TENSORS
-from tiermem.protocol.spec import (
+from tiermem.core.protocol import MESSAGE_CLASSES, MemRef, ParamGroup, Step, StepDone, TensorSlot, TensorSpec
+from tiermem.core.protocol.fields import FieldError
+from tiermem.core.protocol.records import MAX_GROUPS, MAX_TENSORS
+from tiermem.core.protocol.spec import (
     Choice,
     Float,
     Int,

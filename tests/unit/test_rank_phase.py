@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from tiermem.errors import InvalidState, StepFailed
+from tiermem.core.errors import InvalidState, StepFailed
 from tiermemd.rank.records import PhaseRecord, RankPhase
 
 UNREG, IDLE, OVERLAP, DELAYED, FAILED = (

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tiermem.transport import PeerCred
+from tiermem.net.frames import PeerCred
 from tiermemd.server import RefusalLog, TokenBuckets
 
 

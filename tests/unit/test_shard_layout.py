@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiermem.distributed.layout import plan_shards
-from tiermem.errors import InvalidArgument
+from tiermem.core.errors import InvalidArgument
+from tiermem.core.shard_plan import plan_shards
 
 
 def test_buckets_hold_consecutive_params_of_one_group_up_to_the_size():

@@ -1,4 +1,4 @@
-"""The pure checks of ``tiermem.sockpath``: what makes a socket path trusted, from modes and uids alone."""
+"""The pure checks of ``tiermem.net.sockpath``: what makes a socket path trusted, from modes and uids alone."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from tiermem.sockpath import (
+from tiermem.net.sockpath import (
     MAX_SOCKET_PATH_BYTES,
     Trust,
     ancestor_paths,

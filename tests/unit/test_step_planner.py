@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiermem.errors import InvalidArgument
-from tiermem.layout import TensorSpec as LayoutSpec
-from tiermem.layout import plan_layout
-from tiermem.protocol import ParamGroup, TensorSpec
+from tiermem.core.errors import InvalidArgument
+from tiermem.core.layout import TensorSpec as LayoutSpec
+from tiermem.core.layout import plan_layout
+from tiermem.core.protocol import ParamGroup, TensorSpec
 from tiermemd.rank.planner import Piece, check_ids, plan_pieces
 from tiermemd.rank.records import TensorRecord
 

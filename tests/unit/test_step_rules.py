@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from tiermem.errors import InvalidArgument
-from tiermem.optim.step_rules import GradStats, clip_coefficient, combine_grad_stats, decide, grad_stats
+from tiermem.core.errors import InvalidArgument
+from tiermem.core.step_rules import GradStats, clip_coefficient, combine_grad_stats, decide, grad_stats
 
 
 def _grads(kind: str) -> list[torch.Tensor]:

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiermem.errors import CorruptionError, InvalidArgument, InvalidState
-from tiermem.swap.extents import Extent, ExtentAllocator, segments, stripe_shares
-from tiermem.swap.manifest import Manifest, ManifestRecord, decode, encode
-from tiermem.swap.records import RecordState, SwapRecord
+from tiermem.core.errors import CorruptionError, InvalidArgument, InvalidState
+from tiermem.engine.swap.extents import Extent, ExtentAllocator, segments, stripe_shares
+from tiermem.engine.swap.manifest import Manifest, ManifestRecord, decode, encode
+from tiermem.engine.swap.records import RecordState, SwapRecord
 
 P = 4096
 

@@ -58,6 +58,6 @@ def test_the_service_creates_its_runtime_directory_where_the_socket_lives() -> N
     socket_unit = (UNITS / "tiermemd.socket").read_text()
     assert re.search(r"^RuntimeDirectory=tiermem$", service, re.M)
     assert re.search(r"^ListenSequentialPacket=/run/tiermem/tiermemd\.sock$", socket_unit, re.M)
-    from tiermem.client import NODE_SOCKET
+    from tiermem.client.link import NODE_SOCKET
 
     assert NODE_SOCKET == "/run/tiermem/tiermemd.sock"

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiermem.errors import InvalidArgument, InvalidState
-from tiermem.tiers.policy import AccessOrder, Candidate, NodeCandidate, choose_node_victims, choose_victims
-from tiermem.tiers.records import TensorRecord, TensorState
+from tiermem.core.errors import InvalidArgument, InvalidState
+from tiermem.engine.tiers.policy import AccessOrder, Candidate, NodeCandidate, choose_node_victims, choose_victims
+from tiermem.engine.tiers.records import TensorRecord, TensorState
 
 
 def test_distance_counts_uses_until_next_use_wrapping_into_the_next_pass() -> None:

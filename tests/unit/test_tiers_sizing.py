@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tiermem.errors import InvalidArgument
-from tiermem.swap.probe import DiskPoint, DiskProbe
-from tiermem.tiers.sizing import choose_queue_depth, plan_cache, with_overrides
-from tiermem.units import GiB, KiB, MiB
+from tiermem.core.errors import InvalidArgument
+from tiermem.core.units import GiB, KiB, MiB
+from tiermem.engine.swap.probe import DiskPoint, DiskProbe
+from tiermem.engine.tiers.sizing import choose_queue_depth, plan_cache, with_overrides
 
 GB = 1e9
 

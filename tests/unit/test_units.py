@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiermem.units import GiB, KiB, MiB, align_up, format_size, parse_size
+from tiermem.core.units import GiB, KiB, MiB, align_up, format_size, parse_size
 
 
 @pytest.mark.parametrize(

@@ -16,13 +16,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiermem.errors import InvalidState
-from tiermem.layout import TensorSpec as LayoutSpec
-from tiermem.layout import plan_layout
-from tiermem.optim import AdamEngine
-from tiermem.pool import BufferPool
-from tiermem.protocol import ParamGroup, TensorSpec
-from tiermem.units import MiB
+from tiermem.core.errors import InvalidState
+from tiermem.core.layout import TensorSpec as LayoutSpec
+from tiermem.core.layout import plan_layout
+from tiermem.core.protocol import ParamGroup, TensorSpec
+from tiermem.core.units import MiB
+from tiermem.engine.optim import AdamEngine
+from tiermem.engine.pool import BufferPool
 from tiermemd.kernel import EngineKernel
 from tiermemd.rank.planner import Piece, plan_pieces
 from tiermemd.rank.records import TensorRecord

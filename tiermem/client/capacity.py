@@ -1,0 +1,228 @@
+"""What this node can hold: host memory (and its cgroup limit), free swap space, a running daemon's budget, GPU memory.
+
+Thin readers of the kernel's files, ``statvfs`` and the daemon's STATS reply,
+each returning bytes and a few words saying where the figure came from; the
+arithmetic they feed is ``tiermem.core.estimate``.  Paths are parameters so tests
+read files they wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tiermem.core.errors import DaemonUnavailable, TiermemError
+from tiermem.core.estimate import NodeCapacity, format_gb
+
+if TYPE_CHECKING:
+    from tiermem.core.protocol import StatsReply
+
+__all__ = [
+    "DaemonBudget",
+    "cgroup_headroom",
+    "daemon_budget",
+    "free_disk",
+    "gpu_memory",
+    "host_available",
+    "node_capacity",
+    "probe_daemon",
+    "read_meminfo",
+]
+
+_NO_LIMIT = 1 << 62
+"""cgroup v1 writes "no limit" as a huge page-aligned number (9223372036854771712)."""
+
+
+def read_meminfo(path: str | os.PathLike[str] = "/proc/meminfo") -> dict[str, int]:
+    """``/proc/meminfo`` as bytes per field (``MemTotal``, ``MemAvailable``, ...)."""
+    out: dict[str, int] = {}
+    for line in Path(path).read_text().splitlines():
+        name, _, rest = line.partition(":")
+        fields = rest.split()
+        if not fields or not fields[0].isdigit():
+            continue
+        scale = 1024 if fields[1:] == ["kB"] else 1
+        out[name.strip()] = int(fields[0]) * scale
+    return out
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= _NO_LIMIT else value
+
+
+def cgroup_headroom(
+    proc_cgroup: str | os.PathLike[str] = "/proc/self/cgroup", root: str | os.PathLike[str] = "/sys/fs/cgroup"
+) -> tuple[int, str] | None:
+    """Bytes this process's memory cgroup (and every ancestor) still allows, and which cgroup is the tightest.
+
+    Reads cgroup v1's memory controller (``memory.limit_in_bytes`` - ``memory.usage_in_bytes``) or v2's
+    (``memory.max`` - ``memory.current``); ``None`` when no level sets a limit or none is readable.
+    """
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    v1 = v2 = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            v1 = path
+        elif controllers == "":
+            v2 = path
+    if v1 is not None:  # the memory controller on cgroup v1 (also on hybrid hierarchies)
+        mount, limit_file, usage_file, rel = Path(root) / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", v1
+    elif v2 is not None:
+        mount, limit_file, usage_file, rel = Path(root), "memory.max", "memory.current", v2
+    else:
+        return None
+    parts = [p for p in rel.split("/") if p]
+    best: tuple[int, str] | None = None
+    for depth in range(len(parts), -1, -1):  # every ancestor's limit applies too
+        directory = mount.joinpath(*parts[:depth])
+        limit = _read_int(directory / limit_file)
+        usage = _read_int(directory / usage_file)
+        if limit is None or usage is None:
+            continue
+        room = max(0, limit - usage)
+        if best is None or room < best[0]:
+            best = (room, f"cgroup /{'/'.join(parts[:depth])} (limit {format_gb(limit)})")
+    return best
+
+
+def host_available(
+    meminfo: str | os.PathLike[str] = "/proc/meminfo",
+    proc_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
+    cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
+) -> tuple[int, str]:
+    """Host memory a new daemon could take now: ``MemAvailable``, or the cgroup's headroom when that is less."""
+    info = read_meminfo(meminfo)
+    available = info.get("MemAvailable", info.get("MemFree", 0))
+    source = f"MemAvailable, of {format_gb(info.get('MemTotal', 0))} in all"
+    room = cgroup_headroom(proc_cgroup, cgroup_root)
+    if room is not None and room[0] < available:
+        return room[0], room[1]
+    return available, source
+
+
+def free_disk(dirs: Sequence[str | os.PathLike[str]]) -> tuple[int, str]:
+    """Free bytes for swap files under ``dirs``, each filesystem counted once.
+
+    A directory that does not exist yet is measured at its nearest existing ancestor (the daemon creates it).
+    """
+    seen: dict[int, int] = {}
+    names: list[str] = []
+    for d in dirs:
+        path = Path(d).absolute()
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        st = os.stat(path)
+        if st.st_dev in seen:
+            continue
+        vfs = os.statvfs(path)
+        seen[st.st_dev] = vfs.f_bavail * vfs.f_frsize
+        names.append(str(path))
+    return sum(seen.values()), "free disk of " + ", ".join(names)
+
+
+@dataclass(frozen=True)
+class DaemonBudget:
+    """A running daemon's room for new state: its pool and swap budgets less what jobs hold."""
+
+    socket: str
+    pool_free_nbytes: int
+    pool_capacity_nbytes: int
+    swap_free_nbytes: int
+    swap_capacity_nbytes: int
+
+
+def daemon_budget(reply: StatsReply, socket: str) -> DaemonBudget:
+    """The pool and swap budgets in the daemon's STATS reply (``Client.stats()``), less what jobs hold.
+
+    Raises ``TiermemError`` when the reply carries no pool budget.
+    """
+    budgets = {b.resource: (b.capacity_nbytes, b.held_nbytes) for b in reply.node.budgets}
+    if "pool" not in budgets:
+        raise TiermemError(
+            f"the STATS reply of tiermemd at {socket} has no pool budget (it lists "
+            f"{', '.join(sorted(budgets)) or 'none'}); is the daemon of another tiermem version?"
+        )
+    pool_capacity, pool_held = budgets["pool"]
+    swap_capacity, swap_held = budgets.get("swap", (0, 0))
+    return DaemonBudget(
+        socket=socket,
+        pool_free_nbytes=max(0, pool_capacity - pool_held),
+        pool_capacity_nbytes=pool_capacity,
+        swap_free_nbytes=max(0, swap_capacity - swap_held),
+        swap_capacity_nbytes=swap_capacity,
+    )
+
+
+def probe_daemon(socket_path: str | None = None, *, timeout_s: float = 5.0) -> DaemonBudget | None:
+    """The budget of the daemon this user's client would use (``tiermem.client.link.connect``), or None if none runs.
+
+    Never starts a private daemon.  A socket that fails the client's trust checks raises its ``UnsafePathError``.
+    """
+    from tiermem.client.link import connect
+
+    try:
+        client = connect(socket_path, embed=False, timeout_s=timeout_s)
+    except DaemonUnavailable:
+        return None
+    try:
+        return daemon_budget(client.stats(), client.socket_path)
+    finally:
+        client.close()
+
+
+def gpu_memory() -> tuple[int, str] | None:
+    """Total memory of the first CUDA device, when torch sees one."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return int(props.total_memory), f"cuda:0 {props.name}"
+
+
+def node_capacity(
+    *,
+    swap_dirs: Sequence[str],
+    daemon: DaemonBudget | None,
+    gpu: tuple[int, str] | None,
+) -> NodeCapacity:
+    """This node's ``NodeCapacity``: the daemon's budgets where one runs, else free memory and disk."""
+    host, host_from = host_available()
+    if daemon is not None:
+        pool: int | None = daemon.pool_free_nbytes
+        pool_from = f"tiermemd at {daemon.socket} (pool {format_gb(daemon.pool_capacity_nbytes)})"
+    else:
+        pool, pool_from = None, "no daemon"
+    if daemon is not None and daemon.swap_capacity_nbytes:
+        nvme, nvme_from = daemon.swap_free_nbytes, f"tiermemd at {daemon.socket} (swap budget)"
+    else:
+        nvme, nvme_from = free_disk(swap_dirs)
+    return NodeCapacity(
+        gpu_nbytes=None if gpu is None else gpu[0],
+        gpu_from="no CUDA device seen; give --gpu-memory" if gpu is None else gpu[1],
+        host_nbytes=host,
+        host_from=host_from,
+        pool_nbytes=pool,
+        pool_from=pool_from,
+        nvme_nbytes=nvme,
+        nvme_from=nvme_from,
+    )

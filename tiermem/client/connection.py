@@ -1,0 +1,448 @@
+"""The client's end of the control channel: connecting (to a trusted daemon only) and ``Connection``.
+
+- ``connect_trusted`` connects only to a daemon of the expected uids: the
+  socket's directory and file are checked before connecting, the listener's
+  ``SO_PEERCRED`` uid after connecting and before a byte is sent.
+- ``Connection`` is the blocking client: one request and its reply at a time
+  under a lock (an optimizer thread and a hook thread may share it).  Its reply
+  wait is bounded by ``timeout_s`` of *silence*: while the daemon works on a
+  request it sends a heartbeat (a PONG with request id 0, see
+  ``docs/protocol.md``) twice a second, and each one restarts the wait, so a long
+  request (a STEP paging state from NVMe, a wait for a delayed update) lives as
+  long as the daemon makes progress, while a stopped or wedged daemon fails
+  the request with ``DaemonTimeout`` after ``timeout_s`` (default
+  ``DEFAULT_TIMEOUT_S``).  Frames are ``tiermem.net.frames``'.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterable
+from types import TracebackType
+
+from tiermem.core.errors import (
+    ConnectionClosed,
+    DaemonTimeout,
+    DaemonUnavailable,
+    InvalidArgument,
+    ProtocolError,
+    TiermemError,
+    UnsafePathError,
+)
+from tiermem.core.protocol import (
+    DEFAULT_MAX_FRAME,
+    FLAG_FDS,
+    FLAG_ONEWAY,
+    MAX_REQUEST_ID,
+    REPLY_TYPES,
+    ErrorReply,
+    Message,
+    MsgType,
+    Ping,
+    decode_frame,
+    decode_message,
+    encode_message,
+)
+from tiermem.net.frames import FrameSocket, close_fds, is_heartbeat, peer_cred, set_send_timeout
+from tiermem.net.sockpath import (
+    Trust,
+    peer_problem,
+    uid_label,
+    verify_socket,
+)
+
+__all__ = [
+    "Connection",
+    "DEFAULT_TIMEOUT_S",
+    "connect_socket",
+    "connect_trusted",
+]
+
+DEFAULT_TIMEOUT_S = 60.0
+"""A client's default reply wait: the longest the daemon may stay silent (no reply, no heartbeat).
+
+The daemon sends a heartbeat twice a second while it works on a request, so this bounds silence, not the
+length of a request.  A minute of silence rides out what a busy node does to a healthy daemon (CPU
+contention, a swap storm, a long garbage collection); a stopped or wedged daemon fails the training
+step within a minute with an error naming it, well before a collective's timeout (torch.distributed
+waits 10-30 minutes) would hide the cause."""
+
+
+# --------------------------------------------------------------------------- the client's side
+
+
+def connect_socket(path: str | os.PathLike[str], *, timeout_s: float | None = 5.0) -> socket.socket:
+    """A SEQPACKET socket connected to ``path``; ``DaemonUnavailable`` says why not.
+
+    The connect is blocking with a kernel send timeout (``SO_SNDTIMEO``), so when the daemon's backlog
+    is full (a connection storm) the kernel queues this connect until there is room, for up to
+    ``timeout_s``, instead of failing at once with EAGAIN as a non-blocking connect does."""
+    where = os.fspath(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        set_send_timeout(sock, timeout_s)
+        sock.connect(where)
+        set_send_timeout(sock, None)
+    except OSError as exc:
+        sock.close()
+        raise DaemonUnavailable(where, _connect_reason(exc, timeout_s)) from None
+    return sock
+
+
+def connect_trusted(path: str | os.PathLike[str], trust: Trust, *, timeout_s: float | None = 5.0) -> socket.socket:
+    """Like ``connect_socket``, but only to a daemon of ``trust``'s uids (see ``tiermem.net.sockpath``).
+
+    Before connecting: the directory and the socket file must be trusted (else
+    ``UnsafePathError``; nothing is connected).  After connecting and before
+    anything is sent: the listener's ``SO_PEERCRED`` uid must be one of
+    ``trust``'s (else the socket is closed and ``UnsafePathError`` names the
+    socket, the listener's pid and uid).
+    """
+    where = os.fspath(path)
+    try:
+        verify_socket(where, trust)
+    except OSError as exc:
+        raise DaemonUnavailable(where, _connect_reason(exc, timeout_s)) from None
+    sock = connect_socket(where, timeout_s=timeout_s)
+    try:
+        cred = peer_cred(sock)
+        problem = peer_problem(cred.uid, cred.pid, trust, uid_label)
+    except BaseException:
+        sock.close()
+        raise
+    if problem is not None:
+        sock.close()
+        raise UnsafePathError(where, problem, owner_uid=cred.uid, expected_uids=trust.uids)
+    return sock
+
+
+def _connect_reason(exc: OSError, timeout_s: float | None) -> str:
+    if isinstance(exc, TimeoutError) or exc.errno is None:
+        return f"connect timed out after {timeout_s}s (daemon overloaded or hung)"
+    reasons = {
+        errno.ENOENT: "no socket file (is tiermemd running? is the path right?)",
+        errno.ECONNREFUSED: "connection refused: a stale socket file, no daemon is listening",
+        errno.EACCES: "permission denied (the socket's mode or group does not admit this user)",
+        errno.EPERM: "permission denied",
+        errno.ENOTDIR: "a component of the path is not a directory",
+        errno.EPROTOTYPE: "the socket is not a SOCK_SEQPACKET socket (not a tiermemd socket)",
+        errno.EAGAIN: f"the daemon's connection backlog stayed full for {timeout_s}s (overloaded or hung)",
+    }
+    name = errno.errorcode.get(exc.errno, str(exc.errno))
+    return f"{name}: {reasons.get(exc.errno, exc.strerror)}"
+
+
+def _set_recv_timeout(sock: socket.socket, timeout_s: float | None) -> None:
+    """A kernel receive timeout (``SO_RCVTIMEO``) on a blocking socket: a late reply fails with EAGAIN.
+
+    Unlike ``socket.settimeout`` this adds no poll() before every receive, which
+    costs a second system call (and a wake-up) per reply on the hot path.
+    """
+    micros = 0 if timeout_s is None else max(1, round(timeout_s * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", micros // 1_000_000, micros % 1_000_000))
+
+
+class Connection:
+    """A blocking client connection: ``request(msg)`` sends one request and returns its reply.
+
+    Thread-safe: one request/reply exchange at a time under a lock.  An error
+    reply is raised as the same ``TiermemError`` type the daemon raised; an
+    error with request id 0 answers the request in flight (the daemon could
+    not read its id: an oversize frame, fds attached).  A lost
+    or silent daemon, or a reply that breaks the protocol, closes the connection
+    and raises ``DaemonUnavailable`` (or ``ProtocolError``); later calls raise
+    ``DaemonUnavailable``.  A daemon silent for ``timeout_s`` during a request
+    (no reply, no heartbeat) raises ``DaemonTimeout``; ``timeout_s=None`` waits forever.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        path: str = "",
+        max_frame: int = DEFAULT_MAX_FRAME,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be > 0 seconds (or None: wait forever), got {timeout_s!r}")
+        self.path = path
+        self.timeout_s = timeout_s
+        self._frames = FrameSocket(sock, max_frame=max_frame, accept_fds=True)
+        self._lock = threading.Lock()
+        self._next_id = 1
+        self._socket_timeout: float | None = None
+        self._closed_why = ""
+        self._abandoned: dict[int, MsgType] = {}
+        """Requests whose reply wait was interrupted (KeyboardInterrupt): their replies are still coming."""
+        self.late: dict[int, Message | TiermemError] = {}
+        """Replies (or errors) of abandoned requests, read before the next request went out."""
+        self.last_request_id = 0
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float = 5.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> Connection:
+        """Connect to the daemon at ``path``; ``timeout_s`` bounds the daemon's silence during each reply
+        wait (None: wait forever)."""
+        sock = connect_socket(path, timeout_s=connect_timeout_s)
+        return cls(sock, path=os.fspath(path), max_frame=max_frame, timeout_s=timeout_s)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._closed_why)
+
+    @property
+    def max_send(self) -> int:
+        """Largest frame this connection can send (split larger REGISTER batches)."""
+        return self._frames.max_send
+
+    def request(self, msg: Message, *, timeout_s: float | None = None) -> Message:
+        """Send ``msg`` and return its reply; raises the typed error of an error reply."""
+        reply, fds = self._exchange(msg, timeout_s)
+        if fds:
+            close_fds(fds)
+            raise self._fail(ProtocolError(f"{reply.TYPE.name} reply carried {len(fds)} unexpected fd(s)"))
+        return reply
+
+    def request_fds(self, msg: Message, *, timeout_s: float | None = None) -> tuple[Message, list[int]]:
+        """Like ``request``, also returning the fds sent with the reply (the caller owns them)."""
+        return self._exchange(msg, timeout_s)
+
+    def pipeline(
+        self,
+        requests: Iterable[Message],
+        *,
+        depth: int,
+        on_reply: Callable[[int, Message], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Send ``requests`` with up to ``depth`` of them outstanding; read their replies in order.
+
+        Request ``i`` is drawn from ``requests`` only once the reply of request ``i - depth`` was read and
+        handed to ``on_reply(i - depth, reply)``: a caller that stages request ``i``'s data in slot
+        ``i % depth`` of a buffer as it yields the request never overwrites bytes the daemon may still be
+        reading, and ``on_reply`` may copy a reply's data out of that slot before it is reused.  The daemon
+        answers a connection's requests in order, so this costs one round trip per ``depth`` requests
+        while both sides copy.  An error reply (or an error raised by ``requests`` or ``on_reply``) stops
+        the drawing of requests; the replies still coming are read, so the stream stays in step, and the
+        first error is raised.  The requests already sent after the failed one (at most ``depth - 1``) were
+        carried out by the daemon; their replies are not handed to ``on_reply``.  Returns the number of
+        requests sent."""
+        if depth < 1:
+            raise InvalidArgument(f"pipeline depth must be >= 1, got {depth}")
+        wait_s = timeout_s if timeout_s is not None else self.timeout_s
+        with self._lock:
+            self._check_open()
+            self._drain_abandoned()
+            pending: collections.deque[tuple[int, int, Message]] = collections.deque()
+            source = iter(requests)
+            sent = 0
+            error: Exception | None = None
+            exhausted = False
+            while True:
+                if not exhausted and error is None and len(pending) < depth:
+                    try:
+                        msg = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        continue
+                    except Exception as exc:
+                        error = exc
+                        continue
+                    if REPLY_TYPES.get(msg.TYPE) is None:
+                        error = ProtocolError(f"{msg.TYPE.name} is not a request that gets a reply")
+                        continue
+                    request_id = self._take_id()
+                    self.last_request_id = request_id
+                    data = encode_message(msg, request_id, max_frame=self._frames.max_frame)
+                    self._abandoned[request_id] = msg.TYPE  # until its reply is in hand (see _exchange)
+                    self._send(data)
+                    pending.append((sent, request_id, msg))
+                    sent += 1
+                    continue
+                if not pending:
+                    break
+                index, request_id, msg = pending.popleft()
+                reply, fds = self._read_reply(msg, request_id, wait_s)
+                if fds:
+                    close_fds(fds)
+                    raise self._fail(ProtocolError(f"{reply.TYPE.name} reply carried {len(fds)} unexpected fd(s)"))
+                if isinstance(reply, ErrorReply):
+                    error = error or reply.to_exception()
+                elif on_reply is not None and error is None:
+                    try:
+                        on_reply(index, reply)
+                    except Exception as exc:
+                        error = exc
+        if error is not None:
+            raise error
+        return sent
+
+    def send_oneway(self, msg: Message) -> None:
+        """Send a message that gets no reply (``BUCKET_READY``); its errors fail the next request."""
+        if REPLY_TYPES.get(msg.TYPE, MsgType.OK) is not None:
+            raise ProtocolError(f"{msg.TYPE.name} expects a reply; use request()")
+        with self._lock:
+            self._check_open()
+            self._drain_abandoned()
+            data = encode_message(msg, self._take_id(), FLAG_ONEWAY, max_frame=self._frames.max_frame)
+            self._send(data)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed_why:
+                self._closed_why = "closed by the client"
+                self._frames.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _exchange(self, msg: Message, timeout_s: float | None) -> tuple[Message, list[int]]:
+        expected = REPLY_TYPES.get(msg.TYPE)
+        if expected is None:
+            raise ProtocolError(f"{msg.TYPE.name} is not a request that gets a reply")
+        with self._lock:
+            self._check_open()
+            self._drain_abandoned()
+            request_id = self._take_id()
+            self.last_request_id = request_id
+            data = encode_message(msg, request_id, max_frame=self._frames.max_frame)
+            # counted as abandoned until its reply is in hand: an interrupt (KeyboardInterrupt) anywhere in
+            # between leaves the reply to be read (or found missing) before the next request
+            self._abandoned[request_id] = msg.TYPE
+            self._send(data)
+            reply, fds = self._read_reply(msg, request_id, timeout_s if timeout_s is not None else self.timeout_s)
+        if isinstance(reply, ErrorReply):
+            close_fds(fds)
+            raise reply.to_exception()
+        return reply, fds
+
+    def _read_reply(self, msg: Message, request_id: int, timeout_s: float | None) -> tuple[Message, list[int]]:
+        """Read the reply of ``request_id`` (an ``ErrorReply`` is returned, not raised); under the lock."""
+        expected = REPLY_TYPES.get(msg.TYPE)
+        raw, fds = self._recv(msg, timeout_s)
+        self._abandoned.pop(request_id, None)
+        try:
+            frame = decode_frame(raw, max_frame=self._frames.max_frame)
+            if frame.request_id != request_id and not (frame.request_id == 0 and frame.type is MsgType.ERROR):
+                raise ProtocolError(f"reply for request {frame.request_id} while waiting for {request_id}")
+            if frame.type is not expected and frame.type is not MsgType.ERROR:
+                name = expected.name if expected is not None else "none"
+                raise ProtocolError(f"{msg.TYPE.name} got a {frame.type.name} reply, expected {name}")
+            if bool(fds) != bool(frame.flags & FLAG_FDS):
+                raise ProtocolError(f"{frame.type.name}: {len(fds)} fd(s) received, flags {frame.flags:#x}")
+            return decode_message(frame), fds
+        except ProtocolError as exc:
+            close_fds(fds)
+            raise self._fail(exc) from None
+
+    def take_late(self, request_id: int) -> Message | TiermemError | None:
+        """The late reply of an abandoned request, once it has been read (None: not (yet) read)."""
+        with self._lock:
+            if request_id in self._abandoned:
+                self._drain_abandoned()
+            return self.late.pop(request_id, None)
+
+    def _drain_abandoned(self) -> None:
+        """Read the replies of interrupted requests and keep them in ``late``.
+
+        A PING goes out first and frames are read until its PONG: the daemon answers a connection's
+        requests in order, so every reply still coming arrives before it.  An interrupt that landed just
+        after a reply was read leaves that request without one here (``take_late`` answers None), and its
+        caller must find out another way what the request did."""
+        if not self._abandoned:
+            return
+        ping_id = self._take_id()
+        self._abandoned[ping_id] = MsgType.PING
+        self._send(encode_message(Ping(), ping_id, max_frame=self._frames.max_frame))
+        while True:
+            raw, fds = self._recv_type(MsgType.PING, self.timeout_s)
+            close_fds(fds)
+            try:
+                frame = decode_frame(raw, max_frame=self._frames.max_frame)
+                reply = decode_message(frame)
+            except ProtocolError as exc:
+                raise self._fail(exc) from None
+            if frame.request_id == ping_id:
+                self._abandoned.clear()
+                return
+            if frame.request_id in self._abandoned and self._abandoned[frame.request_id] is not MsgType.PING:
+                self.late[frame.request_id] = reply.to_exception() if isinstance(reply, ErrorReply) else reply
+
+    def _take_id(self) -> int:
+        request_id = self._next_id
+        self._next_id = request_id + 1 if request_id < MAX_REQUEST_ID else 1
+        return request_id
+
+    def _check_open(self) -> None:
+        if self._closed_why:
+            raise DaemonUnavailable(self.path, f"connection is closed ({self._closed_why})")
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._frames.send(data)
+        except (ConnectionClosed, OSError) as exc:
+            refusal = self._pending_refusal()
+            if refusal is not None:
+                raise self._fail(refusal) from None
+            raise self._fail(DaemonUnavailable(self.path, f"connection lost while sending: {exc}")) from None
+
+    def _pending_refusal(self) -> TiermemError | None:
+        """The ERROR a daemon sent before closing (a refused peer), if it is waiting to be read."""
+        try:
+            self._frames.sock.setblocking(False)
+            raw, fds = self._frames.recv()
+        except (OSError, ConnectionClosed, ProtocolError):
+            return None
+        close_fds(fds)
+        try:
+            reply = decode_message(decode_frame(raw, max_frame=self._frames.max_frame))
+        except ProtocolError:
+            return None
+        return reply.to_exception() if isinstance(reply, ErrorReply) else None
+
+    def _recv(self, msg: Message, timeout_s: float | None) -> tuple[bytes, list[int]]:
+        return self._recv_type(msg.TYPE, timeout_s)
+
+    def _recv_type(self, msg_type: MsgType, timeout_s: float | None) -> tuple[bytes, list[int]]:
+        if timeout_s != self._socket_timeout:
+            _set_recv_timeout(self._frames.sock, timeout_s)
+            self._socket_timeout = timeout_s
+        try:
+            while True:
+                raw, fds = self._frames.recv()  # each heartbeat restarts the kernel's receive timeout
+                if fds or not is_heartbeat(raw):
+                    return raw, fds
+        except (BlockingIOError, TimeoutError):
+            raise self._fail(DaemonTimeout(self.path, msg_type.name, timeout_s or 0.0)) from None
+        except ConnectionClosed:
+            why = f"the daemon closed the connection during {msg_type.name}"
+        except ProtocolError as exc:
+            raise self._fail(exc) from None
+        except OSError as exc:
+            why = f"connection lost during {msg_type.name}: {exc.strerror}"
+        raise self._fail(DaemonUnavailable(self.path, why))
+
+    def _fail(self, exc: Exception) -> Exception:
+        """Close after an error that leaves the reply stream out of step; return ``exc`` to raise."""
+        if not self._closed_why:
+            self._closed_why = str(exc)
+            self._frames.close()
+        return exc

@@ -1,0 +1,170 @@
+"""``tiermem demo``: the same GPT trained under each optimizer, compared side by side."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiermem.client.demo.model import CharCorpus, GPTConfig
+from tiermem.client.demo.train import RunResult, train_run
+from tiermem.core.units import MiB, align_up, format_size
+
+if TYPE_CHECKING:
+    from tiermem.client.offload.stats import OptimizerStats
+
+__all__ = ["run_demo"]
+
+RUNS = ("adamw", "cpuadam", "offload-cpu", "offload-nvme", "offload-dpu")
+
+
+def _factories(
+    args: argparse.Namespace, daemon_socket: str | None
+) -> dict[str, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]]:
+    lr = args.lr
+    factories: dict[str, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+        "adamw": lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=True),
+    }
+    from tiermem.engine.optim import CPUAdam
+
+    factories["cpuadam"] = lambda params: CPUAdam(params, lr=lr, weight_decay=0.01, adamw=True)
+    if daemon_socket is not None:
+        from tiermem.client.link import connect
+        from tiermem.client.offload import OffloadAdam
+
+        def offload(kind: str, delayed: bool) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+            return lambda params: OffloadAdam(
+                params,
+                lr=lr,
+                weight_decay=0.01,
+                offload=kind,
+                delayed_update=delayed,
+                overlap_update=not delayed,  # buckets are updated as backward produces them
+                warmup_steps=max(10, args.steps // 3),  # DPU after the first, fastest-moving third
+                client=connect(daemon_socket, embed=False),
+            )
+
+        factories["offload-cpu"] = offload("cpu", False)
+        factories["offload-nvme"] = offload("nvme", False)
+        factories["offload-dpu"] = offload("cpu", True)
+    return factories
+
+
+def _describe(optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    stats = getattr(optimizer, "stats", None)
+    if stats is None:
+        return {}
+    return {"paged": format_size(_paged_nbytes(stats()))}
+
+
+def _paged_nbytes(stats: OptimizerStats) -> int:
+    """Bytes of Adam state the rank moved between the pool and NVMe (``OffloadAdam.stats()``)."""
+    nvme = stats.rank.nvme
+    return 0 if nvme is None else nvme.read_nbytes + nvme.written_nbytes
+
+
+def _close(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    close = getattr(optimizer, "close", None)
+    if close is None:
+        return {}
+    stats = optimizer.stats()  # type: ignore[attr-defined]
+    close()
+    return {"paged_nbytes": float(_paged_nbytes(stats))}
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    wanted = RUNS if args.runs == "all" else tuple(r.strip() for r in args.runs.split(","))
+    unknown = [r for r in wanted if r not in RUNS]
+    if unknown:
+        print(f"tiermem demo: unknown run(s) {unknown}; choose from {', '.join(RUNS)}", file=sys.stderr)
+        return 2
+    cfg = GPTConfig.for_params(int(args.params))
+    corpus = CharCorpus(nbytes=1 << 20)
+    print(
+        f"model: GPT {cfg.n_layer} layers x {cfg.n_embd} wide, {cfg.num_params() / 1e6:.1f}M params; "
+        f"{args.steps} steps of batch {args.batch_size} x {cfg.block_size} tokens",
+        file=sys.stderr,
+    )
+    offloaded = [r for r in wanted if r.startswith("offload")]
+    daemon = None
+    if offloaded:
+        from tiermem.client.link import EmbeddedDaemon
+
+        numel = cfg.num_params()
+        runs_at_once = 1
+        pool = align_up(int(numel * 12 * 1.2 * runs_at_once) + 128 * MiB)
+        print("starting an embedded tiermemd ...", file=sys.stderr)
+        daemon = EmbeddedDaemon(
+            pool_size=pool,
+            swap_dir=args.swap_dir,
+            settings={"adam.chunk_numel": max(1 << 16, numel // 8)},
+        )
+    try:
+        factories = _factories(args, daemon.socket if daemon else None)
+        results: list[RunResult] = []
+        for name in wanted:
+            results.append(
+                train_run(
+                    name,
+                    factories[name],
+                    cfg=cfg,
+                    corpus=corpus,
+                    steps=args.steps,
+                    batch_size=args.batch_size,
+                    show=not args.quiet,
+                    describe=_describe if name.startswith("offload") else None,
+                    close=_close,
+                )
+            )
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    _report(results)
+    if args.plot:
+        _plot(results, args.plot, cfg)
+    return 0
+
+
+def _plot(results: list[RunResult], path: str, cfg: GPTConfig) -> None:
+    from tiermem.client.demo.plot import PlotUnavailable, plot_losses
+
+    title = f"tiermem demo: GPT {cfg.num_params() / 1e6:.1f}M params, the same data and seed under each optimizer"
+    try:
+        written = plot_losses(results, path, title=title)
+    except PlotUnavailable as exc:
+        print(f"loss curves: not written: {exc}")
+        return
+    except OSError as exc:
+        print(f"loss curves: not written: cannot write {path}: {exc.strerror or exc}")
+        return
+    print(f"loss curves: {written}")
+
+
+def _report(results: list[RunResult]) -> None:
+    if not results:
+        return
+    base = results[0]
+    vs = f"vs {base.name}"
+    print(f"\n{'run':<14} {'final loss':>10} {vs:>13} {'step ms':>9} {vs:>13} {'paged':>9}")
+    for r in results:
+        dl = (r.final_loss - base.final_loss) / base.final_loss * 100
+        ratio = r.median_step_s / base.median_step_s
+        paged = r.extra.get("paged_nbytes", 0.0)
+        print(
+            f"{r.name:<14} {r.final_loss:>10.4f} {dl:>+12.2f}% {r.median_step_s * 1e3:>9.1f} {ratio:>12.2f}x "
+            f"{format_size(paged):>9}"
+        )
+    print(
+        "\nloss: mean of the last 10 steps; step ms: median after 5 warm-up steps; paged: optimizer state moved "
+        "between the daemon's pool and its swap files"
+    )
+    if any(r.name == "offload-dpu" for r in results):
+        print(
+            "offload-dpu applies each update one step late (ZeRO-Offload's delayed update): early in training "
+            "its loss trails the others. On a small, fast-learning model the staleness leaves a lasting gap (the "
+            "tests' small GPT: 3% above the synchronous run after 1000 steps, the rule in plain torch 12%); "
+            "ZeRO-Offload's paper reports large models converging alike with it after a warm-up"
+        )

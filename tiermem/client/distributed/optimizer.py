@@ -1,0 +1,825 @@
+"""``ShardedOffloadAdam``: ZeRO-2 over ``torch.distributed``, each rank's Adam state shard in its node's tiermemd.
+
+Every rank keeps the whole model (as with DDP) and only its shard of the
+optimizer state: the params are cut into buckets and each bucket into one
+slice per rank (``tiermem.core.shard_plan``); rank ``r``'s pieces of params
+are registered with its node's daemon as the tensors of an ``OffloadAdam``
+(rank ``r`` of one job), so the node's ranks share one pool, one set of NVMe
+swap files and one CPU-Adam scheduler.  A step:
+
+1. reduce-scatter: per bucket, the flat grads (zeros for a param without a
+   grad) are summed across the ranks with ``reduce_scatter_tensor`` and divided
+   by the world size (DDP's mean); each rank keeps its slice, the grads of its
+   pieces;
+2. statistics: each rank's sum of squares of its slice, and per param whether
+   any rank had a grad, are all-reduced in one call; the global norm, the
+   overflow decision and the params that step are then the same on every rank,
+   exactly as ``clip_grad_norm_`` and ``GradScaler`` over the unsharded model
+   (with ``ShardedGradScaler``, whose inf check is all-reduced too);
+3. apply: the slice is unscaled and clipped in the trainer (the same two
+   multiplies torch does) and the daemon updates the pieces;
+4. all-gather: per bucket, the updated slices of all ranks become every rank's
+   params.
+
+Params edited in place between steps (``p.data.clamp_()``, ``model.load_state_dict``)
+are honoured: each step first copies the rank's pieces from the params, and
+the daemon adopts what differs from its master.  By default grads are
+reduced at ``step()``, so gradient accumulation is plain repeated backward;
+clip with ``max_grad_norm=`` (``clip_grad_norm_`` on the local, unreduced
+grads would clip with the wrong norm).
+
+``overlap_comm=True`` (DeepSpeed's ``overlap_comm``, DDP's bucketed
+all-reduce) issues each bucket's reduce-scatter during backward, as soon as
+its params' grads are complete, from the last bucket to the first on every
+rank (a bucket waits for the ones after it, so all ranks issue the
+collectives in one order), and ``step()`` waits for them.  A bucket is
+whole once its params that had a grad at the last step have one (before the
+first step: all that require one), so a layer the forward never uses does not
+hold back the buckets before it.  It costs each rank
+one model-sized transfer buffer (every bucket in flight has its own).  A
+grad that changes after its bucket was issued (a further backward of
+gradient accumulation, ``GradScaler.unscale_``, an in-place edit) is caught
+by its version counter: the ranks agree on such buckets (one all-reduce of
+flags) and reduce them again at ``step()``, so the result never depends on
+when the reduce ran; accumulate inside ``no_sync()`` (DDP's) for all but the
+last micro-batch to reduce each bucket once.  Edits through ``.data`` are not
+seen by version counters: make them before backward, or use the default.
+
+``delayed_update=True`` (ZeRO-Offload's delayed parameter update, after
+``warmup_steps`` synchronous steps): the daemon's update of step t runs while
+step t+1 computes.  Its params are installed into the storage at the next
+``step()``, so each step's all-gather brings the params of the update before
+(one update behind, as the rule is in one process: ``OffloadAdam``'s); the
+reduce-scatter and the update overlap nothing of each other's buffers (the
+delayed inner optimizer alternates two grad buffers).  ``flush()``
+(collective) installs the last update and gathers it into every rank's
+model: before evaluating, saving ``model.state_dict()`` or ending.
+
+Identity (``identity``): the job id is the launcher's rendezvous id
+(``TORCHELASTIC_RUN_ID``, set by ``torchrun``) or one rank 0 draws, and the
+token is derived from it and the user's secret, so a relaunch of the run finds
+its state; rank 0 broadcasts both before any rank attaches, so the ranks
+attach in any order (``ATTACH.create``).  With no node daemon, the first rank of each
+node starts a private one sized for the node's ranks and the node's other
+ranks connect to it.  A collective that fails (a rank died, a timeout) raises
+``RankLost`` naming the phase; the state of this rank is then at its last
+completed step.
+
+Checkpoints: ``state_dict()`` is this rank's shard (load it into the same
+layout: world size, params, bucket size); ``full_state_dict()`` (collective)
+gathers ``torch.optim.AdamW``'s format on every rank, which any
+``ShardedOffloadAdam`` (any world size), ``OffloadAdam`` or ``torch.optim.AdamW``
+loads; ``load_state_dict`` takes either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiermem.client.distributed.collective import guarded
+from tiermem.client.distributed.identity import agree_identity, release_job_id
+from tiermem.client.distributed.node import node_client
+from tiermem.client.link import Client
+from tiermem.client.offload.args import HYPER_KEYS, check_hyper, check_torch_flags, optimizer_defaults
+from tiermem.client.offload.feed import GradFeed, TensorEntry
+from tiermem.client.offload.optimizer import OffloadAdam
+from tiermem.client.offload.transfer import adopt_saved_groups, packed_groups, plan_load
+from tiermem.core import dtypes
+from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
+from tiermem.core.modes import Exchange, Placement
+from tiermem.core.shard_plan import Piece, ShardLayout, plan_shards
+from tiermem.core.step_rules import GradStats, decide
+from tiermem.core.units import MiB
+
+__all__ = ["ShardedOffloadAdam"]
+
+log = logging.getLogger(__name__)
+
+# torch 2.13 renamed the tensor collectives (the old names warn); older releases have only the old ones
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedOffloadAdam(torch.optim.Optimizer):
+    """AdamW (``adamw=False``: Adam) sharded ZeRO-2 style across ``process_group``; see the module docstring."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float | None = None,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        adamw: bool = True,
+        offload: str | Placement = "auto",
+        max_grad_norm: float | None = None,
+        process_group: Any = None,
+        bucket_nbytes: int = 32 * MiB,
+        window_nbytes: int | None = None,
+        client: Client | None = None,
+        job_id: str | None = None,
+        token: str | None = None,
+        expected_step: int | None = None,
+        rollback: bool = False,
+        broadcast_params: bool = True,
+        overlap_comm: bool = False,
+        delayed_update: bool = False,
+        warmup_steps: int = 10,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidState(
+                "ShardedOffloadAdam needs torch.distributed initialised (torchrun, then "
+                "torch.distributed.init_process_group); for one process use OffloadAdam"
+            )
+        hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
+        check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if bucket_nbytes <= 0:
+            raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
+        if warmup_steps < 0:
+            raise InvalidArgument(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self._delayed = (delayed_update, warmup_steps)
+        defaults = optimizer_defaults(hyper, foreach=foreach, maximize=maximize, fused=fused, adamw=adamw)
+        super().__init__(params, defaults)
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
+        """The global norm of the last step's unscaled grads, when it computed one (clipping or a scaler)."""
+        self.last_found_inf = False
+        self.skipped_steps = 0
+        params_ = self._params()
+        if not params_:
+            raise InvalidArgument("ShardedOffloadAdam got an empty parameter list")
+        kinds = {p.dtype for p in params_}
+        devices = {p.device for p in params_}
+        if len(kinds) != 1 or len(devices) != 1:
+            raise DTypeError(
+                f"ShardedOffloadAdam needs one dtype and one device for all params, got dtypes "
+                f"{sorted(str(d) for d in kinds)} on {sorted(str(d) for d in devices)}"
+            )
+        self.dtype = dtypes.by_torch(kinds.pop())
+        self.device = devices.pop()
+        group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        self._shapes = [tuple(p.shape) for p in params_]
+        self._agree_on_model(params_, group_of)
+        if broadcast_params:
+            src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+            for p in params_:
+                self._collective("broadcast of the initial params", dist.broadcast, p.data, src=src)
+        self.layout: ShardLayout = plan_shards(
+            [p.numel() for p in params_], group_of, self.world_size, max(1, bucket_nbytes // self.dtype.itemsize)
+        )
+        self.pieces: list[Piece] = self.layout.pieces(self.rank)
+        self._by_bucket: list[list[int]] = [[] for _ in self.layout.buckets]
+        for i, piece in enumerate(self.pieces):
+            self._by_bucket[piece.bucket].append(i)
+        self.job_id, self._token = self._identity(job_id, token)
+        flat = [p.detach().reshape(-1) for p in params_]
+        self._piece_params = [
+            torch.nn.Parameter(flat[pc.param][pc.lo : pc.hi].to("cpu", copy=True)) for pc in self.pieces
+        ]
+        inner_groups: list[dict[str, Any]] = []
+        self._inner_of_group: dict[int, int] = {}
+        for g, group in enumerate(self.param_groups):
+            members = [pp for pp, pc in zip(self._piece_params, self.pieces, strict=True) if group_of[pc.param] == g]
+            if members:
+                self._inner_of_group[g] = len(inner_groups)
+                entry = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "maximize")}
+                inner_groups.append({"params": members, **entry, "adamw": group["adamw"]})
+        numel = sum(pc.numel for pc in self.pieces)
+        self.inner: OffloadAdam | None = None
+        if client is None:
+            client = node_client(
+                self._collective,
+                self.rank,
+                self.world_size,
+                numel,
+                dtype=self.dtype.name,
+                placement=Placement.parse(offload, "offload"),
+                window_nbytes=window_nbytes,
+            )
+        try:
+            self._agree(
+                "attach",
+                lambda: self._make_inner(
+                    inner_groups, client, offload, adamw, window_nbytes, expected_step, rollback, hyper
+                ),
+            )
+        except BaseException:
+            if self.inner is not None:  # attached here, failed elsewhere: the job's state waits, kept
+                self.inner.close(keep_state=True)
+                self.inner = None
+            elif client is not None:
+                client.close()
+            release_job_id(self.job_id)
+            raise
+        largest = self.layout.largest_bucket()
+        self._flat = torch.empty(largest, dtype=self.dtype.torch, device=self.device)
+        self._slice = torch.empty(-(-largest // self.world_size), dtype=self.dtype.torch, device=self.device)
+        self._shared: list[TensorEntry] = []
+        """The inner optimizer's tensors in the shared storage (the shared exchange), one per piece."""
+        if self.inner is not None and isinstance(self.inner.feed, GradFeed):
+            self._shared = self.inner.feed.entries
+        self._param_slices, self._grad_slices = self._storage_slices()
+        self._steps = 0
+        self.overlap_comm = overlap_comm
+        self._bucket_of = [0] * len(params_)
+        for b, bucket in enumerate(self.layout.buckets):
+            for index in bucket.params:
+                self._bucket_of[index] = b
+        self._wanted = [sum(params_[i].requires_grad for i in bucket.params) for bucket in self.layout.buckets]
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._holding = False
+        self._told_accumulation = False
+        self._hooks: list[Any] = []
+        self._new_round()
+        if overlap_comm:
+            for index, p in enumerate(params_):
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
+        self._resume(params_)
+
+    def _storage_slices(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Per bucket, this rank's slice of params and of grads as one tensor of the daemon's shared storage,
+        where its pieces fill the slice (no padding) side by side there (the storage packs tensors densely in
+        registration order, ``tiermem.core.layout``); else None.  The reduce-scatter then writes the grads
+        straight into the daemon's grad buffer and the all-gather reads the updated params straight from
+        the storage, with no copy through the transfer buffer (one pass over the shard each, per step)."""
+        buckets = len(self.layout.buckets)
+        params: list[torch.Tensor | None] = [None] * buckets
+        grads: list[torch.Tensor | None] = [None] * buckets
+        entries = self._shared
+        if self.device.type != "cpu" or not entries or len(entries[0].grad_views) != 1 or self.inner is None:
+            return params, grads  # device params: the collectives run on the device; two grad buffers: alternated
+        base = self.inner.client.storage
+        for b, bucket in enumerate(self.layout.buckets):
+            members = self._by_bucket[b]
+            if not members or sum(self.pieces[i].numel for i in members) != bucket.slice_numel:
+                continue
+            first = entries[members[0]]
+            runs = [
+                _run_from(base, first.view, bucket.slice_numel),
+                _run_from(base, first.grad_views[0], bucket.slice_numel),
+            ]
+            if all(
+                view.data_ptr() == run.data_ptr() + self.pieces[i].at * run.element_size()
+                for i in members
+                for view, run in zip((entries[i].view, entries[i].grad_views[0]), runs, strict=True)
+            ):
+                params[b], grads[b] = runs
+        return params, grads
+
+    def _resume(self, params: list[torch.nn.Parameter]) -> None:
+        """Agree on where the job's state is: new on every rank, or reattached at one step on every rank
+        (then the daemon's params, the masters of the pieces, become the model's on every rank)."""
+        mine = (self.inner.state_from, self.inner.steps) if self.inner is not None else None
+        everyone: list[Any] = [None] * self.world_size
+        self._collective("agreement on the state", dist.all_gather_object, everyone, mine)
+        known = [(r, v) for r, v in enumerate(everyone) if v is not None]
+        reattached = [(r, v) for r, v in known if v[0] != "new"]
+        if not reattached:
+            return
+        steps = {v[1] for _, v in known}
+        if len(reattached) != len(known) or len(steps) != 1:
+            where = ", ".join(f"rank {r}: {v[0]} at step {v[1]}" for r, v in known)
+            raise InvalidState(
+                f"the ranks' states disagree ({where}): a rank died between its update and another's; "
+                "load a checkpoint into every rank (load_state_dict) to go on"
+            )
+        self._steps = steps.pop()
+        self._all_gather(params)
+
+    # ----------------------------------------------------------------- construction
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _make_inner(
+        self,
+        groups: list[dict[str, Any]],
+        client: Client | None,
+        offload: str | Placement,
+        adamw: bool,
+        window_nbytes: int | None,
+        expected_step: int | None,
+        rollback: bool,
+        hyper: Any,
+    ) -> None:
+        if not groups:
+            if client is not None:
+                client.close()  # this rank owns no element (more ranks than elements): nothing to keep
+            return
+        self.inner = OffloadAdam(
+            groups,
+            lr=hyper.lr,
+            betas=hyper.betas,
+            eps=hyper.eps,
+            weight_decay=hyper.weight_decay,
+            adamw=adamw,
+            offload=offload,
+            exchange=Exchange.SHARED,
+            window_nbytes=window_nbytes,
+            client=client,
+            job_id=self.job_id,
+            token=self._token,
+            create_job=True,
+            rank=self.rank,
+            world_size=self.world_size,
+            expected_step=expected_step,
+            rollback=rollback,
+            delayed_update=self._delayed[0],
+            warmup_steps=self._delayed[1],
+        )
+
+    def _agree_on_model(self, params: list[torch.nn.Parameter], group_of: list[int]) -> None:
+        mine = (self.dtype.name, [tuple(p.shape) for p in params], group_of)
+        everyone: list[Any] = [None] * self.world_size
+        self._collective("check of the model", dist.all_gather_object, everyone, mine)
+        for r, theirs in enumerate(everyone):
+            if theirs != mine:
+                raise InvalidArgument(
+                    f"rank {r} has a different model than rank {self.rank} (dtype, param shapes or param groups "
+                    f"differ: {len(theirs[1])} params against {len(mine[1])}); every rank must build the same model"
+                )
+
+    def _identity(self, job_id: str | None, token: str | None) -> tuple[str, str]:
+        """Rank 0's job id and token, broadcast (``tiermem.client.distributed.identity``)."""
+        return agree_identity(self._collective, self.process_group, self.rank, job_id, token)
+
+    def _agree(self, what: str, action: Callable[[], None]) -> None:
+        """Run ``action`` on every rank; if it fails on any, every rank raises (none hangs in a collective)."""
+        error: BaseException | None = None
+        try:
+            action()
+        except Exception as exc:
+            error = exc
+        outcomes: list[Any] = [None] * self.world_size
+        self._collective(what, dist.all_gather_object, outcomes, None if error is None else f"{error}")
+        if error is not None:
+            raise error
+        bad = [(r, e) for r, e in enumerate(outcomes) if e is not None]
+        if bad:
+            raise InvalidState(f"the {what} failed on rank {bad[0][0]}: {bad[0][1]}")
+
+    def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn`` over the process group; a failure (a rank gone, a timeout) is ``RankLost``."""
+        kwargs.setdefault("group", self.process_group)
+        return guarded(during, self.rank, getattr(self, "_steps", 0), fn, *args, **kwargs)
+
+    # ----------------------------------------------------------------- properties
+
+    @property
+    def token(self) -> str:
+        """The job token.  A relaunch of the same run derives it again (``identity``); pass it as ``token=``
+        only where the user's job secret is not available."""
+        return self._token
+
+    @property
+    def steps(self) -> int:
+        """Steps applied or skipped so far (the same on every rank)."""
+        return self._steps
+
+    # ----------------------------------------------------------------- the step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", False)
+        found_inf = getattr(self, "found_inf", None)
+        scaled = grad_scale is not False
+        global_flags = getattr(self, "_global_found_inf", None)
+        if scaled and global_flags is None:
+            raise InvalidState(
+                "a torch.amp.GradScaler checks only this rank's grads for inf/nan, so the ranks would skip "
+                "different steps; use tiermem.distributed.ShardedGradScaler (the same API)"
+            )
+        params = self._params()
+        self._check_params(params)
+        need_norm = scaled or self.max_grad_norm is not None
+        flags = [0.0] + [0.0 if p.grad is None else 1.0 for p in params]
+        stats = torch.tensor(flags, dtype=torch.float64).to(self.device)
+        try:
+            grads = self._reduce_scatter(params, stats if need_norm else None)
+        finally:
+            # the next backward's buckets are whole once the params that had a grad this step have one (an
+            # unused layer's params would otherwise hold back every bucket before it until step())
+            self._wanted = [sum(params[i].grad is not None for i in b.params) for b in self.layout.buckets]
+            self._new_round()
+        self._collective("statistics", dist.all_reduce, stats)
+        values = stats.cpu()
+        total_sq = float(values[0])
+        has_grad = values[1:] > 0
+        inv_scale = 1.0
+        if scaled and grad_scale is not None:
+            inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
+        # the scaler's rule over the reduced grads: every rank decides on the same global statistics
+        decision = decide(
+            GradStats.of(total_sq * inv_scale * inv_scale, False) if need_norm else None,
+            inv_scale=inv_scale,
+            max_grad_norm=self.max_grad_norm,
+            scaler_found_inf=scaled and found_inf is not None and float(found_inf) > 0,
+            skip_nonfinite=scaled,
+        )
+        self.last_found_inf = decision.nonfinite
+        if decision.skip:
+            if global_flags is not None:
+                for flag in global_flags.values():
+                    flag.fill_(1.0)  # the reduced grads overflowed: the scaler backs off as every rank does
+            self.skipped_steps += 1
+            self._steps += 1
+            return loss
+        if self.inner is not None:
+            self._pull_params_into_pieces(params)  # in-place edits of the params since the last step
+            for piece, pp, grad in zip(self.pieces, self._piece_params, grads, strict=True):
+                pp.grad = grad if has_grad[piece.param] else None
+            for g, ig in self._inner_of_group.items():
+                for key in HYPER_KEYS:
+                    self.inner.param_groups[ig][key] = self.param_groups[g][key]
+            self.inner.step(decision=decision)  # the daemon unscales and clips in its update pass
+        self._all_gather(params)
+        self.last_grad_norm = decision.grad_norm
+        self._steps += 1
+        return loss
+
+    def _check_params(self, params: list[torch.nn.Parameter]) -> None:
+        for i, p in enumerate(params):
+            if p.dtype != self.dtype.torch or p.device != self.device or tuple(p.shape) != self._shapes[i]:
+                raise InvalidState(
+                    f"param {i} is now {p.dtype} {tuple(p.shape)} on {p.device}; it was registered as "
+                    f"{self.dtype.torch} {self._shapes[i]} on {self.device} (create the optimizer after changing "
+                    "the model)"
+                )
+            if p.grad is not None and (p.grad.dtype != p.dtype or p.grad.is_sparse):
+                raise DTypeError(f"param {i} got a {p.grad.dtype} {p.grad.layout} grad; it needs a dense {p.dtype} one")
+
+    # ----------------------------------------------------------------- the reduce-scatter
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside reduce nothing (DDP's ``no_sync``): accumulate micro-batches in it and run
+        the last backward of the step outside.  Needed only for speed, with ``overlap_comm``: without it an
+        accumulated bucket is reduced again at ``step()``, correct but twice."""
+        before, self._holding = self._holding, True
+        try:
+            yield
+        finally:
+            self._holding = before
+
+    def _new_round(self) -> None:
+        """A new step: no param has landed, no bucket is reduced or in flight."""
+        self._landed = [False] * len(self._shapes)
+        self._left = list(self._wanted)
+        self._next = len(self.layout.buckets) - 1
+        """The next bucket to reduce: the last first (backward makes the last params' grads first), so every
+        rank issues the collectives in one order, whichever of them ran during backward."""
+        self._reduces: dict[int, _Reduce] = {}
+        self._accumulated = False
+
+    def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._grad_landed(index)
+
+        return hook
+
+    def _grad_landed(self, index: int) -> None:
+        """``overlap_comm``: a param's grad is complete for this backward; reduce every bucket that is whole."""
+        if self._holding:
+            return
+        if self._landed[index]:
+            self._accumulated = True  # a second backward: step() sees the changed grad and reduces it again
+            return
+        self._landed[index] = True
+        self._left[self._bucket_of[index]] -= 1
+        if self._next < 0 or self._left[self._next] > 0:
+            return  # most grads: their bucket, or one after it, is not whole yet
+        params = self._params()
+        while self._next >= 0 and self._left[self._next] <= 0:
+            self._reduces[self._next] = self._launch(params, self._next, async_op=True, own=True)
+            self._next -= 1
+
+    def _buffers_of(self, b: int, *, own: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``b``'s flat grads and reduced slice: the shared transfer buffers, or (``own``: its collective
+        runs while others are issued) buffers of its own, kept for the next steps."""
+        bucket = self.layout.buckets[b]
+        padded = self.layout.padded_numel(bucket)
+        if not own:
+            return self._flat[:padded], self._slice[: bucket.slice_numel]
+        if b not in self._buffers:
+            self._buffers[b] = (
+                torch.empty(padded, dtype=self.dtype.torch, device=self.device),
+                torch.empty(bucket.slice_numel, dtype=self.dtype.torch, device=self.device),
+            )
+        return self._buffers[b]
+
+    def _launch(self, params: list[torch.nn.Parameter], b: int, *, async_op: bool, own: bool) -> _Reduce:
+        """Copy bucket ``b``'s grads (zeros for a param without one) and issue its reduce-scatter, into the
+        shared transfer buffers (``own`` False: the caller consumes the result before the next launch) or
+        the bucket's own."""
+        bucket = self.layout.buckets[b]
+        direct = self._grad_slices[b]
+        alone = self.world_size == 1
+        flat, out = self._buffers_of(b, own=own)
+        if alone and direct is not None:
+            flat = direct  # one rank: its slice is the whole bucket, and the grads go straight to the daemon
+        seen: list[tuple[torch.Tensor | None, int]] = []
+        for index, offset in zip(bucket.params, bucket.offsets, strict=True):
+            grad = params[index].grad
+            dst = flat[offset : offset + params[index].numel()]
+            if grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(grad.reshape(-1))
+            seen.append((grad, -1 if grad is None else grad._version))
+        flat[bucket.numel :].zero_()
+        if alone:
+            return _Reduce(None, flat[: bucket.slice_numel], seen)
+        if direct is not None:
+            out = direct  # the mean grads land in the daemon's grad buffer
+        work = self._collective("reduce-scatter", _REDUCE_SCATTER, out, flat, async_op=async_op)
+        return _Reduce(work if async_op else None, out, seen)
+
+    def _changed(self, params: list[torch.nn.Parameter], b: int, reduce: _Reduce) -> bool:
+        """A grad of bucket ``b`` was replaced or changed in place after its reduce was issued (a further
+        backward, ``GradScaler.unscale_``, an edit; edits through ``.data`` are not seen)."""
+        bucket = self.layout.buckets[b]
+        for index, (grad, version) in zip(bucket.params, reduce.seen, strict=True):
+            now = params[index].grad
+            if now is not grad or (now is not None and now._version != version):
+                return True
+        return False
+
+    def _reduce_scatter(self, params: list[torch.nn.Parameter], stats: torch.Tensor | None) -> list[torch.Tensor]:
+        """The mean grads of this rank's pieces (in the pieces' grad tensors), bucket by bucket; adds the
+        slices' sums of squares to ``stats[0]``.  With ``overlap_comm`` the buckets reduced during backward
+        are waited for, and those whose grads changed since (on any rank: one all-reduce of the flags, so
+        every rank issues the same collectives) are reduced again."""
+        grads: list[torch.Tensor] = []
+        buffer = self.inner.feed.buffer if self.inner is not None else 0
+        for i, pp in enumerate(self._piece_params):
+            if self._grad_slices[self.pieces[i].bucket] is not None:
+                grads.append(self._shared[i].grad_views[0])  # the reduce-scatter writes it in place
+                continue
+            if self._shared:
+                # this step's grad buffer of the daemon's storage, never the one a delayed update still reads
+                # (pp.grad is left pointing at the last step's buffer by the inner optimizer)
+                grads.append(self._shared[i].grad_views[buffer])
+                continue
+            if pp.grad is None:
+                pp.grad = torch.empty_like(pp)
+            grads.append(pp.grad)
+        if not self.overlap_comm:
+            while self._next >= 0:  # bucket by bucket through the shared buffers
+                self._launch(params, self._next, async_op=False, own=False).finish(self, self._next, stats, grads)
+                self._next -= 1
+            return grads
+        order = range(len(self.layout.buckets) - 1, -1, -1)
+        while self._next >= 0:  # what backward did not reduce (a param without a grad on this rank)
+            self._reduces[self._next] = self._launch(params, self._next, async_op=True, own=True)
+            self._next -= 1
+        for b in order:
+            self._wait(self._reduces[b])
+        flags = torch.tensor(
+            [float(self._changed(params, b, self._reduces[b])) for b in range(len(self.layout.buckets))],
+            device=self.device,
+        )
+        self._collective("check of the overlapped reduces", dist.all_reduce, flags, op=dist.ReduceOp.MAX)
+        again = [b for b in order if float(flags[b]) > 0]
+        if again and self._accumulated and not self._told_accumulation:
+            self._told_accumulation = True
+            log.warning(
+                "grads were accumulated over several backward passes with overlap_comm=True: %d bucket(s) were "
+                "reduced once per pass and again at step(); run all but the last micro-batch's backward inside "
+                "optimizer.no_sync() to reduce each once",
+                len(again),
+            )
+        for b in again:
+            self._reduces[b] = self._launch(params, b, async_op=False, own=True)
+        for b in order:
+            self._reduces[b].finish(self, b, stats, grads)
+        return grads
+
+    def _wait(self, reduce: _Reduce) -> None:
+        if reduce.work is not None:
+            guarded("reduce-scatter", self.rank, self._steps, reduce.work.wait)
+            reduce.work = None
+
+    def _all_gather(self, params: list[torch.nn.Parameter]) -> None:
+        for b, bucket in enumerate(self.layout.buckets):
+            mine = self._param_slices[b]
+            if mine is None:
+                mine = self._slice[: bucket.slice_numel]
+                mine.zero_()
+                for i in self._by_bucket[b]:
+                    piece = self.pieces[i]
+                    mine[piece.at : piece.at + piece.numel].copy_(self._piece_params[i].detach())
+            if self.world_size == 1:
+                flat = mine  # the slice is the whole bucket
+            else:
+                flat = self._flat[: self.layout.padded_numel(bucket)]
+                self._collective("all-gather", _ALL_GATHER, flat, mine)
+            for index, offset in zip(bucket.params, bucket.offsets, strict=True):
+                p = params[index]
+                p.data.copy_(flat[offset : offset + p.numel()].view(p.shape))
+
+    def flush(self) -> None:
+        """Collective: wait for a delayed update, install its params and gather them into every rank's model
+        (``delayed_update=True``; a no-op's worth of copies otherwise)."""
+        if self.inner is not None:
+            self.inner.flush()
+        self._all_gather(self._params())
+
+    @property
+    def params_behind(self) -> bool:
+        """Whether this rank's daemon holds an update that the model does not have yet (``flush()``)."""
+        return self.inner is not None and bool(self.inner._inflight)
+
+    def _pull_params_into_pieces(self, params: list[torch.nn.Parameter]) -> None:
+        for piece, pp in zip(self.pieces, self._piece_params, strict=True):
+            pp.data.copy_(params[piece.param].detach().reshape(-1)[piece.lo : piece.hi])
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: its pieces' Adam state (``OffloadAdam``'s format) and the layout it belongs to."""
+        return {
+            "state": {},
+            "param_groups": packed_groups(self.param_groups),
+            "shard": {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "layout": self.layout.fingerprint(),
+                "steps": self._steps,
+                "inner": None if self.inner is None else self.inner.state_dict(),
+            },
+        }
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective: the whole optimizer state in ``torch.optim.AdamW``'s format, on every rank."""
+        keys = ["exp_avg", "exp_avg_sq"] + (["master"] if self.dtype.torch != torch.float32 else [])
+        inner_state = self.inner.state_dict()["state"] if self.inner is not None else {}
+        steps = torch.zeros(len(self._shapes), dtype=torch.float64, device=self.device)
+        for i, piece in enumerate(self.pieces):
+            entry = inner_state.get(i)
+            if entry is not None:
+                steps[piece.param] = max(float(steps[piece.param]), float(entry["step"]))
+        self._collective("gather of the steps", dist.all_reduce, steps, op=dist.ReduceOp.MAX)
+        step_of = steps.cpu().tolist()
+        out: dict[int, dict[str, Any]] = {
+            i: {"step": torch.tensor(step_of[i])} for i in range(len(self._shapes)) if step_of[i] > 0
+        }
+        for b, bucket in enumerate(self.layout.buckets):
+            mine = torch.zeros(bucket.slice_numel, dtype=torch.float32, device=self.device)
+            flat = torch.empty(self.layout.padded_numel(bucket), dtype=torch.float32, device=self.device)
+            for key in keys:
+                mine.zero_()
+                for i in self._by_bucket[b]:
+                    piece = self.pieces[i]
+                    entry = inner_state.get(i)
+                    if entry is not None:
+                        mine[piece.at : piece.at + piece.numel].copy_(entry[key].reshape(-1))
+                self._collective("gather of the state", _ALL_GATHER, flat, mine)
+                for index, offset in zip(bucket.params, bucket.offsets, strict=True):
+                    if index in out:
+                        numel = math.prod(self._shapes[index])
+                        out[index][key] = flat[offset : offset + numel].view(self._shapes[index]).cpu().clone()
+        return {"state": out, "param_groups": packed_groups(self.param_groups)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A shard saved by ``state_dict()`` (same layout), or a full ``torch.optim.AdamW``-format dict
+        (``full_state_dict()``, ``OffloadAdam``, ``torch.optim.AdamW``), of which this rank takes its pieces.
+        Collective for a full dict only in that every rank must load one.  The model's params are not touched."""
+        shard = state_dict.get("shard") if isinstance(state_dict, dict) else None
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise InvalidArgument(
+                f"state dict has {len(groups) if isinstance(groups, list) else 'no'} param groups, "
+                f"this optimizer has {len(self.param_groups)}"
+            )
+        if shard is not None:
+            inner = self._check_shard(shard)
+        else:
+            loads = plan_load(state_dict, self.param_groups, [math.prod(s) for s in self._shapes])
+            inner = self._pieces_of(loads)
+        adopt_saved_groups(self.param_groups, groups)
+        if self.inner is not None and inner is not None:
+            for g, ig in self._inner_of_group.items():
+                for key in HYPER_KEYS:
+                    inner["param_groups"][ig][key] = self.param_groups[g][key]
+            self.inner.load_state_dict(inner)
+        if shard is not None:
+            self._steps = int(shard.get("steps", self._steps))
+
+    def _check_shard(self, shard: dict[str, Any]) -> dict[str, Any] | None:
+        rank, world = shard.get("rank"), shard.get("world_size")
+        if rank != self.rank or world != self.world_size:
+            raise InvalidArgument(
+                f"this shard was saved by rank {rank} of {world}; this is rank {self.rank} of {self.world_size} "
+                "(load a full_state_dict() to change the number of ranks)"
+            )
+        layout = shard.get("layout")
+        if layout is not None and _as_tuple(layout) != _as_tuple(self.layout.fingerprint()):
+            raise InvalidArgument(
+                "this shard was saved for another layout (params or bucket_nbytes differ); load a "
+                "full_state_dict() instead"
+            )
+        inner = shard.get("inner")
+        return inner if isinstance(inner, dict) else None
+
+    def _pieces_of(self, loads: list[tuple[int, dict[str, Any], int]]) -> dict[str, Any]:
+        """This rank's pieces of a full state dict, in ``OffloadAdam``'s format."""
+        by_param = {t: (entry, step) for t, entry, step in loads}
+        state: dict[int, dict[str, Any]] = {}
+        for i, piece in enumerate(self.pieces):
+            found = by_param.get(piece.param)
+            if found is None:
+                continue
+            entry, step = found
+            cut = {"step": torch.tensor(float(step))}
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                value = entry.get(key)
+                if isinstance(value, torch.Tensor):
+                    cut[key] = value.detach().reshape(-1)[piece.lo : piece.hi].to("cpu", torch.float32).clone()
+            state[i] = cut
+        groups = packed_groups(self.inner.param_groups) if self.inner is not None else []
+        return {"state": state, "param_groups": groups}
+
+    # ----------------------------------------------------------------- life
+
+    def close(self, *, keep_state: bool = False) -> None:
+        """Detach from the daemon (this rank's shard is freed unless ``keep_state``)."""
+        if self.params_behind:
+            log.warning(
+                "closing with a delayed update the model does not have: its params are one update behind (call "
+                "flush() on every rank before close())"
+            )
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        release_job_id(self.job_id)
+        if self.inner is not None:
+            self.inner.close(keep_state=keep_state)
+            self.inner = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardedOffloadAdam:
+        raise TypeError("ShardedOffloadAdam holds a connection to tiermemd; save full_state_dict() instead")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("ShardedOffloadAdam holds a connection to tiermemd; save full_state_dict() instead")
+
+
+@dataclass
+class _Reduce:
+    """One bucket's reduce-scatter: its collective while in flight, where the slice lands, and the grads it
+    read with their versions (``_changed``)."""
+
+    work: Any
+    out: torch.Tensor
+    seen: list[tuple[torch.Tensor | None, int]]
+
+    def finish(self, opt: ShardedOffloadAdam, b: int, stats: torch.Tensor | None, grads: list[torch.Tensor]) -> None:
+        """The mean (DDP's), the slice's sum of squares into ``stats[0]``, and the pieces' grads."""
+        out = self.out
+        if opt.world_size > 1:
+            out.div_(opt.world_size)
+        if stats is not None:
+            stats[0] += out.double().square().sum()
+        if opt._grad_slices[b] is None:
+            for i in opt._by_bucket[b]:
+                piece = opt.pieces[i]
+                grads[i].copy_(out[piece.at : piece.at + piece.numel])
+
+
+def _run_from(base: torch.Tensor, first: torch.Tensor, numel: int) -> torch.Tensor:
+    """``numel`` elements of the shared storage ``base`` (uint8) from where ``first`` starts: a flat view across
+    the tensors laid out after it (each of which has a torch storage of its own over the same mapping)."""
+    offset = first.data_ptr() - base.data_ptr()
+    return base[offset : offset + numel * first.element_size()].view(first.dtype)
+
+
+def _as_tuple(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_as_tuple(v) for v in value)
+    return value

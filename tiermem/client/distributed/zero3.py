@@ -1,0 +1,521 @@
+"""``LayerShardedAdam``: ZeRO-3 by layer, each layer's params and Adam state on its owner rank's daemon.
+
+The model's units (the submodules that own params directly) are dealt to the
+ranks (``owners``: unit i to rank ``i * world // units`` by default, so four
+layers over four ranks give one layer each, as in ZeRO's example).  A unit's
+params live only in its owner's daemon (the pieces of an ``OffloadAdam`` of
+the owner); every rank's module holds empty placeholders.  Per step:
+
+- forward: before a unit runs, its params are gathered (a broadcast from the
+  owner, the all-gather of a shard that is whole on one rank) into the
+  module, and the next unit's gather is already in flight (the order is
+  recorded on the first forward); after the unit ran they are released on
+  every rank;
+- backward: before a unit's backward its params are gathered again (the
+  previous unit's gather in flight meanwhile); once its grads are complete
+  they are reduced to the owner (the reduce-scatter of a whole-layer shard,
+  DDP's mean) and released, and the owner hands them to its daemon, which
+  updates that layer while the backward of the layer before runs (the
+  overlapped update, from the second step on: the first step is synchronous
+  and checks that the loop allows it);
+- ``step()`` waits for what is still in flight.
+
+Each rank's daemon thus holds only its layers: params, master and moments.
+``trace`` records the events (``gather``, ``release``, ``reduce``,
+``update``) per unit, so the pipeline can be checked step by step.
+
+``paged=True`` (ZeRO-Infinity's placement): the owner keeps no copy of its
+layers either.  Their values live only as the ``master`` state key in its
+daemon's tier (with ``offload="nvme"``, paged through the swap files with the
+moments), read from there through the staging window before each broadcast,
+and the reduced grads are written to the daemon's ``grad`` key as each
+layer's reduce lands (accumulating over several backward passes), so the
+trainer holds no param or grad between uses, on any rank.  The update then
+runs at ``step()``, for all the owner's layers at once (the overlapped update
+needs the params resident).
+
+``max_grad_norm`` (with ``paged`` only: the overlapped update applies a
+layer before the global norm exists) clips by the global norm of the reduced
+grads, as ``clip_grad_norm_`` over the whole model: each owner adds up its
+layers' sums of squares as their reduces land, every rank all-reduces them at
+``step()``, and the coefficient reaches the daemon as the STEP's grad scale.
+
+Loss scaling (with ``paged`` only, for the same reason): use
+``ShardedGradScaler`` as torch's ``GradScaler`` (``scale``, ``step``,
+``update``).  Each owner notes whether a reduced grad of its layers is
+non-finite as it lands (an overflow on any rank is in the sum the owner
+gets); the scaler all-reduces those flags, so every rank skips the same
+steps and backs off its scale together; an applied step's inverse scale
+reaches the daemon with the STEP's grad scale (times the clip coefficient),
+and the global norm is that of the unscaled grads.
+
+Limits: gradient accumulation only with ``paged``, and not with
+``max_grad_norm`` (the sums of squares are of one backward pass; refused on
+every rank); CPU params; each unit used once per forward; one param group;
+no checkpoints (``state_dict`` says so: the modules hold placeholders;
+``ShardedPagedAdam`` is the ZeRO-3 optimizer with them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiermem.client.distributed.collective import guarded
+from tiermem.client.distributed.identity import agree_identity, release_job_id
+from tiermem.client.distributed.node import node_client
+from tiermem.client.distributed.scaler import shard_scaler_inputs
+from tiermem.client.link import Client
+from tiermem.client.offload.args import HYPER_KEYS, check_hyper, optimizer_defaults
+from tiermem.client.offload.optimizer import OffloadAdam
+from tiermem.core import dtypes
+from tiermem.core.errors import InvalidArgument, InvalidState
+from tiermem.core.modes import Exchange, Placement
+from tiermem.core.step_rules import GradStats, decide
+
+__all__ = ["LayerShardedAdam"]
+
+
+class _DaemonGrads:
+    """The grad feed of a paged owner's ``OffloadAdam``: the grads are in the daemon's ``grad`` key, written
+    by ``LayerShardedAdam`` as each layer's reduce lands; the feed only says which tensors have one."""
+
+    def __init__(self) -> None:
+        self.landed: set[int] = set()
+        self.accumulated = False
+        self.changed_after_landing = False
+        self.buffer = 0
+        self._by_param: dict[int, Any] = {}
+
+    def land(self, tid: int) -> bool:
+        """Tensor ``tid``'s grad is being written; True when it adds to one written earlier in the step."""
+        again = tid in self.landed
+        self.accumulated = self.accumulated or again
+        self.landed.add(tid)
+        return again
+
+    def check(self) -> list[int]:
+        return sorted(self.landed)
+
+    def reset(self) -> None:
+        self.landed.clear()
+        self.accumulated = False
+
+    def zero(self, *, set_to_none: bool) -> None:
+        self.reset()
+
+    def hook(self) -> None:
+        """Nothing to hook: the layer's reduce lands the grads."""
+
+    def unhook(self) -> None:
+        """Nothing hooked."""
+
+
+class _Unit:
+    def __init__(self, index: int, module: torch.nn.Module, owner: int) -> None:
+        self.index = index
+        self.module = module
+        self.owner = owner
+        self.params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.numels = [p.numel() for p in self.params]
+        self.numel = sum(self.numels)
+        self.flat: torch.Tensor | None = None
+        self.work: Any = None
+        self.grads_left = 0
+
+
+class LayerShardedAdam(torch.optim.Optimizer):
+    """See the module docstring.  A ``torch.optim.Optimizer`` over the model's params (one param group: LR
+    schedulers and edits of ``param_groups[0]["lr"]`` reach the owners' daemons with the next update);
+    ``step()``, ``zero_grad()``, ``close()``."""
+
+    _step_supports_amp_scaling = True
+    """``GradScaler.step`` hands the scale and the found-inf flag over as attributes and always calls
+    ``step()``, which skips by itself (the grads are in the owners' daemons, not here to unscale)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float | None = None,
+        adamw: bool = True,
+        owners: Iterable[int] | None = None,
+        process_group: Any = None,
+        offload: str = "cpu",
+        client: Client | None = None,
+        job_id: str | None = None,
+        token: str | None = None,
+        trace: bool = False,
+        paged: bool = False,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidState("LayerShardedAdam needs torch.distributed initialised (torchrun)")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if max_grad_norm is not None and not paged:
+            raise InvalidArgument(
+                "max_grad_norm needs paged=True: without it a layer is updated during backward, before the "
+                "global norm of all the layers' grads exists"
+            )
+        self.paged = paged
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
+        """The global norm of the last step's reduced grads (with ``max_grad_norm``)."""
+        self._sumsq = 0.0
+        self._nonfinite = False
+        """Whether a reduced grad of this owner's layers was non-finite this step."""
+        self._unscaled_by = 1.0
+        self._scale_checked = False
+        self.skipped_steps = 0
+        """Steps skipped on an overflow (a ``ShardedGradScaler`` found inf/nan on some rank)."""
+        self.last_found_inf = False
+        self.group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+        if not modules:
+            raise InvalidArgument("the model has no params")
+        count = len(modules)
+        owner_of = list(owners) if owners is not None else [i * self.world_size // count for i in range(count)]
+        if len(owner_of) != count or not all(0 <= o < self.world_size for o in owner_of):
+            raise InvalidArgument(f"owners must give a rank in [0, {self.world_size}) for each of the {count} units")
+        self.units = [_Unit(i, m, o) for i, (m, o) in enumerate(zip(modules, owner_of, strict=True))]
+        hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
+        defaults = optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw)
+        super().__init__([{"params": [p for unit in self.units for p in unit.params]}], defaults)
+        self.events: list[tuple[str, int]] | None = [] if trace else None
+        self.reduced: dict[int, torch.Tensor] = {}
+        """With ``trace``: the last reduced (mean) grads of the units this rank owns, flat."""
+        self._order: list[int] = []
+        self._recording = True
+        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        for unit in self.units:  # one truth to start from: rank 0's values
+            for p in unit.params:
+                self._collective("broadcast of the initial params", dist.broadcast, p.data, src=src)
+        mine = [u for u in self.units if u.owner == self.rank]
+        self._pieces = {u.index: [torch.nn.Parameter(p.detach().clone()) for p in u.params] for u in mine}
+        self._entry_of: dict[int, list[int]] = {}
+        flat_pieces: list[torch.nn.Parameter] = []
+        for u in mine:
+            self._entry_of[u.index] = list(range(len(flat_pieces), len(flat_pieces) + len(u.params)))
+            flat_pieces += self._pieces[u.index]
+        ident = agree_identity(self._collective, process_group, self.rank, job_id, token)
+        self.job_id = str(ident[0])
+        self.inner: OffloadAdam | None = None
+        if client is None:
+            client = node_client(
+                self._collective,
+                self.rank,
+                self.world_size,
+                sum(p.numel() for p in flat_pieces),
+                dtype=dtypes.by_torch(self.units[0].params[0].dtype).name,
+                placement=Placement.parse(offload, "offload"),
+                window_nbytes=None,
+            )
+        if not flat_pieces:
+            client.close()  # this rank owns no layer
+        else:
+            self.inner = OffloadAdam(
+                flat_pieces,
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                adamw=adamw,
+                offload=offload,
+                overlap_update=not paged,
+                bucket_nbytes=1,  # one bucket per tensor: each layer's update starts when its grads are in
+                exchange=Exchange.STAGED if paged else Exchange.AUTO,
+                client=client,
+                job_id=str(ident[0]),
+                token=str(ident[1]),
+                create_job=True,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+        self._grads: _DaemonGrads | None = None
+        if paged and self.inner is not None:
+            # the daemon has the values now (the staged exchange wrote them as masters): drop every copy here
+            self.inner.feed.unhook()
+            self._grads = _DaemonGrads()
+            self.inner.feed = self._grads  # type: ignore[assignment]
+            self.inner.release_grads = True
+            for pieces in self._pieces.values():
+                for piece in pieces:
+                    piece.data = torch.empty(0, dtype=piece.dtype)
+        for unit in self.units:
+            self._release(unit, log=False)
+            unit.module.register_forward_pre_hook(self._make_hook(unit, self._before_forward))
+            unit.module.register_forward_hook(self._make_hook(unit, self._after_forward))
+            unit.module.register_full_backward_pre_hook(self._make_hook(unit, self._before_backward))
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(self._make_grad_hook(unit))
+
+    # ----------------------------------------------------------------- collectives
+
+    def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn`` (a collective over the group, or a ``Work``'s ``wait``); a failure is ``RankLost``."""
+        if fn is not _wait:
+            kwargs.setdefault("group", self.group)
+        inner = getattr(self, "inner", None)  # None until it is made (the first collectives come before it)
+        return guarded(during, self.rank, inner.steps if inner is not None else 0, fn, *args, **kwargs)
+
+    def _log(self, what: str, unit: _Unit) -> None:
+        if self.events is not None:
+            self.events.append((what, unit.index))
+
+    # ----------------------------------------------------------------- gather / release
+
+    def _start_gather(self, unit: _Unit) -> None:
+        if unit.flat is not None or unit.work is not None:
+            return
+        flat = torch.empty(unit.numel, dtype=unit.params[0].dtype)
+        if unit.owner == self.rank and self.paged and self.inner is not None:
+            self.inner.transfer.pull_many_into(
+                [
+                    (tid, "master", view)
+                    for tid, view in zip(self._entry_of[unit.index], self._views(unit, flat), strict=True)
+                ]
+            )
+        elif unit.owner == self.rank:
+            torch.cat([p.detach().reshape(-1) for p in self._pieces[unit.index]], out=flat)
+        src = dist.get_global_rank(self.group, unit.owner) if self.group is not None else unit.owner
+        unit.work = (flat, self._collective("gather", dist.broadcast, flat, src=src, async_op=True))
+
+    def _finish_gather(self, unit: _Unit) -> None:
+        self._start_gather(unit)
+        flat, work = unit.work
+        self._collective("gather", _wait, work)
+        unit.work = None
+        unit.flat = flat
+        offset = 0
+        for p, shape, n in zip(unit.params, unit.shapes, unit.numels, strict=True):
+            p.data = flat[offset : offset + n].view(shape)
+            offset += n
+        self._log("gather", unit)
+
+    @staticmethod
+    def _views(unit: _Unit, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each param's stretch of a unit's flat buffer."""
+        return list(torch.split(flat, unit.numels))
+
+    def _release(self, unit: _Unit, *, log: bool = True) -> None:
+        for p in unit.params:
+            p.data = torch.empty(0, dtype=p.dtype)
+        unit.flat = None
+        if log:
+            self._log("release", unit)
+
+    def _neighbour(self, unit: _Unit, step: int) -> _Unit | None:
+        if self._recording or unit.index not in self._order:
+            return None
+        at = self._order.index(unit.index) + step
+        return self.units[self._order[at]] if 0 <= at < len(self._order) else None
+
+    # ----------------------------------------------------------------- hooks
+
+    @staticmethod
+    def _make_hook(unit: _Unit, fn: Callable[[_Unit], None]) -> Callable[..., None]:
+        def hook(*_args: Any) -> None:
+            fn(unit)
+
+        return hook
+
+    def _before_forward(self, unit: _Unit) -> None:
+        if self._recording:
+            self._order.append(unit.index)
+        self._finish_gather(unit)
+        ahead = self._neighbour(unit, +1)
+        if ahead is not None:
+            self._start_gather(ahead)  # overlaps this unit's forward
+        unit.grads_left = len(unit.params)
+
+    def _after_forward(self, unit: _Unit) -> None:
+        self._release(unit)
+
+    def _before_backward(self, unit: _Unit) -> None:
+        self._finish_gather(unit)
+        behind = self._neighbour(unit, -1)
+        if behind is not None:
+            self._start_gather(behind)  # overlaps this unit's backward
+
+    def _make_grad_hook(self, unit: _Unit) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            unit.grads_left -= 1
+            if unit.grads_left == 0:
+                self._grads_ready(unit)
+
+        return hook
+
+    def _grads_ready(self, unit: _Unit) -> None:
+        """The unit's grads are complete: reduce them to the owner, release, and let the owner's daemon
+        update the layer while the backward goes on."""
+        flat = torch.cat([p.grad.reshape(-1) for p in unit.params])  # type: ignore[union-attr]
+        dst = dist.get_global_rank(self.group, unit.owner) if self.group is not None else unit.owner
+        self._collective("reduce of the grads", dist.reduce, flat, dst=dst)
+        self._log("reduce", unit)
+        for p in unit.params:
+            p.grad = None
+        self._release(unit)
+        if unit.owner != self.rank or self.inner is None:
+            return
+        self._sync_hyper()  # an overlapped update of this layer starts now, with the current hyper-parameters
+        flat.div_(self.world_size)
+        if self.paged:  # the global norm and the overflow check of this step, at step() (the grads go now)
+            sq = float(torch.linalg.vector_norm(flat, dtype=torch.float64)) ** 2
+            self._sumsq += sq
+            self._nonfinite = self._nonfinite or not math.isfinite(sq)
+        if self.events is not None:
+            self.reduced[unit.index] = flat.clone()
+        if self._grads is not None:  # paged: the grads go to the daemon now, nothing stays here
+            tids = self._entry_of[unit.index]
+            self.inner.transfer.push_many(
+                (tid, "grad", view, 0, self._grads.land(tid))
+                for tid, view in zip(tids, self._views(unit, flat), strict=True)
+            )
+            return
+        feed = self.inner.feed
+        offset = 0
+        for piece, n, entry in zip(self._pieces[unit.index], unit.numels, self._entry_of[unit.index], strict=True):
+            view = self.inner._entries[entry].grad_views[feed.buffer]
+            view.copy_(flat[offset : offset + n].view(view.shape))
+            offset += n
+            piece.grad = view
+            feed._grad_ready(piece)  # as autograd's hook would: land, then the bucket
+        if self.inner.policy.overlap_now:
+            self._log("update", unit)
+
+    # ----------------------------------------------------------------- the step
+
+    @property
+    def process_group(self) -> Any:
+        """The group the layers are sharded over (what ``ShardedGradScaler`` all-reduces its flags over)."""
+        return self.group
+
+    def _unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+        """``ShardedGradScaler``'s check: whether this owner's reduced grads overflowed (it all-reduces the
+        flag); the inverse scale is applied by the daemon at ``step()``."""
+        if not self.paged:
+            raise InvalidState(
+                "loss scaling needs LayerShardedAdam(paged=True): without it a layer is updated during backward, "
+                "before an overflow on any rank is known"
+            )
+        self._unscaled_by = float(inv_scale)
+        self._scale_checked = True
+        if self._nonfinite:
+            found_inf.fill_(1.0)
+        return found_inf
+
+    def _new_step(self, *, drop_grads: bool = True) -> None:
+        """This step's statistics start afresh; ``drop_grads``: so do the daemon's grads (a skipped or refused
+        step: the next backward overwrites them; after an applied step the inner optimizer did it)."""
+        self._sumsq = 0.0
+        self._nonfinite = False
+        self._scale_checked = False
+        if drop_grads and self._grads is not None:
+            self._grads.reset()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Finish the step: the owner's daemon completes its layers' updates (the first step: all of them now)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._recording = False
+        try:
+            inv_scale, skip = shard_scaler_inputs(self, checked=self._scale_checked, unscaled_by=self._unscaled_by)
+        except InvalidState:
+            self._new_step()
+            raise
+        stats = None
+        if self.max_grad_norm is not None and not skip:  # every rank, owner of a layer or not: the norm is global
+            accumulated = self._grads is not None and self._grads.accumulated
+            flags = torch.tensor([float(accumulated), self._sumsq], dtype=torch.float64)
+            self._collective("the norm's all-reduce", dist.all_reduce, flags)
+            if flags[0] > 0:
+                self._new_step()  # the step is refused
+                raise InvalidState(
+                    "LayerShardedAdam clips with the norm of one backward pass; this step accumulated grads over "
+                    "several (call step() after each backward, or train without max_grad_norm)"
+                )
+            stats = GradStats.of(float(flags[1]) * inv_scale * inv_scale, False)
+        decision = decide(stats, inv_scale=inv_scale, max_grad_norm=self.max_grad_norm, scaler_found_inf=skip)
+        self.last_found_inf = decision.nonfinite
+        if decision.skip:
+            self.skipped_steps += 1  # an overflow on some rank: every rank skips (the flag is global)
+            self._new_step()
+            return loss
+        if decision.grad_norm is not None:
+            self.last_grad_norm = decision.grad_norm
+        self._new_step(drop_grads=False)
+        if self.inner is not None:
+            self._sync_hyper()
+            early = self.inner.policy.overlap_now
+            # the daemon scales the grads by the decision's factor: unscaled, then clipped
+            self.inner.step(decision=decision)
+            if not early and self.events is not None:
+                for index in self._entry_of:
+                    self.events.append(("update", index))
+        return loss
+
+    def _sync_hyper(self) -> None:
+        """The group's hyper-parameters (a scheduler or the user may have changed them) into the inner
+        optimizer's group, which the daemon's updates read."""
+        if self.inner is None:
+            return
+        ours = self.param_groups[0]
+        for group in self.inner.param_groups:
+            for key in HYPER_KEYS:
+                group[key] = ours[key]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self.param_groups:
+            raise InvalidArgument("LayerShardedAdam takes the model's params as one param group; make a new one")
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        raise InvalidState(
+            "LayerShardedAdam has no checkpoint: its layers' params and Adam state are in the owners' daemons and "
+            "the modules hold placeholders (model.state_dict() would save those); gathered_params() collects "
+            "the values, and ShardedPagedAdam is the ZeRO-3 optimizer with checkpoints"
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise InvalidState("LayerShardedAdam has no checkpoint to load (see state_dict)")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit in self.units:
+            for p in unit.params:
+                p.grad = None
+        if self.inner is not None:
+            self.inner.zero_grad(set_to_none=set_to_none)
+        self._new_step(drop_grads=False)
+
+    def gathered_params(self) -> list[torch.Tensor]:
+        """Collective: every unit's params, gathered (copies), in the model's order."""
+        out = []
+        for unit in self.units:
+            self._finish_gather(unit)
+            out += [p.detach().clone() for p in unit.params]
+            self._release(unit, log=False)
+        return out
+
+    def close(self) -> None:
+        release_job_id(self.job_id)
+        if self.inner is not None:
+            self.inner.close()
+            self.inner = None
+
+
+def _wait(work: Any) -> None:
+    work.wait()

@@ -1,0 +1,154 @@
+"""``tiermem estimate``: the arguments, the node probe and the output of the memory estimator.
+
+The arithmetic is ``tiermem.core.estimate``; what the node has, ``tiermem.client.capacity``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from tiermem.core.errors import TiermemError
+
+__all__ = ["add_estimate_command"]
+
+DEFAULT_NODE_CONFIG = "/etc/tiermem/tiermemd.toml"
+"""The node daemon's settings when neither --config nor TIERMEM_CONFIG names a file (as ``tiermemd`` reads)."""
+
+DESCRIPTION = """\
+Model-state bytes of mixed-precision Adam (fp16 params and grads, fp32 master, momentum
+and variance: 16 bytes per parameter) per device under each ZeRO stage (0: 16P;
+1: 4P + 12P/N; 2: 2P + 14P/N; 3: 16P/N, for P parameters on N GPUs) and each offload
+choice (none; cpu: the optimizer states in tiermemd's pool; nvme: on its swap files,
+paged through a chunk cache), with what tiermem then keeps on the host and on NVMe per
+rank and per node, and whether that fits this node: its GPU memory, its available host
+memory (or its memory cgroup's headroom when lower), or the free pool budget of a running tiermemd,
+and the free disk of the swap directories (or the daemon's swap budget). Figures are in
+GB = 1e9 bytes, as the ZeRO paper counts them; activations and temporary buffers are not
+included. Example (the paper's): tiermem estimate --params 7.5e9 --gpus 64 --offload none
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _params(text: str) -> int:
+    from tiermem.core.estimate import parse_params
+
+    try:
+        return parse_params(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size(text: str) -> int:
+    from tiermem.core.units import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_estimate_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "estimate",
+        help="memory per GPU, host and NVMe for a model under each ZeRO stage and offload, and whether it fits",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--params",
+        type=_params,
+        required=True,
+        metavar="N",
+        help="model parameters: 7.5e9, 7500000000 or 7.5B (K, M, B, T)",
+    )
+    p.add_argument(
+        "--gpus", type=_positive_int, required=True, metavar="N", help="GPUs in the data-parallel group, all nodes"
+    )
+    p.add_argument(
+        "--nodes",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="nodes they run on, the same number per node (default 1)",
+    )
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="one ZeRO stage (default: all four)")
+    p.add_argument("--offload", choices=("none", "cpu", "nvme"), help="one offload choice (default: all three)")
+    p.add_argument(
+        "--gpu-memory",
+        type=_size,
+        metavar="SIZE",
+        help="memory of one GPU, e.g. 80GB (default: the first CUDA device's, when torch sees one)",
+    )
+    p.add_argument(
+        "--swap-dir",
+        action="append",
+        metavar="DIR",
+        help="swap directory to check for free disk (repeatable; default: the daemon settings' swap.dirs)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help=f"tiermemd settings to read swap.dirs, jobs.window_size and adam.chunk_numel from "
+        f"(default: $TIERMEM_CONFIG, else {DEFAULT_NODE_CONFIG} when it exists)",
+    )
+    p.add_argument(
+        "--socket", metavar="PATH", help="tiermemd socket to ask for its budget (default: the one the client would use)"
+    )
+    p.add_argument("--no-daemon", action="store_true", help="do not ask a running tiermemd for its budget")
+    p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table")
+    p.set_defaults(func=_run, parser=p)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tiermem.client import capacity
+    from tiermem.core.config import load_config
+    from tiermem.core.estimate import STAGES, Offload, RunShape, estimate_all, fit, render_table, to_json
+
+    parser: argparse.ArgumentParser = args.parser
+    env = os.environ
+    config_path = args.config or env.get("TIERMEM_CONFIG")
+    if config_path is None and Path(DEFAULT_NODE_CONFIG).exists():
+        config_path = DEFAULT_NODE_CONFIG
+    try:
+        config = load_config(config_path, env=env)
+        shape = RunShape(
+            params=args.params,
+            gpus=args.gpus,
+            nodes=args.nodes,
+            window_nbytes=config.jobs.window_size,
+            chunk_numel=config.adam.chunk_numel,
+        )
+    except (TiermemError, ValueError) as exc:
+        parser.error(str(exc))
+    daemon = None
+    if not args.no_daemon:
+        try:
+            daemon = capacity.probe_daemon(args.socket)
+        except TiermemError as exc:
+            print(f"tiermem estimate: not using the daemon's budget: {exc}", file=sys.stderr)
+    if args.gpu_memory is not None:
+        gpu: tuple[int, str] | None = (args.gpu_memory, "--gpu-memory")
+    else:
+        gpu = capacity.gpu_memory()
+    node = capacity.node_capacity(swap_dirs=args.swap_dir or list(config.swap.dirs), daemon=daemon, gpu=gpu)
+    stages = STAGES if args.stage is None else (args.stage,)
+    offloads = tuple(Offload) if args.offload is None else (Offload(args.offload),)
+    rows = [(est, fit(est, node)) for est in estimate_all(shape, stages, offloads)]
+    if args.json:
+        print(json.dumps(to_json(shape, rows, node), indent=1))
+    else:
+        print(render_table(shape, rows, node))
+    return 0

@@ -1,0 +1,198 @@
+"""``OffloadAdam``'s constructor arguments: torch's rules and messages, and the contracts of the step modes.
+
+Pure: no torch tensors, no daemon.  Everything a user can get wrong at
+construction is refused here, before any connection is made.
+
+- Hyper-parameters follow ``torch.optim.AdamW`` exactly: the same defaults
+  (``weight_decay`` 0.01; ``torch.optim.Adam``'s 0 with ``adamw=False``), the
+  same checks, the same ``ValueError`` messages.
+- torch's implementation switches are accepted where they cannot change the
+  result (``foreach``, ``fused``: the daemon's update is always one fused
+  pass) and refused by name where they would (``amsgrad=True``,
+  ``capturable=True``, ``differentiable=True``).
+- The step mode is one ``StepMode``; ``overlap_update`` with ``max_grad_norm``
+  or ``delayed_update`` is refused here (an update applied as its bucket lands
+  cannot be clipped afterwards, and the delayed update already overlaps the
+  whole update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiermem.core.config import AdamConfig, PoolConfig
+from tiermem.core.errors import InvalidArgument
+from tiermem.core.modes import Exchange, Placement, StepMode
+from tiermem.core.units import PAGE_SIZE, MiB, align_up
+from tiermem.engine.pool.pool import arena_sizes
+
+__all__ = [
+    "Hyper",
+    "optimizer_defaults",
+    "PoolPlan",
+    "check_hyper",
+    "check_torch_flags",
+    "packed_pool_nbytes",
+    "private_pool_plan",
+    "step_mode",
+]
+
+ADAMW_WEIGHT_DECAY = 1e-2
+
+
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "adamw")
+"""The keys of a param group that its updates read (what a wrapping optimizer copies into its inner one)."""
+
+
+def optimizer_defaults(
+    hyper: Hyper, *, foreach: bool | None, maximize: bool, fused: bool | None, adamw: bool
+) -> dict[str, object]:
+    """A param group's defaults in ``torch.optim.AdamW``'s keys (``amsgrad``, ``capturable`` and
+    ``differentiable`` always False: refused by ``check_torch_flags``), plus ``adamw``."""
+    return {
+        "lr": hyper.lr,
+        "betas": hyper.betas,
+        "eps": hyper.eps,
+        "weight_decay": hyper.weight_decay,
+        "amsgrad": False,
+        "foreach": foreach,
+        "maximize": maximize,
+        "capturable": False,
+        "differentiable": False,
+        "fused": fused,
+        "adamw": adamw,
+        "decoupled_weight_decay": adamw,
+    }
+
+
+@dataclass(frozen=True)
+class Hyper:
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
+def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float | None, *, adamw: bool) -> Hyper:
+    """torch.optim.AdamW's checks and messages (``ValueError``); ``weight_decay=None`` takes torch's default."""
+    if weight_decay is None:
+        weight_decay = ADAMW_WEIGHT_DECAY if adamw else 0.0
+    if not isinstance(lr, float | int) or isinstance(lr, bool):
+        raise InvalidArgument(f"lr must be a float (a tensor lr is not supported by OffloadAdam), got {lr!r}")
+    if not lr >= 0.0:
+        raise InvalidArgument(f"Invalid learning rate: {lr}")
+    if not eps >= 0.0:
+        raise InvalidArgument(f"Invalid epsilon value: {eps}")
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise InvalidArgument(f"betas must be a pair of floats, got {betas!r}")
+    if not all(isinstance(b, float) for b in betas):
+        raise InvalidArgument("betas must be either both floats or both Tensors")
+    if not 0.0 <= betas[0] < 1.0:
+        raise InvalidArgument(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise InvalidArgument(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not weight_decay >= 0.0:
+        raise InvalidArgument(f"Invalid weight_decay value: {weight_decay}")
+    return Hyper(float(lr), (float(betas[0]), float(betas[1])), float(eps), float(weight_decay))
+
+
+def check_torch_flags(*, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
+    """Refuse, by name, the torch switches that would change what the step computes."""
+    refused = {
+        "amsgrad": (amsgrad, "the daemon's Adam keeps no max of the second moment"),
+        "capturable": (capturable, "the update runs on the host, outside any CUDA graph"),
+        "differentiable": (differentiable, "the update runs in another process, outside autograd"),
+    }
+    for name, (value, why) in refused.items():
+        if value:
+            raise InvalidArgument(f"OffloadAdam does not support {name}=True ({why}); leave {name}=False")
+
+
+def step_mode(
+    *, overlap_update: bool, delayed_update: bool, max_grad_norm: float | None, warmup_steps: int
+) -> StepMode:
+    if warmup_steps < 0:
+        raise InvalidArgument(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+    if overlap_update and delayed_update:
+        raise InvalidArgument(
+            "overlap_update=True and delayed_update=True cannot be combined: the delayed update already overlaps "
+            "the whole update with the next step's compute"
+        )
+    if overlap_update and max_grad_norm is not None:
+        raise InvalidArgument(
+            "overlap_update=True cannot clip (max_grad_norm): a bucket is updated as soon as it lands, before the "
+            "global norm is known; use overlap_update=False to clip"
+        )
+    if delayed_update:
+        return StepMode.DELAYED
+    return StepMode.OVERLAP if overlap_update else StepMode.SYNC
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """A private daemon's pool: its size and the arena size its blocks tile."""
+
+    nbytes: int
+    arena_size: int
+
+
+def private_pool_plan(
+    numel: int,
+    *,
+    dtype: str,
+    placement: Placement,
+    mode: StepMode,
+    exchange: Exchange,
+    release_grads: bool,
+    window_nbytes: int | None,
+) -> PoolPlan:
+    """The pool a private daemon needs for one optimizer: its state chunks (or NVMe chunk cache) and its
+    staging window, packed as the daemon's allocator will place them (``packed_pool_nbytes``).  The pool is
+    allocated and pre-faulted at once, so every byte of slack costs memory for nothing: the arenas are made
+    a whole number of chunk blocks (at most ``pool.arena_size``), so the blocks tile them."""
+    if exchange is Exchange.STAGED:
+        per_element = 16
+    elif dtype == "float32" and placement is Placement.CPU and mode is not StepMode.DELAYED:
+        per_element = 8  # the fp32 params in the shared storage are the master
+    else:
+        per_element = 12
+    if release_grads and exchange is Exchange.SHARED:
+        per_element += 4  # the released grads, in the daemon's grad key
+    chunk_numel = AdamConfig().chunk_numel
+    chunks = [min(chunk_numel, numel - start) for start in range(0, numel, chunk_numel)]
+    if placement is Placement.NVME:
+        # the NVMe tier's chunk cache (6 chunks, tiermemd.nvme) and one chunk more: chunks of unequal size
+        # (the last one is short) leave holes between pinned blocks that compaction cannot close
+        chunks = [chunk_numel] * min(len(chunks), 7)
+    blocks = [window_nbytes or 2 * MiB] + [n * per_element for n in chunks]
+    largest = align_up(max(blocks), PAGE_SIZE)
+    arena = PoolConfig().arena_size
+    arena = max(largest, arena - arena % largest)
+    return PoolPlan(packed_pool_nbytes(blocks, arena) + MiB, arena)
+
+
+def packed_pool_nbytes(blocks: list[int], arena_size: int, alignment: int = PAGE_SIZE) -> int:
+    """The smallest pool into which ``blocks``, allocated in this order by best fit, all fit.
+
+    A pool is cut into arenas of ``arena_size`` (the last one shorter, ``arena_sizes``) and a block cannot
+    span two, so blocks that do not tile an arena leave its end unused; this counts that exactly instead of
+    adding a percentage.  Without frees each arena's free space is one extent at its end, so best fit is
+    the arena with the least free space that holds the block."""
+    sizes = [align_up(max(b, 1), alignment) for b in blocks]
+    if any(size > arena_size for size in sizes):
+        raise InvalidArgument(f"a block of {max(sizes)} bytes does not fit an arena of {arena_size}")
+    total = sum(sizes)
+    step = max(alignment, align_up(min(sizes), alignment))
+    while True:
+        free = arena_sizes(total, arena_size, alignment)
+        for size in sizes:
+            fitting = [i for i, left in enumerate(free) if left >= size]
+            if not fitting:
+                break
+            best = min(fitting, key=free.__getitem__)
+            free[best] -= size
+        else:
+            return total
+        total += step

@@ -1,0 +1,125 @@
+"""What leaves an ``OffloadAdam``: its state dicts, reads of one tensor's state (``opt.state[p]``), and the
+refusal to be copied; a part of ``OffloadAdam`` (a mixin over its records, transfer and step).
+
+``state_dict()`` is ``torch.optim.AdamW``'s format (plus ``master`` for
+low-precision params), read from the daemon in one pipelined transfer;
+``load_state_dict()`` takes that format from ``OffloadAdam``, ``Adam`` or
+``AdamW``, checks all of it before anything changes, resets the params it has
+no state for (as torch does) and never writes the model's params, so the
+order of ``model.load_state_dict`` and ``opt.load_state_dict`` does not
+matter.  The optimizer holds a connection and its state lives in the daemon,
+so ``copy.deepcopy`` and ``pickle`` raise, naming ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+
+from tiermem.client.offload.staged import StagedFeed
+from tiermem.client.offload.transfer import PushItem, StateTransfer, adopt_saved_groups, packed_groups, plan_load
+from tiermem.core.errors import InvalidState
+
+if TYPE_CHECKING:
+    from tiermem.client.link import Client
+
+__all__ = ["OptimizerState"]
+
+_COPY_ERROR = (
+    "OffloadAdam holds a connection to tiermemd and its state lives there; it cannot be copied or pickled. "
+    "Save opt.state_dict() (torch.save works on it) and load it into a new OffloadAdam"
+)
+
+
+class OptimizerState:
+    """``OffloadAdam``'s state dicts, state reads and copy guards; see the module docstring."""
+
+    if TYPE_CHECKING:
+        _entries: list[Any]
+        _open: Any
+        feed: Any
+        param_groups: list[dict[str, Any]]
+        state_keys: tuple[str, ...]
+        transfer: StateTransfer
+
+        @property
+        def client(self) -> Client: ...
+        def flush(self) -> None: ...
+        def _settle(self) -> None: ...
+        def _abort_open(self) -> None: ...
+        def _new_step(self) -> None: ...
+
+    # ----------------------------------------------------------------- state
+
+    def _index_of(self, param: torch.Tensor) -> int | None:
+        entry = self.feed._by_param.get(id(param))
+        return None if entry is None else entry.index
+
+    def _step_of(self, index: int) -> int:
+        self._settle()
+        return self.transfer.step_of(index)
+
+    def _read_state(self, index: int, key: str) -> Any:
+        self.flush()
+        p = self._entries[index].param
+        if key == "step":
+            return torch.tensor(float(self.transfer.step_of(index)))
+        values, _ = self.transfer.pull(index, key, p.numel())
+        return values.view(p.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.AdamW``'s format (plus ``master`` for low-precision params)."""
+        self.flush()
+        if self._open is not None:
+            raise InvalidState("state_dict() during an overlapped backward; call it after step()")
+        # one pipelined transfer for everything (a param that never stepped has no state in torch: dropped)
+        keys = ("exp_avg", "exp_avg_sq", "master")
+        reads: list[tuple[int, str, torch.Tensor]] = []
+        for e in self._entries:
+            p = e.param
+            for key in keys if p.dtype != torch.float32 else keys[:2]:
+                reads.append((e.index, key, torch.empty(p.shape, dtype=torch.float32)))
+        steps = self.transfer.pull_many_into(reads)
+        state: dict[int, dict[str, Any]] = {}
+        for (index, key, values), step in zip(reads, steps, strict=True):
+            if step == 0:
+                continue
+            entry = state.setdefault(index, {"step": torch.tensor(float(step))})
+            entry[key] = values
+        return {"state": state, "param_groups": packed_groups(self.param_groups)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by ``OffloadAdam`` or ``torch.optim.Adam``/``AdamW``.
+
+        Everything is checked before anything changes.  Params that have no state in it start afresh
+        (step 0), as in torch; the model's params are not touched."""
+        loads = plan_load(state_dict, self.param_groups, [e.param.numel() for e in self._entries])
+        groups: list[dict[str, Any]] = state_dict["param_groups"]  # checked by plan_load
+        # checked: now change things
+        self.flush()
+        self._abort_open()
+        self._new_step()
+        adopt_saved_groups(self.param_groups, groups)
+        self.client.reset_state()
+        keep_master = "master" in self.state_keys
+        if isinstance(self.feed, StagedFeed):
+            self.feed.push_params(only_edited=False)  # the model is the truth
+        writes: list[PushItem] = []
+        for t, entry, step in loads:
+            writes.append((t, "exp_avg", entry["exp_avg"], step, False))
+            writes.append((t, "exp_avg_sq", entry["exp_avg_sq"], step, False))
+            if keep_master and "master" in entry and self._entries[t].param.dtype != torch.float32:
+                writes.append((t, "master", entry["master"], step, False))
+        self.transfer.push_many(writes)
+
+    # ----------------------------------------------------------------- copying
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        raise TypeError(_COPY_ERROR)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_COPY_ERROR)
+
+    def __getstate__(self) -> Any:
+        raise TypeError(_COPY_ERROR)

@@ -1,0 +1,209 @@
+"""The grad feed: one record per registered tensor, binding the model's tensors to the shared storage.
+
+At registration every param's data moves into the daemon's shared storage
+(``p.data`` becomes a view of it; the old memory is freed), so the daemon
+reads and updates the model's own params with no copy, and edits the trainer
+makes in place (``p.data.clamp_()``, ``model.load_state_dict``) are what the
+daemon sees.  Grads land in the storage's grad buffer:
+
+- a post-accumulate-grad hook copies a fresh grad into the tensor's grad
+  view and makes ``p.grad`` that view (the fresh grad is freed); later
+  backward passes accumulate into it in place, so grads edited afterwards,
+  through ``.data`` too (``p.grad.data.clamp_()``), are what the daemon reads;
+- with ``release_grads`` the hook hands the grad to the daemon, into its
+  ``grad`` state key through the staging window (paged with the rest of the
+  state on the NVMe tier), and sets ``p.grad`` to None (DeepSpeed's engine
+  does the same); further backward passes of the step add into it there;
+- ``check`` (at ``step()``) catches what the hooks could not see: a grad set
+  by hand, a param whose storage was replaced (``p.data = t``: its values are
+  copied in and it is bound again), and refuses dtype, device or shape
+  changes (``model.to(torch.bfloat16)``) naming the param.
+
+The delayed update reads step t's grad buffer while step t+1's grads land, so
+that mode has two buffers, alternating per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tiermem.client.offload.policy import Buckets
+from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
+
+__all__ = ["GradFeed", "TensorEntry"]
+
+
+@dataclass
+class TensorEntry:
+    index: int
+    param: torch.nn.Parameter
+    view: torch.Tensor
+    """The param's storage in the shared segment."""
+    grad_views: tuple[torch.Tensor, ...]
+    """Its grad in each grad buffer."""
+    bucket: int
+    landed: bool = False
+    """Its grad reached the grad buffer in this step."""
+    landed_version: int = -1
+    """Its grad view's version counter when its grad last landed (each grad view has a storage, and so a
+    version counter, of its own)."""
+
+    def describe(self) -> str:
+        return f"param {self.index} (shape {tuple(self.view.shape)}, {self.view.dtype})"
+
+
+@dataclass
+class GradFeed:
+    entries: list[TensorEntry]
+    buckets: Buckets
+    release_grads: bool = False
+    buffer: int = 0
+    """The grad buffer this step's grads land in."""
+    on_bucket: Callable[[int, list[int]], None] | None = None
+    """Called when every tensor of a bucket has landed (the overlapped update)."""
+    push: Callable[[int, torch.Tensor, bool], None] | None = None
+    """With ``release_grads``: hand a grad to the daemon's ``grad`` state key (tensor id, grad, accumulate)
+    instead of the storage's grad buffer, so no grad memory stays on this side."""
+    accumulated: bool = False
+    """A grad landed twice in this step (gradient accumulation)."""
+    _by_param: dict[int, TensorEntry] = field(default_factory=dict)
+    _left: list[int] = field(default_factory=list)
+    _hooks: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._by_param = {id(e.param): e for e in self.entries}
+        self.reset()
+
+    # ----------------------------------------------------------------- binding
+
+    @staticmethod
+    def bind(param: torch.nn.Parameter, view: torch.Tensor, *, adopt: bool) -> None:
+        """Move ``param`` into ``view``: copy its values in (or, ``adopt``, take the view's), then rebind."""
+        with torch.no_grad():
+            if not adopt:
+                view.copy_(param.detach())
+            param.data = view
+
+    def hook(self) -> None:
+        for e in self.entries:
+            if e.param.requires_grad:
+                self._hooks.append(e.param.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def unhook(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def reset(self) -> None:
+        """A new step: nothing has landed."""
+        for e in self.entries:
+            e.landed = False
+        self.accumulated = False
+        self._left = [len(m) for m in self.buckets.members]
+
+    # ----------------------------------------------------------------- landing
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        entry = self._by_param.get(id(param))
+        if entry is None or param.grad is None:
+            return
+        self._land(entry, param.grad)
+        if self.on_bucket is not None:
+            b = entry.bucket
+            self._left[b] -= 1
+            if self._left[b] == 0:
+                self.on_bucket(b, list(self.buckets.members[b]))
+
+    def _land(self, entry: TensorEntry, grad: torch.Tensor) -> None:
+        """Bring ``grad`` into the grad buffer (unless it is the buffer) and point ``p.grad`` at it."""
+        self._check_param(entry)
+        if grad.is_sparse or grad.layout is not torch.strided:
+            raise InvalidArgument(
+                f"{entry.describe()} got a sparse gradient; OffloadAdam, like torch.optim.AdamW, takes dense "
+                "gradients only (use sparse=False in the embedding, or torch.optim.SparseAdam for those params)"
+            )
+        if grad.dtype != entry.view.dtype:
+            raise DTypeError(f"{entry.describe()} got a {grad.dtype} gradient; params and grads must share a dtype")
+        if self.push is not None:
+            self.push(entry.index, grad, entry.landed)
+            self.accumulated = self.accumulated or entry.landed
+            entry.landed = True
+            entry.param.grad = None
+            return
+        target = entry.grad_views[self.buffer]
+        if grad.data_ptr() != target.data_ptr() or grad.shape != target.shape:
+            self._copy_in(target, grad, accumulate=entry.landed and self.release_grads)
+        if entry.landed:
+            self.accumulated = True
+        entry.landed = True
+        entry.param.grad = None if self.release_grads else target
+        entry.landed_version = target._version
+
+    @property
+    def changed_after_landing(self) -> bool:
+        """Grads were changed in place after the last hook ran (``clip_grad_norm_``, ``GradScaler.unscale_``;
+        edits through ``.data`` do not count: torch's version counters do not see them)."""
+        if self.push is not None:
+            return False  # the grads went to the daemon as they landed; none stays here to be edited
+        return any(e.landed and e.grad_views[self.buffer]._version != e.landed_version for e in self.entries)
+
+    @staticmethod
+    def _copy_in(target: torch.Tensor, grad: torch.Tensor, *, accumulate: bool) -> None:
+        """The one copy of the grad path: a fresh grad into the shared grad buffer."""
+        with torch.no_grad():
+            if accumulate:
+                target.add_(grad)
+            else:
+                target.copy_(grad)
+
+    def check(self) -> list[int]:
+        """At ``step()``: bind replaced params again, land grads the hooks did not see; ids with a grad."""
+        ids = []
+        for e in self.entries:
+            self._check_param(e)
+            grad = e.param.grad
+            if grad is not None:
+                if not (e.landed and grad.data_ptr() == e.grad_views[self.buffer].data_ptr()):
+                    self._land(e, grad)
+                ids.append(e.index)
+            elif e.landed:
+                ids.append(e.index)  # released to the daemon
+        return ids
+
+    def _check_param(self, e: TensorEntry) -> None:
+        p = e.param
+        if p.dtype != e.view.dtype:
+            raise DTypeError(
+                f"param {e.index} was registered as {e.view.dtype} and is now {p.dtype} (model.to(dtype) after the "
+                "optimizer was made?); create the optimizer after changing the model's dtype"
+            )
+        if p.device.type != "cpu":
+            raise InvalidState(
+                f"param {e.index} moved to {p.device} after registration; create the optimizer after moving the model"
+            )
+        if p.shape != e.view.shape:
+            raise InvalidState(f"param {e.index} changed shape from {tuple(e.view.shape)} to {tuple(p.shape)}")
+        if p.data_ptr() != e.view.data_ptr():
+            self.bind(p, e.view, adopt=False)  # ``p.data = t``: take its values and live in the storage again
+
+    # ----------------------------------------------------------------- zeroing
+
+    def zero(self, *, set_to_none: bool) -> None:
+        """``zero_grad``: with ``set_to_none=False`` the grads become the next step's zeroed grad views (in
+        the delayed mode the current buffer is still being read by the update)."""
+        for e in self.entries:
+            if e.param.grad is None:
+                continue
+            if set_to_none:
+                e.param.grad = None
+            else:
+                view = e.grad_views[self.buffer]
+                view.zero_()
+                e.param.grad = view
+
+    def params_of(self, ids: Sequence[int]) -> list[torch.nn.Parameter]:
+        return [self.entries[i].param for i in ids]

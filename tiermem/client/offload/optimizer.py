@@ -1,0 +1,660 @@
+"""``OffloadAdam``: a ``torch.optim.Optimizer`` whose Adam state lives in tiermemd, and whose step the daemon owns.
+
+A thin facade over named parts:
+
+- the link (``tiermem.client.link.Client``): attach, register, the staging window
+  and the shared storage;
+- the grad feed (``feed``): one record per tensor; the model's params and
+  grads live in the daemon's shared storage, so the daemon updates the model
+  in place and sees every in-place edit;
+- the step policy (``policy``, pure): delayed or not, overlap or not, and
+  the overlap contract;
+- state transfer (``transfer``): ``state_dict`` / ``load_state_dict`` in
+  ``torch.optim.AdamW``'s format, through the bounded staging window.
+
+Semantics are ``torch.optim.AdamW``'s (``adamw=False``: ``torch.optim.Adam``'s):
+the same defaults, argument checks and messages (``args``); params and grads
+edited in place between steps are honoured; ``load_state_dict`` never touches
+the model's params, so it may come before or after ``model.load_state_dict``;
+params without state in a loaded checkpoint start afresh.
+
+Step rules: ``tiermem.core.step_rules``, decided where the facts are.  A
+``GradScaler`` overflow (its own check) skips the step: the STEP goes to the
+daemon with ``skip`` and only the rank's skip count moves.  ``max_grad_norm``:
+the daemon takes the grad statistics and clips (``clip_grad_norm_``; a
+non-finite norm is applied as torch applies it).  A sharding strategy that has
+the global statistics passes its ``StepDecision`` to ``step(decision=...)``.
+The daemon owns the counts: ``steps`` (applied) and ``skipped_steps`` mirror
+its replies, survive a reattach, and are what ``/metrics`` counts.  The last
+step's global norm (when one was computed) is ``last_grad_norm``;
+``last_found_inf`` says whether it found an inf/nan grad (the scaler or the
+daemon), ``last_skipped`` whether it was skipped.
+
+Interrupts: a ``KeyboardInterrupt`` while the daemon works on a step leaves
+that step to finish there; the next call reads its outcome, so each step is
+applied fully or not at all and the optimizer stays usable.  An update that
+fails part-way makes the daemon refuse the rank (``StepFailed``) until a
+checkpoint is loaded.
+
+Ranks of one job (``tiermem.distributed``) agree on a token before any of them attaches and pass
+``create_job=True``: whichever attaches first creates the job with that token.
+
+Restarts: a reattach (``token=``) is told the step the daemon's state is at;
+with ``expected_step=N`` (the step the trainer has reached, e.g. from its own
+checkpoint) a state older than N raises ``StaleStateError`` naming both
+steps, unless ``rollback=True`` accepts it (``steps`` then says where
+training resumes; ``state_from`` where the state came from).
+
+Params must be on the CPU, in one dtype (float32, float16 or bfloat16), and
+all param groups are given at construction, when the tensors are registered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tiermem.client.link import Client, connect
+from tiermem.client.offload.args import check_hyper, check_torch_flags, optimizer_defaults, private_pool_plan, step_mode
+from tiermem.client.offload.checkpoint import OptimizerState
+from tiermem.client.offload.eager import eager_under_compile
+from tiermem.client.offload.feed import GradFeed, TensorEntry
+from tiermem.client.offload.paging import ParamPager
+from tiermem.client.offload.policy import StepPolicy, plan_buckets
+from tiermem.client.offload.resume import check_resume
+from tiermem.client.offload.staged import StagedEntry, StagedFeed
+from tiermem.client.offload.state_view import StateView
+from tiermem.client.offload.stats import OptimizerStats
+from tiermem.client.offload.transfer import StateTransfer
+from tiermem.core import dtypes
+from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState, ProtocolError, TiermemError
+from tiermem.core.modes import Exchange, Placement, StepMode
+from tiermem.core.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
+from tiermem.core.step_rules import StepDecision
+from tiermem.core.units import MiB
+
+__all__ = ["OffloadAdam"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _SentStep:
+    """A STEP whose reply was interrupted: its outcome is read before anything else."""
+
+    step: int
+    attempt: int
+    ids: list[int]
+    delayed: bool
+    request_id: int
+    before_id: int
+    skip: bool = False
+
+
+@dataclass
+class _OpenAttempt:
+    """An overlapped step: buckets already handed to the daemon during backward."""
+
+    step: int
+    attempt: int
+    groups: tuple[ParamGroup, ...]
+    applied: set[int] = field(default_factory=set)
+
+
+class OffloadAdam(OptimizerState, torch.optim.Optimizer):
+    """Adam/AdamW with its state in tiermemd; see the module docstring."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float | None = None,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        adamw: bool = True,
+        offload: str | Placement = "auto",
+        exchange: str | Exchange = "auto",
+        overlap_update: bool = False,
+        delayed_update: bool = False,
+        warmup_steps: int = 10,
+        max_grad_norm: float | None = None,
+        release_grads: bool = False,
+        window_nbytes: int | None = None,
+        bucket_nbytes: int = 32 * MiB,
+        client: Client | None = None,
+        job_id: str | None = None,
+        token: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        expected_step: int | None = None,
+        rollback: bool = False,
+        create_job: bool = False,
+    ) -> None:
+        hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
+        check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
+        mode = step_mode(
+            overlap_update=overlap_update,
+            delayed_update=delayed_update,
+            max_grad_norm=max_grad_norm,
+            warmup_steps=warmup_steps,
+        )
+        placement = Placement.parse(offload, "offload")
+        self._exchange_asked = Exchange.parse(exchange, "exchange")
+        if window_nbytes is not None and window_nbytes <= 0:
+            raise InvalidArgument(f"window_nbytes must be > 0 or None (the daemon's default), got {window_nbytes}")
+        if bucket_nbytes <= 0:
+            raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
+        defaults = optimizer_defaults(hyper, foreach=foreach, maximize=maximize, fused=fused, adamw=adamw)
+        self._registered = False
+        super().__init__(params, defaults)
+        self.placement = placement
+        self.policy = StepPolicy(mode, warmup_steps)
+        self.max_grad_norm = max_grad_norm
+        self.release_grads = release_grads
+        self.bucket_nbytes = bucket_nbytes
+        self.job_id = job_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.rank = 0 if rank is None else rank
+        self.world_size = 1 if world_size is None else world_size
+        self.last_grad_norm: float | None = None
+        """The global norm of the last applied step's (unscaled) grads, when that step computed one."""
+        self.last_found_inf = False
+        """Whether the last step found an inf/nan grad (the scaler's check, or the daemon's when it clipped)."""
+        self.last_skipped = False
+        """Whether the last step was skipped (a ``GradScaler`` overflow): nothing changed but the skip count."""
+        self._token = token
+        self._create_job = create_job
+        self._expected_step = expected_step
+        self.rollback = rollback
+        self.state_from = "new"
+        """Where the state came from at attach: ``new``, ``live``, ``shutdown`` or ``commit`` (``ATTACH_OK``)."""
+        self._client: Client | None = None
+        self._own_client = client is None
+        self._entries: list[Any] = []
+        """One record per tensor: ``TensorEntry`` (shared exchange) or ``StagedEntry``."""
+        self.feed: GradFeed | StagedFeed | ParamPager
+        self._steps_sent = 0
+        self._attempts = itertools.count(1)
+        self._sent: _SentStep | None = None
+        self._open: _OpenAttempt | None = None
+        self._inflight: list[int] = []
+        """Tensors of a delayed update whose params are not installed yet."""
+        self._skipped = 0
+        """The rank's skip count, as the daemon's last reply gave it."""
+        self._register(client, window_nbytes)
+        self.state = StateView(self)  # type: ignore[assignment]
+
+    # ----------------------------------------------------------------- construction
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_registered", False):
+            raise InvalidState(
+                "OffloadAdam registers its tensors with tiermemd when it is made; give every param group to the "
+                "constructor"
+            )
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], adamw=group["adamw"])
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor) or p.dtype not in (d.torch for d in dtypes.DTYPES):
+                raise DTypeError(f"OffloadAdam takes float32/float16/bfloat16 params, got {getattr(p, 'dtype', p)}")
+
+    def _register(self, client: Client | None, window_nbytes: int | None) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not params:
+            raise InvalidArgument("OffloadAdam got an empty parameter list")
+        kinds = {p.dtype for p in params}
+        if len(kinds) != 1:
+            raise DTypeError(
+                f"OffloadAdam needs one working dtype for all params, got {sorted(str(d) for d in kinds)}; "
+                "use one OffloadAdam per dtype"
+            )
+        dtype = dtypes.by_torch(kinds.pop())
+        on_cpu = all(p.device.type == "cpu" for p in params)
+        exchange = self._exchange_asked
+        if exchange is Exchange.AUTO:
+            exchange = Exchange.SHARED if on_cpu else Exchange.STAGED
+        if exchange is Exchange.SHARED and not on_cpu:
+            raise InvalidArgument(
+                "exchange='shared' needs every param on the CPU (their storage becomes memory shared with tiermemd); "
+                f"got params on {sorted({str(p.device) for p in params})}"
+            )
+        meta = [i for i, p in enumerate(params) if p.is_meta]
+        if meta and self._exchange_asked is not Exchange.STAGED:  # auto would pick staged: ask for it
+            raise InvalidArgument(
+                f"{len(meta)} of {len(params)} params (first: param {meta[0]}, shape {tuple(params[meta[0]].shape)}) "
+                "are on the meta device and have no values for OffloadAdam to update; build the model on the CPU "
+                "or a GPU, or page it from the meta device: OffloadAdam(..., exchange='staged') then "
+                "tiermem.offload_params(model, opt, init=...)"
+            )
+        if self.release_grads and self.policy.mode is StepMode.DELAYED:
+            raise InvalidArgument(
+                "release_grads=True cannot be combined with delayed_update=True: the delayed update reads the "
+                "released grads while the next step's land"
+            )
+        self.exchange = exchange
+        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        specs = [
+            TensorSpec(str(i), tuple(p.shape), dtype.name, self.placement.value, group_of[id(p)])
+            for i, p in enumerate(params)
+        ]
+        numel = sum(p.numel() for p in params)
+        if client is None:
+            plan = private_pool_plan(
+                numel,
+                dtype=dtype.name,
+                placement=self.placement,
+                mode=self.policy.mode,
+                exchange=exchange,
+                release_grads=self.release_grads,
+                window_nbytes=window_nbytes,
+            )
+            client = connect(pool_size=plan.nbytes, settings={"pool.arena_size": plan.arena_size})
+        try:
+            info = client.attach(
+                self.job_id,
+                rank=self.rank,
+                world_size=self.world_size,
+                window_nbytes=window_nbytes or 0,
+                token=self._token,
+                create=self._create_job,
+            )
+            self._token = info.token
+            try:
+                check_resume(info, expected_step=self._expected_step, rollback=self.rollback)
+            except TiermemError:
+                client.detach(keep_state=True)  # the state waits, unchanged, for a client that accepts it
+                raise
+            self.state_from = info.state_from
+            reply = client.register(
+                specs,
+                [self._wire_group(g) for g in self.param_groups],
+                grad_buffers=self.policy.grad_buffers,
+                exchange=exchange.value,
+                grads_in_state=exchange is Exchange.SHARED and self.release_grads,
+            )
+            self.state_keys = reply.state_keys
+            self.placement_used = Placement.parse(reply.placement, "placement")
+            self.transfer = StateTransfer(client)
+            self._pinned = self._pin_window(client, params)
+            if exchange is Exchange.STAGED:
+                buckets = plan_buckets([p.numel() * dtype.itemsize for p in params], self.bucket_nbytes)
+                staged = [
+                    StagedEntry(i, p, p.dtype, p.device, p.shape, buckets.bucket_of[i]) for i, p in enumerate(params)
+                ]
+                self._entries = staged
+                feed = self.feed = StagedFeed(
+                    staged,
+                    self.transfer,
+                    buckets,
+                    release_grads=self.release_grads,
+                    on_bucket=self._on_bucket if self.policy.mode is StepMode.OVERLAP else None,
+                )
+                feed.early = self._grads_early()
+                feed.hook()
+                if info.reattached:
+                    feed.pull_params(range(len(staged)))
+                else:  # params made on the meta device get their values later (tiermem.offload_params)
+                    feed.push_params([e for e in staged if not e.param.is_meta], only_edited=False)
+            else:
+                self._bind_shared(client, params, reply.slots, dtype, reattached=info.reattached)
+            if info.reattached:
+                report = _rank_report(client)
+                self._steps_sent, self._skipped = report.last_step, report.skipped_steps
+                self.feed.buffer = self._next_buffer()
+        except BaseException:
+            if self._own_client:
+                client.close()
+            raise
+        self._client = client
+        self._registered = True
+
+    def _bind_shared(
+        self, client: Client, params: list[torch.nn.Parameter], slots: Any, dtype: Any, *, reattached: bool
+    ) -> None:
+        buckets = plan_buckets([p.numel() * dtype.itemsize for p in params], self.bucket_nbytes)
+
+        def view(offset: int, length: int, p: torch.Tensor) -> torch.Tensor:
+            # a torch storage of its own per param and per grad: checkpoint writers see distinct tensors
+            return client.storage_tensor(offset, length).view(dtype.torch).view(p.shape)
+
+        self._entries = [
+            TensorEntry(
+                i,
+                p,
+                view(slot.param.offset, slot.param.length, p),
+                tuple(view(g.offset, g.length, p) for g in slot.grads),
+                buckets.bucket_of[i],
+            )
+            for i, (p, slot) in enumerate(zip(params, slots, strict=True))
+        ]
+        for e in self._entries:
+            GradFeed.bind(e.param, e.view, adopt=reattached)
+        transfer = self.transfer
+
+        def push(tid: int, grad: torch.Tensor, accumulate: bool) -> None:
+            transfer.push(tid, "grad", grad, step=0, accumulate=accumulate)
+
+        self.feed = GradFeed(
+            self._entries,
+            buckets,
+            release_grads=self.release_grads,
+            on_bucket=self._on_bucket,
+            push=push if self.release_grads else None,
+        )
+        self.feed.buffer = self._next_buffer()
+        self.feed.hook()
+
+    @staticmethod
+    def _pin_window(client: Client, params: list[torch.nn.Parameter]) -> bool:
+        """Register the staging window with CUDA when params are on a GPU (copies from it are then DMA)."""
+        if not any(p.is_cuda for p in params):
+            return False
+        from tiermem.engine.pool.pinning import default_pinner
+
+        result = default_pinner().register(client.window.data_ptr(), client.window.numel())
+        if not result.registered:
+            log.warning("the staging window could not be registered with CUDA (%s); copies will be staged", result)
+        return result.registered
+
+    @staticmethod
+    def _wire_group(group: dict[str, Any]) -> ParamGroup:
+        return ParamGroup(
+            lr=float(group["lr"]),
+            betas=(float(group["betas"][0]), float(group["betas"][1])),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            adamw=bool(group.get("adamw", True)),
+            maximize=bool(group.get("maximize", False)),
+        )
+
+    def _groups(self) -> tuple[ParamGroup, ...]:
+        return tuple(self._wire_group(g) for g in self.param_groups)
+
+    def _next_buffer(self) -> int:
+        return (self._steps_sent + 1) % 2 if self.policy.mode is StepMode.DELAYED else 0
+
+    # ----------------------------------------------------------------- properties
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            raise InvalidState("this OffloadAdam is closed")
+        return self._client
+
+    @property
+    def token(self) -> str | None:
+        """The job token (give it to ``OffloadAdam(token=...)`` to reattach after a crash)."""
+        return self._token
+
+    @property
+    def steps(self) -> int:
+        """Steps applied so far (the daemon's count; skipped steps are ``skipped_steps``)."""
+        return self._steps_sent
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far (``GradScaler`` overflows; the daemon's count)."""
+        return self._skipped
+
+    # ----------------------------------------------------------------- the step
+
+    @eager_under_compile
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None, *, decision: StepDecision | None = None) -> float | None:
+        """One step.  ``decision``: taken by a sharding strategy over the global grad statistics (its skip,
+        inverse scale and clip coefficient replace the scaler's hand-over and ``max_grad_norm``)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._settle()
+        grad_scale, found_inf = self._scaler_inputs()
+        if decision is not None:  # the strategy took the scaler's hand-over into its decision
+            grad_scale, found_inf = False, decision.skip
+        scaled = grad_scale is not False
+        changed = self.feed.changed_after_landing
+        ids = self.feed.check()
+        open_attempt = self._open
+        try:
+            self.policy.check_step(
+                scaled=scaled,
+                accumulated=self.feed.accumulated,
+                changed=changed,
+                applied_early=len(open_attempt.applied) if open_attempt else 0,
+            )
+        except InvalidState:
+            self._abort_open()
+            self._new_step()
+            raise
+        if self.release_grads and scaled:
+            self._abort_open()
+            self._new_step()
+            raise InvalidState(
+                "torch.amp.GradScaler checks the grads for inf/nan itself, and grads released to tiermemd "
+                "(release_grads=True, or params paged by offload_params) are not there to check; train without a "
+                "GradScaler (bf16 needs none) or with release_grads=False"
+            )
+        if found_inf is not None and float(found_inf) > 0:
+            self._abort_open()  # GradScaler found an overflow: skip, as torch's fused Adam does
+            self._send(Step(step=self._steps_sent + 1, attempt=next(self._attempts), skip=True), [], delayed=False)
+            return loss
+        if self._inflight:
+            self._install()
+        if not ids and open_attempt is None:
+            self._new_step()
+            return loss
+        if isinstance(self.feed, StagedFeed):
+            self.feed.push_params()
+            self.feed.push_grads(ids)
+        step_no = self._steps_sent + 1
+        delayed = self.policy.delayed(step_no)
+        if decision is not None:
+            loss_scale = 1.0 / decision.inv_scale
+        else:
+            loss_scale = 1.0 if grad_scale is None or grad_scale is False else float(grad_scale)
+        attempt = open_attempt.attempt if open_attempt else next(self._attempts)
+        groups = open_attempt.groups if open_attempt else self._groups()
+        msg = Step(
+            step=step_no,
+            attempt=attempt,
+            groups=groups,
+            loss_scale=loss_scale,
+            max_grad_norm=self.max_grad_norm if decision is None else None,
+            clip_coef=None if decision is None or decision.grad_norm is None else decision.clip_coef,
+            tensor_ids=tuple(ids),
+            delayed=delayed,
+            grad_buffer=self.feed.buffer,
+        )
+        self._send(msg, ids, delayed)
+        if decision is not None and decision.grad_norm is not None:
+            self.last_grad_norm = decision.grad_norm  # the strategy's global norm (the daemon took none)
+            self.last_found_inf = decision.nonfinite
+        return loss
+
+    def _send(self, msg: Step, ids: list[int], delayed: bool) -> None:
+        conn = self.client.conn
+        before = conn.last_request_id
+        try:
+            done = self.client.step(msg)
+            # in the same try: an interrupt landing after the reply was read, before its outcome is recorded,
+            # must leave the step to be settled too (else the next step() sends an applied step again)
+            self._finish(done, ids, delayed)
+        except KeyboardInterrupt:
+            self._sent = _SentStep(msg.step, msg.attempt, ids, delayed, conn.last_request_id, before, msg.skip)
+            raise
+        except TiermemError:
+            self._open = None
+            self._new_step()
+            raise
+
+    def _scaler_inputs(self) -> tuple[Any, Any]:
+        """What ``GradScaler.step`` handed over as attributes: the scale (False: no scaler; None: ``unscale_``
+        came first) and the found-inf flag (None: none)."""
+        return getattr(self, "grad_scale", False), getattr(self, "found_inf", None)
+
+    def _finish(self, done: StepDone, ids: list[int], delayed: bool) -> None:
+        self._steps_sent = done.step
+        self._skipped = done.skipped_steps
+        self.last_grad_norm = done.grad_norm
+        self.last_skipped = done.skipped
+        self.last_found_inf = done.nonfinite or done.skipped
+        if done.skipped:
+            pass  # nothing changed in the daemon: the model keeps its params
+        elif delayed:
+            self._inflight = ids
+        elif isinstance(self.feed, StagedFeed):
+            self.feed.pull_params(ids)
+        self._open = None
+        self._new_step()
+
+    def _new_step(self) -> None:
+        self.feed.reset()
+        self.feed.buffer = self._next_buffer()
+        if isinstance(self.feed, StagedFeed):
+            self.feed.early = self._grads_early()
+
+    def _grads_early(self) -> bool:
+        """Whether staged grads go to the daemon as they land in the coming backward."""
+        return self.release_grads or self.policy.overlap_now
+
+    def _on_bucket(self, bucket: int, members: list[int]) -> None:
+        """A bucket's grads are final: with the overlap mode verified, the daemon updates it now."""
+        if not self.policy.overlap_now:
+            return
+        if self._open is None:
+            self._settle()
+            self._open = _OpenAttempt(self._steps_sent + 1, next(self._attempts), self._groups())
+        attempt = self._open
+        self.client.bucket_ready(attempt.step, attempt.attempt, bucket, members, attempt.groups, self.feed.buffer)
+        attempt.applied.update(members)
+
+    def _abort_open(self) -> None:
+        attempt, self._open = self._open, None
+        if attempt is not None:
+            reply = self.client.abort(attempt.step, attempt.attempt)
+            self._steps_sent = max(self._steps_sent, reply.last_step)
+
+    def _settle(self) -> None:
+        """Read the outcome of an interrupted STEP (and wait for the param pager's transfers) before anything
+        else goes to the daemon."""
+        if isinstance(getattr(self, "feed", None), ParamPager):
+            self.feed.drain()  # type: ignore[union-attr]
+        sent, self._sent = self._sent, None
+        if sent is None:
+            return
+        conn = self.client.conn
+        late = conn.take_late(sent.request_id) if sent.request_id != sent.before_id else None
+        if isinstance(late, StepDone):
+            self._finish(late, sent.ids, sent.delayed)
+            return
+        if isinstance(late, TiermemError):
+            self._open = None
+            self._new_step()
+            raise late
+        # the reply was read before the interrupt landed, or the request never left: ask the daemon
+        report = _rank_report(self.client)
+        last = report.last_step
+        if sent.skip:
+            self._skipped = report.skipped_steps  # counted there or not: nothing else changed
+            self._new_step()
+        elif last >= sent.step:
+            self._steps_sent = last
+            if sent.delayed:
+                self._inflight = sent.ids
+            elif isinstance(self.feed, StagedFeed):
+                self.feed.pull_params(sent.ids)  # the applied step's params, which the interrupt kept out
+            self._open = None
+            self._new_step()
+        elif self._open is not None and self._open.attempt == sent.attempt:
+            self._abort_open()
+            self._new_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._settle()
+        if self._open is not None:
+            self._abort_open()  # a backward whose step() never came (interrupted): close its attempt
+            self._new_step()
+        self.feed.zero(set_to_none=set_to_none)
+
+    def _install(self) -> None:
+        ids, self._inflight = self._inflight, []
+        self.client.fetch_params(ids)
+        if isinstance(self.feed, StagedFeed):
+            self.feed.pull_params(ids)
+
+    def flush(self) -> None:
+        """Wait for a delayed update and install its params in the model."""
+        self._settle()
+        if self._inflight:
+            self._install()
+
+    def close(self, *, keep_state: bool = False) -> None:
+        """Detach from the daemon (the job's state is freed unless ``keep_state``) and close the connection.
+
+        The model keeps its params: they stay in the shared memory they were moved into, now private."""
+        if getattr(self, "feed", None) is not None:
+            self.feed.unhook()
+        client = self._client
+        if client is None:
+            return
+        try:
+            if self._registered:
+                self.flush()
+                if getattr(self, "_pinned", False):
+                    from tiermem.engine.pool.pinning import default_pinner
+
+                    default_pinner().unregister(client.window.data_ptr())  # before the window is unmapped
+                    self._pinned = False
+                client.detach(keep_state=keep_state)
+        except Exception as exc:  # closing must not mask the caller's own error
+            log.warning("detaching from tiermemd failed: %s", exc)
+        finally:
+            self._client = None
+            client.close()
+
+    def stats(self) -> OptimizerStats:
+        """The daemon's figures for this rank and the node, plus the client's: skipped steps, DPU staleness,
+        last norm."""
+        reply = self.client.stats()
+        if reply.rank is None:
+            raise ProtocolError("the daemon sent no figures for this optimizer's rank (the connection is not attached)")
+        return OptimizerStats(
+            rank=reply.rank,
+            node=reply.node,
+            steps=self._steps_sent,
+            client_skipped_steps=self._skipped,
+            staleness_steps=1 if self._inflight else 0,
+            last_grad_norm=self.last_grad_norm,
+        )
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            if self._client is not None and self._client.daemon is not None:
+                self._client.close()
+        except Exception:  # noqa: S110 - never raise from a finalizer
+            pass
+
+
+def _rank_report(client: Client) -> RankReport:
+    """The daemon's figures of the rank ``client`` is attached to."""
+    report = client.stats().rank
+    if report is None:
+        raise ProtocolError("the daemon sent no figures for this connection's rank (the connection is not attached)")
+    return report

@@ -1,0 +1,133 @@
+"""The records of param paging: one ``PagedParam`` per param, its ``Residency``, reused device buffers.
+
+Pure bookkeeping (no transfers): a ``PagedParam`` moves between residencies
+only through ``move``, which refuses illegal transitions::
+
+    ABSENT --fetch starts--> FETCHING --fetch done--> RESIDENT --released--> ABSENT
+
+``BufferCache`` keeps released device buffers for the next fetch of the same
+size and dtype (ZeRO-R's constant, reused buffers).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiermem.core.errors import InvalidState
+from tiermem.core.units import format_size
+
+__all__ = ["BufferCache", "PagedParam", "Residency", "SavedParam"]
+
+
+class Residency(enum.Enum):
+    ABSENT = "absent"
+    """Only the placeholder is in the model; the data is in the daemon."""
+    FETCHING = "fetching"
+    """A fetch into the device is on the I/O thread."""
+    RESIDENT = "resident"
+    """The param's data is on the device and in the model."""
+
+
+_MOVES = {
+    Residency.ABSENT: frozenset({Residency.FETCHING}),
+    Residency.FETCHING: frozenset({Residency.RESIDENT}),
+    Residency.RESIDENT: frozenset({Residency.ABSENT}),
+}
+
+
+@dataclass(eq=False)
+class PagedParam:
+    """One paged param: where its data is, who needs it, and its grad in this step."""
+
+    index: int
+    """The optimizer's tensor id (its state record in the daemon)."""
+    param: nn.Parameter
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    placeholder: torch.Tensor
+    residency: Residency = Residency.ABSENT
+    data: torch.Tensor | None = None
+    """The param's values on the device: a view of ``buffer``."""
+    buffer: torch.Tensor | None = None
+    fetch: Future[Any] | None = None
+    leases: int = 0
+    """Running forwards that use it (nested or repeated modules count once each)."""
+    hold_task: int = -1
+    """The autograd graph task that needs it until its grad lands (-1: none)."""
+    landed: bool = False
+    """Its grad reached the daemon in this step."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    @property
+    def idle(self) -> bool:
+        """On the device but needed by nobody now (may be kept for an upcoming use, or dropped)."""
+        return self.residency is not Residency.ABSENT and self.leases == 0 and self.hold_task < 0
+
+    def move(self, to: Residency) -> None:
+        if to not in _MOVES[self.residency]:
+            raise InvalidState(f"param {self.name!r} cannot go from {self.residency.value} to {to.value}")
+        self.residency = to
+
+    def describe(self) -> str:
+        return f"param {self.name!r} ({tuple(self.shape)}, {self.dtype}, {format_size(self.nbytes)})"
+
+
+@dataclass(frozen=True)
+class SavedParam:
+    """A saved tensor that was a view of a materialized param: fetched again when backward unpacks it."""
+
+    entry: PagedParam
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class BufferCache:
+    """Released param buffers kept for the next fetch of the same size and dtype (ZeRO-R's reused buffers).
+
+    Freeing and allocating a layer's params at every use leaves the C allocator holding the memory (glibc
+    raises its mmap threshold to the sizes it sees freed, then keeps them in its heap), so the process
+    would grow towards the model's size; reusing buffers keeps it at the budget.  A buffer someone else
+    still views (a checkpoint's recomputed tensors) is not reused, only dropped."""
+
+    def __init__(self) -> None:
+        self.free: collections.OrderedDict[int, tuple[tuple[int, torch.dtype], torch.Tensor]] = (
+            collections.OrderedDict()
+        )
+        self.nbytes = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        for key, (kind, buf) in self.free.items():
+            if kind == (numel, dtype):
+                del self.free[key]
+                self.nbytes -= buf.numel() * buf.element_size()
+                return buf
+        return None
+
+    def give(self, buf: torch.Tensor) -> None:
+        if torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2:  # this buffer and the call's own
+            return  # viewed elsewhere: not ours to reuse
+        self.free[id(buf)] = ((buf.numel(), buf.dtype), buf)
+        self.nbytes += buf.numel() * buf.element_size()
+
+    def drop_oldest(self) -> bool:
+        if not self.free:
+            return False
+        _, (_, buf) = self.free.popitem(last=False)
+        self.nbytes -= buf.numel() * buf.element_size()
+        return True
+
+    def clear(self) -> None:
+        self.free.clear()
+        self.nbytes = 0

@@ -1,0 +1,138 @@
+"""Param paging's state dicts and meta-device initialization: a part of ``ParamPager`` (a mixin over its
+records, residency and I/O thread).
+
+``model.state_dict()`` gathers each paged param (a CPU copy: from the device
+when it is there, else read from the daemon's master); ``load_state_dict()``
+materializes one submodule's params in its pre-hook, lets torch check and copy
+into them, and in its post-hook writes the loaded ones back as their masters
+and releases them.  A model made on the meta device gets its values one
+submodule at a time (``reset_parameters()``, then ``init``), each written
+straight into the daemon, so the whole model is never in the trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tiermem.client.offload.copies import ParamCopies
+from tiermem.client.offload.pagedparam import PagedParam, Residency
+from tiermem.client.offload.transfer import StateTransfer
+from tiermem.core.errors import InvalidArgument, InvalidState
+
+__all__ = ["PagedState"]
+
+
+class PagedState:
+    entries: list[PagedParam]
+    units: dict[nn.Module, list[PagedParam]]
+    transfer: StateTransfer
+    copies: ParamCopies
+    nbytes: int
+    peak_nbytes: int
+    _io: ThreadPoolExecutor
+    _by_param: dict[int, PagedParam]
+    _present: dict[int, PagedParam]
+    _loading: dict[int, list[PagedParam]]
+
+    if TYPE_CHECKING:
+
+        def drain(self) -> None: ...
+        def _materialize(self, group: list[PagedParam], *, event: str) -> None: ...
+        def _settle(self, e: PagedParam) -> None: ...
+        def _release(self, e: PagedParam) -> None: ...
+        def _buffer_for(self, e: PagedParam) -> torch.Tensor: ...
+
+    def _push_master(self, group: list[PagedParam]) -> None:
+        """Write the device values of ``group`` as their masters in the daemon."""
+        futures = []
+        for e in group:
+            if e.data is None:  # pragma: no cover - callers materialize first
+                raise InvalidState(f"{e.describe()} is not on the device")
+            futures.append(self._io.submit(self.copies.write_master, self.transfer, e.index, e.data))
+        for future in futures:
+            future.result()
+
+    def _lease_quietly(self, group: list[PagedParam]) -> None:
+        """Materialize and lease ``group`` outside forward (not a use of the trace)."""
+        self._materialize(group, event="fetch")
+        for e in group:
+            e.leases += 1
+
+    def _unlease_quietly(self, group: list[PagedParam]) -> None:
+        for e in group:
+            e.leases -= 1
+            self._settle(e)
+
+    def gather(self, e: PagedParam) -> torch.Tensor:
+        """A CPU copy of ``e``'s current value (from the device when it is there, else from the daemon)."""
+        self.drain()
+        if e.data is not None and e.residency is Residency.RESIDENT:
+            return e.data.detach().to("cpu", copy=True)
+        out = torch.empty(e.shape, dtype=e.dtype)
+        self._io.submit(self.copies.read_master, self.transfer, e.index, out).result()
+        return out
+
+    def _gather_state(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name, p in module._parameters.items():
+            e = self._by_param.get(id(p)) if p is not None else None
+            if e is not None and prefix + name in state_dict:
+                state_dict[prefix + name] = self.gather(e)
+
+    def _load_pre(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any, *rest: Any) -> None:
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise InvalidArgument(
+                "load_state_dict(assign=True) would replace paged params with the loaded tensors; "
+                "load with assign=False (the values are written to tiermemd)"
+            )
+        own = self.units.get(module, [])
+        loaded = [self._by_param[id(p)] for name, p in module._parameters.items() if prefix + name in state_dict]
+        self.drain()
+        self._lease_quietly(own)
+        self._loading[id(module)] = list({id(e): e for e in loaded}.values())
+
+    def _load_post(self, module: nn.Module, incompatible_keys: Any) -> None:
+        loaded = self._loading.pop(id(module), None)
+        if loaded is None:
+            return
+        own = self.units.get(module, [])
+        self._push_master(loaded)
+        self._unlease_quietly(own)
+
+    def _initialize(self, init: Callable[[nn.Module], None] | None) -> None:
+        """Give params made on the meta device their values, one submodule at a time, straight into the daemon."""
+        done: set[int] = set()
+        for module, own in self.units.items():
+            fresh = [e for e in own if e.index not in done]
+            if not fresh:
+                continue
+            reset = getattr(module, "reset_parameters", None)
+            if init is None and not callable(reset):
+                raise InvalidArgument(
+                    f"{fresh[0].describe()} was made on the meta device and its module {type(module).__name__} "
+                    "has no reset_parameters(); give offload_params an init function that sets its values"
+                )
+            old = [e for e in own if e.index in done]
+            self._materialize(old, event="fetch")
+            for e in fresh:
+                data = self._buffer_for(e)
+                e.move(Residency.FETCHING)
+                e.move(Residency.RESIDENT)
+                self._present[e.index] = e
+                self.nbytes += e.nbytes
+                with torch.no_grad():
+                    e.param.data = data
+            self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+            with torch.no_grad():
+                if callable(reset):
+                    reset()
+                if init is not None:
+                    init(module)
+            self._push_master(own)
+            done.update(e.index for e in fresh)
+            for e in own:
+                self._release(e)

@@ -1,0 +1,215 @@
+"""State transfer: the daemon's fp32 state in and out, piece by piece through the staging window.
+
+The staging window is bounded (``jobs.window_size`` or the client's
+``window_nbytes``), so a tensor larger than it moves in several pieces, each
+one STATE_READ / STATE_WRITE request; the window is a ring of slots and the
+requests are pipelined (``StateTransfer``).  ``state_dict`` and
+``load_state_dict`` build ``torch.optim.AdamW``'s format on top of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from tiermem.client.link import Client
+from tiermem.client.offload.args import check_hyper
+from tiermem.core.errors import InvalidArgument, InvalidState, ProtocolError
+from tiermem.core.protocol import MemRef, Message, StateChunk, StateRead, StateWrite
+
+__all__ = ["RING_SLOTS", "PullItem", "PushItem", "StateTransfer", "plan_load"]
+
+
+def packed_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``param_groups`` as ``torch.optim`` saves them: every setting, and the params as running indices."""
+    groups = []
+    index = 0
+    for group in param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = list(range(index, index + len(group["params"])))
+        index += len(group["params"])
+        groups.append(packed)
+    return groups
+
+
+def adopt_saved_groups(mine: Sequence[dict[str, Any]], saved: Sequence[dict[str, Any]]) -> None:
+    """Take the hyper-parameters of a loaded state dict's groups (checked by ``plan_load``) into ``mine``;
+    ``adamw`` from ``adamw`` or torch's ``decoupled_weight_decay``."""
+    for group, loaded in zip(mine, saved, strict=True):
+        for name in ("lr", "betas", "eps", "weight_decay", "maximize", "foreach", "fused"):
+            if name in loaded:
+                group[name] = tuple(loaded[name]) if name == "betas" else loaded[name]
+        if "adamw" in loaded:
+            group["adamw"] = bool(loaded["adamw"])
+        elif "decoupled_weight_decay" in loaded:
+            group["adamw"] = bool(loaded["decoupled_weight_decay"])
+        group["decoupled_weight_decay"] = group["adamw"]
+
+
+def plan_load(
+    state_dict: Any, param_groups: Sequence[dict[str, Any]], numels: Sequence[int]
+) -> list[tuple[int, dict[str, Any], int]]:
+    """Check a ``torch.optim.AdamW``-format state dict against this optimizer's groups and tensor sizes, before
+    anything is changed; returns ``(tensor id, state entry, step)`` per param that has state in it."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(param_groups):
+        raise InvalidArgument(
+            f"state dict has {len(groups) if isinstance(groups, list) else 'no'} param groups, "
+            f"this optimizer has {len(param_groups)}"
+        )
+    mapping: dict[Any, int] = {}
+    tid = 0
+    for mine, saved in zip(param_groups, groups, strict=True):
+        if len(mine["params"]) != len(saved["params"]):
+            raise InvalidArgument(
+                f"a saved param group has {len(saved['params'])} params, the matching group here has "
+                f"{len(mine['params'])}"
+            )
+        for key in saved["params"]:
+            mapping[key] = tid
+            tid += 1
+    loads: list[tuple[int, dict[str, Any], int]] = []
+    for key, entry in state_dict.get("state", {}).items():
+        if key not in mapping:
+            raise InvalidArgument(f"state for param {key!r}, which no param group lists")
+        t = mapping[key]
+        for name in ("exp_avg", "exp_avg_sq"):
+            value = entry.get(name)
+            if not isinstance(value, torch.Tensor) or value.numel() != numels[t]:
+                raise InvalidArgument(
+                    f"state {name} of param {key!r} has "
+                    f"{value.numel() if isinstance(value, torch.Tensor) else 'no'} elements, not {numels[t]}"
+                )
+        loads.append((t, entry, int(float(entry["step"]))))
+    for mine, saved in zip(param_groups, groups, strict=True):
+        saved_adamw = saved.get("adamw", saved.get("decoupled_weight_decay", mine.get("adamw", True)))
+        check_hyper(
+            saved.get("lr", mine["lr"]),
+            tuple(saved.get("betas", mine["betas"])),
+            saved.get("eps", mine["eps"]),
+            saved.get("weight_decay", mine["weight_decay"]),
+            adamw=bool(saved_adamw),
+        )
+    return loads
+
+
+PushItem = tuple[int, str, torch.Tensor, int, bool]
+"""``(tensor id, key, values, step, accumulate)``: one tensor's state to write (see ``StateTransfer.push``)."""
+PullItem = tuple[int, str, torch.Tensor]
+"""``(tensor id, key, destination)``: one tensor's state to read into ``destination``."""
+
+RING_SLOTS = 2
+"""Slots the window is cut into: while the daemon copies one, the client fills (or empties) the next."""
+_SLOT_ALIGN = 64
+
+
+class StateTransfer:
+    """Moves state through the staging window as a ring of ``slots`` slots, pipelined.
+
+    Piece ``i`` of a transfer goes through slot ``i % slots``; up to ``slots`` requests are outstanding
+    (``Connection.pipeline``), so the client's copy of one piece (into the window, or out of it) overlaps
+    the daemon's copy of the previous one.  A slot is refilled only after the reply for its previous piece
+    was read and, for reads, after that piece was copied out, so neither side ever sees a slot the other
+    is still using.  Copies between the window and a device tensor are synchronous (complete when
+    ``copy_`` returns), which is what makes a slot free again on CUDA too."""
+
+    def __init__(self, client: Client, *, slots: int = RING_SLOTS) -> None:
+        if slots < 1:
+            raise InvalidArgument(f"slots must be >= 1, got {slots}")
+        self.client = client
+        self.slots = slots
+
+    def _ring(self) -> list[tuple[MemRef, torch.Tensor]]:
+        info = self.client.info
+        if info is None:
+            raise InvalidState("not attached")
+        total = self.client.window.numel()
+        count = self.slots if total >= self.slots * _SLOT_ALIGN else 1
+        per = total // count // _SLOT_ALIGN * _SLOT_ALIGN if count > 1 else total // 4 * 4
+        if per == 0:
+            raise InvalidState("the staging window is empty")
+        window = self.client.window
+        return [
+            (MemRef(info.window_id, k * per, per), window[k * per : (k + 1) * per].view(torch.float32))
+            for k in range(count)
+        ]
+
+    def push_many(self, items: Iterable[PushItem]) -> int:
+        """Write several tensors' state, pipelined; returns the number of pieces sent.
+
+        ``values`` may be of any float dtype and on any device: each piece is converted as it is copied into
+        its slot, so no full-size host copy is made.  ``step`` sets the tensor's count when ``key`` is a
+        moment."""
+        ring = self._ring()
+        per = ring[0][1].numel()
+
+        def requests() -> Iterator[StateWrite]:
+            k = 0
+            for tid, key, values, step, accumulate in items:
+                flat = values.detach().reshape(-1)
+                for start in range(0, max(flat.numel(), 1), per):
+                    ref, buf = ring[k % len(ring)]
+                    piece = flat[start : start + per]
+                    buf[: piece.numel()].copy_(piece)
+                    src = MemRef(ref.window, ref.offset, piece.numel() * 4)
+                    yield StateWrite(
+                        tensor_id=tid, key=key, offset=start * 4, src=src, step=step, accumulate=accumulate
+                    )
+                    k += 1
+
+        return self.client.conn.pipeline(requests(), depth=len(ring))
+
+    def pull_many_into(self, items: Sequence[PullItem]) -> list[int]:
+        """Read several tensors' state into their destinations (any float dtype, any device: converted
+        piece by piece on the copy out of the slot), pipelined; returns each tensor's step count."""
+        ring = self._ring()
+        per = ring[0][1].numel()
+        steps = [0] * len(items)
+        plan: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
+
+        def requests() -> Iterator[StateRead]:
+            for j, (tid, key, dest) in enumerate(items):
+                flat = dest.view(-1)
+                numel = flat.numel()
+                if numel == 0:  # a zero-length read answers the step count
+                    ref, buf = ring[len(plan) % len(ring)]
+                    plan.append((j, None, buf))
+                    yield StateRead(tensor_id=tid, key="exp_avg", offset=0, dest=MemRef(ref.window, ref.offset, 0))
+                    continue
+                for start in range(0, numel, per):
+                    n = min(per, numel - start)
+                    ref, buf = ring[len(plan) % len(ring)]
+                    plan.append((j, flat[start : start + n], buf[:n]))
+                    yield StateRead(
+                        tensor_id=tid, key=key, offset=start * 4, dest=MemRef(ref.window, ref.offset, n * 4)
+                    )
+
+        def on_reply(i: int, reply: Message) -> None:
+            if not isinstance(reply, StateChunk):
+                raise ProtocolError(f"expected STATE_CHUNK, got {type(reply).__name__}")
+            j, dest, slot = plan[i]
+            if dest is not None:
+                dest.copy_(slot)
+            steps[j] = reply.step
+
+        self.client.conn.pipeline(requests(), depth=len(ring), on_reply=on_reply)
+        return steps
+
+    def push(self, tid: int, key: str, values: torch.Tensor, *, step: int, accumulate: bool = False) -> None:
+        """Write fp32 state ``key`` of tensor ``tid`` (``step`` sets its count when ``key`` is a moment)."""
+        self.push_many([(tid, key, values, step, accumulate)])
+
+    def pull(self, tid: int, key: str, numel: int) -> tuple[torch.Tensor, int]:
+        """Read fp32 state ``key`` of tensor ``tid``; returns (values, the tensor's step count)."""
+        out = torch.empty(numel, dtype=torch.float32)
+        return out, self.pull_many_into([(tid, key, out)])[0]
+
+    def pull_into(self, tid: int, key: str, dest: torch.Tensor) -> int:
+        """Read fp32 state ``key`` of tensor ``tid`` into ``dest``; returns the tensor's step count."""
+        return self.pull_many_into([(tid, key, dest)])[0]
+
+    def step_of(self, tid: int) -> int:
+        """The tensor's Adam step count (a zero-length read)."""
+        return self.pull_many_into([(tid, "exp_avg", torch.empty(0))])[0]

@@ -1,0 +1,241 @@
+"""``tiermem status``: one screen of the node's tiermemd, like nvidia-smi for memory tiers.
+
+Owns the rendering of a STATS reply (``tiermem.core.protocol.report``) as text
+(``render``) or JSON, and the loop of ``--watch``.  Rates (bytes/s, updates/s)
+come from two replies and the time between them, so a single shot shows
+totals only.  The daemon lists every job for root and its own uid, else only
+the caller's uid's jobs.
+
+Exit codes: 0 shown; 1 no daemon could be reached (the message says which
+sockets were tried).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+from tiermem.core.errors import TiermemError
+from tiermem.core.protocol import JobReport, NodeReport, StatsReply
+from tiermem.core.units import format_size
+
+__all__ = ["Sample", "add_parser", "render", "run_status"]
+
+WIDTH = 88
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One STATS reply and when it was taken (``time.monotonic()``)."""
+
+    reply: StatsReply
+    at: float
+
+
+def _rate(now: Sample, before: Sample | None, pick: str) -> float | None:
+    if before is None or now.at <= before.at:
+        return None
+    a, b = _path(before.reply.node, pick), _path(now.reply.node, pick)
+    return max(0.0, (b - a) / (now.at - before.at))
+
+
+def _path(node: NodeReport, dotted: str) -> float:
+    value: object = node
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return float(value)  # type: ignore[arg-type]
+
+
+def _size_rate(rate: float | None) -> str:
+    return "" if rate is None else f" ({format_size(rate)}/s)"
+
+
+def _count_rate(rate: float | None, unit: str = "/s") -> str:
+    return "" if rate is None else f" ({rate:.1f}{unit})"
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def _line(text: str) -> str:
+    inner = WIDTH - 4
+    return f"| {text[:inner]:<{inner}} |"
+
+
+def _count(n: float) -> str:
+    """A count the way a person reads it: 950, 8.3k, 7.5M, 1.2G."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def render(now: Sample, before: Sample | None = None, *, socket_path: str = "") -> str:
+    """The status screen for ``now`` (rates against ``before`` when given)."""
+    node = now.reply.node
+    pool, swap, adam, server, pre = node.pool, node.swap, node.adam, node.server, node.prefetch
+    rule = "+" + "-" * (WIDTH - 2) + "+"
+    title = f"tiermemd {node.version}" + (f" on {socket_path}" if socket_path else "")
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    out = [f"{title:<{WIDTH - len(stamp)}}{stamp}", rule]
+    out.append(
+        _line(
+            f"Pool     {format_size(pool.capacity_nbytes):>9} used {format_size(pool.used_nbytes)} "
+            f"({_pct(pool.used_nbytes, pool.capacity_nbytes)})  free {format_size(pool.free_nbytes)}  "
+            f"largest free {format_size(pool.largest_free_nbytes)}"
+        )
+    )
+    frag = 0.0 if not pool.free_nbytes else 1.0 - pool.largest_free_nbytes / pool.free_nbytes
+    out.append(
+        _line(
+            f"         locked {format_size(pool.locked_nbytes)}  blocks {pool.blocks}  fragmentation {frag:.2f}  "
+            f"compactions {pool.compactions} ({format_size(pool.moved_nbytes)} moved)"
+        )
+    )
+    out.append(
+        _line(
+            f"Swap     {format_size(swap.capacity_nbytes):>9} budget  reserved {format_size(swap.reserved_nbytes)}  "
+            f"used {format_size(swap.used_nbytes)}"
+        )
+    )
+    out.append(
+        _line(
+            f"         read {format_size(swap.read_nbytes)}{_size_rate(_rate(now, before, 'swap.read_nbytes'))}  "
+            f"written {format_size(swap.written_nbytes)}{_size_rate(_rate(now, before, 'swap.written_nbytes'))}"
+        )
+    )
+    hit = _pct(pre.hits, pre.acquires) if pre.acquires else "-"
+    out.append(
+        _line(
+            f"         prefetch hits {hit} of {pre.acquires}  stalled {pre.stall_s:.2f}s  "
+            f"CPU tasks queued {node.queued_tasks}"
+        )
+    )
+    mean = f"{adam.update_s / adam.updates * 1e3:.1f}ms" if adam.updates else "-"
+    params_rate = _rate(now, before, "adam.updated_elements")
+    out.append(
+        _line(
+            f"Adam     updates {adam.updates}{_count_rate(_rate(now, before, 'adam.updates'))}  "
+            f"params {_count(adam.updated_elements)}"
+            f"{'' if params_rate is None else f' ({_count(params_rate)}/s)'}  "
+            f"{mean} per update  steps {adam.steps}"
+        )
+    )
+    period = f"{adam.busy_period_s / adam.busy_periods * 1e3:.1f}ms" if adam.busy_periods else "-"
+    filled = _pct(round(adam.cpu_busy_s * 1e6), round(adam.busy_period_s * 1e6)) if adam.busy_period_s else "-"
+    busy = f"CPU busy {adam.cpu_busy_s:.2f}s  periods {adam.busy_periods}  {period} each, {filled} in tasks"
+    out.append(_line(f"         {busy}"))
+    budgets = [f"{b.resource} {format_size(b.held_nbytes)} of {format_size(b.capacity_nbytes)}" for b in node.budgets]
+    for i in range(0, len(budgets), 2):
+        out.append(_line(f"{'Budgets' if i == 0 else '':<9}" + "  ".join(budgets[i : i + 2])))
+    out.append(
+        _line(
+            f"Clients  {server.sessions} connected  attaches {server.attaches}  disconnects {server.disconnects}  "
+            f"refused {server.refused}"
+        )
+    )
+    failed = sum(job.failed_ranks for job in now.reply.jobs)
+    out.append(
+        _line(
+            f"Errors   protocol {server.protocol_errors}  auth {server.auth_errors}  swap I/O {swap.io_errors}  "
+            f"checksum {swap.checksum_failures}  failed ranks {failed}  skipped {adam.skipped_steps}"
+        )
+    )
+    out.append(rule)
+    out.append(_line(_job_row("JOB", "UID", "STATE", "RANKS", "STEP", "WINDOW", "STORAGE", "CPU", "NVME", "DPU")))
+    for job in now.reply.jobs:
+        out.append(_line(_job_cells(job)))
+    shown = len(now.reply.jobs)
+    if not shown:
+        out.append(_line("(no jobs)" if node.jobs == 0 else f"({node.jobs} job(s), none of this user's)"))
+    elif node.jobs > shown:
+        out.append(_line(f"(+{node.jobs - shown} job(s) of other users)"))
+    out.append(rule)
+    return "\n".join(out) + "\n"
+
+
+def _job_row(*cells: str) -> str:
+    widths = (14, 5, 8, 5, 7, 8, 8, 8, 8, 3)
+    return " ".join(f"{c[:w]:<{w}}" for c, w in zip(cells, widths, strict=True))
+
+
+def _job_cells(job: JobReport) -> str:
+    failed = f"!{job.failed_ranks}" if job.failed_ranks else ""
+    return _job_row(
+        job.job_id,
+        str(job.owner_uid),
+        job.state,
+        f"{job.ranks}/{job.world_size}{failed}",
+        str(job.last_step),
+        format_size(job.window_nbytes),
+        format_size(job.storage_nbytes),
+        format_size(job.cpu_state_nbytes),
+        format_size(job.nvme_state_nbytes),
+        "1" if job.staleness_steps else "0",
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    status = sub.add_parser(
+        "status",
+        help="show the node's tiermemd: pool, swap, jobs with their usage per tier, throughput, errors",
+        description=(
+            "Asks the node's tiermemd for its figures (a STATS request) and shows them on one screen: the "
+            "host-memory pool, the NVMe swap tier, the budgets, the CPU Adam updates, the clients and their "
+            "errors, and one line per job with its bytes per tier. Root and the daemon's user see every job, "
+            "other users their own. Rates need two samples: use --watch."
+        ),
+    )
+    status.add_argument(
+        "--socket", metavar="PATH", help="the daemon's socket (default: $TIERMEM_SOCKET_PATH, the node's, yours)"
+    )
+    status.add_argument("--json", action="store_true", help="print the STATS reply as JSON (one object per sample)")
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        const=2.0,
+        type=float,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until interrupted",
+    )
+    status.set_defaults(func=run_status)
+
+
+def run_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    from tiermem.client.link import connect  # imports torch: only when the command runs
+
+    out = sys.stdout if out is None else out
+    if args.watch is not None and not args.watch > 0:
+        print(f"tiermem status: --watch needs a positive number of seconds, got {args.watch}", file=sys.stderr)
+        return 2
+    try:
+        client = connect(args.socket, embed=False)
+    except TiermemError as exc:
+        print(f"tiermem status: no tiermemd to show: {exc}", file=sys.stderr)
+        return 1
+    before: Sample | None = None
+    try:
+        with client:
+            while True:
+                now = Sample(client.stats(), time.monotonic())
+                if args.json:
+                    print(json.dumps({"socket": client.socket_path, **now.reply.to_payload()}), file=out)
+                else:
+                    screen = render(now, before, socket_path=client.socket_path)
+                    print((_CLEAR if args.watch is not None and out.isatty() else "") + screen, end="", file=out)
+                out.flush()
+                if args.watch is None:
+                    return 0
+                before = now
+                time.sleep(args.watch)
+    except (KeyboardInterrupt, BrokenPipeError):  # Ctrl-C, or a reader that stopped (``| head``)
+        return 0
+    except TiermemError as exc:
+        print(f"tiermem status: the daemon stopped answering: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,347 @@
+"""The tiermem error hierarchy.
+
+Every error a user, a client, the kernel or a disk can cause is a
+``TiermemError``.  Each carries the facts needed to act on it as attributes
+(not only in its message), and can be turned into a plain dict and back so that
+the daemon can send it over the socket and the client can re-raise it as the
+same type (``to_wire`` / ``from_wire``).
+
+Messages say what was expected, what was found and what to change.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from tiermem.core.units import format_size
+
+__all__ = [
+    "AdmissionError",
+    "AuthError",
+    "BoundsError",
+    "ConfigError",
+    "ConnectionClosed",
+    "CorruptionError",
+    "DaemonTimeout",
+    "DaemonUnavailable",
+    "DataLostError",
+    "DTypeError",
+    "HostMemoryError",
+    "InvalidArgument",
+    "InvalidState",
+    "StepFailed",
+    "PoolExhausted",
+    "ProtocolError",
+    "RankLost",
+    "SwapFullError",
+    "StaleStateError",
+    "SwapIOError",
+    "TiermemError",
+    "UnknownJob",
+    "UnknownKey",
+    "UnsafePathError",
+    "error_from_wire",
+]
+
+
+class TiermemError(Exception):
+    """Base of every error raised by tiermem on purpose.
+
+    Subclasses list the keyword fields they carry in ``fields``; those travel
+    over the wire with the message.
+    """
+
+    fields: ClassVar[tuple[str, ...]] = ()
+    _registry: ClassVar[dict[str, type[TiermemError]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        TiermemError._registry[cls.__name__] = cls
+
+    def __init__(self, message: str, **facts: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        for name in self.fields:
+            setattr(self, name, facts.get(name))
+
+    def to_wire(self) -> dict[str, Any]:
+        """A JSON-able description: the type name, message and fields."""
+        return {
+            "type": type(self).__name__,
+            "message": self.message,
+            "fields": {name: getattr(self, name, None) for name in self.fields},
+        }
+
+
+TiermemError._registry["TiermemError"] = TiermemError
+
+
+def error_from_wire(payload: dict[str, Any]) -> TiermemError:
+    """Rebuild an error sent by ``to_wire``; unknown types become the base type."""
+    name = str(payload.get("type", "TiermemError"))
+    cls = TiermemError._registry.get(name, TiermemError)
+    message = str(payload.get("message", ""))
+    raw_fields = payload.get("fields")
+    fields = raw_fields if isinstance(raw_fields, dict) else {}
+    err = cls.__new__(cls)
+    TiermemError.__init__(err, message)
+    for field in cls.fields:
+        setattr(err, field, fields.get(field))
+    if cls is TiermemError and name != "TiermemError":
+        err.message = f"{name}: {message}"
+        err.args = (err.message,)
+    return err
+
+
+class ConfigError(TiermemError):
+    """A setting is missing, malformed or inconsistent; names the field."""
+
+    fields = ("field",)
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"config {field}: {problem}", field=field)
+
+
+class PoolExhausted(TiermemError):
+    """No block of the requested size could be found even after compaction and eviction."""
+
+    fields = ("requested", "free", "largest_free")
+
+    def __init__(self, requested: int, free: int, largest_free: int, what: str = "pool") -> None:
+        super().__init__(
+            f"{what} exhausted: requested {format_size(requested)}, "
+            f"free {format_size(free)}, largest free block {format_size(largest_free)}",
+            requested=requested,
+            free=free,
+            largest_free=largest_free,
+        )
+
+
+class SwapIOError(TiermemError):
+    """An I/O on a swap file failed or transferred fewer bytes than asked."""
+
+    fields = ("path", "offset", "nbytes", "errno")
+
+    def __init__(self, path: str, offset: int, nbytes: int, err: int, detail: str = "") -> None:
+        name = _errno.errorcode.get(err, str(err)) if err else "short transfer"
+        why = os.strerror(err) if err else detail or "short transfer"
+        super().__init__(
+            f"swap I/O failed on {path} at offset {offset} ({nbytes} bytes): {name}: {why}",
+            path=path,
+            offset=offset,
+            nbytes=nbytes,
+            errno=err,
+        )
+
+
+class SwapFullError(TiermemError):
+    """Swap space could not be reserved (disk full or quota exceeded)."""
+
+    fields = ("requested", "available", "path")
+
+    def __init__(self, message: str, requested: int, available: int, path: str = "") -> None:
+        super().__init__(message, requested=requested, available=available, path=path)
+
+
+class CorruptionError(TiermemError):
+    """Bytes read back do not match their checksum; the bytes are never returned."""
+
+    fields = ("key", "path", "offset")
+
+    def __init__(self, key: str, path: str, offset: int, detail: str = "checksum mismatch") -> None:
+        super().__init__(
+            f"corrupt data for {key!r} in {path} at offset {offset}: {detail}",
+            key=key,
+            path=path,
+            offset=offset,
+        )
+
+
+class DataLostError(TiermemError):
+    """Data for some keys could not be made durable (EIO, fsync failure) and is lost."""
+
+    fields = ("keys",)
+
+    def __init__(self, keys: list[str], why: str) -> None:
+        shown = ", ".join(repr(k) for k in keys[:8]) + (" ..." if len(keys) > 8 else "")
+        super().__init__(f"data lost for {len(keys)} key(s) [{shown}]: {why}", keys=list(keys))
+
+
+class ProtocolError(TiermemError):
+    """A frame or message broke the wire protocol."""
+
+
+class AuthError(TiermemError):
+    """The peer is not allowed to do what it asked."""
+
+
+class UnsafePathError(AuthError):
+    """A socket or state path that someone other than the expected uids owns, listens on, or could replace.
+
+    ``path`` is what was refused, ``owner_uid`` the uid found (the owner, or the uid of the process
+    listening on a socket), ``expected_uids`` the uids that would have been accepted.
+    """
+
+    fields = ("path", "owner_uid", "expected_uids")
+
+    def __init__(
+        self,
+        path: str,
+        problem: str,
+        *,
+        owner_uid: int | None = None,
+        expected_uids: Iterable[int] = (),
+        fix: str = "",
+    ) -> None:
+        super().__init__(
+            f"refusing {path}: {problem}" + (f"; {fix}" if fix else ""),
+            path=path,
+            owner_uid=owner_uid,
+            expected_uids=sorted(expected_uids),
+        )
+
+
+class AdmissionError(TiermemError):
+    """A job or request would exceed the node's or the job's budget."""
+
+
+class UnknownJob(TiermemError):
+    """No job with this id (or token) exists on this daemon."""
+
+
+class UnknownKey(TiermemError):
+    """No tensor or stored object with this key exists."""
+
+    fields = ("key",)
+
+    def __init__(self, key: str, where: str = "") -> None:
+        super().__init__(f"unknown key {key!r}" + (f" in {where}" if where else ""), key=key)
+
+
+class BoundsError(TiermemError):
+    """A (window, offset, length) reference falls outside its window."""
+
+
+class InvalidArgument(TiermemError, ValueError):
+    """An argument has a bad value (a ``ValueError`` too, as torch raises for bad hyper-parameters)."""
+
+
+class DTypeError(InvalidArgument):
+    """A tensor has a dtype the operation does not support."""
+
+
+class HostMemoryError(TiermemError):
+    """Host memory for a shared-memory arena could not be reserved (the node is short of RAM)."""
+
+    fields = ("nbytes", "errno")
+
+    def __init__(self, nbytes: int, err: int, what: str = "arena") -> None:
+        name = _errno.errorcode.get(err, str(err))
+        super().__init__(
+            f"cannot reserve {format_size(nbytes)} of host memory for the {what}: {name}: {os.strerror(err)}; "
+            "lower pool.size or free memory on the node",
+            nbytes=nbytes,
+            errno=err,
+        )
+
+
+class InvalidState(TiermemError):
+    """An object was asked for a transition its current state does not allow."""
+
+
+class StepFailed(InvalidState):
+    """An update of the rank failed part-way: its state is inconsistent until it is reloaded.
+
+    Every later request of the rank names the failed step; ``load_state_dict`` (which resets and then
+    writes every tensor's state) makes the rank usable again.
+    """
+
+    fields = ("step", "reason")
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(
+            f"the update of step {step} failed part-way ({reason}); the optimizer state is inconsistent: "
+            "load a checkpoint with load_state_dict() to continue",
+            step=step,
+            reason=reason,
+        )
+
+
+class StaleStateError(InvalidState):
+    """The daemon holds a rank's state at an older step than the client's (a restart lost steps).
+
+    ``state_step`` is the step the daemon's state is at, ``client_step`` the step the client has reached.
+    Continuing from the older state needs an explicit roll-back (``OffloadAdam(rollback=True)``).
+    """
+
+    fields = ("state_step", "client_step")
+
+    def __init__(self, job_id: str, rank: int, state_step: int, client_step: int, why: str = "") -> None:
+        super().__init__(
+            f"tiermemd holds the state of job {job_id!r} rank {rank} at step {state_step}, older than this "
+            f"client's step {client_step}" + (f" ({why})" if why else "") + f": steps {state_step + 1}.."
+            f"{client_step} are not in it; pass rollback=True to continue from step {state_step}, or load a "
+            "checkpoint",
+            state_step=state_step,
+            client_step=client_step,
+        )
+
+
+class ConnectionClosed(TiermemError):
+    """The peer closed the connection (or the connection was closed after a fatal error)."""
+
+
+class DaemonUnavailable(TiermemError):
+    """The client could not reach a daemon; names the socket path and why."""
+
+    fields: ClassVar[tuple[str, ...]] = ("path",)
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"no tiermemd at {path}: {why}", path=path)
+
+
+class RankLost(TiermemError):
+    """A collective of a sharded step failed: another rank of the process group died or timed out.
+
+    ``during`` names the phase (``reduce-scatter``, ``statistics``, ``all-gather``, ...), ``rank`` this
+    rank.  The daemon's state of this rank is at the last step this rank completed (``last_step``); the
+    job's other ranks are at the same step or one behind, and a relaunch of the whole job with the
+    same token continues from the checkpoint it loads.
+    """
+
+    fields: ClassVar[tuple[str, ...]] = ("during", "rank", "last_step")
+
+    def __init__(self, during: str, rank: int, last_step: int, cause: BaseException) -> None:
+        super().__init__(
+            f"rank {rank}: the {during} of step {last_step + 1} failed, another rank of the process group is "
+            f"gone or timed out ({type(cause).__name__}: {str(cause)[:300]}); this rank's state is at step "
+            f"{last_step}",
+            during=during,
+            rank=rank,
+            last_step=last_step,
+        )
+
+
+class DaemonTimeout(DaemonUnavailable):
+    """The daemon went silent during a request: neither its reply nor a heartbeat came for ``timeout_s``.
+
+    Names the socket (``path``), the request (``request``, its message type) and how long the client
+    waited (``timeout_s``).  The connection is closed; the daemon may be stopped (SIGSTOP), wedged or
+    overloaded past its heartbeats.
+    """
+
+    fields: ClassVar[tuple[str, ...]] = ("path", "request", "timeout_s")
+
+    def __init__(self, path: str, request: str, timeout_s: float) -> None:
+        TiermemError.__init__(
+            self,
+            f"no tiermemd at {path}: no reply to {request} and no heartbeat within {timeout_s:g}s "
+            "(the daemon is stopped, wedged or overloaded; raise the client timeout, timeout_s= or "
+            "TIERMEM_CLIENT_TIMEOUT_S, only if it is known to be busy)",
+            path=path,
+            request=request,
+            timeout_s=timeout_s,
+        )

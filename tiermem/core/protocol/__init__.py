@@ -1,0 +1,179 @@
+"""The tiermem wire protocol: frames, typed messages, and their codec.
+
+Pure: imports no sockets (``tiermem.net.frames`` moves the bytes).  The frame
+layout is in ``frame``; the messages in ``session`` and ``step``, the values
+inside them and the limits in ``records``, the registry in ``messages``.  Each
+message's fields are declared once (``spec``: ``@wire`` and the field kinds of
+``kinds``), and its encoder and validating decoder are generated from that;
+``fields`` has the ``FieldError`` they raise.  docs/protocol.md is the
+reference for both sides.
+
+    data = encode_message(Step(step=3), request_id=7)
+    frame = decode_frame(data, max_frame=1 << 20)      # header checks
+    msg = decode_message(frame)                         # payload + field checks
+
+Every failure while decoding is a ``ProtocolError`` whose message says what was
+expected and what was found; nothing else escapes, whatever the bytes.
+"""
+
+from __future__ import annotations
+
+from tiermem.core.errors import ProtocolError
+from tiermem.core.protocol.fields import FieldError
+from tiermem.core.protocol.frame import (
+    DEFAULT_MAX_FRAME,
+    FLAG_FDS,
+    FLAG_ONEWAY,
+    HEADER_NBYTES,
+    KNOWN_FLAGS,
+    MAGIC,
+    MAX_REQUEST_ID,
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+    Frame,
+    MsgType,
+    decode_frame,
+    decode_payload,
+    encode_frame,
+    encode_payload,
+    frame_nbytes,
+    peek_request_id,
+)
+from tiermem.core.protocol.messages import (
+    DTYPES,
+    MESSAGE_CLASSES,
+    PLACEMENTS,
+    REPLY_TYPES,
+    STATE_KEYS,
+    Abort,
+    Aborted,
+    Attach,
+    AttachOk,
+    BucketReady,
+    Detach,
+    ErrorReply,
+    FetchParams,
+    MemRef,
+    Message,
+    Ok,
+    ParamGroup,
+    ParamsReady,
+    Ping,
+    Pong,
+    Register,
+    RegisterOk,
+    StateChunk,
+    StateRead,
+    StateReset,
+    StateWrite,
+    Stats,
+    StatsReply,
+    Step,
+    StepDone,
+    TensorSlot,
+    TensorSpec,
+)
+from tiermem.core.protocol.report import (
+    AdamReport,
+    BudgetReport,
+    JobReport,
+    NodeReport,
+    NvmeReport,
+    PoolReport,
+    PrefetchReport,
+    RankReport,
+    ServerReport,
+    SwapReport,
+)
+
+__all__ = [
+    "SwapReport",
+    "ServerReport",
+    "RankReport",
+    "PrefetchReport",
+    "PoolReport",
+    "NvmeReport",
+    "NodeReport",
+    "JobReport",
+    "BudgetReport",
+    "AdamReport",
+    "Abort",
+    "Aborted",
+    "DEFAULT_MAX_FRAME",
+    "DTYPES",
+    "FLAG_FDS",
+    "FLAG_ONEWAY",
+    "HEADER_NBYTES",
+    "KNOWN_FLAGS",
+    "MAGIC",
+    "MAX_REQUEST_ID",
+    "MESSAGE_CLASSES",
+    "PLACEMENTS",
+    "PROTOCOL_VERSION",
+    "REPLY_TYPES",
+    "STATE_KEYS",
+    "SUPPORTED_VERSIONS",
+    "Attach",
+    "AttachOk",
+    "BucketReady",
+    "Detach",
+    "ErrorReply",
+    "FetchParams",
+    "Frame",
+    "MemRef",
+    "Message",
+    "MsgType",
+    "Ok",
+    "ParamGroup",
+    "ParamsReady",
+    "Ping",
+    "Pong",
+    "Register",
+    "RegisterOk",
+    "StateChunk",
+    "StateRead",
+    "StateReset",
+    "StateWrite",
+    "Stats",
+    "StatsReply",
+    "Step",
+    "StepDone",
+    "TensorSlot",
+    "TensorSpec",
+    "check_message",
+    "decode_frame",
+    "decode_message",
+    "decode_payload",
+    "encode_frame",
+    "encode_message",
+    "frame_nbytes",
+    "peek_request_id",
+]
+
+
+def encode_message(msg: Message, request_id: int, flags: int = 0, *, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """One frame holding ``msg``.  Raises ``ProtocolError`` when it would exceed ``max_frame``.
+
+    The sender's values are not re-checked here (the receiver checks every
+    field); ``check_message`` does it where a sender wants to fail early.
+    """
+    try:
+        payload = encode_payload(msg.to_payload())
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"cannot encode {msg.TYPE.name}: {exc}") from None
+    return encode_frame(msg.TYPE, request_id, payload, flags, max_frame=max_frame)
+
+
+def decode_message(frame: Frame) -> Message:
+    """The typed message in ``frame``, every field checked; ``ProtocolError`` names the bad field."""
+    cls = MESSAGE_CLASSES[frame.type]
+    payload = decode_payload(frame.payload, f"{frame.type.name} payload")
+    try:
+        return cls.from_payload(payload)
+    except FieldError as exc:
+        raise ProtocolError(f"malformed {frame.type.name}: {exc.describe()}") from None
+
+
+def check_message(msg: Message) -> None:
+    """Raise ``ProtocolError`` if the receiver would refuse ``msg`` (its fields out of range)."""
+    decode_message(Frame(msg.TYPE, 1, encode_payload(msg.to_payload())))

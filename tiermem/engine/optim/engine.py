@@ -1,0 +1,352 @@
+"""The CPU Adam engine: checked, multi-threaded, chunked updates over flat fp32 buffers.
+
+Owns the engine's threads and the binding of ``adam_math`` to memory.  The
+operands of one update are equal-length 1-D contiguous CPU tensors (views into
+pool memory or a shared window):
+
+    master, exp_avg, exp_avg_sq   fp32, read and written
+    grad                          fp32, fp16 or bf16, read
+    out (optional)                fp16 or bf16, written: the updated master cast down
+
+``update(..., start=a, stop=b)`` updates elements [a, b) only, so callers can
+pipeline chunk by chunk (read state chunk i+1, update chunk i, write back
+chunk i-1); ``submit`` is the same call returning a handle instead of waiting.
+Every dtype, shape and length is checked before anything is written: a
+mismatch raises ``DTypeError`` / ``InvalidArgument`` saying what was expected.
+
+Threads: an update is cut into at most ``threads`` pieces (cache-line aligned,
+at least ``min_piece_numel`` elements each) that run on the engine's pool; the
+compiled kernels release the GIL, so an event loop in the same process keeps
+running.  With ``threads=1`` the update runs in the calling thread.
+
+The native path: an fp32 update with no output and no grad scaling (fp32
+params that are their own master, nothing to unscale or clip) runs torch's own
+fused CPU kernel (``torch._fused_adamw_`` / ``torch._fused_adam_``) over the
+whole range in the calling thread, parallel over torch's intra-op threads.
+It moves the same 28 bytes per param as the compiled kernel, costs a few
+microseconds per call instead of a compiled graph's guard checks, and needs
+no compiler in the process (the daemon of an fp32 job never imports inductor
+or runs a C++ compiler: about 250 MB less at peak).  With a grad scale the
+compiled kernel runs instead, because torch's fused kernel writes the
+unscaled grad back into ``.grad``.  ``native=False`` turns the path off.
+
+Overflow and clipping: ``grad_stats`` is one cheap read of a gradient piece,
+run per bucket as buckets arrive; once all are in, ``combine_grad_stats`` and
+``clip_coefficient`` (``adam_math``) give the skip decision and the
+``grad_scale = inv_scale * clip_coef`` that the update applies in its pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from tiermem.core.adam_math import AdamHyper, AdamScalars, step_scalars
+from tiermem.core.config import AdamConfig
+from tiermem.core.errors import DTypeError, InvalidArgument
+from tiermem.core.step_rules import GradStats, grad_stats
+from tiermem.engine.optim.kernels import (
+    GRAD_DTYPES,
+    MIN_COMPILED_NUMEL,
+    OUT_DTYPES,
+    KernelKey,
+    KernelRecord,
+    KernelSet,
+    run_eager,
+)
+from tiermem.engine.workers import started_pool
+
+__all__ = ["AdamEngine", "DEFAULT_WARMUP", "PendingUpdate", "kernel_key"]
+
+DEFAULT_WARMUP: tuple[tuple[torch.dtype, torch.dtype | None], ...] = (
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+)
+"""The daemon's combinations: fp16 grads -> fp16 params, bf16 -> bf16."""
+
+_ALIGN_NUMEL = 16  # 64 bytes of fp32: pieces start on cache lines when the buffer does
+_Piece = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+"""(master, grad, exp_avg, exp_avg_sq, out) slices of one piece."""
+
+
+class PendingUpdate:
+    """An update running on the engine's threads."""
+
+    def __init__(self, futures: list[Future[None]]) -> None:
+        self._futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> None:
+        """Block until every piece finished; re-raise the first piece's error."""
+        error: BaseException | None = None
+        for f in self._futures:
+            exc = f.exception()
+            if exc is not None and error is None:
+                error = exc
+        if error is not None:
+            raise error
+
+
+class AdamEngine:
+    """Runs Adam/AdamW updates over flat buffers; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        threads: int = 0,
+        compile: bool = True,
+        cache_dir: str | None = None,
+        warmup: Iterable[tuple[torch.dtype, torch.dtype | None]] = DEFAULT_WARMUP,
+        min_piece_numel: int = 1 << 16,
+        native: bool = True,
+    ) -> None:
+        """``threads`` 0 uses every core this process may run on; ``compile`` False forces the eager path.
+
+        ``warmup`` lists the (grad dtype, out dtype) combinations compiled now,
+        so that their first-compile latency is paid here (see ``kernels()``).
+        ``cache_dir`` is inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR).
+        """
+        if threads < 0:
+            raise InvalidArgument(f"threads must be >= 0, got {threads}")
+        if min_piece_numel < 1:
+            raise InvalidArgument(f"min_piece_numel must be >= 1, got {min_piece_numel}")
+        self.threads = threads or len(os.sched_getaffinity(0))
+        self.min_piece_numel = min_piece_numel
+        self.native = native and hasattr(torch, "_fused_adamw_")
+        self._kernels = KernelSet(compile=compile, cache_dir=cache_dir or None)
+        self._pool = started_pool(self.threads, "tiermem-adam") if self.threads > 1 else None
+        self.warm_up(warmup)
+
+    @classmethod
+    def from_config(
+        cls, config: AdamConfig, warmup: Iterable[tuple[torch.dtype, torch.dtype | None]] = DEFAULT_WARMUP
+    ) -> AdamEngine:
+        return cls(threads=config.threads, compile=config.compile, cache_dir=config.cache_dir, warmup=warmup)
+
+    def warm_up(self, combos: Iterable[tuple[torch.dtype, torch.dtype | None]]) -> None:
+        """Build the kernels of these (grad dtype, out dtype) combinations now (a no-op for built ones)."""
+        for grad_dtype, out_dtype in combos:
+            self._kernels.get(kernel_key(grad_dtype, out_dtype))
+
+    def kernels(self) -> list[KernelRecord]:
+        """The kernels built so far: state (compiled / eager / failed), compile seconds, error."""
+        return self._kernels.records()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> AdamEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------- gradient statistics
+
+    def grad_stats(self, grad: torch.Tensor, inv_scale: float = 1.0) -> GradStats:
+        """(sum of squares of ``grad * inv_scale``, whether ``grad`` holds inf/nan) for one piece."""
+        _check_tensor("grad", grad, GRAD_DTYPES)
+        return grad_stats(grad, inv_scale)
+
+    # ----------------------------------------------------------------------- update
+
+    def update(
+        self,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        group: Any,
+        step: int,
+        grad_scale: float = 1.0,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> None:
+        """One Adam step of elements [start, stop) of the operands; returns when it is written.
+
+        ``group`` is an ``AdamHyper`` or anything ``AdamHyper.of`` reads (a
+        torch param-group dict, a protocol ``ParamGroup``); ``step`` is the step
+        count of these elements after this update (1 for the first);
+        ``grad_scale`` multiplies the raw gradient (``inv_scale * clip_coef``).
+        """
+        operands = (master, exp_avg, exp_avg_sq, grad, out)
+        self._dispatch(*operands, group, step, grad_scale, start, stop, inline_first=True).wait()
+
+    def submit(
+        self,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        group: Any,
+        step: int,
+        grad_scale: float = 1.0,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> PendingUpdate:
+        """``update`` without waiting: the pieces are queued on the engine's threads."""
+        operands = (master, exp_avg, exp_avg_sq, grad, out)
+        return self._dispatch(*operands, group, step, grad_scale, start, stop, inline_first=False)
+
+    def _dispatch(
+        self,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        out: torch.Tensor | None,
+        group: Any,
+        step: int,
+        grad_scale: float,
+        start: int,
+        stop: int | None,
+        *,
+        inline_first: bool,
+    ) -> PendingUpdate:
+        numel = _check_operands(master, exp_avg, exp_avg_sq, grad, out)
+        stop = numel if stop is None else stop
+        if not 0 <= start <= stop <= numel:
+            raise InvalidArgument(f"range [{start}, {stop}) is not within [0, {numel}]")
+        hyper = AdamHyper.of(group)
+        if self.native and out is None and grad.dtype == torch.float32 and grad_scale == 1.0:
+            native: Future[None] = Future()
+            try:
+                if stop > start:
+                    _run_native(
+                        master[start:stop], grad[start:stop], exp_avg[start:stop], exp_avg_sq[start:stop], hyper, step
+                    )
+                native.set_result(None)
+            except Exception as exc:
+                native.set_exception(exc)
+            return PendingUpdate([native])
+        scalars = step_scalars(hyper, step, grad_scale)
+        rec = self._kernels.get(kernel_key(grad.dtype, None if out is None else out.dtype), hot=True)
+        coef = torch.tensor(scalars, dtype=torch.float32)
+        cuts = self._cuts(start, stop, compiled=rec.fn is not None)
+        pieces: list[_Piece] = [
+            (master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], None if out is None else out[a:b])
+            for a, b in itertools.pairwise(cuts)
+        ]
+        # Without a pool everything runs here; else the caller's thread takes the
+        # first piece itself when it is going to wait anyway.
+        n_inline = len(pieces) if self._pool is None else int(inline_first and bool(pieces))
+        futures: list[Future[None]] = []
+        if self._pool is not None:
+            futures = [self._pool.submit(_run_piece, rec, piece, scalars, coef) for piece in pieces[n_inline:]]
+        for piece in pieces[:n_inline]:
+            done: Future[None] = Future()
+            try:
+                _run_piece(rec, piece, scalars, coef)
+                done.set_result(None)
+            except Exception as exc:
+                done.set_exception(exc)
+            futures.append(done)
+        return PendingUpdate(futures)
+
+    def _cuts(self, start: int, stop: int, *, compiled: bool) -> list[int]:
+        n = stop - start
+        # The eager path is already parallel inside each torch op: one piece.
+        pieces = 1 if not compiled else max(1, min(self.threads, n // self.min_piece_numel))
+        if pieces == 1:
+            return [start, stop] if n else []
+        size = -(-n // pieces)
+        size = -(-size // _ALIGN_NUMEL) * _ALIGN_NUMEL
+        return [*range(start, stop, size), stop]
+
+
+def _run_piece(rec: KernelRecord, piece: _Piece, scalars: AdamScalars, coef: torch.Tensor) -> None:
+    p, g, m, v, out = piece
+    fn = rec.fn
+    if fn is not None and p.numel() >= MIN_COMPILED_NUMEL:
+        try:
+            if out is None:
+                fn(p, g, m, v, coef)
+            else:
+                fn(p, g, m, v, out, coef)
+            return
+        except Exception as exc:  # a compiler failure at call time: fall back, once
+            rec.fail(exc)
+    run_eager(p, g, m, v, out, scalars)
+
+
+def _run_native(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hyper: AdamHyper, step: int
+) -> None:
+    fused = torch._fused_adamw_ if hyper.adamw else torch._fused_adam_
+    fused(
+        [p],
+        [g],
+        [m],
+        [v],
+        [],
+        [torch.tensor(float(step))],
+        lr=hyper.lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=hyper.maximize,
+    )
+
+
+def kernel_key(grad_dtype: torch.dtype, out_dtype: torch.dtype | None) -> KernelKey:
+    if grad_dtype not in GRAD_DTYPES:
+        raise DTypeError(f"grad dtype {grad_dtype} is not supported; expected one of {_names(GRAD_DTYPES)}")
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise DTypeError(f"out dtype {out_dtype} is not supported; expected one of {_names(OUT_DTYPES)} or None")
+    return KernelKey(grad_dtype, out_dtype)
+
+
+def _check_tensor(name: str, t: Any, dtypes: tuple[torch.dtype, ...]) -> int:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise DTypeError(f"{name} has dtype {t.dtype}; expected {_names(dtypes)}")
+    if t.device.type != "cpu":
+        raise InvalidArgument(f"{name} is on {t.device}; the CPU Adam engine needs CPU tensors")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise InvalidArgument(
+            f"{name} must be a contiguous 1-D tensor (a flat view), got shape {tuple(t.shape)} "
+            f"with strides {t.stride()}; pass t.view(-1) of a contiguous tensor"
+        )
+    return t.numel()
+
+
+def _check_operands(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out: torch.Tensor | None,
+) -> int:
+    fp32 = (torch.float32,)
+    numel = _check_tensor("master", master, fp32)
+    named: list[tuple[str, Any, tuple[torch.dtype, ...]]] = [
+        ("exp_avg", exp_avg, fp32),
+        ("exp_avg_sq", exp_avg_sq, fp32),
+        ("grad", grad, GRAD_DTYPES),
+    ]
+    if out is not None:
+        named.append(("out", out, OUT_DTYPES))
+    for name, t, dtypes in named:
+        n = _check_tensor(name, t, dtypes)
+        if n != numel:
+            raise InvalidArgument(f"{name} has {n} elements but master has {numel}; every operand must match")
+    return numel
+
+
+def _names(dtypes: tuple[torch.dtype, ...]) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)

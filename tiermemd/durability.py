@@ -1,0 +1,239 @@
+"""Durability of NVMe-placed state across restarts: commits, job files, and what a restart reports.
+
+Owns the protocol that keeps a rank's swap manifest and its job file in
+agreement (see ``persist``), and says, for every rank a client attaches to,
+which step its state is at and where it came from:
+
+- ``new``: no state yet;
+- ``live``: this daemon held it in memory (the client died, the daemon did not);
+- ``shutdown``: reopened from the commit of a daemon that stopped cleanly;
+- ``commit``: reopened from the last commit of a daemon that did not stop
+  cleanly (killed): the steps it ran after that commit are lost, and the
+  reattaching client, which knows how far it got, is told the step it gets.
+
+A commit of a rank (``commit``): wait for its delayed update, write the job
+file with the counts of the next manifest generation and of the current one,
+then flush the rank's chunks and commit its store.  It runs at shutdown and,
+with ``jobs.commit_every = N``, after every N-th step (in the session that ran
+it, before the reply).  A commit that fails leaves the store at its previous
+generation, which the job file still describes; the rank is then FAILED (the
+chunks its cache wrote since may no longer be what the store returns), and at
+shutdown the failure is logged with the step the next start will serve and
+ends the daemon with ``EXIT_DATA_LOST``.
+
+At start (``restore``) every job file is resolved against its manifests: a
+rank whose manifest is missing, unreadable or of a generation the file does
+not describe is lost, logged then, and its reattach gets ``DataLostError``
+(``lost_error``); a file written by a daemon that did not stop cleanly is
+reported with the step each rank comes back at.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from tiermem.core.errors import CorruptionError, DataLostError, TiermemError
+from tiermem.engine.swap.manifest import read_manifest
+from tiermemd.jobs import Job
+from tiermemd.nvme import NvmeStateChunks, store_name
+from tiermemd.persist import JobRecord, RankRecord, job_file_path, write_job_file
+from tiermemd.rank import RankOptimizer
+from tiermemd.rank.records import RankPhase
+
+__all__ = ["Durability"]
+
+log = logging.getLogger(__name__)
+
+
+class Durability:
+    def __init__(self, *, jobs_dir: Path, swap_dirs: Sequence[Path], commit_every: int) -> None:
+        self.jobs_dir = jobs_dir
+        self.swap_dirs = list(swap_dirs)
+        self.commit_every = commit_every
+        self.failed: list[str] = []
+        """One line per rank whose commit at shutdown failed (the daemon then exits ``EXIT_DATA_LOST``)."""
+
+    # ----------------------------------------------------------------- start
+
+    def manifest_path(self, job_id: str, uid: int, rank: int) -> Path:
+        return self.swap_dirs[0] / f"{store_name(job_id, rank, uid)}.manifest"
+
+    def restore(self, records: Sequence[JobRecord]) -> list[JobRecord]:
+        """Each job file with every rank resolved against its manifest (lost ranks marked, all reported)."""
+        out = []
+        for record in records:
+            ranks = []
+            for rank in record.ranks:
+                path = self.manifest_path(record.job_id, record.owner_uid, rank.rank)
+                try:
+                    manifest = read_manifest(path)
+                except CorruptionError as exc:
+                    resolved = rank.resolve(None, f"its swap manifest {path} is unreadable ({exc})")
+                else:
+                    if manifest is None:
+                        resolved = rank.resolve(None, f"its swap manifest {path} is missing")
+                    else:
+                        resolved = rank.resolve(manifest.generation)
+                if resolved.lost:
+                    log.error(
+                        "job %r (uid %d) rank %d: its state (step %d by its job file) is lost: %s; a reattach "
+                        "gets DataLostError",
+                        record.job_id,
+                        record.owner_uid,
+                        rank.rank,
+                        rank.last_step,
+                        resolved.lost,
+                    )
+                ranks.append(resolved)
+            if not record.clean:
+                log.warning(
+                    "job %r (uid %d): the daemon that wrote its job file did not stop cleanly; it comes back at its "
+                    "last commit, step %s, and any steps run after that are lost (each reattaching client is told "
+                    "the step it gets)",
+                    record.job_id,
+                    record.owner_uid,
+                    ", ".join(f"{r.last_step} (rank {r.rank})" for r in ranks if not r.lost) or "none",
+                )
+            out.append(replace(record, ranks=tuple(ranks)))
+        return out
+
+    # ----------------------------------------------------------------- attach and register
+
+    @staticmethod
+    def attach_state(rank: RankOptimizer) -> tuple[int, str]:
+        """The step ``rank``'s state is at and where it comes from (one of
+        ``tiermem.core.protocol.session.STATE_FROM``)."""
+        if rank.layout is not None:
+            return rank.last_step, "live"
+        if rank.restored is not None:
+            return rank.restored.last_step, "shutdown" if rank.restored.clean else "commit"
+        return 0, "new"
+
+    @staticmethod
+    def lost_error(job: Job, record: RankRecord) -> DataLostError:
+        return DataLostError(
+            [store_name(job.job_id, record.rank, job.owner_uid)],
+            f"job {job.job_id!r} rank {record.rank}: the state of step {record.last_step} that its job file "
+            f"describes cannot be reopened: {record.lost}; the job's files are removed: attach without a token "
+            "to start it anew (from a checkpoint)",
+        )
+
+    def reopened(self, job: Job, rank: RankOptimizer, record: RankRecord) -> None:
+        """A rank of a restored job registered again: its store is at ``record``'s generation.  The job file
+        is rewritten as not clean, so that if this daemon is killed the next start says so."""
+        with job.commit_lock:
+            job.durable[rank.rank] = record.counts
+            job.filed[rank.rank] = replace(record, previous=None)
+            try:
+                self._write(job, clean=False)
+            except OSError as exc:
+                log.error("job %r: cannot rewrite its job file: %s", job.job_id, exc)
+
+    # ----------------------------------------------------------------- commits
+
+    def after_step(self, job: Job, rank: RankOptimizer) -> None:
+        """Commit ``rank`` when ``jobs.commit_every`` steps ran since its last commit."""
+        if not self.commit_every or not isinstance(rank.state, NvmeStateChunks) or rank.phase.phase is RankPhase.FAILED:
+            return
+        durable = job.durable.get(rank.rank)
+        if rank.last_step - (durable.last_step if durable is not None else 0) < self.commit_every:
+            return
+        rank.quiesce()
+        self.commit(job, rank, periodic=True)
+
+    def commit(self, job: Job, rank: RankOptimizer, *, periodic: bool = False) -> bool:
+        """Make ``rank``'s state durable (see the module docstring); False when it has none to commit.
+
+        Raises the store's ``TiermemError`` (the rank is then FAILED) or, at shutdown, ``DataLostError`` for
+        a job file that cannot be written.  A periodic commit whose job file cannot be written is skipped.
+        """
+        state = rank.state
+        if not isinstance(state, NvmeStateChunks) or rank.layout is None:
+            return False
+        with job.commit_lock:
+            generation = state.generation
+            durable = job.durable.get(rank.rank)
+            if durable is not None and durable.generation != generation:
+                durable = None
+            record = rank.export("nvme").pending(generation + 1, durable)
+            before = job.filed.get(rank.rank)
+            job.filed[rank.rank] = record
+            try:
+                self._write(job, clean=False)
+            except OSError as exc:
+                if before is None:
+                    job.filed.pop(rank.rank)
+                else:
+                    job.filed[rank.rank] = before
+                path = job_file_path(self.jobs_dir, job.job_id, job.owner_uid)
+                log.error("job %r rank %d: cannot write its job file %s: %s", job.job_id, rank.rank, path, exc)
+                if periodic:
+                    return False
+                raise DataLostError([str(path)], f"cannot write the job file {path}: {exc}") from exc
+            try:
+                state.persist()
+            except TiermemError as exc:
+                reason = f"the commit of its state failed: {exc}"
+                rank.phase.fail(rank.last_step, reason)
+                log.error(
+                    "job %r rank %d: %s; its state stays at its previous commit (%s)",
+                    job.job_id,
+                    rank.rank,
+                    reason,
+                    f"step {durable.last_step}" if durable is not None else "none: its state is lost",
+                )
+                raise
+            job.durable[rank.rank] = record.counts
+            return True
+
+    def persist_job(self, job: Job) -> bool:
+        """At shutdown: commit every NVMe rank of ``job`` and mark its job file clean; False when nothing of
+        it can outlive the daemon (its files are then removed)."""
+        ranks = [r for r in job.ranks.values() if isinstance(r, RankOptimizer) and r.layout is not None]
+        cpu_only = [r.rank for r in ranks if not isinstance(r.state, NvmeStateChunks)]
+        if cpu_only:
+            log.warning(
+                "job %r: the state of rank(s) %s lives in memory only and ends with the daemon", job.job_id, cpu_only
+            )
+            return False
+        if not ranks and not job.restored:
+            return False
+        ok = True
+        for rank in ranks:
+            rank.close_pipeline()
+            try:
+                self.commit(job, rank)
+            except TiermemError as exc:
+                ok = False
+                durable = job.durable.get(rank.rank)
+                back = f"step {durable.last_step}" if durable is not None else "nothing (its state is lost)"
+                line = (
+                    f"job {job.job_id!r} (uid {job.owner_uid}) rank {rank.rank}: the commit at shutdown failed "
+                    f"({exc}); the next start serves its last commit: {back}, not step {rank.last_step}"
+                )
+                log.error("%s", line)
+                self.failed.append(line)
+        if ok:
+            with job.commit_lock:
+                try:
+                    self._write(job, clean=True)
+                except OSError as exc:
+                    log.error("job %r: cannot mark its job file clean: %s", job.job_id, exc)
+        return True
+
+    def _write(self, job: Job, *, clean: bool) -> None:
+        ranks = {**job.restored, **job.filed}
+        write_job_file(
+            self.jobs_dir,
+            JobRecord(
+                job.job_id,
+                job.owner_uid,
+                job.token,
+                job.world_size,
+                tuple(ranks[r] for r in sorted(ranks)),
+                clean=clean,
+            ),
+        )

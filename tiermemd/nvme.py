@@ -1,0 +1,374 @@
+"""The NVMe placement of a rank's state: chunks paged through a ``TierManager``.
+
+Each state chunk (master | exp_avg | exp_avg_sq of ``chunk_numel`` elements,
+see ``state``) is one key of the rank's ``SwapStore`` and one tensor of its
+``TierManager``.  The step pipeline acquires chunks in ascending order, so the
+manager is given that order once and keeps the next chunks in flight: while
+chunk i is updated, chunks i+1.. are read and chunk i-1 written back as its
+slot is needed.
+
+Sizing is measured, not fixed (``tiermem.engine.tiers.sizing``): the first time a rank
+is placed here, ``SwapDevice`` probes the swap device (bandwidth by queue
+depth, latency; a fraction of a second) and sets the engine's queue depth;
+each rank's plan (prefetch depth, chunks being updated and written back, so
+the cache) follows from the probe, its chunk size and the job's room in the
+pool budget, and its prefetch is planned again after each pass from the
+measured update time.  ``swap.queue_depth``, ``swap.cache_chunks`` and
+``swap.prefetch_depth`` fix any of them instead.  Every decision is logged and
+is in the tier manager's stats (``TierStats.plan``).
+
+The plan's cache (the manager's guaranteed budget) is reserved in the node's
+pool budget at admission; with ``swap.borrow`` the manager also borrows free
+pool memory up to all of its state, which the node's ``PoolShares`` takes back
+when another allocation needs it.  The swap space is reserved (preallocated by
+the store) in the swap budget.  A full disk is therefore an admission error,
+never a failure mid-training.
+
+``persist()`` (SIGTERM, and every ``jobs.commit_every`` steps) writes every
+dirty chunk and commits the manifest, so a restarted daemon reopens the chunks
+from the store.  Only ``persist()`` commits (the store is opened with
+``auto_commit=False``): a manifest committed in the middle of a step would
+name chunks of two different steps.  The swap reserved is therefore two
+copies of the state (the committed one and the one being written) plus the
+cache.  A rank reopened from a job file (``require_stored``) must find every
+chunk in the store; a chunk the manifest does not name is ``DataLostError``,
+never zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiermem.core.config import MAX_QUEUE_DEPTH, SwapConfig
+from tiermem.core.errors import DataLostError, TiermemError
+from tiermem.engine.swap.engine import IOEngine
+from tiermem.engine.swap.probe import DiskProbe, probe_disk
+from tiermem.engine.swap.store import SwapStore
+from tiermem.engine.tiers import PoolShares, TierManager
+from tiermem.engine.tiers.sizing import CachePlan, choose_queue_depth, plan_cache, with_overrides
+from tiermemd.ledger import Resource
+from tiermemd.state import ALL_KEYS, ChunkTensors, StateStats, split_chunk
+
+if TYPE_CHECKING:
+    from tiermemd.jobs import Job
+    from tiermemd.service import Service
+
+__all__ = ["NvmeStateChunks", "SwapDevice", "make_nvme_state", "plan_rank", "remove_store", "store_name"]
+
+log = logging.getLogger(__name__)
+
+
+class SwapDevice:
+    """The node's swap device as measured: one short probe, the first time an NVMe-placed rank is sized.
+
+    No probe where the engine is not libaio (no O_DIRECT: a buffered file measures the page cache) or
+    where the configuration fixes every figure it would decide; a failed probe is logged and the plans
+    fall back to the unmeasured minimum."""
+
+    def __init__(self, dirs: Sequence[Path], engine: IOEngine, config: SwapConfig) -> None:
+        self._dirs = list(dirs)
+        self._engine = engine
+        self._config = config
+        self._lock = threading.Lock()
+        self._probed = False
+        self._probe: DiskProbe | None = None
+
+    @property
+    def queue_depth(self) -> int:
+        return int(getattr(self._engine, "queue_depth", self._config.threads))
+
+    def probe(self) -> DiskProbe | None:
+        with self._lock:
+            if self._probed:
+                return self._probe
+            self._probed = True
+            cfg = self._config
+            set_depth = getattr(self._engine, "set_queue_depth", None)
+            if not self._engine.direct or set_depth is None or not self._dirs:
+                return None
+            if cfg.queue_depth and cfg.cache_chunks and cfg.prefetch_depth:
+                return None
+            try:
+                probe = probe_disk(self._dirs[0], block_nbytes=cfg.block_size)
+            except (OSError, TiermemError) as exc:
+                log.warning(
+                    "could not measure the swap device under %s (%s); using unmeasured sizes", self._dirs[0], exc
+                )
+                return None
+            if not cfg.queue_depth:
+                set_depth(min(choose_queue_depth(probe), getattr(self._engine, "capacity", MAX_QUEUE_DEPTH)))
+            log.info(
+                "swap device under %s measured (%s): queue depth %d (%s)",
+                self._dirs[0],
+                probe.describe(),
+                self.queue_depth,
+                "configured" if cfg.queue_depth else "measured",
+            )
+            self._probe = probe
+            return probe
+
+
+def plan_rank(service: Service, job: Job, numel: int, chunk_numel: int, per_element: int) -> CachePlan:
+    """The sizing of one rank's chunk cache: measured, within the job's room in the pool budget, overridden
+    by what the configuration fixes."""
+    cfg = service.config.swap
+    nchunks = -(-numel // chunk_numel)
+    room = service.ledger.available(Resource.POOL)
+    quota = service.ledger.quota(job.key, Resource.POOL)
+    if quota is not None:
+        room = min(room, quota - service.ledger.held(Resource.POOL, job.key))
+    probe = service.swap_device.probe()
+    plan = plan_cache(
+        probe,
+        chunk_nbytes=chunk_numel * per_element,
+        nchunks=nchunks,
+        memory_nbytes=room,
+        queue_depth=service.swap_device.queue_depth,
+    )
+    return with_overrides(plan, cache_chunks=cfg.cache_chunks, prefetch_depth=cfg.prefetch_depth, nchunks=nchunks)
+
+
+def store_name(job_id: str, rank: int, uid: int) -> str:
+    """A file-system-safe, collision-free name for the swap files of one rank of uid ``uid``'s job."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", job_id).lstrip(".")[:80] or "job"
+    digest = hashlib.sha256(f"{uid}/{job_id}".encode()).hexdigest()[:10]
+    return f"u{uid}-{safe}-{digest}.r{rank}"
+
+
+def _key(chunk: int) -> str:
+    return f"chunk{chunk}"
+
+
+class NvmeStateChunks:
+    def __init__(
+        self,
+        pool: object,
+        store: SwapStore,
+        numel: int,
+        chunk_numel: int,
+        cache_nbytes: int,
+        keys: tuple[str, ...] = ALL_KEYS,
+        *,
+        require_stored: bool = False,
+        ceiling_nbytes: int | None = None,
+        shares: PoolShares | None = None,
+        tenant: str = "",
+        plan: CachePlan | None = None,
+        probe: DiskProbe | None = None,
+        replan: bool = True,
+    ) -> None:
+        """``keys`` always include the fp32 master on this placement: it is what a restarted daemon reopens.
+        ``require_stored``: the state is reopened, so every chunk must be in the store.  ``cache_nbytes`` is
+        the guaranteed cache; with ``shares`` the manager borrows free pool memory up to ``ceiling_nbytes``
+        and gives it back when the node needs it (registered as ``tenant``).  ``plan`` sizes the pipeline
+        (default: the unmeasured minimum); with ``replan`` its prefetch is planned again from ``probe`` and
+        the measured update time after each pass."""
+        self.keys = keys
+        self.numel = numel
+        self.chunk_numel = chunk_numel
+        self.store = store
+        if require_stored:
+            missing = [_key(c) for c in range(self.nchunks) if _key(c) not in store]
+            if missing:
+                raise DataLostError(
+                    missing,
+                    f"the state is reopened from a job file, but the swap manifest {store.manifest_path} "
+                    f"(generation {store.generation}) holds no committed copy of {len(missing)} of its "
+                    f"{self.nchunks} chunks",
+                )
+        self.tiers = TierManager(pool, store, cache_nbytes, ceiling_nbytes=ceiling_nbytes)
+        try:
+            for c in range(self.nchunks):
+                self.tiers.register(_key(c), torch.float32, (len(keys) * self._chunk_len(c),))
+            self.plan = plan or plan_cache(
+                None, chunk_nbytes=chunk_numel * 4 * len(keys), nchunks=self.nchunks, memory_nbytes=cache_nbytes
+            )
+            self.tiers.prefetch([_key(c) for c in range(self.nchunks)], self.plan.prefetch_depth)
+            self.tiers.set_plan(self.plan)
+            if shares is not None:
+                shares.register(tenant, self.tiers)
+        except BaseException:
+            self.tiers.close()
+            raise
+        self._shares, self._tenant = shares, tenant
+        self._probe, self._replan = probe, replan
+
+    @property
+    def max_acquired(self) -> int:
+        """Pieces the step pipeline may hold at once (the rest of the cache is for prefetch and write-back)."""
+        return self.plan.acquired
+
+    @property
+    def nchunks(self) -> int:
+        return (self.numel + self.chunk_numel - 1) // self.chunk_numel
+
+    def _chunk_len(self, chunk: int) -> int:
+        return min(self.chunk_numel, self.numel - chunk * self.chunk_numel)
+
+    def acquire(self, chunk: int) -> ChunkTensors:
+        flat = self.tiers.acquire(_key(chunk))
+        return split_chunk(flat, self._chunk_len(chunk), self.keys)
+
+    def release(self, chunk: int, *, dirty: bool) -> None:
+        self.tiers.release(_key(chunk), dirty=dirty)
+        if chunk == self.nchunks - 1 and self._replan:
+            self._plan_again()
+
+    def _plan_again(self) -> None:
+        """After a pass: the prefetch depth for the update time measured now.  The reserved cache stays as it
+        is: a deeper prefetch runs in borrowed memory where there is some, else within the cache (the pager
+        never evicts a chunk needed sooner than the one it fetches)."""
+        update_s = self.tiers.stats().hold_s
+        if update_s <= 0:
+            return
+        fresh = plan_cache(
+            self._probe,
+            chunk_nbytes=self.plan.chunk_nbytes,
+            nchunks=self.nchunks,
+            memory_nbytes=self.nchunks * self.plan.chunk_nbytes,  # bounded by the state; see the docstring
+            update_s=update_s,
+            queue_depth=self.plan.queue_depth,
+        )
+        prefetch = max(1, min(fresh.prefetch_depth, self.nchunks - 1))
+        if prefetch != self.plan.prefetch_depth or fresh.bound != self.plan.bound:
+            self.plan = replace(self.plan, prefetch_depth=prefetch, bound=fresh.bound)
+            self.tiers.set_plan(self.plan)
+            log.info(
+                "%s: update %.1f ms per chunk measured: %s",
+                self._tenant or "NVMe state",
+                update_s * 1e3,
+                self.plan.describe(),
+            )
+
+    def persist(self) -> None:
+        """Write every modified chunk and commit the manifest (crash-consistent reopen)."""
+        self.tiers.flush()
+
+    @property
+    def generation(self) -> int:
+        """The generation of the store's last committed manifest; ``persist()`` commits the next."""
+        return self.store.generation
+
+    def stats(self) -> StateStats:
+        tiers, swap = self.tiers.stats(), self.store.stats()
+        return StateStats(cpu_nbytes=tiers.cpu_nbytes, nvme_nbytes=swap.used_nbytes, tiers=tiers, swap=swap)
+
+    def close(self, *, remove: bool = True) -> None:
+        """Free the cache; ``remove`` also deletes the swap files (the job is gone)."""
+        if self._shares is not None:
+            self._shares.unregister(self._tenant)
+            self._shares = None
+        self.tiers.close()
+        self.store.close(remove=remove)
+
+
+def wipe_store_files(swap_dirs: Sequence[Path], name: str) -> list[Path]:
+    """Delete whatever files of store ``name`` exist (swap files, manifest, a cut-short manifest write)."""
+    paths = [Path(d) / f"{name}.swap" for d in swap_dirs]
+    if swap_dirs:
+        first = Path(swap_dirs[0])
+        paths += [first / f"{name}.manifest", first / f"{name}.manifest.tmp"]
+    removed = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    if removed:
+        log.warning("removed files of an earlier store %r before a new rank took the name: %s", name, removed)
+    return removed
+
+
+def remove_store(service: Service, job: Job, rank: int) -> None:
+    """Delete the swap files of a rank that was never reopened (its job was reclaimed)."""
+    try:
+        store = SwapStore.open(service.swap_dirs, store_name(job.job_id, rank, job.owner_uid), service.io_engine, 0)
+    except TiermemError as exc:
+        log.warning("could not remove the swap files of job %r rank %d: %s", job.job_id, rank, exc)
+        return
+    store.close(remove=True)
+
+
+def _ceiling(service: Service, job: Job, resident_nbytes: int, cache_nbytes: int) -> int:
+    """The most pool memory a rank's chunk cache may hold, borrowing above ``cache_nbytes``: all of its
+    state, within the pool and what the job's pool quota leaves (asked before the cache is reserved)."""
+    ceiling = min(resident_nbytes, service.pool.capacity)
+    quota = service.ledger.quota(job.key, Resource.POOL)
+    if quota is not None:
+        ceiling = min(ceiling, quota - service.ledger.held(Resource.POOL, job.key))
+    return max(ceiling, cache_nbytes)
+
+
+def make_nvme_state(
+    service: Service,
+    job: Job,
+    rank: int,
+    numel: int,
+    keys: tuple[str, ...] = ALL_KEYS,
+    *,
+    require_stored: bool = False,
+) -> NvmeStateChunks:
+    """Reserve cache and swap for ``numel`` elements of ``job``'s ``rank`` and open its store."""
+    chunk_numel = service.config.adam.chunk_numel
+    per_element = 4 * len(keys)
+    state_nbytes = numel * per_element
+    plan = plan_rank(service, job, numel, chunk_numel, per_element)
+    log.info(
+        "job %r rank %d: NVMe state of %d chunk(s): %s", job.job_id, rank, -(-numel // chunk_numel), plan.describe()
+    )
+    cache_nbytes = min(state_nbytes, plan.cache_chunks * chunk_numel * per_element) + 4096 * plan.cache_chunks
+    # out-of-place writes keep the committed version until the next commit: room for two copies of the state
+    # and the chunks being written
+    swap_nbytes = 2 * state_nbytes + cache_nbytes
+    ceiling_nbytes = cache_nbytes
+    if service.config.swap.borrow:
+        ceiling_nbytes = _ceiling(service, job, state_nbytes + 4096 * (-(-numel // chunk_numel)), cache_nbytes)
+    service.ledger.reserve(job.key, Resource.POOL, cache_nbytes)
+    try:
+        service.ledger.reserve(job.key, Resource.SWAP, swap_nbytes)
+    except BaseException:
+        service.ledger.release(job.key, Resource.POOL, cache_nbytes)
+        raise
+    if not require_stored:  # a new rank: files of a previous job of this name are not its state
+        wipe_store_files(service.swap_dirs, store_name(job.job_id, rank, job.owner_uid))
+    try:
+        store = SwapStore.open(
+            service.swap_dirs,
+            store_name(job.job_id, rank, job.owner_uid),
+            service.io_engine,
+            swap_nbytes,
+            fsync=service.config.swap.fsync,
+            auto_commit=False,
+        )
+        try:
+            return NvmeStateChunks(
+                service.pool,
+                store,
+                numel,
+                chunk_numel,
+                cache_nbytes,
+                keys,
+                require_stored=require_stored,
+                ceiling_nbytes=ceiling_nbytes,
+                shares=service.shares,
+                tenant=f"{job.key}/{rank}",
+                plan=plan,
+                probe=service.swap_device.probe(),
+                replan=not service.config.swap.prefetch_depth,
+            )
+        except BaseException:
+            store.close(remove=True)
+            raise
+    except BaseException:
+        service.ledger.release(job.key, Resource.POOL, cache_nbytes)
+        service.ledger.release(job.key, Resource.SWAP, swap_nbytes)
+        raise

@@ -1,0 +1,57 @@
+"""The step planner: which flat ranges an update touches, cut into chunk pieces.  Pure.
+
+An update of tensors ``ids`` becomes pieces ``(chunk, lo, hi, group, step)``:
+maximal runs of consecutive tensors that share a param group and a step
+count (so one kernel call serves the run), cut at chunk boundaries (the unit
+the state is stored, paged and scheduled in).  ``step`` is the count after the
+update (1 for a tensor's first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tiermem.core.errors import InvalidArgument
+from tiermem.core.protocol import ParamGroup
+from tiermemd.rank.records import TensorRecord
+from tiermemd.state import chunk_ranges
+
+__all__ = ["Piece", "check_ids", "chunk_ranges", "plan_pieces"]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    chunk: int
+    lo: int
+    hi: int
+    """Flat element range ``[lo, hi)``, inside ``chunk``."""
+    group: ParamGroup
+    step: int
+
+
+def check_ids(ids: Sequence[int], count: int) -> list[int]:
+    """``ids`` sorted and unique (empty: all ``count`` tensors); an unknown id is an ``InvalidArgument``."""
+    bad = [i for i in ids if not 0 <= i < count]
+    if bad:
+        raise InvalidArgument(f"tensor id {bad[0]} is not registered (ids are 0..{count - 1})")
+    return sorted(set(ids)) if ids else list(range(count))
+
+
+def plan_pieces(
+    records: Sequence[TensorRecord], ids: Sequence[int], groups: Sequence[ParamGroup], chunk_numel: int
+) -> list[Piece]:
+    """The pieces of one update of ``ids`` (sorted, unique), with each tensor's next step count."""
+    runs: list[tuple[int, int, int, int]] = []
+    for tid in ids:
+        rec = records[tid]
+        key = (rec.spec.group, rec.step + 1)
+        if runs and runs[-1][1] == rec.start and runs[-1][2:] == key:
+            runs[-1] = (runs[-1][0], rec.stop, *key)
+        elif rec.stop > rec.start:
+            runs.append((rec.start, rec.stop, *key))
+    return [
+        Piece(chunk, lo, hi, groups[group], step)
+        for start, stop, group, step in runs
+        for chunk, lo, hi in chunk_ranges(start, stop, chunk_numel)
+    ]

@@ -1,0 +1,165 @@
+"""State I/O of a rank: STATE_READ, STATE_WRITE and STATE_RESET through the staging window.
+
+A part of ``RankOptimizer`` (a mixin over the rank's records, state and
+window): every reference into the window is bounds-checked, every state range
+is checked against its tensor, and the keys a rank does not keep are refused
+by name.  ``master`` of a rank whose fp32 params are their own master reads
+and writes the storage params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiermem.core.errors import BoundsError, InvalidArgument
+from tiermem.core.layout import Layout
+from tiermem.core.protocol import STATE_KEYS, MemRef, StateChunk, StateRead, StateWrite
+from tiermem.engine.pool import Arena
+from tiermemd.rank.planner import check_ids
+from tiermemd.rank.records import PhaseRecord, RankPhase, TensorRecord
+from tiermemd.state import StateChunks, chunk_ranges
+
+__all__ = ["StateIO"]
+
+
+class StateIO:
+    records: list[TensorRecord]
+    window: Arena
+    window_id: int
+    phase: PhaseRecord
+    layout: Layout | None
+    _window_bytes: torch.Tensor
+    _uninstalled: set[int]
+    _delayed: Future[None] | None
+
+    if TYPE_CHECKING:
+
+        @property
+        def master_in_params(self) -> bool: ...
+        @property
+        def staged(self) -> bool: ...
+        def _parts(self) -> tuple[Layout, StateChunks]: ...
+        def _region(self, offset: int) -> torch.Tensor: ...
+        def _settle(self) -> None: ...
+        def _install(self, ids: Sequence[int] | range, *, force: bool = False) -> None: ...
+
+    def _state_span(self, tid: int, key: str, offset: int, length: int) -> tuple[int, int]:
+        if key not in STATE_KEYS:
+            raise InvalidArgument(f"unknown state key {key!r}; the keys are {', '.join(STATE_KEYS)}")
+        _, state = self._parts()
+        if key not in state.keys and not (key == "master" and self.master_in_params):
+            raise InvalidArgument(f"this rank keeps no {key!r} state (its keys are {', '.join(state.keys)})")
+        rec = self.records[check_ids([tid], len(self.records))[0]]
+        total = rec.spec.numel * 4
+        if offset >= 0 and length > total:
+            raise BoundsError(
+                f"state range of {length} bytes is too large for tensor {tid} {key}: it holds {total} bytes "
+                f"({rec.spec.numel} fp32 elements)"
+            )
+        if offset < 0 or length < 0 or offset + length > total:
+            raise BoundsError(
+                f"state range [{offset}, {offset + length}) of tensor {tid} {key} falls outside its {total} bytes "
+                f"({rec.spec.numel} fp32 elements)"
+            )
+        if offset % 4 or length % 4:
+            raise BoundsError(f"state range [{offset}, {offset + length}) of tensor {tid} {key} is not 4-byte aligned")
+        return rec.start + offset // 4, rec.start + (offset + length) // 4
+
+    def _window_f32(self, ref: MemRef) -> torch.Tensor:
+        if ref.window != self.window_id:
+            raise BoundsError(f"window {ref.window} is not this rank's staging window ({self.window_id})")
+        if ref.length > self.window.nbytes:
+            raise BoundsError(
+                f"a staging area of {ref.length} bytes is too large: this rank's staging window holds "
+                f"{self.window.nbytes} bytes; move state in pieces of at most that"
+            )
+        ref.check_bounds(self.window.nbytes)
+        if ref.offset % 4 or ref.length % 4:
+            raise BoundsError(f"fp32 staging area at offset {ref.offset}, length {ref.length} is not 4-byte aligned")
+        return self._window_bytes[ref.offset : ref.offset + ref.length].view(torch.float32)
+
+    def _key_view(self, key: str, lo: int, hi: int, chunk: int, tensors: object) -> torch.Tensor:
+        """The fp32 values of ``key`` for flat ``[lo, hi)``: a state section, or the fp32 storage params
+        when the params are the master."""
+        _, state = self._parts()
+        if key == "master" and self.master_in_params:
+            return self._region(self.layout.param_offset)[lo:hi]  # type: ignore[union-attr]
+        c0 = chunk * state.chunk_numel
+        return getattr(tensors, key)[lo - c0 : hi - c0]
+
+    def read_state(self, msg: StateRead) -> StateChunk:
+        self._settle()
+        _, state = self._parts()
+        lo, hi = self._state_span(msg.tensor_id, msg.key, msg.offset, msg.dest.length)
+        dest = self._window_f32(msg.dest)
+        self._install([msg.tensor_id])
+        for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
+            tensors = state.acquire(chunk)
+            try:
+                dest[a - lo : b - lo].copy_(self._key_view(msg.key, a, b, chunk, tensors))
+            finally:
+                state.release(chunk, dirty=False)
+        rec = self.records[msg.tensor_id]
+        return StateChunk(
+            tensor_id=msg.tensor_id,
+            key=msg.key,
+            offset=msg.offset,
+            nbytes=msg.dest.length,
+            total_nbytes=rec.spec.numel * 4,
+            step=rec.step,
+        )
+
+    def write_state(self, msg: StateWrite) -> None:
+        """Load a piece of ``key``.  The storage params are not touched: a loaded master that the model's
+        param does not round to is replaced by the param at the next update (the model is the truth, as
+        for ``torch.optim``), so loading the optimizer before or after the model gives the same result."""
+        self._settle()
+        _, state = self._parts()
+        lo, hi = self._state_span(msg.tensor_id, msg.key, msg.offset, msg.src.length)
+        src = self._window_f32(msg.src)
+        self._install([msg.tensor_id])
+        for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
+            tensors = state.acquire(chunk)
+            try:
+                view = self._key_view(msg.key, a, b, chunk, tensors)
+                if msg.accumulate:
+                    view.add_(src[a - lo : b - lo])
+                else:
+                    view.copy_(src[a - lo : b - lo])
+            finally:
+                state.release(chunk, dirty=True)
+        if msg.key in ("exp_avg", "exp_avg_sq"):
+            self.records[msg.tensor_id].step = msg.step
+
+    def reset_state(self, ids: Sequence[int]) -> None:
+        """Zero the moments of ``ids`` (empty: all) and their step counts; the master takes the storage
+        params.  Resetting every tensor makes a FAILED rank usable again."""
+        if self.phase.phase is not RankPhase.FAILED:
+            self._settle()
+        else:
+            self._delayed = None
+        layout, state = self._parts()
+        wanted = check_ids(ids, len(self.records))
+        params = None if self.staged else self._region(layout.param_offset)
+        self._uninstalled.difference_update(wanted)
+        for tid in wanted:
+            rec = self.records[tid]
+            for chunk, a, b in chunk_ranges(rec.start, rec.stop, state.chunk_numel):
+                c0 = chunk * state.chunk_numel
+                tensors = state.acquire(chunk)
+                try:
+                    tensors.exp_avg[a - c0 : b - c0].zero_()
+                    tensors.exp_avg_sq[a - c0 : b - c0].zero_()
+                    if tensors.grad is not None:
+                        tensors.grad[a - c0 : b - c0].zero_()
+                    if tensors.master is not None and params is not None:
+                        tensors.master[a - c0 : b - c0].copy_(params[a:b])
+                finally:
+                    state.release(chunk, dirty=True)
+            rec.step = 0
+        if self.phase.phase is RankPhase.FAILED and len(wanted) == len(self.records):
+            self.phase.move(RankPhase.IDLE)
