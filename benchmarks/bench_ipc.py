@@ -419,7 +419,7 @@ def measure_codec() -> list[dict[str, Any]]:
 def copies_per_gradient_byte(steps: int = 20) -> dict[str, float]:
     """Bytes moved per byte of gradient on the step path, counted on a real OffloadAdam and tiermemd.
 
-    Every copy the client makes is counted where it happens (``GradFeed._copy_in``: a fresh grad into
+    Every copy the client makes is counted where it happens (``SharedFeed._copy_in``: a fresh grad into
     the shared grad buffer; there is no param copy: the params live in the shared storage the daemon
     updates in place), and every byte that crosses the socket in either direction (``FrameSocket.send``/
     ``recv`` of the client's connection).  The daemon reads grads and writes params in place in the
@@ -431,7 +431,7 @@ def copies_per_gradient_byte(steps: int = 20) -> dict[str, float]:
 
     from tiermem.client.link import connect
     from tiermem.client.offload import OffloadAdam
-    from tiermem.client.offload.feed import GradFeed
+    from tiermem.client.offload.shared import SharedFeed
     from tiermem.net.frames import FrameSocket
 
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
@@ -439,7 +439,7 @@ def copies_per_gradient_byte(steps: int = 20) -> dict[str, float]:
     counted = {"grad": 0, "socket": 0}
     client = connect(pool_size=256 << 20, settings={"adam.compile": False})
     opt = OffloadAdam(model.parameters(), lr=1e-3, client=client, bucket_nbytes=1 << 20)
-    orig_copy = GradFeed._copy_in
+    orig_copy = SharedFeed._copy_in
     orig_send, orig_recv = FrameSocket.send, FrameSocket.recv
 
     def copy_in(target: Any, grad: Any, *, accumulate: bool) -> None:
@@ -459,7 +459,7 @@ def copies_per_gradient_byte(steps: int = 20) -> dict[str, float]:
     model(x).square().mean().backward()  # the first step: not counted
     opt.step()
     opt.zero_grad()
-    GradFeed._copy_in = staticmethod(copy_in)  # type: ignore[method-assign,assignment]
+    SharedFeed._copy_in = staticmethod(copy_in)  # type: ignore[method-assign,assignment]
     FrameSocket.send, FrameSocket.recv = send, recv  # type: ignore[method-assign]
     try:
         for _ in range(steps):
@@ -467,7 +467,7 @@ def copies_per_gradient_byte(steps: int = 20) -> dict[str, float]:
             opt.step()
             opt.zero_grad()
     finally:
-        GradFeed._copy_in = staticmethod(orig_copy)  # type: ignore[method-assign,assignment]
+        SharedFeed._copy_in = staticmethod(orig_copy)  # type: ignore[method-assign,assignment]
         FrameSocket.send, FrameSocket.recv = orig_send, orig_recv  # type: ignore[method-assign]
         opt.close()
         client.close()

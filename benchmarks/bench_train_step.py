@@ -28,7 +28,7 @@ Per step, medians over the steps after ``--warmup``:
 - ``fwd+bwd``: forward and backward (for OffloadAdam this includes the
   post-accumulate-grad hooks that move fresh grads into the shared storage);
 - ``opt.step``: the ``step()`` call;
-- ``grad copy``: time inside ``OffloadAdam``'s one copy (``GradFeed._copy_in``:
+- ``grad copy``: time inside ``OffloadAdam``'s one copy (``SharedFeed._copy_in``:
   a fresh grad into the shared grad buffer), measured by wrapping it on the
   optimizer's feed from here; ``param copy`` is always empty now: the daemon
   updates the params in the shared storage in place;

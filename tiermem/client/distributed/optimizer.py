@@ -89,12 +89,12 @@ from tiermem.client.distributed.identity import agree_identity, release_job_id
 from tiermem.client.distributed.node import node_client
 from tiermem.client.link import Client
 from tiermem.client.offload.args import HYPER_KEYS, check_hyper, check_torch_flags, optimizer_defaults
-from tiermem.client.offload.feed import GradFeed, TensorEntry
 from tiermem.client.offload.optimizer import OffloadAdam
+from tiermem.client.offload.shared import TensorEntry
 from tiermem.client.offload.transfer import adopt_saved_groups, packed_groups, plan_load
 from tiermem.core import dtypes
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
-from tiermem.core.modes import Exchange, Placement
+from tiermem.core.modes import Exchange, Placement, StepMode
 from tiermem.core.shard_plan import Piece, ShardLayout, plan_shards
 from tiermem.core.step_rules import GradStats, decide
 from tiermem.core.units import MiB
@@ -217,6 +217,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                 dtype=self.dtype.name,
                 placement=Placement.parse(offload, "offload"),
                 window_nbytes=window_nbytes,
+                mode=StepMode.DELAYED if delayed_update else StepMode.SYNC,
             )
         try:
             self._agree(
@@ -238,8 +239,8 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         self._slice = torch.empty(-(-largest // self.world_size), dtype=self.dtype.torch, device=self.device)
         self._shared: list[TensorEntry] = []
         """The inner optimizer's tensors in the shared storage (the shared exchange), one per piece."""
-        if self.inner is not None and isinstance(self.inner.feed, GradFeed):
-            self._shared = self.inner.feed.entries
+        if self.inner is not None and self.inner.shared_feed is not None:
+            self._shared = self.inner.shared_feed.entries
         self._param_slices, self._grad_slices = self._storage_slices()
         self._steps = 0
         self.overlap_comm = overlap_comm

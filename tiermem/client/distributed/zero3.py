@@ -59,7 +59,7 @@ no checkpoints (``state_dict`` says so: the modules hold placeholders;
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -74,7 +74,7 @@ from tiermem.client.offload.args import HYPER_KEYS, check_hyper, optimizer_defau
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
-from tiermem.core.modes import Exchange, Placement
+from tiermem.core.modes import Exchange, Placement, StepMode
 from tiermem.core.step_rules import GradStats, decide
 
 __all__ = ["LayerShardedAdam"]
@@ -113,6 +113,30 @@ class _DaemonGrads:
 
     def unhook(self) -> None:
         """Nothing hooked."""
+
+    # the rest of the Feed protocol (tiermem.client.offload.feeds)
+    @property
+    def releases_grads(self) -> bool:
+        return True  # in the daemon's grad key, written by the reduce
+
+    def retire(self, *, send_edits: bool) -> None:
+        """Nothing to send or unhook."""
+
+    def drain(self) -> None:
+        """The pushes are synchronous."""
+
+    def send(self, ids: Sequence[int]) -> None:
+        """The grads are there already."""
+
+    def receive(self, ids: Sequence[int]) -> None:
+        """Nothing resident: the next forward gathers the updated layers."""
+
+    def send_params(self) -> None:
+        """The params live in the daemon."""
+
+    def new_step(self, buffer: int, *, early: bool) -> None:
+        self.reset()
+        self.buffer = buffer
 
 
 class _Unit:
@@ -220,6 +244,9 @@ class LayerShardedAdam(torch.optim.Optimizer):
                 dtype=dtypes.by_torch(self.units[0].params[0].dtype).name,
                 placement=Placement.parse(offload, "offload"),
                 window_nbytes=None,
+                exchange=Exchange.STAGED if paged or self.units[0].params[0].device.type != "cpu" else Exchange.SHARED,
+                mode=StepMode.SYNC if paged else StepMode.OVERLAP,
+                release_grads=paged,
             )
         if not flat_pieces:
             client.close()  # this rank owns no layer
@@ -245,10 +272,8 @@ class LayerShardedAdam(torch.optim.Optimizer):
         self._grads: _DaemonGrads | None = None
         if paged and self.inner is not None:
             # the daemon has the values now (the staged exchange wrote them as masters): drop every copy here
-            self.inner.feed.unhook()
             self._grads = _DaemonGrads()
-            self.inner.feed = self._grads  # type: ignore[assignment]
-            self.inner.release_grads = True
+            self.inner.use_feed(self._grads, send_edits=False)
             for pieces in self._pieces.values():
                 for piece in pieces:
                     piece.data = torch.empty(0, dtype=piece.dtype)
@@ -383,14 +408,16 @@ class LayerShardedAdam(torch.optim.Optimizer):
                 for tid, view in zip(tids, self._views(unit, flat), strict=True)
             )
             return
-        feed = self.inner.feed
+        feed = self.inner.shared_feed
+        if feed is None:
+            raise InvalidState("LayerShardedAdam without paging needs its owner's params in shared storage (CPU)")
         offset = 0
         for piece, n, entry in zip(self._pieces[unit.index], unit.numels, self._entry_of[unit.index], strict=True):
-            view = self.inner._entries[entry].grad_views[feed.buffer]
+            view = feed.entries[entry].grad_views[feed.buffer]
             view.copy_(flat[offset : offset + n].view(view.shape))
             offset += n
             piece.grad = view
-            feed._grad_ready(piece)  # as autograd's hook would: land, then the bucket
+            feed.land_grad(piece)  # as autograd's hook would: land, then the bucket
         if self.inner.policy.overlap_now:
             self._log("update", unit)
 

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from tiermem.client.offload.staged import StagedFeed
 from tiermem.client.offload.transfer import PushItem, StateTransfer, adopt_saved_groups, packed_groups, plan_load
 from tiermem.core.errors import InvalidState
 
 if TYPE_CHECKING:
     from tiermem.client.link import Client
+    from tiermem.client.offload.feeds import Feed
 
 __all__ = ["OptimizerState"]
 
@@ -36,9 +36,10 @@ class OptimizerState:
     """``OffloadAdam``'s state dicts, state reads and copy guards; see the module docstring."""
 
     if TYPE_CHECKING:
-        _entries: list[Any]
+        tensors: list[torch.nn.Parameter]
+        _index: dict[int, int]
         _open: Any
-        feed: Any
+        feed: Feed
         param_groups: list[dict[str, Any]]
         state_keys: tuple[str, ...]
         transfer: StateTransfer
@@ -53,8 +54,7 @@ class OptimizerState:
     # ----------------------------------------------------------------- state
 
     def _index_of(self, param: torch.Tensor) -> int | None:
-        entry = self.feed._by_param.get(id(param))
-        return None if entry is None else entry.index
+        return self._index.get(id(param))
 
     def _step_of(self, index: int) -> int:
         self._settle()
@@ -62,7 +62,7 @@ class OptimizerState:
 
     def _read_state(self, index: int, key: str) -> Any:
         self.flush()
-        p = self._entries[index].param
+        p = self.tensors[index]
         if key == "step":
             return torch.tensor(float(self.transfer.step_of(index)))
         values, _ = self.transfer.pull(index, key, p.numel())
@@ -76,10 +76,9 @@ class OptimizerState:
         # one pipelined transfer for everything (a param that never stepped has no state in torch: dropped)
         keys = ("exp_avg", "exp_avg_sq", "master")
         reads: list[tuple[int, str, torch.Tensor]] = []
-        for e in self._entries:
-            p = e.param
+        for index, p in enumerate(self.tensors):
             for key in keys if p.dtype != torch.float32 else keys[:2]:
-                reads.append((e.index, key, torch.empty(p.shape, dtype=torch.float32)))
+                reads.append((index, key, torch.empty(p.shape, dtype=torch.float32)))
         steps = self.transfer.pull_many_into(reads)
         state: dict[int, dict[str, Any]] = {}
         for (index, key, values), step in zip(reads, steps, strict=True):
@@ -94,7 +93,7 @@ class OptimizerState:
 
         Everything is checked before anything changes.  Params that have no state in it start afresh
         (step 0), as in torch; the model's params are not touched."""
-        loads = plan_load(state_dict, self.param_groups, [e.param.numel() for e in self._entries])
+        loads = plan_load(state_dict, self.param_groups, [p.numel() for p in self.tensors])
         groups: list[dict[str, Any]] = state_dict["param_groups"]  # checked by plan_load
         # checked: now change things
         self.flush()
@@ -103,13 +102,12 @@ class OptimizerState:
         adopt_saved_groups(self.param_groups, groups)
         self.client.reset_state()
         keep_master = "master" in self.state_keys
-        if isinstance(self.feed, StagedFeed):
-            self.feed.push_params(only_edited=False)  # the model is the truth
+        self.feed.send_params()  # the model is the truth
         writes: list[PushItem] = []
         for t, entry, step in loads:
             writes.append((t, "exp_avg", entry["exp_avg"], step, False))
             writes.append((t, "exp_avg_sq", entry["exp_avg_sq"], step, False))
-            if keep_master and "master" in entry and self._entries[t].param.dtype != torch.float32:
+            if keep_master and "master" in entry and self.tensors[t].dtype != torch.float32:
                 writes.append((t, "master", entry["master"], step, False))
         self.transfer.push_many(writes)
 

@@ -66,10 +66,10 @@ from tiermem.client.link import Client, connect
 from tiermem.client.offload.args import check_hyper, check_torch_flags, optimizer_defaults, private_pool_plan, step_mode
 from tiermem.client.offload.checkpoint import OptimizerState
 from tiermem.client.offload.eager import eager_under_compile
-from tiermem.client.offload.feed import GradFeed, TensorEntry
-from tiermem.client.offload.paging import ParamPager
+from tiermem.client.offload.feeds import Feed
 from tiermem.client.offload.policy import StepPolicy, plan_buckets
 from tiermem.client.offload.resume import check_resume
+from tiermem.client.offload.shared import SharedFeed, TensorEntry
 from tiermem.client.offload.staged import StagedEntry, StagedFeed
 from tiermem.client.offload.state_view import StateView
 from tiermem.client.offload.stats import OptimizerStats
@@ -186,9 +186,17 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         """Where the state came from at attach: ``new``, ``live``, ``shutdown`` or ``commit`` (``ATTACH_OK``)."""
         self._client: Client | None = None
         self._own_client = client is None
-        self._entries: list[Any] = []
-        """One record per tensor: ``TensorEntry`` (shared exchange) or ``StagedEntry``."""
-        self.feed: GradFeed | StagedFeed | ParamPager
+        self.tensors: list[torch.nn.Parameter] = []
+        """The registered tensors, in tensor-id order (the daemon's ids are their indices)."""
+        self._index: dict[int, int] = {}
+        """``id(tensor)`` -> tensor id."""
+        self.shared_feed: SharedFeed | None = None
+        """The feed of the shared exchange (its records are the params' and grads' views in the storage);
+        None with the staged exchange."""
+        self.feed: Feed
+        """Where grads come from and params go back (``tiermem.client.offload.feeds``): the exchange's own
+        feed, or the one given to ``use_feed`` (``offload_params``' pager)."""
+        self._own_feed = True
         self._steps_sent = 0
         self._attempts = itertools.count(1)
         self._sent: _SentStep | None = None
@@ -217,6 +225,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
 
     def _register(self, client: Client | None, window_nbytes: int | None) -> None:
         params = [p for g in self.param_groups for p in g["params"]]
+        self.tensors = params
+        self._index = {id(p): i for i, p in enumerate(params)}
         if not params:
             raise InvalidArgument("OffloadAdam got an empty parameter list")
         kinds = {p.dtype for p in params}
@@ -298,8 +308,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 staged = [
                     StagedEntry(i, p, p.dtype, p.device, p.shape, buckets.bucket_of[i]) for i, p in enumerate(params)
                 ]
-                self._entries = staged
-                feed = self.feed = StagedFeed(
+                feed = StagedFeed(
                     staged,
                     self.transfer,
                     buckets,
@@ -308,6 +317,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 )
                 feed.early = self._grads_early()
                 feed.hook()
+                self.feed = feed
                 if info.reattached:
                     feed.pull_params(range(len(staged)))
                 else:  # params made on the meta device get their values later (tiermem.offload_params)
@@ -334,7 +344,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             # a torch storage of its own per param and per grad: checkpoint writers see distinct tensors
             return client.storage_tensor(offset, length).view(dtype.torch).view(p.shape)
 
-        self._entries = [
+        entries = [
             TensorEntry(
                 i,
                 p,
@@ -344,22 +354,41 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             )
             for i, (p, slot) in enumerate(zip(params, slots, strict=True))
         ]
-        for e in self._entries:
-            GradFeed.bind(e.param, e.view, adopt=reattached)
+        for e in entries:
+            SharedFeed.bind(e.param, e.view, adopt=reattached)
         transfer = self.transfer
 
         def push(tid: int, grad: torch.Tensor, accumulate: bool) -> None:
             transfer.push(tid, "grad", grad, step=0, accumulate=accumulate)
 
-        self.feed = GradFeed(
-            self._entries,
+        feed = self.shared_feed = SharedFeed(
+            entries,
             buckets,
             release_grads=self.release_grads,
             on_bucket=self._on_bucket,
             push=push if self.release_grads else None,
         )
-        self.feed.buffer = self._next_buffer()
-        self.feed.hook()
+        feed.buffer = self._next_buffer()
+        feed.hook()
+        self.feed = feed
+
+    @property
+    def paged(self) -> bool:
+        """Whether a feed other than the exchange's own serves the grads (``offload_params``' pager)."""
+        return not self._own_feed
+
+    def use_feed(self, feed: Feed, *, send_edits: bool = True) -> None:
+        """The declared plug-in point for a feed of another kind (``offload_params``' pager, a sharding
+        strategy's): the current feed sends the params edited since the last step (``send_edits``) and steps
+        aside; ``feed`` serves every later step.  Only between steps, and once."""
+        self._settle()
+        if not self._own_feed:
+            raise InvalidState("this OffloadAdam already takes its grads from another feed (offload_params)")
+        if self._open is not None or self._inflight:
+            raise InvalidState("a feed can be given only between steps (an overlapped or delayed step is open)")
+        self.feed.retire(send_edits=send_edits)
+        self.feed = feed
+        self._own_feed = False
 
     @staticmethod
     def _pin_window(client: Client, params: list[torch.nn.Parameter]) -> bool:
@@ -443,7 +472,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             self._abort_open()
             self._new_step()
             raise
-        if self.release_grads and scaled:
+        if self.feed.releases_grads and scaled:
             self._abort_open()
             self._new_step()
             raise InvalidState(
@@ -460,9 +489,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         if not ids and open_attempt is None:
             self._new_step()
             return loss
-        if isinstance(self.feed, StagedFeed):
-            self.feed.push_params()
-            self.feed.push_grads(ids)
+        self.feed.send(ids)
         step_no = self._steps_sent + 1
         delayed = self.policy.delayed(step_no)
         if decision is not None:
@@ -519,16 +546,13 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             pass  # nothing changed in the daemon: the model keeps its params
         elif delayed:
             self._inflight = ids
-        elif isinstance(self.feed, StagedFeed):
-            self.feed.pull_params(ids)
+        else:
+            self.feed.receive(ids)
         self._open = None
         self._new_step()
 
     def _new_step(self) -> None:
-        self.feed.reset()
-        self.feed.buffer = self._next_buffer()
-        if isinstance(self.feed, StagedFeed):
-            self.feed.early = self._grads_early()
+        self.feed.new_step(self._next_buffer(), early=self._grads_early())
 
     def _grads_early(self) -> bool:
         """Whether staged grads go to the daemon as they land in the coming backward."""
@@ -554,8 +578,9 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
     def _settle(self) -> None:
         """Read the outcome of an interrupted STEP (and wait for the param pager's transfers) before anything
         else goes to the daemon."""
-        if isinstance(getattr(self, "feed", None), ParamPager):
-            self.feed.drain()  # type: ignore[union-attr]
+        feed: Feed | None = getattr(self, "feed", None)
+        if feed is not None:
+            feed.drain()
         sent, self._sent = self._sent, None
         if sent is None:
             return
@@ -578,8 +603,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             self._steps_sent = last
             if sent.delayed:
                 self._inflight = sent.ids
-            elif isinstance(self.feed, StagedFeed):
-                self.feed.pull_params(sent.ids)  # the applied step's params, which the interrupt kept out
+            else:
+                self.feed.receive(sent.ids)  # the applied step's params, which the interrupt kept out
             self._open = None
             self._new_step()
         elif self._open is not None and self._open.attempt == sent.attempt:
@@ -596,8 +621,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
     def _install(self) -> None:
         ids, self._inflight = self._inflight, []
         self.client.fetch_params(ids)
-        if isinstance(self.feed, StagedFeed):
-            self.feed.pull_params(ids)
+        self.feed.receive(ids)
 
     def flush(self) -> None:
         """Wait for a delayed update and install its params in the model."""

@@ -73,7 +73,7 @@ import collections
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -85,7 +85,6 @@ from torch.overrides import TorchFunctionMode
 from tiermem.client.offload.copies import ParamCopies, copies_for
 from tiermem.client.offload.pagedparam import BufferCache, PagedParam, Residency, SavedParam
 from tiermem.client.offload.pagestate import PagedState
-from tiermem.client.offload.staged import StagedFeed
 from tiermem.client.offload.trace import FetchTrace
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, StepMode
@@ -166,7 +165,7 @@ class ParamPager(PagedState):
             raise InvalidArgument(f"offload_params pages an nn.Module's params, got {type(model).__name__}")
         if not isinstance(optimizer, OffloadAdam):
             raise InvalidArgument(f"offload_params needs the model's OffloadAdam, got {type(optimizer).__name__}")
-        if isinstance(optimizer.feed, ParamPager):
+        if optimizer.paged:
             raise InvalidState("this optimizer's params are already paged (offload_params was called on it)")
         if optimizer.exchange is not Exchange.STAGED:
             raise InvalidArgument(
@@ -187,9 +186,9 @@ class ParamPager(PagedState):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InvalidArgument(f"prefetch must be an int >= 0 (uses fetched ahead), got {prefetch!r}")
         names = {id(p): n for n, p in model.named_parameters()}
-        tensors = [e.param for e in optimizer._entries] if params is None else list(params)
-        if len(tensors) != len(optimizer._entries):
-            raise InvalidArgument(f"{len(tensors)} params for an optimizer of {len(optimizer._entries)} tensors")
+        tensors = list(optimizer.tensors) if params is None else list(params)
+        if len(tensors) != len(optimizer.tensors):
+            raise InvalidArgument(f"{len(tensors)} params for an optimizer of {len(optimizer.tensors)} tensors")
         by_id = {id(p) for p in tensors}
         for p_id, name in names.items():
             if p_id not in by_id:
@@ -207,12 +206,7 @@ class ParamPager(PagedState):
         self.optimizer = optimizer
         self.transfer = optimizer.transfer
         self.copies: ParamCopies = copies_for(self.device) if copies is None else copies
-        # the optimizer's own feed pushes edits made since registration, then it is replaced
         fresh = [p for p in tensors if p.is_meta]
-        old = optimizer.feed
-        if not fresh and isinstance(old, StagedFeed):
-            old.push_params()
-        old.unhook()
         self.entries = [
             PagedParam(
                 i,
@@ -258,15 +252,14 @@ class ParamPager(PagedState):
         self._buffers = BufferCache()
         self._hooks: list[Any] = []
         self._mode = _CatchParams(self)
+        # the optimizer's own feed sends the edits made since registration and steps aside (before any data
+        # is dropped); from here on this pager is its feed
+        optimizer.use_feed(self, send_edits=not fresh)
         for e in self.entries:
             self._drop_data(e)
         if fresh:
             self._initialize(init)
         self._install_hooks(model)
-        optimizer.feed = self
-        if params is None:  # else the optimizer's records stay its own tensors' (the shards)
-            optimizer._entries = self.entries
-        optimizer.release_grads = True  # the grads are in the daemon, not in p.grad
 
     # ----------------------------------------------------------------- structure
 
@@ -600,6 +593,27 @@ class ParamPager(PagedState):
             e.landed = False
             e.param.grad = None
         self.accumulated = False
+
+    # the rest of the Feed protocol (tiermem.client.offload.feeds)
+    @property
+    def releases_grads(self) -> bool:
+        return True  # the grads go to the daemon as backward makes them; p.grad is None after it
+
+    def retire(self, *, send_edits: bool) -> None:
+        self.unhook()
+
+    def send(self, ids: Sequence[int]) -> None:
+        pass  # ``check`` pushed every grad; the params are the daemon's
+
+    def receive(self, ids: Sequence[int]) -> None:
+        pass  # nothing stays resident: the next forward fetches the updated params
+
+    def send_params(self) -> None:
+        pass  # the params live in the daemon; the model holds placeholders
+
+    def new_step(self, buffer: int, *, early: bool) -> None:
+        self.reset()
+        self.buffer = buffer
 
     # ----------------------------------------------------------------- figures
 

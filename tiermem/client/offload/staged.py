@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,7 +188,34 @@ class StagedFeed:
         self._by_param = {id(e.param): e for e in self.entries}
         self.reset()
 
-    # the GradFeed interface the optimizer uses
+    # the Feed protocol (tiermem.client.offload.feeds)
+    @property
+    def releases_grads(self) -> bool:
+        return self.release_grads
+
+    def retire(self, *, send_edits: bool) -> None:
+        if send_edits:
+            self.push_params()
+        self.unhook()
+
+    def drain(self) -> None:
+        pass  # pushes in flight are joined by ``check`` (``settle``)
+
+    def send(self, ids: Sequence[int]) -> None:
+        self.push_params()
+        self.push_grads(list(ids))
+
+    def receive(self, ids: Sequence[int]) -> None:
+        self.pull_params(list(ids))
+
+    def send_params(self) -> None:
+        self.push_params(only_edited=False)
+
+    def new_step(self, buffer: int, *, early: bool) -> None:
+        self.reset()
+        self.buffer = buffer
+        self.early = early
+
     def hook(self) -> None:
         """Grads are pushed as they land only with ``release_grads`` or the overlapped update."""
         if not (self.release_grads or self.on_bucket is not None):

@@ -28,7 +28,7 @@ class ParamState(Mapping[str, Any]):
         self._index = index
 
     def _keys(self) -> tuple[str, ...]:
-        p = self._opt._entries[self._index].param
+        p = self._opt.tensors[self._index]
         return ("step", "exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ())
 
     def __getitem__(self, key: str) -> Any:
@@ -61,9 +61,9 @@ class StateView(Mapping[torch.Tensor, ParamState]):
         return index is not None and self._opt._step_of(index) > 0
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for e in self._opt._entries:
-            if self._opt._step_of(e.index) > 0:
-                yield e.param
+        for index, p in enumerate(self._opt.tensors):
+            if self._opt._step_of(index) > 0:
+                yield p
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

@@ -1,4 +1,5 @@
-"""The grad feed: one record per registered tensor, binding the model's tensors to the shared storage.
+"""``SharedFeed``, the feed of CPU params (``tiermem.client.offload.feeds.Feed``): one record per registered
+tensor, binding the model's tensors to the shared storage.
 
 At registration every param's data moves into the daemon's shared storage
 (``p.data`` becomes a view of it; the old memory is freed), so the daemon
@@ -34,7 +35,7 @@ import torch
 from tiermem.client.offload.policy import Buckets
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 
-__all__ = ["GradFeed", "TensorEntry"]
+__all__ = ["SharedFeed", "TensorEntry"]
 
 
 @dataclass
@@ -57,7 +58,7 @@ class TensorEntry:
 
 
 @dataclass
-class GradFeed:
+class SharedFeed:
     entries: list[TensorEntry]
     buckets: Buckets
     release_grads: bool = False
@@ -105,7 +106,36 @@ class GradFeed:
         self.accumulated = False
         self._left = [len(m) for m in self.buckets.members]
 
+    # ----------------------------------------------------------------- the Feed protocol
+
+    @property
+    def releases_grads(self) -> bool:
+        return self.release_grads
+
+    def retire(self, *, send_edits: bool) -> None:
+        self.unhook()  # the params are the storage's: nothing to send
+
+    def drain(self) -> None:
+        pass  # nothing runs in the background
+
+    def send(self, ids: Sequence[int]) -> None:
+        pass  # the daemon reads the grads and params where they are
+
+    def receive(self, ids: Sequence[int]) -> None:
+        pass  # the daemon updated the params in place
+
+    def send_params(self) -> None:
+        pass  # the daemon's params are the model's storage
+
+    def new_step(self, buffer: int, *, early: bool) -> None:
+        self.reset()
+        self.buffer = buffer
+
     # ----------------------------------------------------------------- landing
+
+    def land_grad(self, param: torch.Tensor) -> None:
+        """``param``'s grad is final for this backward (autograd's hook, or a strategy that reduced it)."""
+        self._grad_ready(param)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         entry = self._by_param.get(id(param))

@@ -1,0 +1,77 @@
+"""``Feed``: the declared plug-in point of ``OffloadAdam`` for where grads come from and params go back.
+
+Three feeds implement it; ``OffloadAdam`` talks to whichever it holds through these methods only (no
+``isinstance`` on the feed, no feed writing the optimizer's fields):
+
+- ``SharedFeed`` (``tiermem.client.offload.shared``): CPU params live in the daemon's shared storage;
+  grads land beside them; nothing is sent or received around a STEP (the daemon updates in place);
+- ``StagedFeed`` (``tiermem.client.offload.staged``): params stay where they are (a GPU); edited params
+  and the grads go through the staging window before the STEP, the updated params come back after it;
+- ``ParamPager`` (``tiermem.client.offload.paging``): params are paged in per submodule; grads go to the
+  daemon as backward makes them; nothing comes back after the STEP (the next forward fetches).
+
+The optimizer installs its own feed at registration and ``offload_params`` hands it a pager through
+``OffloadAdam.use_feed``, which retires the old one (``retire``: its pending edits are sent, its hooks
+removed).  A step's calls, in order: ``drain`` (pending transfers done), ``check`` (the ids with a grad;
+refuses changed dtypes, devices, shapes), ``send`` (before the STEP), then ``receive`` (after an applied
+step, or when a delayed step's params are installed); ``new_step`` between steps; ``zero`` for
+``zero_grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+__all__ = ["Feed"]
+
+
+class Feed(Protocol):
+    """See the module docstring."""
+
+    buffer: int
+    """The grad buffer this step's grads land in (the delayed update alternates two)."""
+    accumulated: bool
+    """A grad landed twice in this step (gradient accumulation)."""
+
+    @property
+    def releases_grads(self) -> bool:
+        """Grads go to the daemon as they land and ``p.grad`` is None after backward (a ``GradScaler``
+        cannot check them)."""
+        ...
+
+    @property
+    def changed_after_landing(self) -> bool:
+        """A grad was changed in place after it landed (``clip_grad_norm_``, ``GradScaler.unscale_``)."""
+        ...
+
+    def hook(self) -> None:
+        """Install the backward hooks that land grads."""
+
+    def unhook(self) -> None:
+        """Remove them (and stop any transfer thread)."""
+
+    def retire(self, *, send_edits: bool) -> None:
+        """Another feed takes over: send the params edited since the last step (``send_edits``), unhook."""
+
+    def drain(self) -> None:
+        """Wait for transfers still running (a pager's page-ins and grad pushes)."""
+
+    def check(self) -> list[int]:
+        """At ``step()``: land what the hooks did not see; the ids of the tensors with a grad."""
+        ...
+
+    def send(self, ids: Sequence[int]) -> None:
+        """Before the STEP: what the daemon needs that it does not share (edited params, the grads)."""
+
+    def receive(self, ids: Sequence[int]) -> None:
+        """After an applied step (or a delayed step's install): bring the updated params of ``ids`` back."""
+
+    def send_params(self) -> None:
+        """Make every param the model holds the daemon's (``load_state_dict``: the model is the truth)."""
+
+    def new_step(self, buffer: int, *, early: bool) -> None:
+        """A new step lands in grad buffer ``buffer``; ``early``: push grads as they land (overlap, release)."""
+
+    def zero(self, *, set_to_none: bool) -> None:
+        """``zero_grad``."""
