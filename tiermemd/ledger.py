@@ -33,6 +33,23 @@ class Resource(enum.Enum):
     """Shared storage of the trainers' params and grads (memfds created at register)."""
 
 
+RESOURCE_NAMES = {
+    Resource.WINDOW: "staging-window budget",
+    Resource.POOL: "host-memory pool",
+    Resource.SWAP: "swap space",
+    Resource.STORAGE: "shared-storage budget",
+}
+RESOURCE_KNOBS = {
+    Resource.WINDOW: "raise jobs.window_budget (TIERMEM_JOBS_WINDOW_BUDGET) or ask for a smaller window_nbytes",
+    Resource.POOL: (
+        "raise pool.size (TIERMEM_POOL_SIZE; a private daemon: connect(pool_size=...)), or close other jobs"
+    ),
+    Resource.SWAP: "free space in the swap directories (swap.dirs) or add one",
+    Resource.STORAGE: "raise jobs.storage_budget (TIERMEM_JOBS_STORAGE_BUDGET)",
+}
+"""What an operator or a user changes when a resource is short (named in the admission error)."""
+
+
 @dataclass(frozen=True)
 class Budget:
     """One resource's capacity and what all jobs together hold of it."""
@@ -114,10 +131,12 @@ class Ledger:
                     key=lambda item: -item[1],
                 )
                 who = ", ".join(f"{j}: {format_size(n)}" for j, n in holders[:4]) or "nobody"
+                capacity = self._capacity.get(resource, 0)
                 raise AdmissionError(
-                    f"job {job!r} asked for {format_size(nbytes)} of {resource.value} but only "
-                    f"{format_size(free)} of {format_size(self._capacity.get(resource, 0))} is free "
-                    f"(held by {who})"
+                    f"job {job!r} asked for {nbytes} bytes ({format_size(nbytes)}) of the daemon's "
+                    f"{RESOURCE_NAMES[resource]} but only {free} bytes ({format_size(free)}) of its "
+                    f"{capacity} bytes ({format_size(capacity)}) are free (held by {who}); "
+                    f"{RESOURCE_KNOBS[resource]}"
                 )
             quota = account.quota.get(resource)
             mine = account.held.get(resource, 0)

@@ -215,3 +215,20 @@ def test_layer_sharded_adam_has_no_checkpoint_to_lose_silently(daemon, group):
         assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["lr"] == 1e-3
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize(("offload", "width"), [("cpu", 512), ("nvme", 1024)])
+def test_a_private_daemon_is_sized_for_the_paged_optimizer(group, offload: str, width: int) -> None:
+    """No node daemon: the rank starts a private one sized for what ShardedPagedAdam asks (the staged
+    exchange's 16 bytes per element), so small models train instead of failing admission."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, width))
+    opt = ShardedPagedAdam(m, device_budget="8MiB", offload=offload, lr=1e-3)
+    try:
+        for step in range(2):
+            m(torch.randn(4, width, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.steps == 2
+    finally:
+        opt.close()

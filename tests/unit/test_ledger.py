@@ -15,8 +15,21 @@ def test_reservation_beyond_capacity_is_refused_naming_the_holders() -> None:
     with pytest.raises(AdmissionError) as info:
         ledger.reserve("job-b", Resource.POOL, 2 * GiB)
     text = str(info.value)
-    assert "job-b" in text and "2GiB" in text and "1GiB of 4GiB is free" in text and "job-a: 3GiB" in text
+    assert "job-b" in text and "job-a: 3GiB" in text
+    # which pool, the exact bytes asked and free, and the knob that fixes it
+    assert f"asked for {2 * GiB} bytes (2GiB) of the daemon's host-memory pool" in text
+    assert f"only {GiB} bytes (1GiB) of its {4 * GiB} bytes (4GiB) are free" in text
+    assert "raise pool.size (TIERMEM_POOL_SIZE; a private daemon: connect(pool_size=...))" in text
     assert ledger.held(Resource.POOL, "job-b") == 0
+
+
+@pytest.mark.parametrize("resource", list(Resource))
+def test_every_resource_names_its_knob_when_short(resource: Resource) -> None:
+    ledger = Ledger({resource: MiB})
+    with pytest.raises(AdmissionError) as info:
+        ledger.reserve("job", resource, MiB + 1)
+    knob = {"pool": "pool.size", "window": "jobs.window_budget", "swap": "swap.dirs", "storage": "jobs.storage_budget"}
+    assert knob[resource.value] in str(info.value)
 
 
 def test_quota_caps_one_job_even_when_the_node_has_room() -> None:

@@ -43,8 +43,15 @@ def node_client(
     dtype: str,
     placement: Placement,
     window_nbytes: int | None,
+    exchange: Exchange = Exchange.SHARED,
+    mode: StepMode = StepMode.SYNC,
+    release_grads: bool = False,
 ) -> Client:
-    """This rank's client of its node's daemon; ``collective(what, fn, *args)`` runs a collective."""
+    """This rank's client of its node's daemon; ``collective(what, fn, *args)`` runs a collective.
+
+    Where the node has no daemon, one rank starts a private one with a pool sized for what every rank of
+    the node will ask: each rank's plan for its optimizer (``exchange``, ``mode`` and ``release_grads``
+    are the inner ``OffloadAdam``'s, so a paged or staged optimizer gets its 16 bytes per element)."""
     found: Client | None = None
     try:
         found = connect(embed=False)
@@ -55,9 +62,9 @@ def node_client(
         max(numel, 1),
         dtype=dtype,
         placement=placement,
-        mode=StepMode.SYNC,
-        exchange=Exchange.SHARED,
-        release_grads=False,
+        mode=mode,
+        exchange=exchange,
+        release_grads=release_grads,
         window_nbytes=window_nbytes,
     )
     seen: list[Any] = [None] * world_size

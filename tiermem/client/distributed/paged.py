@@ -303,6 +303,8 @@ class ShardedPagedAdam(OffloadAdam):
                 dtype=dtypes.by_torch(kinds.pop()).name,
                 placement=Placement.parse(offload, "offload"),
                 window_nbytes=window_nbytes,
+                exchange=Exchange.STAGED,  # the pager's: params and grads through the window, grads in the daemon
+                release_grads=True,
             )
         super().__init__(
             shard_groups,
