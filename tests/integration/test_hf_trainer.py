@@ -1,0 +1,134 @@
+"""Hugging Face ``Trainer`` drives ``OffloadAdam`` as it drives ``torch.optim.AdamW``: same losses, and a
+run resumed from a checkpoint ends where the uninterrupted one does.
+
+The real ``transformers`` Trainer (its accelerate-wrapped optimizer, its LR scheduler, its
+``clip_grad_norm_`` on the model's grads, its safetensors checkpoints with GPT-2's tied weights) over a
+small GPT-2 on the CPU tier, against the same Trainer with ``torch.optim.AdamW``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from offload_helpers import OffloadDaemon, offload_daemon
+
+import tiermem
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 6
+LR = 1e-3
+
+
+class TokenData(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+@pytest.fixture(scope="module")
+def offload() -> Iterator[OffloadDaemon]:
+    with offload_daemon(pool_size=256 << 20) as daemon:
+        yield daemon
+
+
+def _model() -> Any:
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _trainer(model: Any, opt: torch.optim.Optimizer, out: Path, *, max_grad_norm: float = 1.0) -> Any:
+    args = transformers.TrainingArguments(
+        output_dir=str(out),
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=LR,
+        save_strategy="steps",
+        save_steps=3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        max_grad_norm=max_grad_norm,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    sched = transformers.get_linear_schedule_with_warmup(opt, 2, STEPS)
+    return transformers.Trainer(model=model, args=args, train_dataset=TokenData(), optimizers=(opt, sched))
+
+
+def _losses(trainer: Any) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_with_offload_adam_matches_adamw_and_resumes_exactly(offload: OffloadDaemon, tmp_path: Path) -> None:
+    model = _model()
+    opt = offload.make(model.parameters(), offload="cpu", lr=LR, weight_decay=0.0)
+    trainer = _trainer(model, opt, tmp_path / "offload")
+    trainer.train()
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+
+    reference = _model()
+    ref_trainer = _trainer(
+        reference, torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0), tmp_path / "ref"
+    )
+    ref_trainer.train()
+    assert _losses(trainer) == pytest.approx(_losses(ref_trainer), rel=1e-5)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(full[key], value, msg=key)
+
+    # a new process's worth of objects, resumed from the step-3 checkpoint Trainer wrote
+    checkpoint = tmp_path / "offload" / "checkpoint-3"
+    assert (checkpoint / "model.safetensors").exists() and (checkpoint / "optimizer.pt").exists()
+    resumed = _model()
+    resumed_opt = offload.make(resumed.parameters(), offload="cpu", lr=LR, weight_decay=0.0)
+    _trainer(resumed, resumed_opt, tmp_path / "offload").train(resume_from_checkpoint=str(checkpoint))
+    for key, value in resumed.state_dict().items():
+        torch.testing.assert_close(value, full[key], rtol=0, atol=0, msg=key)
+    # torch's count is per param: the checkpoint's 3 steps and the 3 after it
+    assert int(resumed_opt.state_dict()["state"][0]["step"]) == int(opt.state_dict()["state"][0]["step"]) == STEPS
+
+
+def test_trainer_with_paged_params_clips_in_the_optimizer_and_resumes_exactly(
+    offload: OffloadDaemon, tmp_path: Path
+) -> None:
+    """``offload_params`` under Trainer: the grads go to the daemon during backward, so Trainer's own
+    ``clip_grad_norm_`` would see none; clipping is OffloadAdam's ``max_grad_norm`` (Trainer's set to 0).
+    Trainer's checkpoints gather the paged params (``model.state_dict()``) and load them back."""
+
+    def paged() -> tuple[Any, Any]:
+        model = _model()
+        opt = offload.make(
+            model.parameters(), offload="cpu", lr=LR, weight_decay=0.0, exchange="staged", max_grad_norm=1.0
+        )
+        tiermem.offload_params(model, opt, device_budget="1MiB")
+        return model, opt
+
+    model, opt = paged()
+    trainer = _trainer(model, opt, tmp_path / "paged", max_grad_norm=0.0)
+    trainer.train()
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = _model()
+    adamw = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
+    ref_trainer = _trainer(reference, adamw, tmp_path / "ref")  # Trainer clips at 1.0 before AdamW
+    ref_trainer.train()
+    assert _losses(trainer) == pytest.approx(_losses(ref_trainer), rel=1e-5)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(full[key], value, msg=key)
+    resumed, resumed_opt = paged()
+    _trainer(resumed, resumed_opt, tmp_path / "paged", max_grad_norm=0.0).train(
+        resume_from_checkpoint=str(tmp_path / "paged" / "checkpoint-3")
+    )
+    for key, value in resumed.state_dict().items():
+        torch.testing.assert_close(value, full[key], rtol=0, atol=0, msg=key)
