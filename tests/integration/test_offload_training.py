@@ -38,7 +38,7 @@ from offload_helpers import (
 from torch import nn
 
 from tiermem.client.offload import OffloadAdam
-from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
+from tiermem.core.errors import DTypeError, InvalidArgument
 
 STEPS = 40
 
@@ -366,8 +366,44 @@ def test_param_groups_are_given_at_construction(offload: OffloadDaemon) -> None:
     opt.step()
     for p, q in zip(second.parameters(), before, strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)  # its lr=0 was honoured
-    with pytest.raises(InvalidState, match="give every param group to the constructor"):
-        opt.add_param_group({"params": list(late.parameters())})
+    opt.add_param_group({"params": list(late.parameters()), "lr": 0.5})
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 0.0, 0.5]
+    with pytest.raises(ValueError, match="more than one parameter group"):  # torch's check and message
+        opt.add_param_group({"params": list(first.parameters())})
+    assert len(opt.param_groups) == 3
+
+
+@pytest.mark.parametrize(("tier", "exchange"), [("cpu", "shared"), ("nvme", "shared"), ("cpu", "staged")])
+def test_progressive_unfreezing_with_add_param_group_matches_adamw(
+    offload: OffloadDaemon, tier: str, exchange: str
+) -> None:
+    """Train the head, then add the body as a second group with its own lr (torch's add_param_group):
+    the head keeps its moments and step counts across the regrouping, the body starts afresh, and every
+    step equals torch.optim.AdamW doing the same."""
+    torch.manual_seed(5)
+    body, head = nn.Linear(8, 16), nn.Linear(16, 4)
+    ref_body, ref_head = copy.deepcopy(body), copy.deepcopy(head)
+    opt = offload.make(list(head.parameters()), offload=tier, exchange=exchange, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(list(ref_head.parameters()), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(9)
+    for step in range(6):
+        if step == 3:
+            opt.add_param_group({"params": list(body.parameters()), "lr": 3e-3})
+            ref.add_param_group({"params": list(ref_body.parameters()), "lr": 3e-3})
+        x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+        for b, h, o in ((body, head, opt), (ref_body, ref_head, ref)):
+            torch.nn.functional.mse_loss(h(torch.tanh(b(x))), y).backward()
+            o.step()
+            o.zero_grad()
+    ours_params, ref_params = [*body.parameters(), *head.parameters()], [*ref_body.parameters(), *ref_head.parameters()]
+    for p, q in zip(ours_params, ref_params, strict=True):
+        torch.testing.assert_close(p, q)
+    ours, theirs = opt.state_dict(), ref.state_dict()
+    assert [len(g["params"]) for g in ours["param_groups"]] == [len(g["params"]) for g in theirs["param_groups"]]
+    assert {k: int(v["step"]) for k, v in ours["state"].items()} == {
+        k: int(v["step"]) for k, v in theirs["state"].items()
+    }
+    assert opt.steps == 6
 
 
 @pytest.mark.parametrize(

@@ -45,8 +45,11 @@ checkpoint) a state older than N raises ``StaleStateError`` naming both
 steps, unless ``rollback=True`` accepts it (``steps`` then says where
 training resumes; ``state_from`` where the state came from).
 
-Params must be on the CPU, in one dtype (float32, float16 or bfloat16), and
-all param groups are given at construction, when the tensors are registered.
+Params are on the CPU (the shared exchange) or a GPU (the staged exchange, and
+``exchange="staged"`` on the CPU), in one dtype (float32, float16 or
+bfloat16).  ``add_param_group`` after construction registers the rank again
+with every tensor (``_register_again``: the state goes through one
+``state_dict``/``load_state_dict`` round trip).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ from tiermem.client.offload.shared import SharedFeed, TensorEntry
 from tiermem.client.offload.staged import StagedEntry, StagedFeed
 from tiermem.client.offload.state_view import StateView
 from tiermem.client.offload.stats import OptimizerStats
-from tiermem.client.offload.transfer import StateTransfer
+from tiermem.client.offload.transfer import StateTransfer, packed_groups
 from tiermem.core import dtypes
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState, ProtocolError, TiermemError
 from tiermem.core.modes import Exchange, Placement, StepMode
@@ -211,17 +214,65 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
     # ----------------------------------------------------------------- construction
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_registered", False):
-            raise InvalidState(
-                "OffloadAdam registers its tensors with tiermemd when it is made; give every param group to the "
-                "constructor"
-            )
+        """torch's ``add_param_group`` (progressive unfreezing, a new head): the group's params start with no
+        state, the others keep theirs.  After construction the rank registers again with every tensor: its
+        state comes back to the trainer in AdamW's format and is loaded into the new registration (a cost
+        of one ``state_dict`` and one ``load_state_dict``, once per new group).  Not with params paged by
+        ``offload_params`` or under a sharded optimizer, which own the registration."""
+        registered = getattr(self, "_registered", False)
+        if registered:
+            self._check_regroupable()
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], adamw=group["adamw"])
-        for p in group["params"]:
-            if not isinstance(p, torch.Tensor) or p.dtype not in (d.torch for d in dtypes.DTYPES):
-                raise DTypeError(f"OffloadAdam takes float32/float16/bfloat16 params, got {getattr(p, 'dtype', p)}")
+        try:
+            check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], adamw=group["adamw"])
+            for p in group["params"]:
+                if not isinstance(p, torch.Tensor) or p.dtype not in (d.torch for d in dtypes.DTYPES):
+                    raise DTypeError(
+                        f"OffloadAdam takes float32/float16/bfloat16 params, got {getattr(p, 'dtype', p)}"
+                    )
+            if registered:
+                self._register_again()
+        except BaseException:
+            self.param_groups.pop()  # torch leaves a refused group out too
+            raise
+
+    def _check_regroupable(self) -> None:
+        if not self._own_feed:
+            raise InvalidState("add_param_group after offload_params: page the model with every param group given")
+        if self._create_job or self.world_size > 1:
+            raise InvalidState(
+                "add_param_group on a rank of a sharded optimizer: give the sharded optimizer every param group"
+            )
+
+    def _register_again(self) -> None:
+        """Register every tensor (the old ones and the new group's) in a fresh rank; the old tensors' state
+        comes along, the new ones start afresh.  The step count goes on from where it was."""
+        new = self.param_groups[-1]["params"]
+        kinds = {p.dtype for p in self.tensors} | {p.dtype for p in new}
+        if len(kinds) != 1:
+            raise DTypeError(
+                f"OffloadAdam needs one working dtype for all params, got {sorted(str(d) for d in kinds)}; "
+                "use one OffloadAdam per dtype"
+            )
+        self.flush()
+        if self._open is not None:
+            self._abort_open()
+        saved = self.state_dict()["state"]
+        steps, skipped, window = self._steps_sent, self._skipped, self.client.window.numel()
+        self.feed.retire(send_edits=False)  # the new registration takes every param as it is now
+        client = self.client
+        client.detach(keep_state=False)
+        if self._own_client:
+            client.close()  # a private daemon sized for the old tensors: the next is sized for all of them
+        self._client = None
+        self._registered = False
+        self._own_feed = True
+        self._token = None  # a new job: its own token
+        self._expected_step = None
+        self._register(None if self._own_client else client, window)
+        self._steps_sent, self._skipped = steps, skipped
+        self.load_state_dict({"state": saved, "param_groups": packed_groups(self.param_groups)})
 
     def _register(self, client: Client | None, window_nbytes: int | None) -> None:
         params = [p for g in self.param_groups for p in g["params"]]
