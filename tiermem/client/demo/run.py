@@ -122,7 +122,7 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         if daemon is not None:
             daemon.stop()
-    _report(results)
+    _report(results, lr=args.lr)
     if args.plot:
         _plot(results, args.plot, cfg)
     return 0
@@ -143,7 +143,7 @@ def _plot(results: list[RunResult], path: str, cfg: GPTConfig) -> None:
     print(f"loss curves: {written}")
 
 
-def _report(results: list[RunResult]) -> None:
+def _report(results: list[RunResult], *, lr: float) -> None:
     if not results:
         return
     base = results[0]
@@ -163,8 +163,9 @@ def _report(results: list[RunResult]) -> None:
     )
     if any(r.name == "offload-dpu" for r in results):
         print(
-            "offload-dpu applies each update one step late (ZeRO-Offload's delayed update): early in training "
-            "its loss trails the others. On a small, fast-learning model the staleness leaves a lasting gap (the "
-            "tests' small GPT: 3% above the synchronous run after 1000 steps, the rule in plain torch 12%); "
-            "ZeRO-Offload's paper reports large models converging alike with it after a warm-up"
+            f"offload-dpu applies each update one step late (ZeRO-Offload's delayed update), here at lr {lr:g}: "
+            "its loss gap is the price of that staleness, and it grows with the learning rate. Measured after 40 "
+            "steps of a small GPT-2 against the synchronous update: +0.01% at lr 1e-5, +0.23% at 5e-5, +5% at "
+            "3e-4, +13% at 1e-3; this demo's model learns fast at 1e-3, so its gap is larger still. Use it where "
+            "the lr is small (fine-tuning) or after a warm-up of synchronous steps (warmup_steps)"
         )
