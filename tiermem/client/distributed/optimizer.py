@@ -166,7 +166,8 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         """The global norm of the last step's unscaled grads, when it computed one (clipping or a scaler)."""
         self.last_found_inf = False
-        self.skipped_steps = 0
+        self._skipped_here = 0
+        """Skips of a rank that owns no element (no inner optimizer, so no daemon rank counts them)."""
         params_ = self._params()
         if not params_:
             raise InvalidArgument("ShardedOffloadAdam got an empty parameter list")
@@ -293,7 +294,8 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
     def _resume(self, params: list[torch.nn.Parameter]) -> None:
         """Agree on where the job's state is: new on every rank, or reattached at one step on every rank
         (then the daemon's params, the masters of the pieces, become the model's on every rank)."""
-        mine = (self.inner.state_from, self.inner.steps) if self.inner is not None else None
+        inner = self.inner
+        mine = (inner.state_from, inner.steps + inner.skipped_steps) if inner is not None else None
         everyone: list[Any] = [None] * self.world_size
         self._collective("agreement on the state", dist.all_gather_object, everyone, mine)
         known = [(r, v) for r, v in enumerate(everyone) if v is not None]
@@ -397,8 +399,14 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
 
     @property
     def steps(self) -> int:
-        """Steps applied or skipped so far (the same on every rank)."""
+        """Steps applied or skipped so far (the same on every rank; a relaunch reattached to the job's state
+        goes on from it: the daemon keeps both counts)."""
         return self._steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on a ``ShardedGradScaler`` overflow (the daemon's count, kept across a relaunch)."""
+        return self.inner.skipped_steps if self.inner is not None else self._skipped_here
 
     # ----------------------------------------------------------------- the step
 
@@ -449,7 +457,10 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             if global_flags is not None:
                 for flag in global_flags.values():
                     flag.fill_(1.0)  # the reduced grads overflowed: the scaler backs off as every rank does
-            self.skipped_steps += 1
+            if self.inner is not None:
+                self.inner.step(decision=decision)  # the daemon counts the skip; nothing else changes
+            else:
+                self._skipped_here += 1
             self._steps += 1
             return loss
         if self.inner is not None:
