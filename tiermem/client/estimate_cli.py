@@ -60,7 +60,7 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_estimate_command(sub: argparse._SubParsersAction) -> None:
+def add_estimate_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "estimate",
         help="memory per GPU, host and NVMe for a model under each ZeRO stage and offload, and whether it fits",

@@ -368,7 +368,7 @@ def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(section, f"expected a [{section}] table in {path}, found a value")
-    return data
+    return dict(data)
 
 
 def _section_types() -> dict[str, type]:

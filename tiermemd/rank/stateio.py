@@ -89,7 +89,8 @@ class StateIO:
         if key == "master" and self.master_in_params:
             return self._region(self.layout.param_offset)[lo:hi]  # type: ignore[union-attr]
         c0 = chunk * state.chunk_numel
-        return getattr(tensors, key)[lo - c0 : hi - c0]
+        values: torch.Tensor = getattr(tensors, key)
+        return values[lo - c0 : hi - c0]
 
     def read_state(self, msg: StateRead) -> StateChunk:
         self._settle()

@@ -82,7 +82,8 @@ class _Block(nn.Module):
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
+        out: torch.Tensor = x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
+        return out
 
 
 class GPT(nn.Module):

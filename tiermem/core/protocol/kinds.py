@@ -454,4 +454,6 @@ def as_kind(value: Any) -> Kind:
     spec = getattr(value, "__dict__", {}).get("__wire__") if isinstance(value, type) else None
     if spec is None:
         raise TypeError(f"{value!r} is neither a field kind nor a @wire record (decorate it with @wire first)")
+    if not isinstance(spec, Kind):
+        raise TypeError(f"{value!r}'s __wire__ is a {type(spec).__name__}, not a field kind")
     return spec

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from tiermem.core.protocol.records import ID_PATTERN, MAX_ID, NBYTES, NON_NEGATIVE, PLACEMENTS, STEP_NO, Wire
-from tiermem.core.protocol.spec import Choice, Int, List, Opt, Str, wire
+from tiermem.core.protocol.records import ID_PATTERN, MAX_ID, NBYTES, NON_NEGATIVE, PLACEMENTS, STEP_NO
+from tiermem.core.protocol.spec import Choice, Int, List, Opt, Str, Wire, wire
 
 __all__ = [
     "BUDGET_RESOURCES",

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 def auto_pool_size(alignment: int = PAGE_SIZE) -> int:
     """Half of the memory available now, rounded down to ``alignment`` (``pool.size = 0``)."""
-    half = psutil.virtual_memory().available // 2
+    half = int(psutil.virtual_memory().available) // 2
     return half - half % alignment
 
 

@@ -111,7 +111,7 @@ class LibaioEngine:
 
     def fileno(self) -> int:
         """The eventfd that becomes readable when completions are waiting (see ``reap``)."""
-        return self._efd
+        return int(self._efd)
 
     @property
     def submitted(self) -> int:
@@ -237,7 +237,7 @@ class LibaioEngine:
             _report(failed)
             total += got
             if got == 0:
-                return total
+                return int(total)
 
     def _wait_and_reap(self) -> None:
         select.select([self._efd], [], [])
