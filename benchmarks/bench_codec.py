@@ -107,7 +107,7 @@ def messages() -> list[tuple[str, Message]]:
         (
             "STEP_DONE (2 timings)",
             StepDone(
-                step=1000, attempt=0, found_inf=False, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312))
+                step=1000, attempt=0, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312))
             ),
         ),
         ("REGISTER (200 tensors)", Register(tensors=tensors, groups=groups)),
@@ -183,7 +183,8 @@ if msgspec is not None:
         groups: Annotated[tuple[MParamGroup, ...], Meta(max_length=MAX_GROUPS)]
         loss_scale: Positive
         max_grad_norm: Positive | None
-        skip_nonfinite: bool
+        clip_coef: Annotated[float, Meta(ge=0.0, le=1.0)] | None
+        skip: bool
         tensor_ids: Annotated[tuple[TensorId, ...], Meta(max_length=MAX_TENSORS)]
         delayed: bool
         grad_buffer: GradBuffer
@@ -199,7 +200,9 @@ if msgspec is not None:
     class MStepDone(Struct, forbid_unknown_fields=True):
         step: StepNo
         attempt: StepNo
-        found_inf: bool
+        skipped: bool
+        nonfinite: bool
+        skipped_steps: StepNo
         grad_norm: Annotated[float, Meta(ge=0.0)] | None
         params_ready: bool
         timings: Annotated[dict[TimingName, NonNeg], Meta(max_length=MAX_TIMINGS)]
