@@ -420,6 +420,11 @@ class RankOptimizer(StateIO):
                 "a STEP gives max_grad_norm (the daemon clips by the rank's norm) or clip_coef (the trainer's, "
                 "from the global norm), not both"
             )
+        if msg.delayed and not self.staged and (self.master_in_params or len(layout.grad_offsets) < 2):
+            raise InvalidArgument(
+                "a delayed STEP needs a rank registered for the delayed update (two grad buffers, and a master "
+                "apart from the params the trainer reads meanwhile); register with grad_buffers=2"
+            )
         ids = check_ids(msg.tensor_ids, len(self.records))
         groups = tuple(msg.groups) or self.groups
         if attempt is not None:
@@ -433,7 +438,6 @@ class RankOptimizer(StateIO):
                     "that update (the step counts as applied for them only)"
                 )
             ids = [tid for tid in ids if tid not in attempt.applied]
-        self.groups = groups
         t0 = time.perf_counter()
         grads = None if self.grads_in_state else self._region(layout.grad_offsets[msg.grad_buffer])
         inv_scale = 1.0 / msg.loss_scale
@@ -441,6 +445,7 @@ class RankOptimizer(StateIO):
         if msg.max_grad_norm is not None and not msg.skip:
             stats = self._grad_stats(grads, ids, inv_scale)
         decision = decide(stats, inv_scale=inv_scale, max_grad_norm=msg.max_grad_norm, scaler_found_inf=msg.skip)
+        self.groups = groups  # the statistics were taken: from here on the step is applied or skipped
         t1 = time.perf_counter()
         self.timings["stats_s"] += t1 - t0
         if decision.skip:
