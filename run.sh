@@ -110,7 +110,7 @@ case "$cmd" in
     test) setup; exec "$VENV/bin/python" -m pytest -q -m 'not slow and not gpu' "$@" ;;
     test-all) setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
     bench) setup; name=$1; shift; exec "$VENV/bin/python" "benchmarks/bench_$name.py" "$@" ;;
-    lint) setup; "$VENV/bin/ruff" check tiermem daemon tests benchmarks; "$VENV/bin/mypy" ;;
+    lint) setup; "$VENV/bin/ruff" check tiermem tiermemd tests benchmarks; "$VENV/bin/mypy" ;;
     shell) setup; exec "$VENV/bin/python" "$@" ;;
     *) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; [ "$cmd" = help ] ;;
 esac

@@ -147,17 +147,25 @@ def swap_families(node: NodeStats) -> Iterator[Any]:
     _histogram(io, ["read"], t.swap_read_seconds)
     yield _histogram(io, ["write"], t.swap_write_seconds)
     yield _labelled(
-        CounterMetricFamily("tiermem_swap_io_errors", "Swap reads and writes that failed.", labels=["op"]),
+        CounterMetricFamily(
+            "tiermem_swap_io_errors",
+            "Swap reads and writes that failed with an I/O error (checksum failures are counted apart).",
+            labels=["op"],
+        ),
         "op",
         {"read": t.swap_read_errors, "write": t.swap_write_errors},
     )
     yield _counter(
         "tiermem_swap_checksum_failures", "Swap reads whose checksum did not verify.", t.swap_checksum_failures
     )
-    yield _counter("tiermem_prefetch_acquires", "State chunks the NVMe tier's updates asked for.", t.prefetch_acquires)
+    yield _counter(
+        "tiermem_prefetch_acquires",
+        "State chunks acquired from the NVMe tier (by updates, grad statistics and state or param transfers).",
+        t.prefetch_acquires,
+    )
     yield _counter("tiermem_prefetch_hits", "Chunk acquires that found the chunk resident.", t.prefetch_hits)
     yield _counter(
-        "tiermem_prefetch_stall_seconds", "Time updates waited for page-ins the prefetch did not hide.",
+        "tiermem_prefetch_stall_seconds", "Time chunk acquires waited for page-ins the prefetch did not hide.",
         t.prefetch_stall_s,
     )  # fmt: skip
     yield _labelled(
@@ -170,7 +178,9 @@ def swap_families(node: NodeStats) -> Iterator[Any]:
 def adam_families(node: NodeStats) -> Iterator[Any]:
     t = node.totals
     yield _counter("tiermem_adam_updates", "CPU Adam updates that completed (a step or a bucket).", t.updates)
-    yield _counter("tiermem_adam_updated_params", "Parameters stepped by the CPU Adam updates.", t.updated_elements)
+    yield _counter(
+        "tiermem_adam_updated_params", "Parameter elements stepped by the CPU Adam updates.", t.updated_elements
+    )
     yield _histogram(
         HistogramMetricFamily("tiermem_adam_update_seconds", "Duration of one rank's Adam update."),
         [],
@@ -179,10 +189,14 @@ def adam_families(node: NodeStats) -> Iterator[Any]:
     yield _counter(
         "tiermem_adam_grad_stats_seconds", "Time spent on gradient norms and overflow checks.", t.grad_stats_s
     )
-    yield _counter("tiermem_steps", "Optimizer steps applied, summed over ranks (skips are not steps).", t.steps)
     yield _counter(
-        "tiermem_skipped_steps", "Steps skipped (GradScaler found an inf or nan grad), summed over ranks.",
-        t.skipped_steps,
+        "tiermem_steps",
+        "Steps applied: each rank's last applied step, summed over ranks (skips are not steps).",
+        t.steps,
+    )
+    yield _counter(
+        "tiermem_skipped_steps", "Steps skipped on an inf/nan grad under loss scaling (the GradScaler's verdict), "
+        "summed over ranks.", t.skipped_steps,
     )  # fmt: skip
     ranks = [r for job in node.jobs for r in job.ranks]
     yield _gauge(
@@ -215,7 +229,8 @@ def server_families(node: NodeStats) -> Iterator[Any]:
     yield disconnects
     yield _counter("tiermem_connections_refused", "Connections refused at accept.", s.refused if s else 0)
     yield _counter(
-        "tiermem_protocol_errors", "Frames refused as malformed (each answered with an error).",
+        "tiermem_protocol_errors", "Frames refused with a protocol error (malformed, oversized, or not a request "
+        "the session may send), each answered with an error.",
         s.protocol_errors if s else 0,
     )  # fmt: skip
     yield _counter(
@@ -233,7 +248,11 @@ def job_families(node: NodeStats, *, per_job: bool) -> Iterator[Any]:
         "tiermem_failed_ranks", "Ranks whose last update failed (FAILED until reloaded).", sum(r.failed for r in ranks)
     )
     yield _labelled(
-        GaugeMetricFamily("tiermem_state_bytes", "Optimizer state of all jobs, per tier.", labels=["tier"]),
+        GaugeMetricFamily(
+            "tiermem_state_bytes",
+            "Optimizer state of all jobs, per tier (cpu: pool bytes, NVMe chunk caches included; nvme: swap bytes).",
+            labels=["tier"],
+        ),
         "tier",
         {"cpu": sum(j.cpu_state_nbytes for j in jobs), "nvme": sum(j.nvme_state_nbytes for j in jobs)},
     )
@@ -244,7 +263,9 @@ def job_families(node: NodeStats, *, per_job: bool) -> Iterator[Any]:
     if not per_job:
         return
     state = GaugeMetricFamily(
-        "tiermem_job_state_bytes", "A job's optimizer state, per tier.", labels=[*JOB_LABELS, "tier"]
+        "tiermem_job_state_bytes",
+        "A job's optimizer state, per tier (cpu: pool bytes, NVMe chunk caches included; nvme: swap bytes).",
+        labels=[*JOB_LABELS, "tier"],
     )
     window = GaugeMetricFamily("tiermem_job_window_bytes", "A job's staging windows.", labels=JOB_LABELS)
     storage = GaugeMetricFamily(
@@ -258,7 +279,7 @@ def job_families(node: NodeStats, *, per_job: bool) -> Iterator[Any]:
         labels=JOB_LABELS,
     )  # fmt: skip
     updated = CounterMetricFamily(
-        "tiermem_job_updated_params", "Parameters a job's Adam updates stepped.", labels=JOB_LABELS
+        "tiermem_job_updated_params", "Parameter elements a job's Adam updates stepped.", labels=JOB_LABELS
     )
     for job in jobs:
         labels = [job.job_id, str(job.owner_uid)]

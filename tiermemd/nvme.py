@@ -291,7 +291,10 @@ def wipe_store_files(swap_dirs: Sequence[Path], name: str) -> list[Path]:
 def remove_store(service: Service, job: Job, rank: int) -> None:
     """Delete the swap files of a rank that was never reopened (its job was reclaimed)."""
     try:
-        store = SwapStore.open(service.swap_dirs, store_name(job.job_id, rank, job.owner_uid), service.io_engine, 0)
+        name = store_name(job.job_id, rank, job.owner_uid)
+        store = SwapStore.open(
+            service.swap_dirs, name, service.io_engine, 0, stripe_nbytes=service.config.swap.stripe_size
+        )
     except TiermemError as exc:
         log.warning("could not remove the swap files of job %r rank %d: %s", job.job_id, rank, exc)
         return
@@ -346,6 +349,7 @@ def make_nvme_state(
             store_name(job.job_id, rank, job.owner_uid),
             service.io_engine,
             swap_nbytes,
+            stripe_nbytes=service.config.swap.stripe_size,
             fsync=service.config.swap.fsync,
             auto_commit=False,
         )

@@ -31,13 +31,13 @@ work never runs on these threads: it goes to the ``CpuScheduler``.
   ``server.max_connections_per_uid`` per uid (a session whose peer already
   hung up, its thread not yet ended, does not count) and costs little per connection
   (``benchmarks/bench_connections.py``).  The listen backlog is
-  ``transport.LISTEN_BACKLOG`` and clients' connects wait for room in it.
+  ``tiermemd.listener.LISTEN_BACKLOG`` and clients' connects wait for room in it.
 - The watcher thread polls every talking session's pidfd: when a client process exits
   (even if a forked DataLoader worker still holds its socket), the session is
   shut down, which wakes its thread with end-of-stream, and the service aborts
   its queued work and releases its pins.  It wakes at least every
   ``HEARTBEAT_S`` and sends each session busy in a request for longer a
-  heartbeat (``transport.HEARTBEAT``, never blocking), unless that session or
+  heartbeat (``tiermem.net.frames.HEARTBEAT``, never blocking), unless that session or
   a shared worker thread is wedged (``tiermemd.health``): clients bound the
   daemon's silence, not the length of a request.
 - Replies are sent with a send timeout (``server.send_timeout_s``): a client
@@ -131,7 +131,7 @@ EXPLAINED_REFUSALS_PER_S = 50.0
 accept thread keeps draining the backlog for everyone else)."""
 HEARTBEAT_S = 0.5
 """Heartbeat period to clients whose request runs longer than this; the watcher's longest sleep.  A client
-therefore hears from a healthy daemon at least every ~1 s (``transport.DEFAULT_TIMEOUT_S`` is 60 s)."""
+therefore hears from a healthy daemon at least every ~1 s (``tiermem.client.connection.DEFAULT_TIMEOUT_S`` is 60 s)."""
 MAX_ERROR_CHARS = 16384
 """The wire limit on ``ERROR.message`` (docs/protocol.md, Limits); longer ones are clipped."""
 

@@ -73,6 +73,20 @@ def test_unknown_environment_setting_is_an_error() -> None:
         load_config(env={"TIERMEM_POOL_SIZ": "1GiB"})
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "TIERMEM_SOCKET_PATH",
+        "TIERMEM_NO_EMBED",
+        "TIERMEM_CLIENT_TIMEOUT_S",
+        "TIERMEM_DAEMON_USER",
+        "TIERMEM_SECRET_FILE",
+    ],
+)
+def test_the_clients_own_variables_do_not_stop_a_daemon_started_beside_it(name: str) -> None:
+    assert load_config(env={name: "/some/value"}).pool == load_config(env={}).pool
+
+
 def test_missing_config_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", env={})

@@ -351,9 +351,18 @@ def load_config(
 
 
 _ENV_IGNORED = frozenset(
-    {"TIERMEM_CONFIG", "TIERMEM_SOCKET_PATH", "TIERMEM_NO_EMBED", "TIERMEM_DAEMON_USER", "TIERMEM_CLIENT_TIMEOUT_S"}
+    {
+        "TIERMEM_CONFIG",
+        "TIERMEM_SOCKET_PATH",
+        "TIERMEM_NO_EMBED",
+        "TIERMEM_DAEMON_USER",
+        "TIERMEM_CLIENT_TIMEOUT_S",
+        "TIERMEM_SECRET_FILE",
+    }
 )
-"""Variables the client reads (``tiermem.client.link``), not daemon settings."""
+"""Variables the client reads (``tiermem.client.link``; ``TIERMEM_SECRET_FILE``: the distributed job
+secret, ``tiermem.client.distributed.identity``), not daemon settings: a daemon started in the same
+environment (an embedded one) must not refuse them."""
 
 
 def _read_toml(path: Path) -> dict[str, dict[str, Any]]:

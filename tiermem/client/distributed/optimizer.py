@@ -16,8 +16,9 @@ swap files and one CPU-Adam scheduler.  A step:
    overflow decision and the params that step are then the same on every rank,
    exactly as ``clip_grad_norm_`` and ``GradScaler`` over the unsharded model
    (with ``ShardedGradScaler``, whose inf check is all-reduced too);
-3. apply: the slice is unscaled and clipped in the trainer (the same two
-   multiplies torch does) and the daemon updates the pieces;
+3. apply: the daemon updates the pieces, multiplying the slice's grads by
+   the decision's inverse scale times clip coefficient inside its update
+   pass (the trainer does not touch the grads);
 4. all-gather: per bucket, the updated slices of all ranks become every rank's
    params.
 
@@ -164,7 +165,8 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         self.world_size = dist.get_world_size(process_group)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
-        """The global norm of the last step's unscaled grads, when it computed one (clipping or a scaler)."""
+        """The global norm of the last applied step's unscaled grads, when it computed one (clipping or a
+        scaler); a skipped step leaves it as it was."""
         self.last_found_inf = False
         self._skipped_here = 0
         """Skips of a rank that owns no element (no inner optimizer, so no daemon rank counts them)."""

@@ -176,7 +176,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         self.rank = 0 if rank is None else rank
         self.world_size = 1 if world_size is None else world_size
         self.last_grad_norm: float | None = None
-        """The global norm of the last applied step's (unscaled) grads, when that step computed one."""
+        """The global norm of the last step's (unscaled) grads; None when that step computed none (no clipping,
+        or a skipped step)."""
         self.last_found_inf = False
         """Whether the last step found an inf/nan grad (the scaler's check, or the daemon's when it clipped)."""
         self.last_skipped = False
