@@ -106,9 +106,7 @@ def messages() -> list[tuple[str, Message]]:
         ),
         (
             "STEP_DONE (2 timings)",
-            StepDone(
-                step=1000, attempt=0, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312))
-            ),
+            StepDone(step=1000, attempt=0, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312))),
         ),
         ("REGISTER (200 tensors)", Register(tensors=tensors, groups=groups)),
         ("REGISTER_OK (200 slots)", RegisterOk(slots=slots, storage_nbytes=200 << 25)),

@@ -78,9 +78,7 @@ ECHO_NBYTES = 64
 STEP = Step(
     step=1000, attempt=1000, groups=(ParamGroup(lr=3e-4, weight_decay=0.1),), loss_scale=65536.0, max_grad_norm=1.0
 )
-STEP_DONE = StepDone(
-    step=1000, attempt=1000, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312))
-)
+STEP_DONE = StepDone(step=1000, attempt=1000, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312)))
 
 
 # --------------------------------------------------------------------------- servers (run in a child process)

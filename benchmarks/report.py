@@ -506,7 +506,10 @@ def markdown(sections: list[Section], missing: list[Missing], *, image_prefix: s
         "# Benchmark report",
         "",
         "Made by `benchmarks/report.py` from the JSON in `benchmarks/results/`; "
-        "`benchmarks/README.md` says what each benchmark measures, against what bound, and on what machine.",
+        "`benchmarks/README.md` says what each benchmark measures, against what bound, and on what machine. "
+        "Figures are those of the recorded runs, under whatever load the machine had then; compare the ratios "
+        "of one run, not absolute figures across runs (`cpu_adam.json` was recorded on a loaded machine: its "
+        "torch fused row, 0.16 Gparam/s at 64M, reaches about 1.0 on a quiet one).",
         "",
         "## Headlines",
         "",

@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SCENARIOS = str(Path(__file__).with_name("scenarios.py"))
@@ -27,6 +27,8 @@ class Launch:
     plan: dict[str, list[str]]
     tmp: Path
     socket_path: str
+    workers: dict[str, str] = field(default_factory=dict)
+    """Scenarios of another worker file in this launch: name -> that file."""
     returncode: int | None = None
     output: str = ""
 
@@ -40,7 +42,9 @@ class Launch:
         plan = []
         for name, args in self.plan.items():
             self.out(name).parent.mkdir(parents=True, exist_ok=True)
-            plan.append([name, ["--out", str(self.out(name)), *args]])
+            plan.append(
+                [name, ["--out", str(self.out(name)), *args], *([self.workers[name]] if name in self.workers else [])]
+            )
         plan_file = self.tmp / "plan.json"
         plan_file.write_text(json.dumps(plan))
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}

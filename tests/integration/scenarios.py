@@ -12,7 +12,9 @@ Usage, under ``torchrun``::
 
     scenarios.py WORKER_FILE PLAN_JSON
 
-``PLAN_JSON`` is a file holding ``[[name, [arg, ...]], ...]``.  A scenario
+``PLAN_JSON`` is a file holding ``[[name, [arg, ...]], ...]``; an entry
+``[name, [arg, ...], OTHER_WORKER_FILE]`` runs that worker's ``main`` instead
+(a scenario of another worker in the same launch).  A scenario
 that raises writes its traceback to ``<PLAN_JSON dir>/<name>.error.<rank>``
 and ends the launch (its peers may be waiting in a collective; torchrun ends
 them); the scenarios after it did not run.
@@ -26,23 +28,32 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from types import ModuleType
 
 import torch.distributed as dist
 
 
-def main() -> int:
-    worker_file, plan_file = Path(sys.argv[1]), Path(sys.argv[2])
+def _load(worker_file: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(worker_file.stem, worker_file)
     assert spec is not None and spec.loader is not None, worker_file
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
+    return worker
+
+
+def main() -> int:
+    worker_file, plan_file = Path(sys.argv[1]), Path(sys.argv[2])
+    workers = {worker_file: _load(worker_file)}
     # one process group for every run: torch's default group made again over the launcher's store can meet
     # the previous group's keys there and hang; the workers use a group that is already made
     dist.init_process_group("gloo")
     rank = os.environ.get("RANK", "0")
-    for name, argv in json.loads(plan_file.read_text()):
+    for name, argv, *other in json.loads(plan_file.read_text()):
+        path = Path(other[0]) if other else worker_file
+        if path not in workers:
+            workers[path] = _load(path)
         try:
-            code = worker.main(argv)
+            code = workers[path].main(argv)
         except BaseException:
             (plan_file.parent / f"{name}.error.{rank}").write_text(traceback.format_exc())
             return 1

@@ -203,17 +203,72 @@ def test_a_model_on_the_meta_device_is_refused_naming_it(group):
         ShardedPagedAdam(m, device_budget="1MiB")
 
 
-def test_layer_sharded_adam_has_no_checkpoint_to_lose_silently(daemon, group):
-    """torch.optim.Optimizer's state_dict would hold no Adam state here (it is in the daemons) and the
-    modules only placeholders: refused naming what does checkpoint."""
-    opt = LayerShardedAdam(model(), client=connect(daemon.socket_path))
+def test_layer_sharded_state_dict_holds_what_the_modules_do_not(daemon, group):
+    """The modules hold placeholders, so the rank file holds the values too: of the layers (paged: read from
+    the daemon) and of a frozen param every rank keeps whole.  A new optimizer over a model of other values
+    takes all of it and trains on as the first one does; its gathered state is AdamW's over the trainable
+    params."""
+    first, second = model(), model()
+    for m in (first, second):
+        m[0].bias.requires_grad_(False)
+    with torch.no_grad():
+        for p in second.parameters():
+            p.fill_(0.5)
+    ours = LayerShardedAdam(first, paged=True, lr=0.02, client=connect(daemon.socket_path))
+    theirs = LayerShardedAdam(second, paged=True, lr=0.9, client=connect(daemon.socket_path))
     try:
-        with pytest.raises(InvalidState, match="ShardedPagedAdam is the ZeRO-3 optimizer with checkpoints"):
-            opt.state_dict()
         with pytest.raises(InvalidArgument, match="one param group"):
-            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
-        assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["lr"] == 1e-3
+            ours.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+        for step in range(2):
+            loss_of(first, step).backward()
+            ours.step()
+            ours.zero_grad()
+        saved = ours.state_dict()
+        assert saved["format"] == "tiermem.zero3" and len(saved["pieces"]) == 4
+        theirs.load_state_dict(copy.deepcopy(saved))
+        assert theirs.param_groups[0]["lr"] == 0.02
+        torch.testing.assert_close(second[0].bias, first[0].bias)
+        for step in range(2, 4):
+            for m, opt in ((first, ours), (second, theirs)):
+                loss_of(m, step).backward()
+                opt.step()
+                opt.zero_grad()
+        for a, b in zip(ours.gathered_params(), theirs.gathered_params(), strict=True):
+            torch.testing.assert_close(a, b)
+        full = theirs.full_state_dict()
+        assert sorted(full["state"]) == [0, 2, 3] and full["param_groups"][0]["params"] == [0, 2, 3]
+        fresh = list(model().parameters())
+        trainable = [fresh[0], fresh[2], fresh[3]]  # AdamW over the params LayerShardedAdam steps
+        adamw = torch.optim.AdamW(trainable, lr=0.5)
+        adamw.load_state_dict(full)
+        assert adamw.param_groups[0]["lr"] == 0.02 and float(adamw.state[trainable[0]]["step"]) == 4
     finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(daemon, group, tmp_path):
+    wide = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    other = ShardedPagedAdam(wide, device_budget="1MiB", offload="cpu", client=connect(daemon.socket_path))
+    m = model()
+    opt = ShardedPagedAdam(m, device_budget="1MiB", offload="cpu", client=connect(daemon.socket_path))
+    try:
+        other.save_shard(tmp_path / "wide")
+        loss_of(m, 0).backward()
+        opt.step()
+        before = opt.full_state_dict()
+        with pytest.raises(InvalidArgument, match=r"param 0 is '0.weight' of shape \[16, 6\] in the checkpoint"):
+            opt.load_shards(tmp_path / "wide")
+        mine = opt.shard_state_dict()
+        stray = {**mine, "world_size": 2}  # rank 0 of a two-rank save, whose rank 1 is not given
+        with pytest.raises(InvalidArgument, match=r"1 rank file\(s\) are missing: rank\(s\) 1"):
+            opt.load_shards([stray])
+        after = opt.full_state_dict()
+        for i, entry in before["state"].items():
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(entry[key], after["state"][i][key])
+    finally:
+        other.close()
         opt.close()
 
 

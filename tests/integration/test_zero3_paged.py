@@ -11,12 +11,20 @@ param data between steps, the pager stayed within its budget, and clipping
 after gradient accumulation is refused on every rank.  A rank killed mid-step
 fails the others with ``RankLost`` (raised by a collective of the pager's I/O
 thread) instead of hanging.
+
+Checkpoints across world sizes (``zero3_reshard_worker.py``, both ZeRO-3
+optimizers, a scenario of each launch): saved at two ranks, as rank files and
+as the gathered ``full_state_dict()``; resumed at three ranks (a scenario of
+the three-rank launch), at one (in this process) and in ``torch.optim.AdamW``
+(after ``tiermem consolidate``, run as a command), each then training on like
+``torch.optim.AdamW`` on the whole batch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -25,10 +33,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import zero3_reshard_worker as reshard
 from conftest import start_daemon
 from launch import Launch
 
+from tiermem.client import cli
+from tiermem.client.distributed import ShardedPagedAdam
+from tiermem.client.distributed.reshard import file_name
+from tiermem.client.link import connect
+
 WORKER = str(Path(__file__).with_name("zero3_paged_worker.py"))
+RESHARD = str(Path(__file__).with_name("zero3_reshard_worker.py"))
 DAEMON = {"jobs": {"grace_period_s": 60.0, "max_jobs": 16}}
 
 
@@ -58,23 +74,32 @@ TWO_RANKS = {
 THREE_RANKS = {"nvme-3": ["--offload", "nvme"]}
 
 
-def _launch(tmp_path_factory: pytest.TempPathFactory, nproc: int, plan: dict[str, list[str]]) -> Iterator[Launch]:
+def _launch(
+    tmp_path_factory: pytest.TempPathFactory, nproc: int, plan: dict[str, list[str]], workers: dict[str, str]
+) -> Iterator[Launch]:
     tmp = tmp_path_factory.mktemp(f"zero3-paged-{nproc}")
     d = start_daemon(tmp / "tiermemd", DAEMON)
     try:
-        yield Launch(WORKER, nproc, plan, tmp, d.socket_path).run()
+        yield Launch(WORKER, nproc, plan, tmp, d.socket_path, workers).run()
     finally:
         d.cleanup()
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launch]:
-    yield from _launch(tmp_path_factory, 2, TWO_RANKS)
+    plan = {**TWO_RANKS, "reshard-save": ["--save"]}
+    yield from _launch(tmp_path_factory, 2, plan, {"reshard-save": RESHARD})
+
+
+def saved(two_ranks: Launch) -> Path:
+    """The checkpoints the two ranks saved (``zero3_reshard_worker.py --save``)."""
+    return reshard.saved_in(two_ranks.check("reshard-save"))
 
 
 @pytest.fixture(scope="module")
-def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launch]:
-    yield from _launch(tmp_path_factory, 3, THREE_RANKS)
+def three_ranks(tmp_path_factory: pytest.TempPathFactory, two_ranks: Launch) -> Iterator[Launch]:
+    plan = {**THREE_RANKS, "reshard-load": ["--load", str(reshard.saved_in(two_ranks.out("reshard-save")))]}
+    yield from _launch(tmp_path_factory, 3, plan, {"reshard-load": RESHARD})
 
 
 @pytest.mark.parametrize("name", ["cpu-2", "nvme-2", "nvme-3", "nvme-2-checkpoint-resumed"])
@@ -136,3 +161,139 @@ def test_a_rank_killed_mid_step_fails_the_other_with_rank_lost(daemon_factory, t
     assert survivor["error"] == "RankLost", survivor
     print(f"\nzero3 paged, a rank killed: the other got RankLost in {survivor['during']}")
     assert survivor["at"] - started < 120, "the survivor waited for its collective's timeout"
+
+
+# ----------------------------------------------------------------- checkpoints across world sizes
+
+
+def _assert_trains_on_like_adamw(kind: str, ours: dict[str, torch.Tensor]) -> None:
+    """``ours``: the model's values after resuming at step SAVED_AT and MORE steps more."""
+    expected, _ = reshard.reference(kind, reshard.SAVED_AT + reshard.MORE)
+    assert sorted(ours) == sorted(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(torch.as_tensor(ours[key]), value, msg=lambda m, key=key: f"{key}: {m}")
+    start, _ = reshard.reference(kind, 0)
+    assert max(float((ours[k] - start[k]).abs().max()) for k in start) > 1e-3, "nothing was trained"
+
+
+@pytest.mark.parametrize("how", ["shards", "full"])
+@pytest.mark.parametrize("kind", reshard.KINDS)
+def test_a_checkpoint_saved_at_two_ranks_resumes_at_three_like_adamw(three_ranks, two_ranks, kind, how):
+    """``shards``: every rank loads its new stretches from the two rank files (params, buffer, state, the
+    groups' learning rates); ``full``: the gathered AdamW-format dict and the gathered model.  Either way into a
+    model of other values and an optimizer made with another learning rate, then two more steps."""
+    saved(two_ranks)  # its failure first, if it failed
+    result = json.loads(three_ranks.check("reshard-load").read_text())[f"{kind}-{how}"]
+    _assert_trains_on_like_adamw(kind, {k: torch.tensor(v) for k, v in result.items()})
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", reshard.KINDS)
+def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_with_adamws_state(two_ranks, one_rank, kind):
+    """One rank takes both ranks' stretches; its state right after loading is torch.optim.AdamW's own after the
+    same steps (keyed by the index in model.parameters()), and it trains on like AdamW."""
+    model = reshard.make_model(seed=7)
+    opt = reshard.make_optimizer(kind, model, lr=0.5, client=connect(two_ranks.socket_path))
+    try:
+        opt.load_shards(saved(two_ranks) / kind)
+        _, ref_opt = reshard.reference(kind, reshard.SAVED_AT)
+        _assert_same_adam_state(opt.full_state_dict(), ref_opt)
+        assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+        reshard.train(model, opt, range(reshard.SAVED_AT, reshard.SAVED_AT + reshard.MORE))
+        _assert_trains_on_like_adamw(kind, reshard.values(model, opt))
+    finally:
+        opt.close()
+
+
+def test_a_layer_sharded_save_resumes_in_the_paged_optimizer(two_ranks, one_rank):
+    """The format does not depend on the saving layout: LayerShardedAdam's rank files (whole layers per owner)
+    load into ShardedPagedAdam (a stretch of every param per rank) with the same param groups."""
+    model = reshard.make_model(seed=7)
+    opt = ShardedPagedAdam(
+        model, lr=0.5, weight_decay=0.01, offload="cpu", device_budget=4096, client=connect(two_ranks.socket_path)
+    )
+    try:
+        opt.load_shards(saved(two_ranks) / "layers")
+        reshard.train(model, opt, range(reshard.SAVED_AT, reshard.SAVED_AT + reshard.MORE))
+        _assert_trains_on_like_adamw("layers", dict(model.state_dict()))
+    finally:
+        opt.close()
+
+
+def _assert_same_adam_state(ours: dict, ref_opt: torch.optim.AdamW) -> None:
+    """``ours`` (AdamW's format, keyed by the index in model.parameters()) holds ``ref_opt``'s state."""
+    ref = ref_opt.state_dict()
+    mine = [i for g in ours["param_groups"] for i in g["params"]]
+    theirs = [i for g in ref["param_groups"] for i in g["params"]]
+    assert len(mine) == len(theirs) and sorted(ours["state"]) == sorted(mine)
+    for i, j in zip(mine, theirs, strict=True):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours["state"][i][key], ref["state"][j][key])
+
+
+def tiermem(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    return subprocess.run(
+        [sys.executable, "-m", "tiermem.client.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("kind", reshard.KINDS)
+def test_tiermem_consolidate_makes_a_checkpoint_that_torch_adamw_resumes(two_ranks, tmp_path, kind):
+    """The command merges the two rank files into a model state dict and an AdamW-format dict equal to the
+    collective full_state_dict(); a plain model and torch.optim.AdamW load them and train on like AdamW."""
+    model_file, optim_file = tmp_path / "model.pt", tmp_path / "optim.pt"
+    done = tiermem(
+        "consolidate", str(saved(two_ranks) / kind), "--model", str(model_file), "--optimizer", str(optim_file)
+    )
+    assert done.returncode == 0, done.stderr
+    saver = {"paged": "ShardedPagedAdam", "layers": "LayerShardedAdam"}[kind]
+    assert f"2 rank file(s) of a {saver} save at step {reshard.SAVED_AT}" in done.stdout, done.stdout
+    consolidated = torch.load(optim_file)
+    gathered = torch.load(saved(two_ranks) / f"{kind}-full.pt")
+    assert consolidated["param_groups"] == gathered["param_groups"]
+    for i, entry in gathered["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(consolidated["state"][i][key], value), (i, key)
+    _, ref_opt = reshard.reference(kind, reshard.SAVED_AT)
+    _assert_same_adam_state(consolidated, ref_opt)
+    model = reshard.make_model(seed=7)
+    model.load_state_dict(torch.load(model_file))
+    opt = torch.optim.AdamW(reshard.groups(kind, model), lr=0.5, weight_decay=0.01)
+    opt.load_state_dict(consolidated)
+    reshard.train(model, opt, range(reshard.SAVED_AT, reshard.SAVED_AT + reshard.MORE))
+    _assert_trains_on_like_adamw(kind, dict(model.state_dict()))
+
+
+def test_tiermem_consolidate_names_a_missing_or_foreign_rank_file(two_ranks, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(saved(two_ranks) / "paged", broken)
+    (broken / file_name(1, 2)).unlink()
+    out = tmp_path / "model.pt"
+    done = tiermem("consolidate", str(broken), "--model", str(out))
+    assert done.returncode == 1, done
+    assert f"1 rank file(s) are missing: {broken / file_name(1, 2)}" in done.stderr, done.stderr
+    assert not out.exists()
+    # rank 1 of another save (the layer-sharded one) in its place
+    shutil.copy(saved(two_ranks) / "layers" / file_name(1, 2), broken / file_name(1, 2))
+    assert cli.main(["consolidate", str(broken), "--model", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"{broken / file_name(1, 2)}: its optimizer differs from {broken / file_name(0, 2)}'s" in err, err
+    # nothing to write is a usage error
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["consolidate", str(broken)])
+    assert exc.value.code == 2
+    assert "give --model PATH, --optimizer PATH or both" in capsys.readouterr().err

@@ -7,6 +7,9 @@ Subcommands:
             offload choice, and whether it fits this node
   status    one screen of the node's tiermemd: pool, swap, jobs per tier,
             throughput, errors (--json, --watch)
+  consolidate
+            merge a ZeRO-3 checkpoint's rank files into one model state dict
+            and one torch.optim.AdamW state dict
   version   print the version
 
 The CLI configures logging for itself; the library never prints.
@@ -72,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tiermem.client.status import add_parser as add_status_command
 
     add_status_command(sub)
+
+    from tiermem.client.consolidate import add_parser as add_consolidate_command
+
+    add_consolidate_command(sub)
 
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=lambda _args: print(f"tiermem {__version__}") or 0)

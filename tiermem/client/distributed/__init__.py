@@ -8,7 +8,9 @@ layer (each layer's params and state on its owner rank, gathered for use,
 updated by the owner's daemon during the backward of the layers before it);
 ``ShardedPagedAdam`` is ZeRO-3 with param paging: every param sharded across
 the ranks, each shard only in its rank's daemon, a submodule's params
-all-gathered just before they are used.
+all-gathered just before they are used.  Both ZeRO-3 optimizers checkpoint
+per rank (``save_shard``/``load_shards``, ``reshard``'s format) and load at any
+world size; ``tiermem consolidate`` merges the rank files offline.
 """
 
 from tiermem.client.distributed.optimizer import ShardedOffloadAdam

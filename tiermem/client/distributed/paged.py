@@ -21,10 +21,17 @@ recorded order, a ``device_budget``), whose copies are collective here:
 - ``model.state_dict()`` gathers each param the same way (a collective: every
   rank calls it), ``model.load_state_dict()`` writes each rank's shard.
 
-Checkpoints: ``model.state_dict()`` (the whole model, torch's keys, gathered)
-and ``opt.state_dict()`` (this rank's shard of the Adam state, AdamW's format
-over the shards) are saved per rank; a new ``ShardedPagedAdam`` over the same
-model and world size loads both, in either order.
+Checkpoints (``zero3_checkpoint``): ``opt.save_shard(directory)`` on every
+rank writes the rank's stretch of every param (fp32 value, moments, step);
+``opt.load_shards(directory)`` loads them at any world size, into either
+ZeRO-3 optimizer, params included, and ``tiermem consolidate`` merges them
+offline into one model and one ``torch.optim.AdamW`` state dict.
+``opt.full_state_dict()`` (collective) gathers AdamW's format on every rank,
+which ``opt.load_state_dict`` takes at any world size (the model's params
+then come from ``model.load_state_dict``: torch's keys, gathered by
+``model.state_dict()``, loadable at any world size too).  ``opt.state_dict()``
+stays this rank's shard in AdamW's format over the shards, which only the
+same world size loads.
 
 The collectives run on the pager's one I/O thread, in the order the trainer
 asks for them; that order is the same on every rank because every rank runs
@@ -70,7 +77,9 @@ from torch import nn
 from tiermem.client.distributed.collective import guarded
 from tiermem.client.distributed.identity import agree_identity, release_job_id
 from tiermem.client.distributed.node import node_client
+from tiermem.client.distributed.reshard import describe_params, is_rank_file
 from tiermem.client.distributed.scaler import shard_scaler_inputs
+from tiermem.client.distributed.zero3_checkpoint import RankShare, Slot, Zero3Checkpoints
 from tiermem.client.link import Client
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.paging import ParamPager
@@ -232,7 +241,7 @@ def _model_groups(model: nn.Module, param_groups: list[dict[str, Any]] | None) -
     return groups
 
 
-class ShardedPagedAdam(OffloadAdam):
+class ShardedPagedAdam(Zero3Checkpoints, OffloadAdam):
     """AdamW (``adamw=False``: Adam) over a model paged and sharded across ``process_group``; see the module
     docstring.  ``pager`` is the model's ``ParamPager`` (its figures: ``pager.stats()``)."""
 
@@ -277,6 +286,7 @@ class ShardedPagedAdam(OffloadAdam):
                 f"{sorted(map(str, devices))}"
             )
         (device,) = devices
+        infos = describe_params(model)
         kinds = {p.dtype for p in params}
         if len(kinds) != 1:
             raise InvalidArgument(f"ShardedPagedAdam needs one dtype for all params, got {sorted(map(str, kinds))}")
@@ -335,10 +345,67 @@ class ShardedPagedAdam(OffloadAdam):
         )
         for shard in shards:  # the daemon has them as masters now: no copy stays here, only the shape
             shard.data = torch.full((), float("nan"), dtype=shard.dtype).expand(shard.shape)
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        order = tuple(index[id(p)] for p in params)
+        slots = []
+        for tid, (param, numel) in enumerate(zip(order, numels, strict=True)):
+            n = shard_numel(numel, world)
+            lo = min(group_rank * n, numel)
+            slots.append(Slot(param, lo, min(lo + n, numel), tid, n))
+        self._share = RankShare(
+            "ShardedPagedAdam", group_rank, world, tuple(infos), order, tuple(slots), (), model, device
+        )
 
     def close(self, *, keep_state: bool = False) -> None:
         release_job_id(self.job_id)
         super().close(keep_state=keep_state)
+
+    # ----------------------------------------------------------------- checkpoints (zero3_checkpoint)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim.AdamW``'s format over the whole model (``full_state_dict()``, ``tiermem consolidate``,
+        ``torch.optim.AdamW``: any world size; the params are not touched), this rank's ``state_dict()``
+        (the same world size), or one rank's ``shard_state_dict()`` (params and buffers too)."""
+        if is_rank_file(state_dict):
+            self.load_shards([state_dict], complete=False)
+        elif self._is_own_shard(state_dict):
+            super().load_state_dict(state_dict)
+        else:
+            self._load_full(state_dict)
+
+    def _is_own_shard(self, state_dict: Any) -> bool:
+        """Whether ``state_dict`` is ``state_dict()``'s format (every state tensor of this rank's shard size),
+        not the whole params' (where the sizes agree, either reading loads the same)."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        state = state_dict.get("state") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or not isinstance(state, dict):
+            return False
+        at = {key: pos for pos, key in enumerate(k for g in groups if isinstance(g, dict) for k in g.get("params", ()))}
+        shard = whole = True
+        for key, entry in state.items():
+            pos = at.get(key)
+            value = entry.get("exp_avg") if isinstance(entry, dict) else None
+            if pos is None or pos >= len(self.tensors) or not isinstance(value, torch.Tensor):
+                return False
+            shard = shard and value.numel() == self.tensors[pos].numel()
+            whole = whole and value.numel() == self._share.params[self._share.order[pos]].numel
+        return shard and not whole
+
+    def _state_io(self) -> tuple[StateTransfer | None, int | None]:
+        self.pager.drain()
+        self.flush()
+        return self.transfer, self.steps
+
+    def _load_rank_state(self, state: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+        inner_groups, at = [], 0
+        for mine, saved in zip(self.param_groups, groups, strict=True):
+            inner_groups.append({**saved, "params": list(range(at, at + len(mine["params"])))})
+            at += len(mine["params"])
+        super().load_state_dict({"state": state, "param_groups": inner_groups})
+
+    def _write_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
+        self.pager.drain()  # nothing is materialized after a load: the next use fetches these
+        self.transfer.push_many((slot.tid, "master", value, 0, False) for slot, value in values)
 
     def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("group", self.process_group)

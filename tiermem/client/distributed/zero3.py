@@ -49,94 +49,47 @@ steps and backs off its scale together; an applied step's inverse scale
 reaches the daemon with the STEP's grad scale (times the clip coefficient),
 and the global norm is that of the unscaled grads.
 
+Checkpoints (``zero3_checkpoint``; the modules hold placeholders, so
+``model.state_dict()`` saves nothing of the layers): ``state_dict()`` is this
+rank's file, the fp32 values and moments of its layers' params, and
+``save_shard(directory)`` writes it; ``load_shards(directory)`` loads the
+rank files of a save at any world size or by ``ShardedPagedAdam``, params
+included, and ``tiermem consolidate`` merges them offline into one model and
+one ``torch.optim.AdamW`` state dict.  ``full_state_dict()`` (collective)
+gathers AdamW's format, which ``load_state_dict`` takes at any world size
+(the params then come from the model given to the constructor).
+
 Limits: gradient accumulation only with ``paged``, and not with
 ``max_grad_norm`` (the sums of squares are of one backward pass; refused on
-every rank); CPU params; each unit used once per forward; one param group;
-no checkpoints (``state_dict`` says so: the modules hold placeholders;
-``ShardedPagedAdam`` is the ZeRO-3 optimizer with them).
+every rank); CPU params; each unit used once per forward; one param group.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tiermem.client.distributed.collective import guarded
+from tiermem.client.distributed.daemon_grads import DaemonGrads
 from tiermem.client.distributed.identity import agree_identity, release_job_id
 from tiermem.client.distributed.node import node_client
+from tiermem.client.distributed.reshard import describe_params, is_rank_file
 from tiermem.client.distributed.scaler import shard_scaler_inputs
+from tiermem.client.distributed.zero3_checkpoint import RankShare, Slot, Zero3Checkpoints
 from tiermem.client.link import Client
 from tiermem.client.offload.args import HYPER_KEYS, check_hyper, optimizer_defaults
 from tiermem.client.offload.optimizer import OffloadAdam
+from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups, packed_groups
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement, StepMode
 from tiermem.core.step_rules import GradStats, decide
 
 __all__ = ["LayerShardedAdam"]
-
-
-class _DaemonGrads:
-    """The grad feed of a paged owner's ``OffloadAdam``: the grads are in the daemon's ``grad`` key, written
-    by ``LayerShardedAdam`` as each layer's reduce lands; the feed only says which tensors have one."""
-
-    def __init__(self) -> None:
-        self.landed: set[int] = set()
-        self.accumulated = False
-        self.changed_after_landing = False
-        self.buffer = 0
-        self._by_param: dict[int, Any] = {}
-
-    def land(self, tid: int) -> bool:
-        """Tensor ``tid``'s grad is being written; True when it adds to one written earlier in the step."""
-        again = tid in self.landed
-        self.accumulated = self.accumulated or again
-        self.landed.add(tid)
-        return again
-
-    def check(self) -> list[int]:
-        return sorted(self.landed)
-
-    def reset(self) -> None:
-        self.landed.clear()
-        self.accumulated = False
-
-    def zero(self, *, set_to_none: bool) -> None:
-        self.reset()
-
-    def hook(self) -> None:
-        """Nothing to hook: the layer's reduce lands the grads."""
-
-    def unhook(self) -> None:
-        """Nothing hooked."""
-
-    # the rest of the Feed protocol (tiermem.client.offload.feeds)
-    @property
-    def releases_grads(self) -> bool:
-        return True  # in the daemon's grad key, written by the reduce
-
-    def retire(self, *, send_edits: bool) -> None:
-        """Nothing to send or unhook."""
-
-    def drain(self) -> None:
-        """The pushes are synchronous."""
-
-    def send(self, ids: Sequence[int]) -> None:
-        """The grads are there already."""
-
-    def receive(self, ids: Sequence[int]) -> None:
-        """Nothing resident: the next forward gathers the updated layers."""
-
-    def send_params(self) -> None:
-        """The params live in the daemon."""
-
-    def new_step(self, buffer: int, *, early: bool) -> None:
-        self.reset()
-        self.buffer = buffer
 
 
 class _Unit:
@@ -153,7 +106,7 @@ class _Unit:
         self.grads_left = 0
 
 
-class LayerShardedAdam(torch.optim.Optimizer):
+class LayerShardedAdam(Zero3Checkpoints, torch.optim.Optimizer):
     """See the module docstring.  A ``torch.optim.Optimizer`` over the model's params (one param group: LR
     schedulers and edits of ``param_groups[0]["lr"]`` reach the owners' daemons with the next update);
     ``step()``, ``zero_grad()``, ``close()``."""
@@ -205,6 +158,7 @@ class LayerShardedAdam(torch.optim.Optimizer):
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        infos = describe_params(model)
         modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
         if not modules:
             raise InvalidArgument("the model has no params")
@@ -269,14 +223,34 @@ class LayerShardedAdam(torch.optim.Optimizer):
                 rank=self.rank,
                 world_size=self.world_size,
             )
-        self._grads: _DaemonGrads | None = None
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        order = tuple(index[id(p)] for unit in self.units for p in unit.params)
+        slots = tuple(
+            Slot(index[id(p)], 0, n, tid, n)
+            for u in mine
+            for p, n, tid in zip(u.params, u.numels, self._entry_of[u.index], strict=True)
+        )
+        sharded = set(order)
+        frozen = tuple(i for i in range(len(infos)) if i not in sharded)  # whole in every rank's module
+        self._share = RankShare(
+            "LayerShardedAdam",
+            self.rank,
+            self.world_size,
+            tuple(infos),
+            order,
+            slots,
+            frozen,
+            model,
+            torch.device("cpu"),
+        )
+        self._grads: DaemonGrads | None = None
         if paged and self.inner is not None:
             # the daemon has the values now (the staged exchange wrote them as masters): drop every copy here
-            self._grads = _DaemonGrads()
+            self._grads = DaemonGrads()
             self.inner.use_feed(self._grads, send_edits=False)
-            for pieces in self._pieces.values():
-                for piece in pieces:
-                    piece.data = torch.empty(0, dtype=piece.dtype)
+            for pieces in self._pieces.values():  # no copy stays here, only the shape (the inner state dicts'
+                for piece in pieces:  # reads and writes are sized by it)
+                    piece.data = torch.full((), float("nan"), dtype=piece.dtype).expand(piece.shape)
         for unit in self.units:
             self._release(unit, log=False)
             unit.module.register_forward_pre_hook(self._make_hook(unit, self._before_forward))
@@ -510,15 +484,44 @@ class LayerShardedAdam(torch.optim.Optimizer):
             raise InvalidArgument("LayerShardedAdam takes the model's params as one param group; make a new one")
         super().add_param_group(param_group)
 
+    # ----------------------------------------------------------------- checkpoints (zero3_checkpoint)
+
     def state_dict(self) -> dict[str, Any]:
-        raise InvalidState(
-            "LayerShardedAdam has no checkpoint: its layers' params and Adam state are in the owners' daemons and "
-            "the modules hold placeholders (model.state_dict() would save those); gathered_params() collects "
-            "the values, and ShardedPagedAdam is the ZeRO-3 optimizer with checkpoints"
-        )
+        """This rank's file of a checkpoint that loads at any world size (``shard_state_dict()``): the params
+        live in the owners' daemons and the modules hold placeholders, so it holds the params' values too."""
+        return self.shard_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise InvalidState("LayerShardedAdam has no checkpoint to load (see state_dict)")
+        """One rank's ``state_dict()`` (this rank's layers, params included: the same world size and owners;
+        ``load_shards`` takes a save at any), or ``torch.optim.AdamW``'s format over the model's trainable
+        params (``full_state_dict()``, ``tiermem consolidate``, ``torch.optim.AdamW``: any world size; the
+        params are not touched)."""
+        if is_rank_file(state_dict):
+            self.load_shards([state_dict], complete=False)
+        else:
+            self._load_full(state_dict)
+
+    def _state_io(self) -> tuple[StateTransfer | None, int | None]:
+        if self.inner is None:
+            return None, None
+        self.inner.flush()
+        return self.inner.transfer, self.inner.steps
+
+    def _load_rank_state(self, state: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+        adopt_saved_groups(self.param_groups, groups)
+        self._sync_hyper()
+        if self.inner is not None:
+            self.inner.load_state_dict({"state": state, "param_groups": packed_groups(self.inner.param_groups)})
+
+    def _write_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
+        if self.inner is None:
+            return
+        with torch.no_grad():
+            for slot, value in values:
+                piece = self.inner.tensors[slot.tid]
+                if not self.paged:  # the owner's copy, the truth the daemon updates
+                    piece.copy_(value.view(piece.shape))
+        self.inner.transfer.push_many((slot.tid, "master", value, 0, False) for slot, value in values)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.units:

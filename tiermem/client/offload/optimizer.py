@@ -229,9 +229,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], adamw=group["adamw"])
             for p in group["params"]:
                 if not isinstance(p, torch.Tensor) or p.dtype not in (d.torch for d in dtypes.DTYPES):
-                    raise DTypeError(
-                        f"OffloadAdam takes float32/float16/bfloat16 params, got {getattr(p, 'dtype', p)}"
-                    )
+                    raise DTypeError(f"OffloadAdam takes float32/float16/bfloat16 params, got {getattr(p, 'dtype', p)}")
             if registered:
                 self._register_again()
         except BaseException:

@@ -1,0 +1,171 @@
+"""One rank of the ZeRO-3 resharding scenarios of ``test_zero3_paged.py`` under ``torchrun`` (gloo): a checkpoint
+saved at one world size resumes at another.
+
+Both ZeRO-3 optimizers (``KINDS``: ``ShardedPagedAdam`` with two param
+groups, ``LayerShardedAdam`` with one) train a small MLP with odd sizes (padded
+shards) and a persistent buffer that the loss uses, on a global batch of
+``GLOBAL_BATCH`` samples split over the ranks, so a run is the same at any
+world size that divides it and equals ``reference()``: ``torch.optim.AdamW``
+on the whole batch in one process.
+
+``--save`` (N ranks): ``SAVED_AT`` steps, then every rank writes its rank
+file to ``DIR/<kind>/`` (``save_shard``; ``DIR`` is ``saved_in(OUT)``), and
+rank 0 writes the gathered ``full_state_dict()`` to ``DIR/<kind>-full.pt`` and
+the model's values to ``DIR/<kind>-model.pt``.
+
+``--save-ranks K``: only the first K ranks save, as a process group of their
+own (a save at K ranks inside a launch of more).
+
+``--load DIR`` (M ranks): per kind, two resumes of that save, each into a
+model of other values and an optimizer made with another learning rate (the
+load must restore both) and trained ``MORE`` steps: ``shards`` from the rank
+files (``load_shards``: params, buffer and state), ``full`` from the full dicts
+(``model.load_state_dict`` then the optimizer, ``opt.load_state_dict``).
+Rank 0 writes ``{"<kind>-<how>": {key: values}}`` as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tiermem.client.distributed import LayerShardedAdam, ShardedPagedAdam
+
+KINDS = ("paged", "layers")
+GLOBAL_BATCH = 12
+SAVED_AT = 3
+MORE = 2
+LR = 0.02
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(7, 13), nn.GELU(), nn.Linear(13, 11), nn.GELU(), nn.Linear(11, 3))
+    model.register_buffer("shift", torch.linspace(-1.0, 1.0, 3) * (seed + 1))
+    return model
+
+
+def groups(kind: str, model: nn.Module) -> list[dict]:
+    """The paged one: no weight decay and half the learning rate on the biases; the layers one: one group."""
+    if kind == "layers":
+        return [{"params": list(model.parameters())}]
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": LR / 2}]
+
+
+def make_optimizer(kind: str, model: nn.Module, lr: float = LR, **kwargs: Any) -> ShardedPagedAdam | LayerShardedAdam:
+    if kind == "paged":
+        gs = groups(kind, model)
+        gs[1]["lr"] = lr / 2
+        return ShardedPagedAdam(
+            model, param_groups=gs, lr=lr, weight_decay=0.01, offload="cpu", device_budget=4096, prefetch=1, **kwargs
+        )
+    return LayerShardedAdam(model, lr=lr, weight_decay=0.01, **kwargs)
+
+
+def saved_in(out: str | Path) -> Path:
+    """Where ``--save`` with ``--out OUT`` writes."""
+    return Path(out).parent / "ckpt"
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(model(x) + model.shift, y)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int = 0, world: int = 1) -> None:
+    per = GLOBAL_BATCH // world
+    for step in steps:
+        x, y = batch(step)
+        loss_of(model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def values(model: nn.Module, opt: ShardedPagedAdam | LayerShardedAdam) -> dict[str, torch.Tensor]:
+    """Collective: the model's values (``LayerShardedAdam``'s modules hold placeholders: gathered from the owners)."""
+    if isinstance(opt, ShardedPagedAdam):
+        return dict(model.state_dict())
+    gathered = opt.gathered_params()
+    return {**dict(zip((n for n, _ in model.named_parameters()), gathered, strict=True)), "shift": model.shift.clone()}
+
+
+def reference(kind: str, steps: int) -> tuple[dict[str, torch.Tensor], torch.optim.AdamW]:
+    """``torch.optim.AdamW`` on the whole batch in one process, after ``steps`` steps."""
+    model = make_model()
+    opt = torch.optim.AdamW(groups(kind, model), lr=LR, weight_decay=0.01)
+    train(model, opt, range(steps))
+    return dict(model.state_dict()), opt
+
+
+def save(kind: str, folder: Path, group: Any) -> None:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    model = make_model()
+    opt = make_optimizer(kind, model, process_group=group)
+    train(model, opt, range(SAVED_AT), rank, world)
+    opt.save_shard(folder / kind)
+    full = opt.full_state_dict()
+    saved = values(model, opt)
+    if rank == 0:
+        torch.save(full, folder / f"{kind}-full.pt")
+        torch.save(saved, folder / f"{kind}-model.pt")
+    opt.close()
+
+
+def resume(kind: str, how: str, folder: Path) -> dict[str, list]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(seed=7)
+    if how == "full":  # before the optimizer: LayerShardedAdam takes the model's values when made
+        model.load_state_dict(torch.load(folder / f"{kind}-model.pt"))
+    opt = make_optimizer(kind, model, lr=0.5)
+    if how == "shards":
+        opt.load_shards(folder / kind)
+    else:
+        opt.load_state_dict(torch.load(folder / f"{kind}-full.pt"))
+    train(model, opt, range(SAVED_AT, SAVED_AT + MORE), rank, world)
+    final = values(model, opt)
+    opt.close()
+    return {k: v.tolist() for k, v in final.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--save", action="store_true", help="train SAVED_AT steps and save (into saved_in(OUT))")
+    ap.add_argument("--save-ranks", type=int, default=0, help="save with the first N ranks only (a subgroup)")
+    ap.add_argument("--load", help="resume from the save in this directory and train MORE steps")
+    args = ap.parse_args(argv)
+    owned = not dist.is_initialized()  # scenarios.py makes one group for all of its runs
+    if owned:
+        dist.init_process_group("gloo")
+    group = dist.new_group(list(range(args.save_ranks))) if args.save_ranks else None  # every rank makes it
+    if args.save and (group is None or dist.get_rank() < args.save_ranks):
+        for kind in KINDS:
+            save(kind, saved_in(args.out), group)
+    dist.barrier()
+    results = {}
+    if args.load:
+        results = {f"{kind}-{how}": resume(kind, how, Path(args.load)) for kind in KINDS for how in ("shards", "full")}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results))
+    if owned:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    from scenarios import leave  # this script's directory is on sys.path
+
+    leave(main())

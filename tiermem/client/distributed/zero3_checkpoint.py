@@ -1,0 +1,287 @@
+"""Checkpoints of the ZeRO-3 optimizers in ``reshard``'s format, at any world size: a part of ``ShardedPagedAdam``
+and ``LayerShardedAdam`` (a mixin over ``_share``, what the optimizer says its rank holds, and three bindings).
+
+- ``shard_state_dict()`` (not collective): this rank's file: the fp32 values and Adam state of the
+  stretches of params it holds, with the metadata to merge it with the others (``reshard``);
+  ``save_shard(directory)`` writes it there, atomically, under its rank's name;
+- ``load_shards(source)``: every rank takes the stretches it holds now from the rank files of a save made
+  at any world size (a directory, or the files): values, moments and steps, the groups'
+  hyper-parameters, and the model's persistent buffers and unsharded params;
+- ``full_state_dict()`` (collective): ``torch.optim.AdamW``'s format, on every rank: state keyed by the
+  index in ``model.parameters()``, each param's moments summed over the ranks holding its stretches
+  (every other rank contributes zeros: one all-reduce per param, the same for either layout);
+- ``_load_full(state_dict)``: this rank's stretches of a dict in that format, from any world size, or
+  from ``torch.optim.AdamW`` itself; the model's params are not touched (torch's rule).
+
+A rank's tensor ``tid`` in its daemon is a ``Slot``: elements ``[lo, hi)`` of one param, then zero
+padding up to the tensor's ``numel``; the ``master`` state key is the param's fp32 value.
+
+Cost: a save or a load holds the rank's share in host memory while it runs
+(fp32 value and two moments: 12 bytes per element the rank holds), read from
+or written to the daemon in one pipelined transfer; no rank holds more.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tiermem.client.distributed.reshard import (
+    FORMAT,
+    MOMENTS,
+    VERSION,
+    ParamInfo,
+    Piece,
+    ShardSet,
+    Source,
+    build_adamw,
+    open_shards,
+    persistent_buffers,
+    save_file,
+)
+from tiermem.client.offload.transfer import StateTransfer, packed_groups, plan_load
+from tiermem.core.errors import InvalidArgument
+
+__all__ = ["RankShare", "Slot", "Zero3Checkpoints"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Tensor ``tid`` of this rank's daemon: elements ``[lo, hi)`` of param ``param`` (its index in
+    ``model.parameters()``), then zeros up to ``numel``."""
+
+    param: int
+    lo: int
+    hi: int
+    tid: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank of a ZeRO-3 optimizer holds, in the checkpoint's terms."""
+
+    optimizer: str
+    rank: int
+    world_size: int
+    params: tuple[ParamInfo, ...]
+    """Every param of the model, in ``model.parameters()`` order."""
+    order: tuple[int, ...]
+    """The optimizer's params (its param groups' order) as indices into ``params``."""
+    slots: tuple[Slot, ...]
+    replicated: tuple[int, ...]
+    """Params every rank holds whole in the module, unsharded and never stepped (frozen ones)."""
+    model: nn.Module
+    device: torch.device
+    """Where the collectives' tensors go (the process group's backend's device)."""
+
+    def groups(self, param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """torch's saved param groups, listing indices into ``params``."""
+        packed = packed_groups(param_groups)
+        for group in packed:
+            group["params"] = [self.order[i] for i in group["params"]]
+        return packed
+
+
+def _padded(values: torch.Tensor, numel: int) -> torch.Tensor:
+    out = torch.zeros(numel, dtype=torch.float32)
+    out[: values.numel()].copy_(values.reshape(-1))
+    return out
+
+
+class Zero3Checkpoints:
+    """See the module docstring."""
+
+    _share: RankShare
+
+    if TYPE_CHECKING:
+        param_groups: list[dict[str, Any]]
+        job_id: str
+
+        def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+
+    # ----------------------------------------------------------------- what the optimizer binds
+
+    def _state_io(self) -> tuple[StateTransfer | None, int | None]:
+        """The rank's transfer, settled (None: it holds no tensor) and its applied steps (None: unknown)."""
+        raise NotImplementedError
+
+    def _load_rank_state(self, state: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+        """Load ``state`` (``OffloadAdam``'s format over the rank's tensors, by tensor id) and adopt the saved
+        ``groups``' hyper-parameters (checked to match the optimizer's groups)."""
+        raise NotImplementedError
+
+    def _write_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
+        """Make each slot's fp32 values (padded to its ``numel``) its param's values."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- saving
+
+    def _read_pieces(self) -> tuple[list[Piece], int | None]:
+        share = self._share
+        io, steps = self._state_io()
+        keys = ("master", *MOMENTS)
+        reads = [(s.tid, key, torch.empty(s.numel, dtype=torch.float32)) for s in share.slots for key in keys]
+        counts = io.pull_many_into(reads) if io is not None and reads else []
+        pieces = []
+        for k, slot in enumerate(share.slots):
+            n = slot.hi - slot.lo
+            if n == 0 and share.params[slot.param].numel > 0:  # padding only (an empty param: for its step)
+                continue
+            step = counts[k * len(keys)]
+            got = {name: reads[k * len(keys) + j][2] for j, name in enumerate(("value", *MOMENTS))}
+            tensors = {key: got[key][:n].clone() if n < slot.numel else got[key] for key in got}
+            if step == 0:
+                tensors = {"value": tensors["value"]}
+            pieces.append(Piece(slot.param, slot.lo, slot.hi, step, tensors))
+        return pieces, steps
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """This rank's file of a checkpoint that loads at any world size (see ``tiermem.client.distributed.
+        reshard``); not collective, but every rank saves its own."""
+        share = self._share
+        pieces, steps = self._read_pieces()
+        if share.rank == 0:  # the params no rank shards: once, from rank 0
+            module_params = list(share.model.parameters())
+            for i in share.replicated:
+                value = module_params[i].detach().reshape(-1).to("cpu", torch.float32, copy=True)
+                pieces.append(Piece(i, 0, value.numel(), 0, {"value": value}))
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "optimizer": share.optimizer,
+            "job_id": self.job_id,
+            "steps": steps,
+            "rank": share.rank,
+            "world_size": share.world_size,
+            "params": [info.to_dict() for info in share.params],
+            "param_groups": share.groups(self.param_groups),
+            "pieces": [piece.to_dict() for piece in pieces],
+            "buffers": {k: v.detach().to("cpu", copy=True) for k, v in persistent_buffers(share.model).items()},
+        }
+
+    def save_shard(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``shard_state_dict()`` to ``directory/zero3-rank<r>-of-<n>.pt`` (atomically; every rank
+        calls it; wait for all, a barrier, before reading the directory); returns the path."""
+        return save_file(self.shard_state_dict(), directory)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective: the whole optimizer state in ``torch.optim.AdamW``'s format, on every rank (state keyed
+        by the index in ``model.parameters()``; ``master`` too for low-precision params), which
+        ``torch.optim.AdamW`` and either ZeRO-3 optimizer at any world size load."""
+        share = self._share
+        pieces, _ = self._read_pieces()
+        steps = torch.zeros(len(share.params), dtype=torch.float64, device=share.device)
+        mine: dict[int, list[Piece]] = {}
+        for piece in pieces:
+            steps[piece.param] = max(float(steps[piece.param]), float(piece.step))
+            mine.setdefault(piece.param, []).append(piece)
+        self._collective("gather of the steps", dist.all_reduce, steps, op=dist.ReduceOp.MAX)
+        step_of = [int(s) for s in steps.tolist()]
+        gathered: dict[tuple[int, str], torch.Tensor] = {}
+        for i, info in enumerate(share.params):
+            if step_of[i] == 0:
+                continue
+            keys = [*MOMENTS, "value"] if info.dtype != "float32" else list(MOMENTS)
+            flat = torch.zeros(len(keys), info.numel, dtype=torch.float32, device=share.device)
+            for piece in mine.get(i, []):
+                if piece.step > 0:
+                    for k, key in enumerate(keys):
+                        flat[k, piece.lo : piece.hi] = piece.tensors[key]
+            self._collective("gather of the state", dist.all_reduce, flat)
+            for k, key in enumerate(keys):
+                gathered[(i, key)] = flat[k].to("cpu", copy=True)
+        return build_adamw(
+            share.params, share.groups(self.param_groups), step_of.__getitem__, lambda i, key: gathered[(i, key)]
+        )
+
+    # ----------------------------------------------------------------- loading
+
+    def _load_full(self, state_dict: dict[str, Any]) -> None:
+        """This rank's stretches of a ``torch.optim.AdamW``-format dict (checked whole before anything changes)."""
+        share = self._share
+        loads = plan_load(state_dict, self.param_groups, [share.params[i].numel for i in share.order])
+        by_param = {share.order[pos]: (entry, step) for pos, entry, step in loads}
+        state: dict[int, dict[str, Any]] = {}
+        for slot in share.slots:
+            found = by_param.get(slot.param)
+            if found is None:
+                continue
+            entry, step = found
+            cut: dict[str, Any] = {"step": torch.tensor(float(step))}
+            for key in (*MOMENTS, "master"):
+                value = entry.get(key)
+                if isinstance(value, torch.Tensor):
+                    flat = value.detach().reshape(-1)[slot.lo : slot.hi].to("cpu", torch.float32)
+                    cut[key] = _padded(flat, slot.numel)
+            state[slot.tid] = cut
+        self._load_rank_state(state, list(state_dict["param_groups"]))
+
+    def load_shards(self, source: Source | ShardSet, *, complete: bool = True) -> None:
+        """Take this rank's stretches from the rank files of a save at any world size (``source``: their
+        directory, or the files as paths or loaded dicts): the params' values, their Adam state and steps,
+        the groups' hyper-parameters, and the model's persistent buffers and unsharded params.  Every rank
+        calls it; it is not collective.  ``complete``: every rank's file must be there (a directory always
+        must); without it, only the stretches this rank needs."""
+        share = self._share
+        shards = source if isinstance(source, ShardSet) else open_shards(source)
+        if complete:
+            shards.require_complete()
+        self._check_compatible(shards)
+        state: dict[int, dict[str, Any]] = {}
+        values: list[tuple[Slot, torch.Tensor]] = []
+        for slot in share.slots:
+            values.append((slot, _padded(shards.read(slot.param, "value", slot.lo, slot.hi), slot.numel)))
+            step = shards.step_of(slot.param)
+            if step > 0:
+                entry = {key: _padded(shards.read(slot.param, key, slot.lo, slot.hi), slot.numel) for key in MOMENTS}
+                state[slot.tid] = {"step": torch.tensor(float(step)), **entry}
+        module_params = list(share.model.parameters())
+        replicated = [(i, shards.read(i, "value", 0, share.params[i].numel)) for i in share.replicated]
+        buffers = persistent_buffers(share.model)
+        if set(buffers) != set(shards.buffers):
+            raise InvalidArgument(
+                f"the checkpoint's buffers are {sorted(shards.buffers)[:6]}, this model's {sorted(buffers)[:6]}"
+            )
+        for name, buf in buffers.items():
+            if shards.buffers[name].shape != buf.shape:
+                raise InvalidArgument(
+                    f"buffer {name!r} has shape {list(shards.buffers[name].shape)} in the checkpoint, "
+                    f"{list(buf.shape)} in this model"
+                )
+        # checked: now change things
+        self._load_rank_state(state, [dict(g) for g in shards.param_groups])
+        self._write_values(values)
+        with torch.no_grad():
+            for i, value in replicated:
+                p = module_params[i]
+                p.copy_(value.view(p.shape))
+            for name, buf in buffers.items():
+                buf.copy_(shards.buffers[name])
+
+    def _check_compatible(self, shards: ShardSet) -> None:
+        share = self._share
+        if len(shards.params) != len(share.params):
+            raise InvalidArgument(
+                f"the checkpoint is of a model with {len(shards.params)} params; this one has {len(share.params)}"
+            )
+        for i, (saved, mine) in enumerate(zip(shards.params, share.params, strict=True)):
+            if saved.shape != mine.shape or saved.names != mine.names:
+                raise InvalidArgument(
+                    f"param {i} is {saved.name!r} of shape {list(saved.shape)} in the checkpoint, {mine.name!r} of "
+                    f"shape {list(mine.shape)} in this model"
+                )
+        saved_groups = [g["params"] for g in shards.param_groups]
+        my_groups = [g["params"] for g in share.groups(self.param_groups)]
+        if saved_groups != my_groups:
+            raise InvalidArgument(
+                f"the checkpoint's param groups hold params {saved_groups}, this optimizer's {my_groups}; make the "
+                "optimizer with the same groups"
+            )
