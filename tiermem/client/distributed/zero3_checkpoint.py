@@ -101,26 +101,21 @@ class Zero3Checkpoints:
 
     _share: RankShare
 
-    if TYPE_CHECKING:
+    if TYPE_CHECKING:  # what the optimizer using it has and binds
         param_groups: list[dict[str, Any]]
         job_id: str
 
         def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
 
-    # ----------------------------------------------------------------- what the optimizer binds
+        def _state_io(self) -> tuple[StateTransfer | None, int | None]:
+            """The rank's transfer, settled (None: it holds no tensor) and its applied steps (None: unknown)."""
 
-    def _state_io(self) -> tuple[StateTransfer | None, int | None]:
-        """The rank's transfer, settled (None: it holds no tensor) and its applied steps (None: unknown)."""
-        raise NotImplementedError
+        def _load_rank_state(self, state: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+            """Load ``state`` (``OffloadAdam``'s format over the rank's tensors, by tensor id) and adopt the
+            saved ``groups``' hyper-parameters (checked to match the optimizer's groups)."""
 
-    def _load_rank_state(self, state: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
-        """Load ``state`` (``OffloadAdam``'s format over the rank's tensors, by tensor id) and adopt the saved
-        ``groups``' hyper-parameters (checked to match the optimizer's groups)."""
-        raise NotImplementedError
-
-    def _write_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
-        """Make each slot's fp32 values (padded to its ``numel``) its param's values."""
-        raise NotImplementedError
+        def _write_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
+            """Make each slot's fp32 values (padded to its ``numel``) its param's values."""
 
     # ----------------------------------------------------------------- saving
 

@@ -92,7 +92,7 @@ class SharedFeed:
     def hook(self) -> None:
         for e in self.entries:
             if e.param.requires_grad:
-                self._hooks.append(e.param.register_post_accumulate_grad_hook(self._grad_ready))
+                self._hooks.append(e.param.register_post_accumulate_grad_hook(self.land_grad))
 
     def unhook(self) -> None:
         for handle in self._hooks:
@@ -135,9 +135,6 @@ class SharedFeed:
 
     def land_grad(self, param: torch.Tensor) -> None:
         """``param``'s grad is final for this backward (autograd's hook, or a strategy that reduced it)."""
-        self._grad_ready(param)
-
-    def _grad_ready(self, param: torch.Tensor) -> None:
         entry = self._by_param.get(id(param))
         if entry is None or param.grad is None:
             return
