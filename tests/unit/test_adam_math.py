@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,14 +10,7 @@ import torch
 from tiermem.core.adam_math import AdamHyper, adam_update, step_scalars
 from tiermem.core.errors import InvalidArgument
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    # These tensors are tiny: torch's intra-op threads only add barrier waits (costly on a busy machine).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 CASES = [

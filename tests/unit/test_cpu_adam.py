@@ -18,14 +18,7 @@ from torch import nn
 from tiermem.core.errors import DTypeError, InvalidArgument
 from tiermem.engine.optim import AdamEngine, AdamHyper, CPUAdam, KernelState
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    # These tensors are tiny: torch's intra-op threads only add barrier waits (costly on a busy machine).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")

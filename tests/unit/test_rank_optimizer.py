@@ -33,12 +33,7 @@ GROUPS = (
 CHUNK_NUMEL = 8  # 30 elements: 5 update pieces, most tensors straddle a chunk boundary
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")
