@@ -11,7 +11,8 @@ permission error.
 Fixtures:
 - ``daemon``: one daemon shared by the session (tests that use it leave no job behind);
 - ``daemon_factory``: start more daemons with other settings, stopped at teardown;
-- ``run_client``: start ``daemon_client.py`` as a client process.
+- ``run_client``: start ``daemon_client.py`` as a client process;
+- ``run_daemon_to_exit``: a daemon that is expected to fail at start-up, run to its exit.
 
 Adam runs eagerly in the test daemons (``adam.compile = false``): compiling
 the kernels costs tens of seconds per daemon on these machines, and the eager
@@ -234,6 +235,39 @@ def start_daemon(
         if process.poll() is not None or time.monotonic() > deadline:
             daemon.cleanup()
             raise RuntimeError(f"tiermemd did not become ready (exit {process.poll()}):\n{daemon.log_text()[-3000:]}")
+
+
+def run_daemon_to_exit(
+    root: Path, socket_path: str, overrides: dict[str, dict[str, Any]] | None = None, **run_kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """Run tiermemd in the foreground with ``start_daemon``'s settings (no NOTIFY_SOCKET) and wait for it to exit.
+
+    For start-up failures: the test asserts on the exit code and stderr.  ``run_kwargs`` go to ``subprocess.run``."""
+    config = root / "tiermemd.toml"
+    config.write_text(to_toml(daemon_settings(root, socket_path, overrides)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "tiermemd.main", "--config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        **run_kwargs,
+    )
+
+
+def run_tiermem_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``tiermem ARGS`` (``python -m tiermem.client.cli``) without the test's ``TIERMEM_*``, plus ``env``."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    return subprocess.run(
+        [sys.executable, "-m", "tiermem.client.cli", *args],
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 @pytest.fixture(scope="session")

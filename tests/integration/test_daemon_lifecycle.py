@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import MAX_CONNECTIONS_PER_UID, NotifyRecorder, RawConn, daemon_settings, error_of
+from conftest import MAX_CONNECTIONS_PER_UID, NotifyRecorder, RawConn, daemon_settings, error_of, run_daemon_to_exit
 
 from tiermem.core.protocol import MsgType, Stats, StatsReply
 from tiermem.core.protocol.frame import PROTOCOL_VERSION
@@ -206,17 +206,7 @@ def test_start_up_failures_exit_with_their_documented_codes(daemon, tmp_path, ca
         (root / "not-a-dir").write_text("")
         overrides, expected = {"swap": {"dirs": [str(root / "not-a-dir" / "swap")]}}, 4
         socket_path = str(root / "tiermemd.sock")
-    config = root / "tiermemd.toml"
-    config.write_text(to_toml(daemon_settings(root, socket_path, overrides)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET"))}
-    done = subprocess.run(
-        [sys.executable, "-m", "tiermemd.main", "--config", str(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = run_daemon_to_exit(root, socket_path, overrides)
     assert done.returncode == expected, done.stderr[-2000:]
     with daemon.connection() as conn:  # a failed second daemon left the live one's socket alone
         assert isinstance(conn.request(Stats()), StatsReply)

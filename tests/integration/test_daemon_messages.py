@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import daemon_settings
+from conftest import daemon_settings, run_daemon_to_exit
 from daemon_client import Trainer
 
 from tiermem.client.connection import Connection
@@ -19,23 +19,9 @@ from tiermem.core.protocol import Attach, AttachOk, Detach, MemRef, Ping, Pong, 
 from tiermemd.main import to_toml
 
 
-def _run_daemon(tmp_path: Path, socket_path: str) -> subprocess.CompletedProcess[str]:
-    config = tmp_path / "tiermemd.toml"
-    config.write_text(to_toml(daemon_settings(tmp_path, socket_path, None)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
-    return subprocess.run(
-        [sys.executable, "-m", "tiermemd.main", "--config", str(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_a_socket_path_under_a_file_exits_5_with_one_line_and_no_traceback(tmp_path: Path) -> None:
     (tmp_path / "plain-file").write_text("")
-    done = _run_daemon(tmp_path, str(tmp_path / "plain-file" / "tiermemd.sock"))
+    done = run_daemon_to_exit(tmp_path, str(tmp_path / "plain-file" / "tiermemd.sock"))
     assert done.returncode == 5, done.stderr
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
@@ -44,7 +30,7 @@ def test_a_socket_path_under_a_file_exits_5_with_one_line_and_no_traceback(tmp_p
 
 def test_an_overlong_socket_path_names_its_length_and_the_limit(tmp_path: Path) -> None:
     path = str(tmp_path / ("d" * 120) / "tiermemd.sock")
-    done = _run_daemon(tmp_path, path)
+    done = run_daemon_to_exit(tmp_path, path)
     assert done.returncode == 5, done.stderr
     assert f"{len(path)} bytes long" in done.stderr and "limited to 107 bytes" in done.stderr
     assert ": None" not in done.stderr and "Traceback" not in done.stderr
@@ -157,18 +143,7 @@ def _memory_cgroup() -> Path | None:
 
 
 def test_a_pool_larger_than_the_node_exits_3_naming_the_numbers(tmp_path: Path) -> None:
-    config = tmp_path / "tiermemd.toml"
-    settings = daemon_settings(tmp_path, str(tmp_path / "s" / "tiermemd.sock"), {"pool": {"size": "64TiB"}})
-    config.write_text(to_toml(settings))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
-    done = subprocess.run(
-        [sys.executable, "-m", "tiermemd.main", "--config", str(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = run_daemon_to_exit(tmp_path, str(tmp_path / "s" / "tiermemd.sock"), {"pool": {"size": "64TiB"}})
     assert done.returncode == 3, done.stderr
     assert "pool.size 64TiB" in done.stderr and "MemAvailable" in done.stderr and "Traceback" not in done.stderr
 
@@ -181,24 +156,15 @@ def test_a_pool_larger_than_its_memory_cgroup_exits_3_instead_of_being_oom_kille
     cgroup.mkdir()
     try:
         (cgroup / "memory.limit_in_bytes").write_text(str(512 << 20))
-        settings = daemon_settings(
-            tmp_path, str(tmp_path / "s" / "tiermemd.sock"), {"pool": {"size": "1GiB", "arena_size": "256MiB"}}
-        )
-        config = tmp_path / "tiermemd.toml"
-        config.write_text(to_toml(settings))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
         procs = str(cgroup / "cgroup.procs")
 
         def enter_cgroup() -> None:
             Path(procs).write_text(str(os.getpid()))
 
-        done = subprocess.run(
-            [sys.executable, "-m", "tiermemd.main", "--config", str(config)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
+        done = run_daemon_to_exit(
+            tmp_path,
+            str(tmp_path / "s" / "tiermemd.sock"),
+            {"pool": {"size": "1GiB", "arena_size": "256MiB"}},
             preexec_fn=enter_cgroup,  # the daemon must start inside the cgroup
         )
         assert done.returncode == 3, (done.returncode, done.stderr[-2000:])

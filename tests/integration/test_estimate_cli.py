@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
+from conftest import run_tiermem_cli
 
 from tiermem.client.capacity import probe_daemon
 
 
 def tiermem(*args: str, home: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
-    env.update({"HOME": home, "XDG_RUNTIME_DIR": home, "XDG_STATE_HOME": home, "TIERMEM_NO_EMBED": "1"})
-    return subprocess.run(
-        [sys.executable, "-m", "tiermem.client.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    home_env = {"HOME": home, "XDG_RUNTIME_DIR": home, "XDG_STATE_HOME": home, "TIERMEM_NO_EMBED": "1"}
+    return run_tiermem_cli(*args, env=home_env)
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import zero3_reshard_worker as reshard
-from conftest import start_daemon
+from conftest import run_tiermem_cli, start_daemon
 from launch import Launch
 
 from tiermem.client import cli
@@ -239,24 +239,12 @@ def _assert_same_adam_state(ours: dict, ref_opt: torch.optim.AdamW) -> None:
             torch.testing.assert_close(ours["state"][i][key], ref["state"][j][key])
 
 
-def tiermem(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
-    return subprocess.run(
-        [sys.executable, "-m", "tiermem.client.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 @pytest.mark.parametrize("kind", reshard.KINDS)
 def test_tiermem_consolidate_makes_a_checkpoint_that_torch_adamw_resumes(two_ranks, tmp_path, kind):
     """The command merges the two rank files into a model state dict and an AdamW-format dict equal to the
     collective full_state_dict(); a plain model and torch.optim.AdamW load them and train on like AdamW."""
     model_file, optim_file = tmp_path / "model.pt", tmp_path / "optim.pt"
-    done = tiermem(
+    done = run_tiermem_cli(
         "consolidate", str(saved(two_ranks) / kind), "--model", str(model_file), "--optimizer", str(optim_file)
     )
     assert done.returncode == 0, done.stderr
@@ -283,7 +271,7 @@ def test_tiermem_consolidate_names_a_missing_or_foreign_rank_file(two_ranks, tmp
     shutil.copytree(saved(two_ranks) / "paged", broken)
     (broken / file_name(1, 2)).unlink()
     out = tmp_path / "model.pt"
-    done = tiermem("consolidate", str(broken), "--model", str(out))
+    done = run_tiermem_cli("consolidate", str(broken), "--model", str(out))
     assert done.returncode == 1, done
     assert f"1 rank file(s) are missing: {broken / file_name(1, 2)}" in done.stderr, done.stderr
     assert not out.exists()
