@@ -12,6 +12,7 @@ Fixtures:
 - ``daemon``: one daemon shared by the session (tests that use it leave no job behind);
 - ``daemon_factory``: start more daemons with other settings, stopped at teardown;
 - ``run_client``: start ``daemon_client.py`` as a client process;
+- ``libaio_engine``, ``swap_dir``: a real libaio engine and a directory on this disk for swap files;
 - ``run_daemon_to_exit``: a daemon that is expected to fail at start-up, run to its exit.
 
 Adam runs eagerly in the test daemons (``adam.compile = false``): compiling
@@ -46,6 +47,7 @@ from tiermemd.main import to_toml
 
 if TYPE_CHECKING:
     from tiermem.client.link import Client
+    from tiermem.engine.swap.engine_libaio import LibaioEngine
 
 CLIENT_SCRIPT = Path(__file__).with_name("daemon_client.py")
 GRACE_PERIOD_S = 3.0
@@ -294,6 +296,23 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     yield start
     for d in started:
         d.cleanup()
+
+
+@pytest.fixture
+def libaio_engine() -> Iterator[LibaioEngine]:
+    """A real libaio engine (256 KiB blocks, queue depth 16), closed at teardown."""
+    from tiermem.engine.swap.engine_libaio import LibaioEngine  # loads libaio: only for the tests that use it
+
+    engine = LibaioEngine(block_size=256 * 1024, queue_depth=16)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def swap_dir() -> Iterator[Path]:
+    """A fresh directory on this disk (``/var/tmp``: O_DIRECT works there, unlike tmpfs), removed at teardown."""
+    with tempfile.TemporaryDirectory(prefix="tiermem-swap-", dir="/var/tmp") as d:
+        yield Path(d)
 
 
 class RawConn:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,19 +18,6 @@ TENSOR_NBYTES = TENSOR_NUMEL * 4
 NTENSORS = 8  # 2 MiB of state per job
 FLOOR = 2 * TENSOR_NBYTES
 POOL_NBYTES = 2 * NTENSORS * TENSOR_NBYTES  # exactly what two jobs hold when all their state is resident
-
-
-@pytest.fixture
-def engine() -> Iterator[LibaioEngine]:
-    e = LibaioEngine(block_size=256 * 1024, queue_depth=16)
-    yield e
-    e.close()
-
-
-@pytest.fixture
-def swap_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="tiermem-shares-", dir="/var/tmp") as d:
-        yield Path(d)
 
 
 class Job:
@@ -67,10 +52,12 @@ class Job:
 
 
 @pytest.mark.timeout(120)
-def test_two_jobs_borrow_the_whole_pool_and_give_it_back_to_a_third(engine: LibaioEngine, swap_dir: Path) -> None:
+def test_two_jobs_borrow_the_whole_pool_and_give_it_back_to_a_third(
+    libaio_engine: LibaioEngine, swap_dir: Path
+) -> None:
     shares = PoolShares()
     pool = BufferPool.create(POOL_NBYTES, arena_size=POOL_NBYTES, mlock=False, evict=shares.evict)
-    a, b = Job("a", pool, shares, engine, swap_dir), Job("b", pool, shares, engine, swap_dir)
+    a, b = Job("a", pool, shares, libaio_engine, swap_dir), Job("b", pool, shares, libaio_engine, swap_dir)
     try:
         for step in range(1, 3):
             a.step(10.0 * step)
@@ -112,17 +99,17 @@ def test_two_jobs_borrow_the_whole_pool_and_give_it_back_to_a_third(engine: Liba
 
 @pytest.mark.timeout(120)
 def test_a_third_paged_job_is_admitted_into_a_full_pool_and_all_three_keep_their_contents(
-    engine: LibaioEngine, swap_dir: Path
+    libaio_engine: LibaioEngine, swap_dir: Path
 ) -> None:
     shares = PoolShares()
     pool = BufferPool.create(POOL_NBYTES, arena_size=POOL_NBYTES, mlock=False, evict=shares.evict)
-    jobs = [Job("a", pool, shares, engine, swap_dir), Job("b", pool, shares, engine, swap_dir)]
+    jobs = [Job("a", pool, shares, libaio_engine, swap_dir), Job("b", pool, shares, libaio_engine, swap_dir)]
     try:
         for step in range(1, 3):
             for n, job in enumerate(jobs):
                 job.step(10.0 * step + n)
         assert pool.free_bytes < 2 * TENSOR_NBYTES
-        jobs.append(Job("c", pool, shares, engine, swap_dir))
+        jobs.append(Job("c", pool, shares, libaio_engine, swap_dir))
         for step in range(3, 7):
             for n, job in enumerate(jobs):
                 job.step(10.0 * step + n)
