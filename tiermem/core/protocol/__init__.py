@@ -19,136 +19,44 @@ expected and what was found; nothing else escapes, whatever the bytes.
 from __future__ import annotations
 
 from tiermem.core.errors import ProtocolError
+from tiermem.core.protocol import frame, report, session, step
 from tiermem.core.protocol.fields import FieldError
-from tiermem.core.protocol.frame import (
-    DEFAULT_MAX_FRAME,
-    FLAG_FDS,
-    FLAG_ONEWAY,
-    HEADER_NBYTES,
-    KNOWN_FLAGS,
-    MAGIC,
-    MAX_REQUEST_ID,
-    PROTOCOL_VERSION,
-    SUPPORTED_VERSIONS,
-    Frame,
-    MsgType,
-    decode_frame,
-    decode_payload,
-    encode_frame,
-    encode_payload,
-    frame_nbytes,
-    peek_request_id,
-)
-from tiermem.core.protocol.messages import (
+from tiermem.core.protocol.frame import *  # noqa: F403
+from tiermem.core.protocol.frame import DEFAULT_MAX_FRAME, Frame, decode_payload, encode_frame, encode_payload
+from tiermem.core.protocol.messages import MESSAGE_CLASSES, REPLY_TYPES
+from tiermem.core.protocol.records import (
     DTYPES,
-    MESSAGE_CLASSES,
     PLACEMENTS,
-    REPLY_TYPES,
     STATE_KEYS,
-    Abort,
-    Aborted,
-    Attach,
-    AttachOk,
-    BucketReady,
-    Detach,
-    ErrorReply,
-    FetchParams,
     MemRef,
     Message,
-    Ok,
     ParamGroup,
-    ParamsReady,
-    Ping,
-    Pong,
-    Register,
-    RegisterOk,
-    StateChunk,
-    StateRead,
-    StateReset,
-    StateWrite,
-    Stats,
-    StatsReply,
-    Step,
-    StepDone,
     TensorSlot,
     TensorSpec,
 )
-from tiermem.core.protocol.report import (
-    AdamReport,
-    BudgetReport,
-    JobReport,
-    NodeReport,
-    NvmeReport,
-    PoolReport,
-    PrefetchReport,
-    RankReport,
-    ServerReport,
-    SwapReport,
-)
+from tiermem.core.protocol.report import *  # noqa: F403
+from tiermem.core.protocol.session import *  # noqa: F403
+from tiermem.core.protocol.step import *  # noqa: F403
 
 __all__ = [
-    "SwapReport",
-    "ServerReport",
-    "RankReport",
-    "PrefetchReport",
-    "PoolReport",
-    "NvmeReport",
-    "NodeReport",
-    "JobReport",
-    "BudgetReport",
-    "AdamReport",
-    "Abort",
-    "Aborted",
-    "DEFAULT_MAX_FRAME",
     "DTYPES",
-    "FLAG_FDS",
-    "FLAG_ONEWAY",
-    "HEADER_NBYTES",
-    "KNOWN_FLAGS",
-    "MAGIC",
-    "MAX_REQUEST_ID",
     "MESSAGE_CLASSES",
     "PLACEMENTS",
-    "PROTOCOL_VERSION",
     "REPLY_TYPES",
     "STATE_KEYS",
-    "SUPPORTED_VERSIONS",
-    "Attach",
-    "AttachOk",
-    "BucketReady",
-    "Detach",
-    "ErrorReply",
-    "FetchParams",
-    "Frame",
     "MemRef",
     "Message",
-    "MsgType",
-    "Ok",
     "ParamGroup",
-    "ParamsReady",
-    "Ping",
-    "Pong",
-    "Register",
-    "RegisterOk",
-    "StateChunk",
-    "StateRead",
-    "StateReset",
-    "StateWrite",
-    "Stats",
-    "StatsReply",
-    "Step",
-    "StepDone",
     "TensorSlot",
     "TensorSpec",
     "check_message",
-    "decode_frame",
     "decode_message",
-    "decode_payload",
-    "encode_frame",
     "encode_message",
-    "frame_nbytes",
-    "peek_request_id",
 ]
+__all__ += frame.__all__
+__all__ += session.__all__
+__all__ += step.__all__
+__all__ += report.__all__
 
 
 def encode_message(msg: Message, request_id: int, flags: int = 0, *, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:

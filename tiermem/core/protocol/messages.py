@@ -7,106 +7,16 @@ them and the limits in ``records``.  Pure: no I/O.
 
 from __future__ import annotations
 
+from tiermem.core.protocol import session, step
 from tiermem.core.protocol.frame import MsgType
-from tiermem.core.protocol.records import (
-    DTYPES,
-    PLACEMENTS,
-    STATE_KEYS,
-    MemRef,
-    Message,
-    ParamGroup,
-    TensorSlot,
-    TensorSpec,
-)
-from tiermem.core.protocol.session import (
-    Attach,
-    AttachOk,
-    Detach,
-    ErrorReply,
-    Ok,
-    Ping,
-    Pong,
-    Register,
-    RegisterOk,
-    Stats,
-    StatsReply,
-)
-from tiermem.core.protocol.step import (
-    Abort,
-    Aborted,
-    BucketReady,
-    FetchParams,
-    ParamsReady,
-    StateChunk,
-    StateRead,
-    StateReset,
-    StateWrite,
-    Step,
-    StepDone,
-)
+from tiermem.core.protocol.records import Message
 
-__all__ = [
-    "Abort",
-    "Aborted",
-    "DTYPES",
-    "MESSAGE_CLASSES",
-    "PLACEMENTS",
-    "REPLY_TYPES",
-    "STATE_KEYS",
-    "Attach",
-    "AttachOk",
-    "BucketReady",
-    "Detach",
-    "ErrorReply",
-    "FetchParams",
-    "MemRef",
-    "Message",
-    "Ok",
-    "ParamGroup",
-    "ParamsReady",
-    "Ping",
-    "Pong",
-    "Register",
-    "RegisterOk",
-    "StateChunk",
-    "StateRead",
-    "StateReset",
-    "StateWrite",
-    "Stats",
-    "StatsReply",
-    "Step",
-    "StepDone",
-    "TensorSlot",
-    "TensorSpec",
-]
+__all__ = ["MESSAGE_CLASSES", "REPLY_TYPES"]
 
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
-    cls.TYPE: cls
-    for cls in (
-        Attach,
-        AttachOk,
-        Register,
-        RegisterOk,
-        Step,
-        BucketReady,
-        StepDone,
-        FetchParams,
-        ParamsReady,
-        StateRead,
-        StateChunk,
-        StateWrite,
-        StateReset,
-        Abort,
-        Aborted,
-        Stats,
-        StatsReply,
-        Detach,
-        Ping,
-        Pong,
-        Ok,
-        ErrorReply,
-    )
+    cls.TYPE: cls for cls in (getattr(module, name) for module in (session, step) for name in module.__all__)
 }
+"""Which class decodes each type: every class that ``session`` and ``step`` export is a message."""
 
 REPLY_TYPES: dict[MsgType, MsgType | None] = {
     MsgType.ATTACH: MsgType.ATTACH_OK,

@@ -54,42 +54,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, TypeVar, get_args, get_origin, get_type_hints, overload
 
+from tiermem.core.protocol import kinds
 from tiermem.core.protocol.fields import FieldError, check_keys, get_value
-from tiermem.core.protocol.kinds import (
-    FAIL,
-    FLOAT_MAX,
-    Bool,
-    Choice,
-    Float,
-    Int,
-    Kind,
-    List,
-    Map,
-    Opt,
-    Source,
-    Str,
-    Tuple,
-    as_kind,
-)
+from tiermem.core.protocol.kinds import *  # noqa: F403
+from tiermem.core.protocol.kinds import FAIL, Bool, Kind, Source, as_kind
 
-__all__ = [
-    "FLOAT_MAX",
-    "Bool",
-    "Choice",
-    "Float",
-    "Int",
-    "Kind",
-    "List",
-    "Map",
-    "Opt",
-    "RecordSpec",
-    "Str",
-    "Tuple",
-    "Wire",
-    "WireName",
-    "as_kind",
-    "wire",
-]
+__all__ = ["RecordSpec", "Wire", "WireName", "wire"]
+__all__ += kinds.__all__
 
 T = TypeVar("T")
 W = TypeVar("W", bound="Wire")
