@@ -19,6 +19,7 @@ import torch
 from tiermem.core.config import AdamConfig
 from tiermem.core.protocol import ParamGroup
 from tiermem.engine.optim import AdamEngine
+from tiermemd.rank import AdamSlices
 
 __all__ = ["EngineKernel", "default_kernel"]
 
@@ -31,18 +32,8 @@ class EngineKernel:
         stats = self.engine.grad_stats(grad, inv_scale)
         return stats.sq_norm, stats.found_inf
 
-    def update(
-        self,
-        master: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        grad: torch.Tensor,
-        out: torch.Tensor | None,
-        *,
-        group: ParamGroup,
-        step: int,
-        grad_scale: float,
-    ) -> None:
+    def update(self, ops: AdamSlices, *, group: ParamGroup, step: int, grad_scale: float) -> None:
+        master, exp_avg, exp_avg_sq, grad, out = ops
         low = out if out is not None and out.dtype != torch.float32 else None
         self.engine.update(master, exp_avg, exp_avg_sq, grad, low, group=group, step=step, grad_scale=grad_scale)
         if out is not None and low is None:

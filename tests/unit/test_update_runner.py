@@ -26,7 +26,7 @@ from tiermem.engine.pool import BufferPool
 from tiermemd.kernel import EngineKernel
 from tiermemd.rank.planner import Piece, plan_pieces
 from tiermemd.rank.records import TensorRecord
-from tiermemd.rank.runner import UpdateRunner, UpdateTarget, adopt_edits
+from tiermemd.rank.runner import AdamSlices, UpdateRunner, UpdateTarget, adopt_edits
 from tiermemd.scheduler import CpuScheduler
 from tiermemd.state import ALL_KEYS, ChunkTensors, CpuStateChunks
 
@@ -168,18 +168,8 @@ class RecordingKernel:
         g = grad.float() * inv_scale
         return float(g.square().sum()), not bool(torch.isfinite(g).all())
 
-    def update(
-        self,
-        master: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        grad: torch.Tensor,
-        out: torch.Tensor | None,
-        *,
-        group: ParamGroup,
-        step: int,
-        grad_scale: float,
-    ) -> None:
+    def update(self, ops: AdamSlices, *, group: ParamGroup, step: int, grad_scale: float) -> None:
+        master, exp_avg, exp_avg_sq, grad, out = ops
         lo = (grad.data_ptr() - self.grads.data_ptr()) // self.grads.element_size()
         out_ptr = None if out is None else out.data_ptr()
         self.calls.append(

@@ -7,7 +7,7 @@ state transfer through the staging window; ``stats`` the snapshot of its figures
 """
 
 from tiermemd.rank.rank import RankOptimizer, Registration, state_keys_for
-from tiermemd.rank.runner import AdamKernel
+from tiermemd.rank.runner import AdamKernel, AdamSlices
 from tiermemd.rank.stats import RankStats
 
-__all__ = ["AdamKernel", "RankOptimizer", "RankStats", "Registration", "state_keys_for"]
+__all__ = ["AdamKernel", "AdamSlices", "RankOptimizer", "RankStats", "Registration", "state_keys_for"]

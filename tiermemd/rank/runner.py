@@ -35,7 +35,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -47,7 +47,18 @@ from tiermemd.rank.planner import Piece
 from tiermemd.scheduler import CpuScheduler
 from tiermemd.state import StateChunks
 
-__all__ = ["AdamKernel", "UpdateRunner", "UpdateTarget", "adopt_edits"]
+__all__ = ["AdamKernel", "AdamSlices", "UpdateRunner", "UpdateTarget", "adopt_edits"]
+
+
+class AdamSlices(NamedTuple):
+    """The operands of one piece's update: equal-length flat slices."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor
+    out: torch.Tensor | None
+    """Receives the updated params cast down (None: no params written in this pass)."""
 
 
 class AdamKernel(Protocol):
@@ -57,19 +68,8 @@ class AdamKernel(Protocol):
         """(sum of squares of ``grad * inv_scale`` in fp32, whether any element is inf/nan)."""
         ...
 
-    def update(
-        self,
-        master: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        grad: torch.Tensor,
-        out: torch.Tensor | None,
-        *,
-        group: ParamGroup,
-        step: int,
-        grad_scale: float,
-    ) -> None:
-        """One Adam/AdamW step over equal-length flat slices; ``out`` receives the updated params cast down."""
+    def update(self, ops: AdamSlices, *, group: ParamGroup, step: int, grad_scale: float) -> None:
+        """One Adam/AdamW step over ``ops``, in place."""
         ...
 
 
@@ -209,16 +209,10 @@ class UpdateRunner:
                     grads = tensors.grad[a - c0 : b - c0]
                 else:
                     raise InvalidState("the rank has neither a grad buffer nor staged grads")
-                self.kernel.update(
-                    master,
-                    tensors.exp_avg[a - c0 : b - c0],
-                    tensors.exp_avg_sq[a - c0 : b - c0],
-                    grads,
-                    out,
-                    group=piece.group,
-                    step=piece.step,
-                    grad_scale=grad_scale,
+                ops = AdamSlices(
+                    master, tensors.exp_avg[a - c0 : b - c0], tensors.exp_avg_sq[a - c0 : b - c0], grads, out
                 )
+                self.kernel.update(ops, group=piece.group, step=piece.step, grad_scale=grad_scale)
             finally:
                 state.release(piece.chunk, dirty=True)
 
