@@ -43,6 +43,7 @@ import pytest
 
 from tiermem.client.connection import Connection
 from tiermem.core.protocol import ErrorReply, Frame, NodeReport, Stats, StatsReply, decode_frame, decode_message
+from tiermem.net.frames import FrameSocket
 from tiermemd.main import to_toml
 
 if TYPE_CHECKING:
@@ -313,6 +314,19 @@ def swap_dir() -> Iterator[Path]:
     """A fresh directory on this disk (``/var/tmp``: O_DIRECT works there, unlike tmpfs), removed at teardown."""
     with tempfile.TemporaryDirectory(prefix="tiermem-swap-", dir="/var/tmp") as d:
         yield Path(d)
+
+
+@contextlib.contextmanager
+def connection_pair(timeout_s: float) -> Iterator[tuple[Connection, FrameSocket]]:
+    """A client ``Connection`` (path ``<pair>``) and the daemon's end of it, a ``FrameSocket``: a socketpair."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn = Connection(a, path="<pair>", timeout_s=timeout_s)
+    server = FrameSocket(b, accept_fds=False)
+    try:
+        yield conn, server
+    finally:
+        conn.close()
+        server.close()
 
 
 class RawConn:

@@ -10,12 +10,10 @@ are skipped without it.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pwd
 import select
 import shutil
-import signal
 import socket
 import stat
 import subprocess
@@ -27,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from forked import Forked, become, error_fields
 
 from tiermem.client.connection import connect_trusted
 from tiermem.client.link import connect
@@ -40,59 +39,6 @@ NOBODY = 65534
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="acting as a second uid needs root (setuid in a forked child)")
 
 # --------------------------------------------------------------------------- processes of other uids
-
-
-def _become(uid: int, gid: int) -> None:
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-
-
-class Forked:
-    """``fn(*args)`` in a forked child, optionally as another uid; its JSON-able result comes back by pipe."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any, uid: int | None = None) -> None:
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            os.close(read_fd)
-            code = 0
-            try:
-                if uid is not None:
-                    _become(uid, uid)
-                out: Any = {"ok": fn(*args)}
-            except BaseException as exc:
-                out = {"error": type(exc).__name__, "message": str(exc), "fields": _fields(exc)}
-                code = 1
-            try:
-                os.write(write_fd, json.dumps(out).encode())
-            finally:
-                os._exit(code)
-        os.close(write_fd)
-        self.pid = pid
-        self._read_fd = read_fd
-
-    def result(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        chunks = []
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                ready, _, _ = select.select([self._read_fd], [], [], max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    os.kill(self.pid, signal.SIGKILL)
-                    raise AssertionError("child timed out")
-                chunk = os.read(self._read_fd, 1 << 16)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-        finally:
-            os.close(self._read_fd)
-            os.waitpid(self.pid, 0)
-        return json.loads(b"".join(chunks) or b"{}")  # type: ignore[no-any-return]
-
-
-def _fields(exc: BaseException) -> dict[str, Any]:
-    return {name: getattr(exc, name, None) for name in getattr(exc, "fields", ())}
 
 
 class Listening:
@@ -120,10 +66,10 @@ class Listening:
         os.close(self._stop_w)
         os.close(self._ready_r)
         if bind_as_uid:
-            _become(uid, uid)
+            become(uid, uid)
         sock = prepare()
         if not bind_as_uid:
-            _become(uid, uid)
+            become(uid, uid)
         sock.listen(64)
         os.close(self._ready_w)  # EOF tells the parent it listens
         sock.setblocking(False)
@@ -157,7 +103,7 @@ class Listening:
 
     def stop(self) -> dict[str, int]:
         os.close(self._stop_w)
-        out = self._child.result()
+        out = self._child.outcome()
         assert "ok" in out, out
         return out["ok"]  # type: ignore[no-any-return]
 
@@ -187,7 +133,7 @@ def _victim_connects(env: dict[str, str], attempts: int) -> list[dict[str, Any]]
         try:
             client = connect(env=env, embed=False, timeout_s=5)
         except Exception as exc:
-            outcomes.append({"error": type(exc).__name__, "message": str(exc), "fields": _fields(exc)})
+            outcomes.append({"error": type(exc).__name__, "message": str(exc), "fields": error_fields(exc)})
         else:
             client.close()
             outcomes.append({"connected": True})
@@ -230,8 +176,8 @@ def _bind_as(path: str, uid: int) -> Callable[[], socket.socket]:
 @needs_root
 def test_a_directory_another_user_made_at_the_per_user_path_is_refused_naming_it_and_its_owner(victim):
     where = f"/tmp/tiermem-{victim}"
-    assert "ok" in Forked(_make_attacker_dir, where, uid=NOBODY).result()
-    (outcome,) = Forked(_victim_connects, {}, 1, uid=victim).result()["ok"]
+    assert "ok" in Forked(_make_attacker_dir, where, uid=NOBODY).outcome()
+    (outcome,) = Forked(_victim_connects, {}, 1, uid=victim).outcome()["ok"]
     assert outcome["error"] == "UnsafePathError", outcome
     assert outcome["fields"] == {"path": where, "owner_uid": NOBODY, "expected_uids": [0, victim]}
     assert outcome["message"].startswith(f"refusing {where}: is owned by uid {NOBODY} (nobody); expected root or ")
@@ -240,10 +186,10 @@ def test_a_directory_another_user_made_at_the_per_user_path_is_refused_naming_it
 @needs_root
 def test_an_attacker_listening_at_the_victims_per_user_path_gets_no_connection(victim):
     where = f"/tmp/tiermem-{victim}"
-    assert "ok" in Forked(_make_attacker_dir, where, uid=NOBODY).result()
+    assert "ok" in Forked(_make_attacker_dir, where, uid=NOBODY).outcome()
     attacker = Listening(_bind_in(f"{where}/tiermemd.sock"), uid=NOBODY, bind_as_uid=True)
     try:
-        outcomes = Forked(_victim_connects, {}, 50, uid=victim).result()["ok"]
+        outcomes = Forked(_victim_connects, {}, 50, uid=victim).outcome()["ok"]
     finally:
         seen = attacker.stop()
     assert seen == {"accepted": 0, "received": 0}
@@ -255,13 +201,13 @@ def test_an_attacker_listening_at_the_victims_per_user_path_gets_no_connection(v
 def test_a_foreign_socket_left_in_a_directory_that_now_looks_private_gets_no_connection(victim):
     """The directory was the attacker's when they bound; now it is the victim's, 0700: the socket file gives it away."""
     where = f"/tmp/tiermem-{victim}"
-    assert "ok" in Forked(_make_attacker_dir, where, uid=NOBODY).result()
+    assert "ok" in Forked(_make_attacker_dir, where, uid=NOBODY).outcome()
     sock_path = f"{where}/tiermemd.sock"
     attacker = Listening(_bind_in(sock_path), uid=NOBODY, bind_as_uid=True)
     try:
         os.chown(where, victim, victim)
         os.chmod(where, 0o700)
-        outcomes = Forked(_victim_connects, {}, 20, uid=victim).result()["ok"]
+        outcomes = Forked(_victim_connects, {}, 20, uid=victim).outcome()["ok"]
     finally:
         seen = attacker.stop()
     assert seen == {"accepted": 0, "received": 0}
@@ -279,7 +225,7 @@ def test_a_listener_of_another_uid_behind_a_trusted_file_is_refused_after_connec
     attacker = Listening(_bind_as(f"{where}/tiermemd.sock", victim), uid=NOBODY)
     try:
         assert os.lstat(f"{where}/tiermemd.sock").st_uid == victim
-        outcomes = Forked(_victim_connects, {}, 20, uid=victim).result()["ok"]
+        outcomes = Forked(_victim_connects, {}, 20, uid=victim).outcome()["ok"]
     finally:
         seen = attacker.stop()
     assert seen["received"] == 0  # it saw connections (the kernel completed them) but never a byte
@@ -498,7 +444,7 @@ def test_a_symlink_swapped_in_during_bind_never_redirects_the_chmod(tmp_path, ho
             assert stat.S_IMODE(secret.lstat().st_mode) == 0o600
     finally:
         os.close(stop_w)
-        moves = racer.result()
+        moves = racer.outcome()
     assert moves.get("ok", 0) > 0, moves
     assert stat.S_IMODE(secret.lstat().st_mode) == 0o600
     assert secret.read_text() == "root only"
@@ -519,7 +465,7 @@ def test_a_search_only_directory_is_enough_for_the_client_checks_as_for_connect(
         os.chmod(sock_dir, 0o711)
         sock = bind_listener(sock_dir / "d.sock", mode=0o666)
         try:
-            assert Forked(_connects_trusting_root, str(sock_dir / "d.sock"), uid=NOBODY).result() == {"ok": True}
+            assert Forked(_connects_trusting_root, str(sock_dir / "d.sock"), uid=NOBODY).outcome() == {"ok": True}
         finally:
             sock.close()
     finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import array
-import json
 import mmap
 import os
 import pwd
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import connection_pair
+from forked import Forked
 from stats_samples import sample_reply
 
 from tiermem.client.connection import Connection, connect_socket
@@ -38,57 +39,16 @@ from tiermem.core.protocol import (
     decode_message,
     encode_message,
 )
-from tiermem.net.frames import FrameSocket
+from tiermem.net.frames import FrameSocket, PeerCred
 from tiermemd.listener import Listener, adopt_listener, bind_listener
 
 IS_ROOT = os.geteuid() == 0
 
 
-class Child:
-    """A forked process running ``fn``; its JSON-able return value comes back through a pipe."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any, as_nobody: bool = False) -> None:
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            os.close(read_fd)
-            code = 0
-            try:
-                if as_nobody:
-                    nobody = pwd.getpwnam("nobody")
-                    os.setgroups([])
-                    os.setgid(nobody.pw_gid)
-                    os.setuid(nobody.pw_uid)
-                out: Any = {"ok": fn(*args)}
-            except BaseException as exc:
-                out = {"error": type(exc).__name__, "message": str(exc)}
-                code = 1
-            try:
-                os.write(write_fd, json.dumps(out).encode())
-            finally:
-                os._exit(code)
-        os.close(write_fd)
-        self.pid = pid
-        self._read_fd = read_fd
-
-    def result(self, timeout_s: float = 20.0) -> Any:
-        chunks = []
-        deadline = time.monotonic() + timeout_s
-        while True:
-            ready, _, _ = select.select([self._read_fd], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                os.kill(self.pid, signal.SIGKILL)
-                raise AssertionError("child timed out")
-            chunk = os.read(self._read_fd, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        os.close(self._read_fd)
-        os.waitpid(self.pid, 0)
-        out = json.loads(b"".join(chunks) or b"{}")
-        if "error" in out:
-            raise AssertionError(f"child failed: {out['error']}: {out['message']}")
-        return out["ok"]
+def as_nobody() -> dict[str, int]:
+    """``Forked``'s arguments for a child that runs as user ``nobody``."""
+    nobody = pwd.getpwnam("nobody")
+    return {"uid": nobody.pw_uid, "gid": nobody.pw_gid}
 
 
 @pytest.fixture
@@ -135,7 +95,7 @@ def client_maps_window(path: str) -> dict[str, Any]:
 
 
 def test_client_maps_memfd_sent_with_attach_ok_and_shares_bytes(listener: Listener):
-    child = Child(client_maps_window, sock_path(listener))
+    child = Forked(client_maps_window, sock_path(listener))
     peer = listener.accept()
     fd = os.memfd_create("tiermem-window", os.MFD_CLOEXEC)
     try:
@@ -143,7 +103,7 @@ def test_client_maps_memfd_sent_with_attach_ok_and_shares_bytes(listener: Listen
         os.pwrite(fd, b"window-bytes-123", 0)
         reply = AttachOk(job_token="t", window_id=1, window_nbytes=8192, alignment=4096, max_frame=1 << 20)
         serve_one(peer, reply, (fd,), FLAG_FDS)
-        out = child.result()
+        out = child.value()
         assert bytes.fromhex(out["seen"]) == b"window-bytes-123"
         assert os.pread(fd, 5, 4096) == b"hello"
     finally:
@@ -162,12 +122,12 @@ def client_counts_fds(path: str) -> dict[str, Any]:
 
 
 def test_client_closes_fds_on_a_reply_that_should_not_carry_any(listener: Listener):
-    child = Child(client_counts_fds, sock_path(listener))
+    child = Forked(client_counts_fds, sock_path(listener))
     peer = listener.accept()
     read_fd, write_fd = os.pipe()
     try:
         serve_one(peer, Pong(), (read_fd, write_fd), FLAG_FDS)
-        out = child.result()
+        out = child.value()
     finally:
         os.close(read_fd)
         os.close(write_fd)
@@ -192,7 +152,7 @@ def client_sends_fds(path: str) -> str:
 
 
 def test_server_closes_and_reports_fds_sent_by_a_client(listener: Listener):
-    child = Child(client_sends_fds, sock_path(listener))
+    child = Forked(client_sends_fds, sock_path(listener))
     peer = listener.accept()
     try:
         before = set(os.listdir("/proc/self/fd"))
@@ -201,7 +161,7 @@ def test_server_closes_and_reports_fds_sent_by_a_client(listener: Listener):
         assert set(os.listdir("/proc/self/fd")) <= before
         assert decode_frame(peer.recv()).request_id == 2  # the connection stays framed
         peer.send(encode_message(Pong(), 2))
-        assert child.result() == "eof"
+        assert child.value() == "eof"
     finally:
         peer.close()
 
@@ -215,30 +175,30 @@ def client_connects_and_waits(path: str) -> dict[str, int]:
     return {"pid": os.getpid(), "uid": os.getuid(), "gid": os.getgid()}
 
 
-def test_peer_credentials_name_the_child_process(listener: Listener):
-    child = Child(client_connects_and_waits, sock_path(listener))
+def credentials_of_a_child(listener: Listener, **ids: int) -> tuple[PeerCred, int, dict[str, int]]:
+    """A forked child (as ``ids``) connects and pings: the credentials the listener saw, its pid, its own ids."""
+    child = Forked(client_connects_and_waits, sock_path(listener), **ids)
     peer = listener.accept()
     try:
         serve_one(peer, Pong())
-        out = child.result()
+        out = child.value()
     finally:
         peer.close()
-    assert (peer.cred.pid, peer.cred.uid, peer.cred.gid) == (child.pid, out["uid"], out["gid"])
-    assert out["pid"] == child.pid
+    return peer.cred, child.pid, out
+
+
+def test_peer_credentials_name_the_child_process(listener: Listener):
+    cred, pid, out = credentials_of_a_child(listener)
+    assert (cred.pid, cred.uid, cred.gid) == (pid, out["uid"], out["gid"])
+    assert out["pid"] == pid
 
 
 @pytest.mark.root
 @pytest.mark.skipif(not IS_ROOT, reason="needs root to run a child as another user")
 def test_peer_credentials_of_another_user(listener: Listener):
-    child = Child(client_connects_and_waits, sock_path(listener), as_nobody=True)
-    peer = listener.accept()
-    try:
-        serve_one(peer, Pong())
-        out = child.result()
-    finally:
-        peer.close()
+    cred, pid, out = credentials_of_a_child(listener, **as_nobody())
     nobody = pwd.getpwnam("nobody")
-    assert (peer.cred.pid, peer.cred.uid, peer.cred.gid) == (child.pid, nobody.pw_uid, nobody.pw_gid)
+    assert (cred.pid, cred.uid, cred.gid) == (pid, nobody.pw_uid, nobody.pw_gid)
     assert out["uid"] == nobody.pw_uid
 
 
@@ -255,13 +215,13 @@ def client_forks_worker_then_exits(path: str) -> int:
 
 
 def test_pidfd_turns_readable_when_client_dies_while_a_forked_worker_keeps_the_socket(listener: Listener):
-    child = Child(client_forks_worker_then_exits, sock_path(listener))
+    child = Forked(client_forks_worker_then_exits, sock_path(listener))
     peer = listener.accept()
     worker = 0
     try:
         assert peer.pidfd is not None
         assert peer.cred.pid == child.pid
-        worker = child.result()  # the client has exited (and been reaped by us)
+        worker = child.value()  # the client has exited (and been reaped by us)
         ready, _, _ = select.select([peer.pidfd], [], [], 10)
         assert ready == [peer.pidfd]
         # The socket is not at EOF: the worker still holds it, so only the pidfd tells.
@@ -280,8 +240,8 @@ def client_connects_and_exits(path: str) -> int:
 
 
 def test_peer_that_died_before_accept_has_no_live_pidfd(listener: Listener):
-    child = Child(client_connects_and_exits, sock_path(listener))
-    child.result()  # exited and reaped before the daemon accepts
+    child = Forked(client_connects_and_exits, sock_path(listener))
+    child.value()  # exited and reaped before the daemon accepts
     peer = listener.accept()
     try:
         assert peer.cred.pid == child.pid
@@ -330,14 +290,14 @@ def test_oversize_frame_is_detected_and_discarded(sock_dir: Path):
     path = str(sock_dir / "small.sock")
     lst = Listener.bind(path, max_frame=4096)
     lst.sock.settimeout(20)
-    child = Child(client_sends_big_then_small, path, 10_000)
+    child = Forked(client_sends_big_then_small, path, 10_000)
     peer = lst.accept()
     try:
         with pytest.raises(ProtocolError, match=r"oversize frame: 10\d\d\d bytes, max_frame is 4096; frame discarded"):
             peer.recv()
         assert decode_frame(peer.recv()).request_id == 2
         peer.send(encode_message(Pong(), 2))
-        assert child.result() == "sent"
+        assert child.value() == "sent"
     finally:
         peer.close()
         lst.close(unlink=path)
@@ -454,7 +414,7 @@ def test_connect_permission_error_names_path(sock_dir: Path):
     path = str(sock_dir / "private.sock")
     lst = Listener.bind(path, mode=0o600)
     try:
-        message = Child(client_connect_error, path, as_nobody=True).result()
+        message = Forked(client_connect_error, path, **as_nobody()).value()
     finally:
         lst.close(unlink=path)
     assert message == (
@@ -467,12 +427,8 @@ def test_connect_permission_error_names_path(sock_dir: Path):
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Connection, FrameSocket]]:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    conn = Connection(a, path="<pair>", timeout_s=10)
-    server = FrameSocket(b, accept_fds=False)
-    yield conn, server
-    conn.close()
-    server.close()
+    with connection_pair(timeout_s=10) as ends:
+        yield ends
 
 
 def serve_in_thread(server: FrameSocket, handle: Callable[[Any, int], bytes], count: int) -> threading.Thread:

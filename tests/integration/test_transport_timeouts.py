@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from conftest import connection_pair
 
 from tiermem.client.connection import DEFAULT_TIMEOUT_S, Connection, connect_socket
 from tiermem.client.link import client_timeout
@@ -21,12 +22,8 @@ from tiermem.net.frames import HEARTBEAT, FrameSocket, set_send_timeout
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Connection, FrameSocket]]:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    conn = Connection(a, path="<pair>", timeout_s=0.3)
-    server = FrameSocket(b, accept_fds=False)
-    yield conn, server
-    conn.close()
-    server.close()
+    with connection_pair(timeout_s=0.3) as ends:
+        yield ends
 
 
 def test_a_silent_daemon_raises_daemon_timeout_naming_socket_request_and_wait(pair):
