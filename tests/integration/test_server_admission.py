@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from local_server import serving
 
 from tiermem.client.connection import Connection
-from tiermem.core.config import ServerConfig
 from tiermem.core.errors import AdmissionError
 from tiermem.core.protocol import Message, Ping, Pong, Stats, encode_message
 from tiermemd.health import Health
-from tiermemd.listener import Listener
 from tiermemd.server import Reply, Server, Session
 
 LIMIT = 2
@@ -47,20 +43,10 @@ class Handlers:
 
 @contextlib.contextmanager
 def _serving(prefix: str, *, accept_process: bool) -> Iterator[tuple[Server, Handlers, str]]:
-    where = tempfile.mkdtemp(prefix=prefix)
-    path = str(Path(where) / "s" / "tiermemd.sock")
     handlers = Handlers()
-    config = ServerConfig(socket=path, max_connections_per_uid=LIMIT, accept_process=accept_process)
-    server = Server(Listener.bind(path), handlers, config, Health(stall_s=30.0))
-    server.start()
-    try:
+    config = {"max_connections_per_uid": LIMIT, "accept_process": accept_process}
+    with serving(handlers, Health(stall_s=30.0), prefix=prefix, **config) as (server, path):
         yield server, handlers, path
-    finally:
-        handlers.release.set()
-        server.stop_accepting()
-        server.close_sessions("test over")
-        server.close()
-        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture

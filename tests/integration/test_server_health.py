@@ -8,22 +8,18 @@ without a tick (a wedged session), so the two outcomes can be told apart.
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from local_server import serving
 
 from tiermem.client.connection import Connection
-from tiermem.core.config import ServerConfig
 from tiermem.core.errors import DaemonTimeout
 from tiermem.core.protocol import Message, Ping, Pong, Stats
 from tiermemd import health
 from tiermemd.health import Health
-from tiermemd.listener import Listener
 from tiermemd.server import Reply, Server, Session
 
 
@@ -48,20 +44,10 @@ class Handlers:
 
 @pytest.fixture
 def served() -> Iterator[tuple[Server, Handlers, Health, str]]:
-    where = tempfile.mkdtemp(prefix="tmhealth-")
-    path = str(Path(where) / "s" / "tiermemd.sock")
     registry = Health(stall_s=1.0)
     handlers = Handlers()
-    server = Server(Listener.bind(path), handlers, ServerConfig(socket=path, accept_process=False), registry)
-    server.start()
-    try:
+    with serving(handlers, registry, prefix="tmhealth-", accept_process=False) as (server, path):
         yield server, handlers, registry, path
-    finally:
-        handlers.release.set()
-        server.stop_accepting()
-        server.close_sessions("test over")
-        server.close()
-        shutil.rmtree(where, ignore_errors=True)
 
 
 def test_a_long_request_that_makes_progress_outlives_the_client_timeout_by_heartbeats(served) -> None:
