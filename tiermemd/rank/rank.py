@@ -450,16 +450,16 @@ class RankOptimizer(StateIO):
         self.timings["stats_s"] += t1 - t0
         if decision.skip:
             self.skipped_steps += 1
-            return StepDone(
-                step=self.last_step,
-                attempt=msg.attempt,
-                skipped=True,
-                nonfinite=decision.nonfinite,
-                skipped_steps=self.skipped_steps,
-                grad_norm=decision.grad_norm,
-            )
+        done = functools.partial(
+            StepDone,
+            attempt=msg.attempt,
+            nonfinite=decision.nonfinite,
+            skipped_steps=self.skipped_steps,
+            grad_norm=decision.grad_norm,
+        )
+        if decision.skip:
+            return done(step=self.last_step, skipped=True)
         grad_scale = decision.grad_scale if msg.clip_coef is None else inv_scale * msg.clip_coef
-        grad_norm, nonfinite = decision.grad_norm, decision.nonfinite
         if msg.delayed:
             self._install(ids)
             if not self.master_in_params and not self.staged:
@@ -473,14 +473,7 @@ class RankOptimizer(StateIO):
             self._delayed_step = msg.step
             self._uninstalled.update(ids)
             self.phase.move(RankPhase.DELAYED)
-            return StepDone(
-                step=msg.step,
-                attempt=msg.attempt,
-                nonfinite=nonfinite,
-                skipped_steps=self.skipped_steps,
-                grad_norm=grad_norm,
-                params_ready=False,
-            )
+            return done(step=msg.step, params_ready=False)
         self._install(ids)
         pieces = self._advance(ids, groups)
         self.last_step = msg.step
@@ -490,14 +483,7 @@ class RankOptimizer(StateIO):
             self.phase.fail(msg.step, _reason(exc))
             raise StepFailed(msg.step, _reason(exc)) from exc
         t2 = time.perf_counter()
-        return StepDone(
-            step=msg.step,
-            attempt=msg.attempt,
-            nonfinite=nonfinite,
-            skipped_steps=self.skipped_steps,
-            grad_norm=grad_norm,
-            timings=(("stats", t1 - t0), ("update", t2 - t1)),
-        )
+        return done(step=msg.step, timings=(("stats", t1 - t0), ("update", t2 - t1)))
 
     def _grad_stats(self, grads: torch.Tensor | None, ids: Sequence[int], inv_scale: float) -> GradStats:
         """The statistics of the unscaled grads of ``ids`` (in the storage, or staged in the ``grad`` key).

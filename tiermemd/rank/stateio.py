@@ -9,7 +9,7 @@ and writes the storage params.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -92,18 +92,32 @@ class StateIO:
         values: torch.Tensor = getattr(tensors, key)
         return values[lo - c0 : hi - c0]
 
-    def read_state(self, msg: StateRead) -> StateChunk:
+    def _transfer(
+        self,
+        tid: int,
+        key: str,
+        offset: int,
+        ref: MemRef,
+        apply: Callable[[torch.Tensor, torch.Tensor], None],
+        *,
+        dirty: bool,
+    ) -> None:
+        """``apply(staged, values)`` over the range of ``key`` that ``ref`` stages, one acquired chunk at a time;
+        ``dirty``: the chunks are released as written."""
         self._settle()
         _, state = self._parts()
-        lo, hi = self._state_span(msg.tensor_id, msg.key, msg.offset, msg.dest.length)
-        dest = self._window_f32(msg.dest)
-        self._install([msg.tensor_id])
+        lo, hi = self._state_span(tid, key, offset, ref.length)
+        staged = self._window_f32(ref)
+        self._install([tid])
         for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
             tensors = state.acquire(chunk)
             try:
-                dest[a - lo : b - lo].copy_(self._key_view(msg.key, a, b, chunk, tensors))
+                apply(staged[a - lo : b - lo], self._key_view(key, a, b, chunk, tensors))
             finally:
-                state.release(chunk, dirty=False)
+                state.release(chunk, dirty=dirty)
+
+    def read_state(self, msg: StateRead) -> StateChunk:
+        self._transfer(msg.tensor_id, msg.key, msg.offset, msg.dest, _read, dirty=False)
         rec = self.records[msg.tensor_id]
         return StateChunk(
             tensor_id=msg.tensor_id,
@@ -118,21 +132,8 @@ class StateIO:
         """Load a piece of ``key``.  The storage params are not touched: a loaded master that the model's
         param does not round to is replaced by the param at the next update (the model is the truth, as
         for ``torch.optim``), so loading the optimizer before or after the model gives the same result."""
-        self._settle()
-        _, state = self._parts()
-        lo, hi = self._state_span(msg.tensor_id, msg.key, msg.offset, msg.src.length)
-        src = self._window_f32(msg.src)
-        self._install([msg.tensor_id])
-        for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
-            tensors = state.acquire(chunk)
-            try:
-                view = self._key_view(msg.key, a, b, chunk, tensors)
-                if msg.accumulate:
-                    view.add_(src[a - lo : b - lo])
-                else:
-                    view.copy_(src[a - lo : b - lo])
-            finally:
-                state.release(chunk, dirty=True)
+        apply = _accumulate if msg.accumulate else _write
+        self._transfer(msg.tensor_id, msg.key, msg.offset, msg.src, apply, dirty=True)
         if msg.key in ("exp_avg", "exp_avg_sq"):
             self.records[msg.tensor_id].step = msg.step
 
@@ -164,3 +165,15 @@ class StateIO:
             rec.step = 0
         if self.phase.phase is RankPhase.FAILED and len(wanted) == len(self.records):
             self.phase.move(RankPhase.IDLE)
+
+
+def _read(staged: torch.Tensor, values: torch.Tensor) -> None:
+    staged.copy_(values)
+
+
+def _write(staged: torch.Tensor, values: torch.Tensor) -> None:
+    values.copy_(staged)
+
+
+def _accumulate(staged: torch.Tensor, values: torch.Tensor) -> None:
+    values.add_(staged)
