@@ -12,6 +12,7 @@ Fixtures:
 - ``daemon``: one daemon shared by the session (tests that use it leave no job behind);
 - ``daemon_factory``: start more daemons with other settings, stopped at teardown;
 - ``run_client``: start ``daemon_client.py`` as a client process;
+- ``one_rank_group``: a one-rank gloo process group;
 - ``libaio_engine``, ``swap_dir``: a real libaio engine and a directory on this disk for swap files;
 - ``run_daemon_to_exit``: a daemon that is expected to fail at start-up, run to its exit.
 
@@ -327,6 +328,18 @@ def connection_pair(timeout_s: float) -> Iterator[tuple[Connection, FrameSocket]
     finally:
         conn.close()
         server.close()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo process group in the test process (file rendezvous under ``tmp_path``)."""
+    import torch.distributed as dist  # imports torch: only for the tests that use it
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 class RawConn:

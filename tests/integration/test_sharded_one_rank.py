@@ -9,25 +9,15 @@ of ``torch.optim.AdamW``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterable, Sequence
 
 import pytest
 import torch
-import torch.distributed as dist
+from conftest import DaemonProcess
 
 from tiermem.client.distributed import LayerShardedAdam, ShardedGradScaler, ShardedOffloadAdam, ShardedPagedAdam
 from tiermem.client.link import connect
 from tiermem.core.errors import InvalidArgument, InvalidState
-
-
-@pytest.fixture
-def group(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def model() -> torch.nn.Module:
@@ -45,12 +35,36 @@ def biggest_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
+def sharded_and_adamw(
+    daemon: DaemonProcess, lr: float
+) -> tuple[torch.nn.Module, ShardedOffloadAdam, torch.nn.Module, torch.optim.AdamW]:
+    """Two copies of ``model()``: one under ``ShardedOffloadAdam`` on ``daemon``, one under ``torch.optim.AdamW``."""
+    ours, ref = model(), model()
+    opt = ShardedOffloadAdam(ours.parameters(), lr=lr, client=connect(daemon.socket_path))
+    return ours, opt, ref, torch.optim.AdamW(ref.parameters(), lr=lr)
+
+
+def train_alike(
+    pairs: Sequence[tuple[torch.nn.Module, torch.optim.Optimizer]],
+    steps: Iterable[int],
+    after_step: Callable[[torch.nn.Module], None] | None = None,
+) -> None:
+    """For each step, each (model, optimizer): backward of ``loss_of(model, step)``, step, zero_grad, [after_step]."""
+    for step in steps:
+        for m, o in pairs:
+            loss_of(m, step).backward()
+            o.step()
+            o.zero_grad()
+            if after_step is not None:
+                after_step(m)
+
+
 def test_it_needs_an_initialised_process_group():
     with pytest.raises(InvalidState, match=r"torch\.distributed initialised"):
         ShardedOffloadAdam(model().parameters())
 
 
-def test_a_plain_grad_scaler_is_refused_naming_the_sharded_one(daemon, group):
+def test_a_plain_grad_scaler_is_refused_naming_the_sharded_one(daemon, one_rank_group):
     m = model()
     opt = ShardedOffloadAdam(m.parameters(), client=connect(daemon.socket_path))
     try:
@@ -68,34 +82,25 @@ def test_a_plain_grad_scaler_is_refused_naming_the_sharded_one(daemon, group):
         opt.close()
 
 
-def test_params_edited_in_place_between_steps_are_honoured_as_in_adamw(daemon, group):
-    ours, ref = model(), model()
-    opt = ShardedOffloadAdam(ours.parameters(), lr=0.05, client=connect(daemon.socket_path))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+def test_params_edited_in_place_between_steps_are_honoured_as_in_adamw(daemon, one_rank_group):
+    ours, opt, ref, ref_opt = sharded_and_adamw(daemon, lr=0.05)
+
+    def clip(m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.clamp_(-0.1, 0.1)  # WGAN's clip, in place, between steps
+
     try:
-        for step in range(4):
-            for m, o in ((ours, opt), (ref, ref_opt)):
-                loss_of(m, step).backward()
-                o.step()
-                o.zero_grad()
-                with torch.no_grad():
-                    for p in m.parameters():
-                        p.clamp_(-0.1, 0.1)  # WGAN's clip, in place, between steps
+        train_alike(((ours, opt), (ref, ref_opt)), range(4), after_step=clip)
         assert biggest_diff(ours, ref) <= 1e-6
     finally:
         opt.close()
 
 
-def test_checkpoints_go_to_and_come_from_torch_adamw(daemon, group):
-    ours, ref = model(), model()
-    opt = ShardedOffloadAdam(ours.parameters(), lr=0.02, client=connect(daemon.socket_path))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02)
+def test_checkpoints_go_to_and_come_from_torch_adamw(daemon, one_rank_group):
+    ours, opt, ref, ref_opt = sharded_and_adamw(daemon, lr=0.02)
     try:
-        for step in range(3):
-            for m, o in ((ours, opt), (ref, ref_opt)):
-                loss_of(m, step).backward()
-                o.step()
-                o.zero_grad()
+        train_alike(((ours, opt), (ref, ref_opt)), range(3))
         full = opt.full_state_dict()
         into_torch = torch.optim.AdamW(copy.deepcopy(ref).parameters(), lr=0.02)
         into_torch.load_state_dict(full)
@@ -104,17 +109,13 @@ def test_checkpoints_go_to_and_come_from_torch_adamw(daemon, group):
                 assert torch.allclose(into_torch.state_dict()["state"][i][key], entry[key], atol=1e-7)
         # and back: torch's checkpoint loaded into a sharded optimizer continues as torch does
         opt.load_state_dict(ref_opt.state_dict())
-        for step in range(3, 5):
-            for m, o in ((ours, opt), (ref, ref_opt)):
-                loss_of(m, step).backward()
-                o.step()
-                o.zero_grad()
+        train_alike(((ours, opt), (ref, ref_opt)), range(3, 5))
         assert biggest_diff(ours, ref) <= 1e-6
     finally:
         opt.close()
 
 
-def test_a_shard_of_another_layout_is_refused_before_anything_changes(daemon, group):
+def test_a_shard_of_another_layout_is_refused_before_anything_changes(daemon, one_rank_group):
     m = model()
     opt = ShardedOffloadAdam(m.parameters(), client=connect(daemon.socket_path))
     try:
@@ -138,7 +139,7 @@ def test_a_shard_of_another_layout_is_refused_before_anything_changes(daemon, gr
         opt.close()
 
 
-def test_two_optimizers_of_one_process_get_distinct_default_job_ids(daemon, group, monkeypatch):
+def test_two_optimizers_of_one_process_get_distinct_default_job_ids(daemon, one_rank_group, monkeypatch):
     """Two models in one run (a GAN's two, say): the second default id is the run's with ``-2``, in the order
     they are made (a relaunch finds each one's state); one made after a close takes the freed id back."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run42")
@@ -160,7 +161,7 @@ def test_two_optimizers_of_one_process_get_distinct_default_job_ids(daemon, grou
         second.close()
 
 
-def test_zero3_under_a_plain_grad_scaler_is_refused_naming_the_sharded_one(daemon, group):
+def test_zero3_under_a_plain_grad_scaler_is_refused_naming_the_sharded_one(daemon, one_rank_group):
     """Their grads are in the daemon, where torch's GradScaler cannot look: it would check nothing."""
     for make in (
         lambda m: LayerShardedAdam(m, paged=True, client=connect(daemon.socket_path)),
@@ -184,7 +185,7 @@ def test_zero3_under_a_plain_grad_scaler_is_refused_naming_the_sharded_one(daemo
             opt.close()
 
 
-def test_loss_scaling_of_layers_updated_during_backward_is_refused(daemon, group):
+def test_loss_scaling_of_layers_updated_during_backward_is_refused(daemon, one_rank_group):
     m = model()
     opt = LayerShardedAdam(m, client=connect(daemon.socket_path))
     try:
@@ -196,14 +197,14 @@ def test_loss_scaling_of_layers_updated_during_backward_is_refused(daemon, group
         opt.close()
 
 
-def test_a_model_on_the_meta_device_is_refused_naming_it(group):
+def test_a_model_on_the_meta_device_is_refused_naming_it(one_rank_group):
     with torch.device("meta"):
         m = model()
     with pytest.raises(InvalidArgument, match=r"one device, the host or a GPU; the model's are on \['meta'\]"):
         ShardedPagedAdam(m, device_budget="1MiB")
 
 
-def test_layer_sharded_state_dict_holds_what_the_modules_do_not(daemon, group):
+def test_layer_sharded_state_dict_holds_what_the_modules_do_not(daemon, one_rank_group):
     """The modules hold placeholders, so the rank file holds the values too: of the layers (paged: read from
     the daemon) and of a frozen param every rank keeps whole.  A new optimizer over a model of other values
     takes all of it and trains on as the first one does; its gathered state is AdamW's over the trainable
@@ -228,11 +229,7 @@ def test_layer_sharded_state_dict_holds_what_the_modules_do_not(daemon, group):
         theirs.load_state_dict(copy.deepcopy(saved))
         assert theirs.param_groups[0]["lr"] == 0.02
         torch.testing.assert_close(second[0].bias, first[0].bias)
-        for step in range(2, 4):
-            for m, opt in ((first, ours), (second, theirs)):
-                loss_of(m, step).backward()
-                opt.step()
-                opt.zero_grad()
+        train_alike(((first, ours), (second, theirs)), range(2, 4))
         for a, b in zip(ours.gathered_params(), theirs.gathered_params(), strict=True):
             torch.testing.assert_close(a, b)
         full = theirs.full_state_dict()
@@ -247,7 +244,7 @@ def test_layer_sharded_state_dict_holds_what_the_modules_do_not(daemon, group):
         theirs.close()
 
 
-def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(daemon, group, tmp_path):
+def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(daemon, one_rank_group, tmp_path):
     wide = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     other = ShardedPagedAdam(wide, device_budget="1MiB", offload="cpu", client=connect(daemon.socket_path))
     m = model()
@@ -273,7 +270,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(daemon
 
 
 @pytest.mark.parametrize(("offload", "width"), [("cpu", 512), ("nvme", 1024)])
-def test_a_private_daemon_is_sized_for_the_paged_optimizer(group, offload: str, width: int) -> None:
+def test_a_private_daemon_is_sized_for_the_paged_optimizer(one_rank_group, offload: str, width: int) -> None:
     """No node daemon: the rank starts a private one sized for what ShardedPagedAdam asks (the staged
     exchange's 16 bytes per element), so small models train instead of failing admission."""
     torch.manual_seed(0)

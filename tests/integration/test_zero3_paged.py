@@ -33,7 +33,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import zero3_reshard_worker as reshard
 from conftest import run_tiermem_cli, start_daemon
 from launch import Launch
@@ -187,17 +186,8 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_three_like_adamw(three_ranks
     _assert_trains_on_like_adamw(kind, {k: torch.tensor(v) for k, v in result.items()})
 
 
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("kind", reshard.KINDS)
-def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_with_adamws_state(two_ranks, one_rank, kind):
+def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_with_adamws_state(two_ranks, one_rank_group, kind):
     """One rank takes both ranks' stretches; its state right after loading is torch.optim.AdamW's own after the
     same steps (keyed by the index in model.parameters()), and it trains on like AdamW."""
     model = reshard.make_model(seed=7)
@@ -213,7 +203,7 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_with_adamws_state(two_ra
         opt.close()
 
 
-def test_a_layer_sharded_save_resumes_in_the_paged_optimizer(two_ranks, one_rank):
+def test_a_layer_sharded_save_resumes_in_the_paged_optimizer(two_ranks, one_rank_group):
     """The format does not depend on the saving layout: LayerShardedAdam's rank files (whole layers per owner)
     load into ShardedPagedAdam (a stretch of every param per rank) with the same param groups."""
     model = reshard.make_model(seed=7)
