@@ -128,14 +128,39 @@ def _writers(mode: int) -> str:
     return {stat.S_IWGRP: "its group", stat.S_IWOTH: "all users"}.get(mode & _WRITE_BY_OTHERS, "group and others")
 
 
+@dataclass(frozen=True)
+class _Kind:
+    """What an entry must be, and how the messages about it read."""
+
+    test: Callable[[int], bool]
+    noun: str
+    """"is not {noun}"."""
+    itself: str
+    """"is a symbolic link; expected {itself}"."""
+    owned: str
+    """"{owned} by uid 1000; expected ..."."""
+
+
+_DIRECTORY = _Kind(stat.S_ISDIR, "a directory", "a real directory", "is owned")
+_SOCKET = _Kind(stat.S_ISSOCK, "a socket", "the socket itself", "is a socket owned")
+
+
+def _entry_problem(mode: int, uid: int, trust: Trust, label: Callable[[int], str], kind: _Kind) -> str | None:
+    """Whether an entry is itself (not a link) of ``kind`` and owned by ``trust``."""
+    if stat.S_ISLNK(mode):
+        return f"is a symbolic link; expected {kind.itself}"
+    if not kind.test(mode):
+        return f"is not {kind.noun}"
+    if not trust.admits(uid):
+        return f"{kind.owned} by {label(uid)}; expected {trust.expected(label)} ({trust.what})"
+    return None
+
+
 def dir_problem(mode: int, uid: int, trust: Trust, label: Callable[[int], str] = _plain_label) -> str | None:
     """What makes a socket's (or state) directory untrusted, from its lstat/fstat ``st_mode`` and ``st_uid``."""
-    if stat.S_ISLNK(mode):
-        return "is a symbolic link; expected a real directory"
-    if not stat.S_ISDIR(mode):
-        return "is not a directory"
-    if not trust.admits(uid):
-        return f"is owned by {label(uid)}; expected {trust.expected(label)} ({trust.what})"
+    problem = _entry_problem(mode, uid, trust, label, _DIRECTORY)
+    if problem is not None:
+        return problem
     if mode & _WRITE_BY_OTHERS:
         return f"is writable by {_writers(mode)} (mode {stat.S_IMODE(mode):04o}); expected only its owner to write"
     return None
@@ -154,13 +179,7 @@ def ancestor_problem(mode: int, uid: int, trust: Trust, label: Callable[[int], s
 
 def socket_file_problem(mode: int, uid: int, trust: Trust, label: Callable[[int], str] = _plain_label) -> str | None:
     """What is wrong with the entry a client is about to connect to (from its lstat)."""
-    if stat.S_ISLNK(mode):
-        return "is a symbolic link; expected the socket itself"
-    if not stat.S_ISSOCK(mode):
-        return "is not a socket"
-    if not trust.admits(uid):
-        return f"is a socket owned by {label(uid)}; expected {trust.expected(label)} ({trust.what})"
-    return None
+    return _entry_problem(mode, uid, trust, label, _SOCKET)
 
 
 def peer_problem(uid: int, pid: int, trust: Trust, label: Callable[[int], str] = _plain_label) -> str | None:

@@ -41,7 +41,7 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -197,11 +197,9 @@ class SwapStore:
         record, number, extents = started
         version = Version(number, nbytes, extents, ())
         outer: Future[int] = Future()
-        try:
-            futures = self._engine.submit(self._requests(IOOp.WRITE, version, address, keepalive))
-        except BaseException as exc:
-            self._write_done(record, version, exc, outer, t0)
-            raise
+        futures = self._submit(
+            IOOp.WRITE, version, address, keepalive, lambda exc: self._write_done(record, version, exc, outer, t0)
+        )
         # checksum while the disk writes the same (unchanging) memory; the version becomes readable only in
         # gather's callback, attached once the checksums are set
         try:
@@ -239,20 +237,15 @@ class SwapStore:
         t0 = time.perf_counter()
         with self._lock:
             self._check_open()
-            record = self._records.get(key)
-            if record is None or record.current is None:
-                raise UnknownKey(key, f"swap store of job {self._job!r}")
-            version = record.current
+            record, version = self._stored(key)
             if nbytes != version.nbytes:
                 raise InvalidArgument(f"swap key {key!r} holds {version.nbytes} bytes; read into {nbytes} bytes")
             version.holds += 1
             self._inflight += 1
         outer: Future[int] = Future()
-        try:
-            futures = self._engine.submit(self._requests(IOOp.READ, version, address, keepalive))
-        except BaseException as exc:
-            self._finish_read(record, version, exc, outer, t0)
-            raise
+        futures = self._submit(
+            IOOp.READ, version, address, keepalive, lambda exc: self._finish_read(record, version, exc, outer, t0)
+        )
         gather(futures, lambda err: self._read_done(record, version, address, err, outer, t0))
         return outer
 
@@ -283,10 +276,7 @@ class SwapStore:
 
     def nbytes(self, key: str) -> int:
         with self._lock:
-            record = self._records.get(key)
-            if record is None or record.current is None:
-                raise UnknownKey(key, f"swap store of job {self._job!r}")
-            return record.current.nbytes
+            return self._stored(key)[1].nbytes
 
     # ------------------------------------------------------------------ durability
 
@@ -460,6 +450,23 @@ class SwapStore:
             available=free,
             path=str(self._files[0].path.parent),
         )
+
+    def _stored(self, key: str) -> tuple[SwapRecord, Version]:
+        """``key``'s record and readable version (the caller holds the lock); ``UnknownKey`` when it has none."""
+        record = self._records.get(key)
+        if record is None or record.current is None:
+            raise UnknownKey(key, f"swap store of job {self._job!r}")
+        return record, record.current
+
+    def _submit(
+        self, op: IOOp, version: Version, address: int, keepalive: Any, finish: Callable[[BaseException], None]
+    ) -> list[Future[int]]:
+        """Start ``version``'s transfers on the engine; one that cannot start is finished (``finish``) and re-raised."""
+        try:
+            return self._engine.submit(self._requests(op, version, address, keepalive))
+        except BaseException as exc:
+            finish(exc)
+            raise
 
     def _requests(self, op: IOOp, version: Version, address: int, keepalive: Any) -> list[IORequest]:
         out = []
