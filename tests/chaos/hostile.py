@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,17 @@ class ChaosDaemon:
             self.process.wait()
         if self.socket_dir:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_daemon(root: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Iterator[ChaosDaemon]:
+    """A started ``ChaosDaemon``; a body that finishes leaves it to stop cleanly (exit 0), checked here."""
+    daemon = ChaosDaemon(root, overrides=overrides or {}).start()
+    try:
+        yield daemon
+        assert daemon.stop() == 0, daemon.log_text()[-3000:]
+    finally:
+        daemon.cleanup()
 
 
 def _round_trips(path: str, seconds: float) -> list[float]:

@@ -20,6 +20,7 @@ from hostile import (
     ChaosDaemon,
     connection_storm,
     hostile_frames,
+    running_daemon,
     slow_frames,
     stopped_daemon,
     unread_replies,
@@ -31,23 +32,15 @@ QUICK_FRAMES = 10_000
 
 @pytest.fixture(scope="module")
 def chaos_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosDaemon]:
-    daemon = ChaosDaemon(tmp_path_factory.mktemp("chaos")).start()
-    try:
+    with running_daemon(tmp_path_factory.mktemp("chaos")) as daemon:
         yield daemon
-        assert daemon.stop() == 0, daemon.log_text()[-3000:]
-    finally:
-        daemon.cleanup()
 
 
 @pytest.fixture(scope="module")
 def control_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosDaemon]:
     """A second daemon, the storms' control target (``connection_storm``)."""
-    daemon = ChaosDaemon(tmp_path_factory.mktemp("control")).start()
-    try:
+    with running_daemon(tmp_path_factory.mktemp("control")) as daemon:
         yield daemon
-        assert daemon.stop() == 0, daemon.log_text()[-3000:]
-    finally:
-        daemon.cleanup()
 
 
 def _scenario(daemon: ChaosDaemon, capsys: pytest.CaptureFixture[str], name: str, run) -> dict:  # type: ignore[no-untyped-def]

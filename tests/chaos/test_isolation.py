@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hostile import ALLOWED_UID, ChaosDaemon
+from hostile import ALLOWED_UID, ChaosDaemon, running_daemon
 from ledger import problems, settle, snapshot
 
 from tiermem.client.connection import Connection
@@ -38,12 +38,8 @@ GUESSES = 200
 
 @pytest.fixture
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosDaemon]:
-    d = ChaosDaemon(tmp_path_factory.mktemp("isolation"), overrides={"jobs": {"max_jobs": MAX_JOBS}}).start()
-    try:
+    with running_daemon(tmp_path_factory.mktemp("isolation"), {"jobs": {"max_jobs": MAX_JOBS}}) as d:
         yield d
-        assert d.stop() == 0, d.log_text()[-3000:]
-    finally:
-        d.cleanup()
 
 
 def _as_other_uid(socket_path: str, job_id: str, token: str) -> dict[str, int]:
