@@ -85,11 +85,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiermem.client.distributed.collective import guarded
-from tiermem.client.distributed.identity import agree_identity, release_job_id
-from tiermem.client.distributed.node import node_client
+from tiermem.client.distributed.group import RankGroup, check_max_grad_norm
+from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.link import Client
-from tiermem.client.offload.args import HYPER_KEYS, check_hyper, check_torch_flags, optimizer_defaults
+from tiermem.client.offload.args import check_hyper, check_torch_flags, copy_hyper, optimizer_defaults
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.shared import TensorEntry
 from tiermem.client.offload.transfer import adopt_saved_groups, packed_groups, plan_load
@@ -144,15 +143,14 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         delayed_update: bool = False,
         warmup_steps: int = 10,
     ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise InvalidState(
-                "ShardedOffloadAdam needs torch.distributed initialised (torchrun, then "
-                "torch.distributed.init_process_group); for one process use OffloadAdam"
-            )
+        self.group = RankGroup(
+            process_group,
+            "ShardedOffloadAdam",
+            alone_hint=", then torch.distributed.init_process_group); for one process use OffloadAdam",
+        )
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        check_max_grad_norm(max_grad_norm)
         if bucket_nbytes <= 0:
             raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
         if warmup_steps < 0:
@@ -161,8 +159,8 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         defaults = optimizer_defaults(hyper, foreach=foreach, maximize=maximize, fused=fused, adamw=adamw)
         super().__init__(params, defaults)
         self.process_group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
+        self.rank = self.group.rank
+        self.world_size = self.group.world_size
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
         """The global norm of the last applied step's unscaled grads, when it computed one (clipping or a
@@ -186,9 +184,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         self._shapes = [tuple(p.shape) for p in params_]
         self._agree_on_model(params_, group_of)
         if broadcast_params:
-            src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-            for p in params_:
-                self._collective("broadcast of the initial params", dist.broadcast, p.data, src=src)
+            self.group.broadcast_from_first(p.data for p in params_)
         self.layout: ShardLayout = plan_shards(
             [p.numel() for p in params_], group_of, self.world_size, max(1, bucket_nbytes // self.dtype.itemsize)
         )
@@ -196,7 +192,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         self._by_bucket: list[list[int]] = [[] for _ in self.layout.buckets]
         for i, piece in enumerate(self.pieces):
             self._by_bucket[piece.bucket].append(i)
-        self.job_id, self._token = self._identity(job_id, token)
+        self.job_id, self._token = self.group.agree_identity(job_id, token)
         flat = [p.detach().reshape(-1) for p in params_]
         self._piece_params = [
             torch.nn.Parameter(flat[pc.param][pc.lo : pc.hi].to("cpu", copy=True)) for pc in self.pieces
@@ -212,18 +208,15 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         numel = sum(pc.numel for pc in self.pieces)
         self.inner: OffloadAdam | None = None
         if client is None:
-            client = node_client(
-                self._collective,
-                self.rank,
-                self.world_size,
+            client = self.group.node_client(
                 numel,
                 dtype=self.dtype.name,
-                placement=Placement.parse(offload, "offload"),
+                offload=offload,
                 window_nbytes=window_nbytes,
                 mode=StepMode.DELAYED if delayed_update else StepMode.SYNC,
             )
         try:
-            self._agree(
+            self.group.all_or_none(
                 "attach",
                 lambda: self._make_inner(
                     inner_groups, client, offload, adamw, window_nbytes, expected_step, rollback, hyper
@@ -245,7 +238,6 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         if self.inner is not None and self.inner.shared_feed is not None:
             self._shared = self.inner.shared_feed.entries
         self._param_slices, self._grad_slices = self._storage_slices()
-        self._steps = 0
         self.overlap_comm = overlap_comm
         self._bucket_of = [0] * len(params_)
         for b, bucket in enumerate(self.layout.buckets):
@@ -299,7 +291,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         inner = self.inner
         mine = (inner.state_from, inner.steps + inner.skipped_steps) if inner is not None else None
         everyone: list[Any] = [None] * self.world_size
-        self._collective("agreement on the state", dist.all_gather_object, everyone, mine)
+        self.group.collective("agreement on the state", dist.all_gather_object, everyone, mine)
         known = [(r, v) for r, v in enumerate(everyone) if v is not None]
         reattached = [(r, v) for r, v in known if v[0] != "new"]
         if not reattached:
@@ -311,7 +303,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                 f"the ranks' states disagree ({where}): a rank died between its update and another's; "
                 "load a checkpoint into every rank (load_state_dict) to go on"
             )
-        self._steps = steps.pop()
+        self.group.steps = steps.pop()
         self._all_gather(params)
 
     # ----------------------------------------------------------------- construction
@@ -359,37 +351,13 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
     def _agree_on_model(self, params: list[torch.nn.Parameter], group_of: list[int]) -> None:
         mine = (self.dtype.name, [tuple(p.shape) for p in params], group_of)
         everyone: list[Any] = [None] * self.world_size
-        self._collective("check of the model", dist.all_gather_object, everyone, mine)
+        self.group.collective("check of the model", dist.all_gather_object, everyone, mine)
         for r, theirs in enumerate(everyone):
             if theirs != mine:
                 raise InvalidArgument(
                     f"rank {r} has a different model than rank {self.rank} (dtype, param shapes or param groups "
                     f"differ: {len(theirs[1])} params against {len(mine[1])}); every rank must build the same model"
                 )
-
-    def _identity(self, job_id: str | None, token: str | None) -> tuple[str, str]:
-        """Rank 0's job id and token, broadcast (``tiermem.client.distributed.identity``)."""
-        return agree_identity(self._collective, self.process_group, self.rank, job_id, token)
-
-    def _agree(self, what: str, action: Callable[[], None]) -> None:
-        """Run ``action`` on every rank; if it fails on any, every rank raises (none hangs in a collective)."""
-        error: BaseException | None = None
-        try:
-            action()
-        except Exception as exc:
-            error = exc
-        outcomes: list[Any] = [None] * self.world_size
-        self._collective(what, dist.all_gather_object, outcomes, None if error is None else f"{error}")
-        if error is not None:
-            raise error
-        bad = [(r, e) for r, e in enumerate(outcomes) if e is not None]
-        if bad:
-            raise InvalidState(f"the {what} failed on rank {bad[0][0]}: {bad[0][1]}")
-
-    def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn`` over the process group; a failure (a rank gone, a timeout) is ``RankLost``."""
-        kwargs.setdefault("group", self.process_group)
-        return guarded(during, self.rank, getattr(self, "_steps", 0), fn, *args, **kwargs)
 
     # ----------------------------------------------------------------- properties
 
@@ -403,7 +371,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
     def steps(self) -> int:
         """Steps applied or skipped so far (the same on every rank; a relaunch reattached to the job's state
         goes on from it: the daemon keeps both counts)."""
-        return self._steps
+        return self.group.steps
 
     @property
     def skipped_steps(self) -> int:
@@ -439,7 +407,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             # unused layer's params would otherwise hold back every bucket before it until step())
             self._wanted = [sum(params[i].grad is not None for i in b.params) for b in self.layout.buckets]
             self._new_round()
-        self._collective("statistics", dist.all_reduce, stats)
+        self.group.collective("statistics", dist.all_reduce, stats)
         values = stats.cpu()
         total_sq = float(values[0])
         has_grad = values[1:] > 0
@@ -463,19 +431,17 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                 self.inner.step(decision=decision)  # the daemon counts the skip; nothing else changes
             else:
                 self._skipped_here += 1
-            self._steps += 1
+            self.group.steps += 1
             return loss
         if self.inner is not None:
             self._pull_params_into_pieces(params)  # in-place edits of the params since the last step
             for piece, pp, grad in zip(self.pieces, self._piece_params, grads, strict=True):
                 pp.grad = grad if has_grad[piece.param] else None
-            for g, ig in self._inner_of_group.items():
-                for key in HYPER_KEYS:
-                    self.inner.param_groups[ig][key] = self.param_groups[g][key]
+            copy_hyper(self.param_groups, self.inner.param_groups, self._inner_of_group.items())
             self.inner.step(decision=decision)  # the daemon unscales and clips in its update pass
         self._all_gather(params)
         self.last_grad_norm = decision.grad_norm
-        self._steps += 1
+        self.group.steps += 1
         return loss
 
     def _check_params(self, params: list[torch.nn.Parameter]) -> None:
@@ -572,7 +538,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             return _Reduce(None, flat[: bucket.slice_numel], seen)
         if direct is not None:
             out = direct  # the mean grads land in the daemon's grad buffer
-        work = self._collective("reduce-scatter", _REDUCE_SCATTER, out, flat, async_op=async_op)
+        work = self.group.collective("reduce-scatter", _REDUCE_SCATTER, out, flat, async_op=async_op)
         return _Reduce(work if async_op else None, out, seen)
 
     def _changed(self, params: list[torch.nn.Parameter], b: int, reduce: _Reduce) -> bool:
@@ -619,7 +585,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             [float(self._changed(params, b, self._reduces[b])) for b in range(len(self.layout.buckets))],
             device=self.device,
         )
-        self._collective("check of the overlapped reduces", dist.all_reduce, flags, op=dist.ReduceOp.MAX)
+        self.group.collective("check of the overlapped reduces", dist.all_reduce, flags, op=dist.ReduceOp.MAX)
         again = [b for b in order if float(flags[b]) > 0]
         if again and self._accumulated and not self._told_accumulation:
             self._told_accumulation = True
@@ -637,7 +603,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
 
     def _wait(self, reduce: _Reduce) -> None:
         if reduce.work is not None:
-            guarded("reduce-scatter", self.rank, self._steps, reduce.work.wait)
+            self.group.guard("reduce-scatter", reduce.work.wait)
             reduce.work = None
 
     def _all_gather(self, params: list[torch.nn.Parameter]) -> None:
@@ -653,7 +619,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                 flat = mine  # the slice is the whole bucket
             else:
                 flat = self._flat[: self.layout.padded_numel(bucket)]
-                self._collective("all-gather", _ALL_GATHER, flat, mine)
+                self.group.collective("all-gather", _ALL_GATHER, flat, mine)
             for index, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p = params[index]
                 p.data.copy_(flat[offset : offset + p.numel()].view(p.shape))
@@ -685,7 +651,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                 "rank": self.rank,
                 "world_size": self.world_size,
                 "layout": self.layout.fingerprint(),
-                "steps": self._steps,
+                "steps": self.group.steps,
                 "inner": None if self.inner is None else self.inner.state_dict(),
             },
         }
@@ -699,7 +665,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             entry = inner_state.get(i)
             if entry is not None:
                 steps[piece.param] = max(float(steps[piece.param]), float(entry["step"]))
-        self._collective("gather of the steps", dist.all_reduce, steps, op=dist.ReduceOp.MAX)
+        self.group.collective("gather of the steps", dist.all_reduce, steps, op=dist.ReduceOp.MAX)
         step_of = steps.cpu().tolist()
         out: dict[int, dict[str, Any]] = {
             i: {"step": torch.tensor(step_of[i])} for i in range(len(self._shapes)) if step_of[i] > 0
@@ -714,7 +680,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                     entry = inner_state.get(i)
                     if entry is not None:
                         mine[piece.at : piece.at + piece.numel].copy_(entry[key].reshape(-1))
-                self._collective("gather of the state", _ALL_GATHER, flat, mine)
+                self.group.collective("gather of the state", _ALL_GATHER, flat, mine)
                 for index, offset in zip(bucket.params, bucket.offsets, strict=True):
                     if index in out:
                         numel = math.prod(self._shapes[index])
@@ -739,12 +705,10 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             inner = self._pieces_of(loads)
         adopt_saved_groups(self.param_groups, groups)
         if self.inner is not None and inner is not None:
-            for g, ig in self._inner_of_group.items():
-                for key in HYPER_KEYS:
-                    inner["param_groups"][ig][key] = self.param_groups[g][key]
+            copy_hyper(self.param_groups, inner["param_groups"], self._inner_of_group.items())
             self.inner.load_state_dict(inner)
         if shard is not None:
-            self._steps = int(shard.get("steps", self._steps))
+            self.group.steps = int(shard.get("steps", self.group.steps))
 
     def _check_shard(self, shard: dict[str, Any]) -> dict[str, Any] | None:
         rank, world = shard.get("rank"), shard.get("world_size")

@@ -66,28 +66,28 @@ broadcast from rank 0).
 from __future__ import annotations
 
 import contextlib
-import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiermem.client.distributed.collective import guarded
-from tiermem.client.distributed.identity import agree_identity, release_job_id
-from tiermem.client.distributed.node import node_client
-from tiermem.client.distributed.reshard import describe_params, is_rank_file
-from tiermem.client.distributed.scaler import shard_scaler_inputs
-from tiermem.client.distributed.zero3_checkpoint import RankShare, Slot, Zero3Checkpoints
+from tiermem.client.distributed.group import RankGroup, ShardGrads, check_max_grad_norm
+from tiermem.client.distributed.identity import release_job_id
+from tiermem.client.distributed.reshard import ShardSet, Source, describe_params, is_rank_file
+from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint
 from tiermem.client.link import Client
+from tiermem.client.offload.args import check_hyper, copy_hyper, optimizer_defaults
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.paging import ParamPager
-from tiermem.client.offload.transfer import StateTransfer
+from tiermem.client.offload.stats import OptimizerStats
+from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement
-from tiermem.core.step_rules import GradStats, decide
 
 __all__ = ["ShardCopies", "ShardedPagedAdam"]
 
@@ -118,6 +118,7 @@ class ShardCopies:
         rank: int,
         world_size: int,
         collective: Callable[..., Any],
+        grads: ShardGrads,
         device: torch.device | None = None,
     ) -> None:
         self.device = torch.device("cpu") if device is None else device
@@ -126,11 +127,8 @@ class ShardCopies:
         self.rank = rank
         self.world_size = world_size
         self.collective = collective
-        self.sumsq: dict[int, float] = {}
-        """This step's sum of squares of each reduced shard (first landing only)."""
-        self.accumulated = False
-        self.nonfinite = False
-        """Whether a reduced shard written this step had an inf or a nan."""
+        self.grads = grads
+        """This step's statistics of the reduced shards written to the daemon."""
 
     def _shard(self, tid: int) -> int:
         return shard_numel(self.numels[tid], self.world_size)
@@ -177,7 +175,7 @@ class ShardCopies:
     def read_master(self, transfer: StateTransfer, tid: int, out: torch.Tensor) -> None:
         self._gather(transfer, tid, out)
 
-    def _mine(self, tid: int, values: torch.Tensor) -> torch.Tensor:
+    def mine(self, tid: int, values: torch.Tensor) -> torch.Tensor:
         """This rank's stretch of a whole param's ``values`` (any device), on the host, padded to the shard's
         size."""
         n = self._shard(tid)
@@ -189,7 +187,7 @@ class ShardCopies:
         return out
 
     def write_master(self, transfer: StateTransfer, tid: int, values: torch.Tensor) -> None:
-        transfer.push(tid, "master", self._mine(tid, values), step=0)
+        transfer.push(tid, "master", self.mine(tid, values), step=0)
 
     def push(self, transfer: StateTransfer, tid: int, grad: torch.Tensor, accumulate: bool, token: Any) -> None:
         n = self._shard(tid)
@@ -202,18 +200,8 @@ class ShardCopies:
             self.collective("the reduce-scatter of a grad", _REDUCE_SCATTER, mine, whole)
             if self.world_size > 1:
                 mine.div_(self.world_size)
-            sq = float(torch.linalg.vector_norm(mine, dtype=torch.float64)) ** 2  # waits for the copy stream
-            self.nonfinite = self.nonfinite or not math.isfinite(sq)
-            if accumulate:
-                self.accumulated = True
-            else:
-                self.sumsq[tid] = sq
+            self.grads.add(tid, mine, accumulate=accumulate)
             transfer.push(tid, "grad", mine, step=0, accumulate=accumulate)
-
-    def new_step(self) -> None:
-        self.sumsq.clear()
-        self.accumulated = False
-        self.nonfinite = False
 
 
 def _model_groups(model: nn.Module, param_groups: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -241,9 +229,16 @@ def _model_groups(model: nn.Module, param_groups: list[dict[str, Any]] | None) -
     return groups
 
 
-class ShardedPagedAdam(Zero3Checkpoints, OffloadAdam):
+class ShardedPagedAdam(torch.optim.Optimizer):
     """AdamW (``adamw=False``: Adam) over a model paged and sharded across ``process_group``; see the module
-    docstring.  ``pager`` is the model's ``ParamPager`` (its figures: ``pager.stats()``)."""
+    docstring.  A ``torch.optim.Optimizer`` over the model's params (LR schedulers and edits of the groups'
+    hyper-parameters reach the daemon with the next step), composed of this rank's ``OffloadAdam`` over its
+    shards (``inner``), the model's ``ParamPager`` (``pager``; its figures: ``pager.stats()``), the group
+    (``group``) and the checkpoints (``checkpoint``)."""
+
+    _step_supports_amp_scaling = True
+    """``GradScaler.step`` hands the scale and the found-inf flag over as attributes and always calls
+    ``step()``, which skips by itself (the grads are in the daemons, not here to unscale)."""
 
     def __init__(
         self,
@@ -268,13 +263,9 @@ class ShardedPagedAdam(Zero3Checkpoints, OffloadAdam):
         """``param_groups``: torch's param groups over the model's params (``{"params": [...], "weight_decay":
         0.0}``, ...; every param of the model in exactly one), for hyper-parameters per group; by default one
         group of every param with the keyword arguments' values."""
-        if not (dist.is_available() and dist.is_initialized()):
-            raise InvalidState("ShardedPagedAdam needs torch.distributed initialised (torchrun)")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
-        self.process_group = process_group
-        group_rank = dist.get_rank(process_group)
-        world = dist.get_world_size(process_group)
+        self.group = RankGroup(process_group, "ShardedPagedAdam")
+        check_max_grad_norm(max_grad_norm)
+        hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         groups = _model_groups(model, param_groups)
         params = [p for g in groups for p in g["params"]]
         if not params:
@@ -286,62 +277,52 @@ class ShardedPagedAdam(Zero3Checkpoints, OffloadAdam):
                 f"{sorted(map(str, devices))}"
             )
         (device,) = devices
-        infos = describe_params(model)
         kinds = {p.dtype for p in params}
         if len(kinds) != 1:
             raise InvalidArgument(f"ShardedPagedAdam needs one dtype for all params, got {sorted(map(str, kinds))}")
-        self._group_rank = group_rank
-        self._collective_steps = 0
-        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-        for p in params:  # one truth to start from: rank 0's values
-            self._collective("broadcast of the initial params", dist.broadcast, p.data, src=src)
+        super().__init__(groups, optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw))
+        rank, world = self.group.rank, self.group.world_size
+        self.process_group = process_group
+        """The group the params are sharded over (what ``ShardedGradScaler`` all-reduces its flags over)."""
+        self.max_grad_norm = max_grad_norm
+        """``max_grad_norm`` over the unsharded model (the daemon gets the coefficient, not the norm)."""
+        self.grads = ShardGrads()
+        self.group.broadcast_from_first(p.data for p in params)
         numels = [p.numel() for p in params]
-        copies = ShardCopies(numels, group_rank, world, self._collective, device)
-        shards = [nn.Parameter(copies._mine(i, p.data), requires_grad=p.requires_grad) for i, p in enumerate(params)]
+        self.copies = ShardCopies(numels, rank, world, self.group.collective, self.grads, device)
+        shards = [
+            nn.Parameter(self.copies.mine(i, p.data), requires_grad=p.requires_grad) for i, p in enumerate(params)
+        ]
         shard_groups, at = [], 0
-        for g in groups:  # the same groups over the shards, in the same order (tensor i is param i's shard)
+        for g in self.param_groups:  # the same groups over the shards, in the same order (tensor i: param i's)
             n = len(g["params"])
             shard_groups.append({**g, "params": shards[at : at + n]})
             at += n
-        ident = agree_identity(self._collective, process_group, group_rank, job_id, token)
+        self.job_id, token = self.group.agree_identity(job_id, token)
         if client is None:
-            client = node_client(
-                self._collective,
-                group_rank,
-                world,
+            client = self.group.node_client(
                 sum(s.numel() for s in shards),
                 dtype=dtypes.by_torch(kinds.pop()).name,
-                placement=Placement.parse(offload, "offload"),
+                offload=offload,
                 window_nbytes=window_nbytes,
                 exchange=Exchange.STAGED,  # the pager's: params and grads through the window, grads in the daemon
                 release_grads=True,
             )
-        super().__init__(
+        self.inner = OffloadAdam(
             shard_groups,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            adamw=adamw,
             offload=offload,
             exchange=Exchange.STAGED,
             window_nbytes=window_nbytes,
             client=client,
-            job_id=str(ident[0]),
-            token=str(ident[1]),
+            job_id=self.job_id,
+            token=token,
             create_job=True,
-            rank=group_rank,
+            rank=rank,
             world_size=world,
+            pin_window=device.type == "cuda",  # the shards are host tensors; the copies go to and from the GPU
         )
-        if device.type == "cuda":  # the shards are host tensors; the copies go between the window and the GPU
-            self._pinned = self._pin_window(client, params)
-        self._unscaled_by = 1.0
-        self._scale_checked = False
-        self.global_max_grad_norm = max_grad_norm
-        """``max_grad_norm`` over the unsharded model (the daemon gets the coefficient, not the norm)."""
-        self.copies = copies
         self.pager = ParamPager(
-            model, self, device_budget=device_budget, prefetch=prefetch, params=params, copies=copies
+            model, self.inner, device_budget=device_budget, prefetch=prefetch, params=params, copies=self.copies
         )
         for shard in shards:  # the daemon has them as masters now: no copy stays here, only the shape
             shard.data = torch.full((), float("nan"), dtype=shard.dtype).expand(shard.shape)
@@ -350,28 +331,97 @@ class ShardedPagedAdam(Zero3Checkpoints, OffloadAdam):
         slots = []
         for tid, (param, numel) in enumerate(zip(order, numels, strict=True)):
             n = shard_numel(numel, world)
-            lo = min(group_rank * n, numel)
+            lo = min(rank * n, numel)
             slots.append(Slot(param, lo, min(lo + n, numel), tid, n))
-        self._share = RankShare(
-            "ShardedPagedAdam", group_rank, world, tuple(infos), order, tuple(slots), (), model, device
+        share = RankShare(
+            "ShardedPagedAdam", rank, world, tuple(describe_params(model)), order, tuple(slots), (), model, device
         )
+        store = InnerStore(self.job_id, self.param_groups, self.inner, self.pager.drain, self._sync_hyper)
+        self.checkpoint = Zero3Checkpoint(share, store, self.group.collective)
+
+    # ----------------------------------------------------------------- what the inner optimizer counts
+
+    @property
+    def token(self) -> str | None:
+        return self.inner.token
+
+    @property
+    def client(self) -> Client:
+        return self.inner.client
+
+    @property
+    def steps(self) -> int:
+        """Steps applied (the daemon's count; skipped steps are ``skipped_steps``)."""
+        return self.inner.steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.inner.skipped_steps
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        return self.inner.last_grad_norm
+
+    @property
+    def last_found_inf(self) -> bool:
+        return self.inner.last_found_inf
+
+    def stats(self) -> OptimizerStats:
+        return self.inner.stats()
+
+    def flush(self) -> None:
+        self.pager.drain()
+        self.inner.flush()
 
     def close(self, *, keep_state: bool = False) -> None:
         release_job_id(self.job_id)
-        super().close(keep_state=keep_state)
+        self.inner.close(keep_state=keep_state)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "inner"):  # after construction
+            raise InvalidArgument(
+                "ShardedPagedAdam shards the model it was made with; give every group to the constructor "
+                "(param_groups=), or make a new one"
+            )
+        super().add_param_group(param_group)
+
+    def _sync_hyper(self) -> None:
+        """The groups' hyper-parameters (a scheduler or the user may have changed them) into the inner groups."""
+        copy_hyper(self.param_groups, self.inner.param_groups)
 
     # ----------------------------------------------------------------- checkpoints (zero3_checkpoint)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard in ``torch.optim.AdamW``'s format over the shards (only the same world size loads
+        it; ``full_state_dict()`` and ``save_shard()`` load at any)."""
+        self._sync_hyper()
+        self.pager.drain()
+        return self.inner.state_dict()
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        return self.checkpoint.shard_state_dict()
+
+    def save_shard(self, directory: str | os.PathLike[str]) -> Path:
+        return self.checkpoint.save_shard(directory)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        return self.checkpoint.full_state_dict()
+
+    def load_shards(self, source: Source | ShardSet, *, complete: bool = True) -> None:
+        self.checkpoint.load_shards(source, complete=complete)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.AdamW``'s format over the whole model (``full_state_dict()``, ``tiermem consolidate``,
         ``torch.optim.AdamW``: any world size; the params are not touched), this rank's ``state_dict()``
         (the same world size), or one rank's ``shard_state_dict()`` (params and buffers too)."""
         if is_rank_file(state_dict):
-            self.load_shards([state_dict], complete=False)
+            self.checkpoint.load_shards([state_dict], complete=False)
         elif self._is_own_shard(state_dict):
-            super().load_state_dict(state_dict)
+            self.pager.drain()
+            self.inner.load_state_dict(state_dict)
+            adopt_saved_groups(self.param_groups, state_dict["param_groups"])
         else:
-            self._load_full(state_dict)
+            self.checkpoint.load_full(state_dict)
 
     def _is_own_shard(self, state_dict: Any) -> bool:
         """Whether ``state_dict`` is ``state_dict()``'s format (every state tensor of this rank's shard size),
@@ -381,49 +431,23 @@ class ShardedPagedAdam(Zero3Checkpoints, OffloadAdam):
         if not isinstance(groups, list) or not isinstance(state, dict):
             return False
         at = {key: pos for pos, key in enumerate(k for g in groups if isinstance(g, dict) for k in g.get("params", ()))}
+        share, tensors = self.checkpoint.share, self.inner.tensors
         shard = whole = True
         for key, entry in state.items():
             pos = at.get(key)
             value = entry.get("exp_avg") if isinstance(entry, dict) else None
-            if pos is None or pos >= len(self.tensors) or not isinstance(value, torch.Tensor):
+            if pos is None or pos >= len(tensors) or not isinstance(value, torch.Tensor):
                 return False
-            shard = shard and value.numel() == self.tensors[pos].numel()
-            whole = whole and value.numel() == self._share.params[self._share.order[pos]].numel
+            shard = shard and value.numel() == tensors[pos].numel()
+            whole = whole and value.numel() == share.params[share.order[pos]].numel
         return shard and not whole
 
-    def _state_io(self) -> tuple[StateTransfer | None, int | None]:
-        self.pager.drain()
-        self.flush()
-        return self.transfer, self.steps
-
-    def _load_rank_state(self, state: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
-        inner_groups, at = [], 0
-        for mine, saved in zip(self.param_groups, groups, strict=True):
-            inner_groups.append({**saved, "params": list(range(at, at + len(mine["params"])))})
-            at += len(mine["params"])
-        super().load_state_dict({"state": state, "param_groups": inner_groups})
-
-    def _write_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
-        self.pager.drain()  # nothing is materialized after a load: the next use fetches these
-        self.transfer.push_many((slot.tid, "master", value, 0, False) for slot, value in values)
-
-    def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("group", self.process_group)
-        return guarded(during, self._group_rank, self._collective_steps, fn, *args, **kwargs)
+    # ----------------------------------------------------------------- the step
 
     def _unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
-        """``ShardedGradScaler``'s check: whether this rank's reduced shards overflowed (it all-reduces the
-        flag); the inverse scale is applied by the daemon at ``step()``."""
+        """``ShardedGradScaler``'s check of this rank's reduced shards (``ShardGrads.check``)."""
         self.pager.check()  # grads set by hand land now, every push is done
-        self._unscaled_by = float(inv_scale)
-        self._scale_checked = True
-        if self.copies.nonfinite:
-            found_inf.fill_(1.0)
-        return found_inf
-
-    def _scaler_inputs(self) -> tuple[Any, Any]:
-        """``step()`` takes the scale into its decision: the inner step sees no scale, only whether to skip."""
-        return False, getattr(self, "found_inf", None)
+        return self.grads.check(inv_scale, found_inf)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -432,36 +456,21 @@ class ShardedPagedAdam(Zero3Checkpoints, OffloadAdam):
             with torch.enable_grad():
                 loss = closure()
         self.pager.drain()
-        checked, self._scale_checked = self._scale_checked, False
-        inv_scale, skip = shard_scaler_inputs(self, checked=checked, unscaled_by=self._unscaled_by)
-        if skip:
-            try:  # an overflow on some rank: every rank skips (the flag is global); the inner step drops it
-                super().step()
-            finally:
-                self.copies.new_step()
-                self._collective_steps += 1
-            return loss
-        stats = None
-        if self.global_max_grad_norm is not None:
-            self.pager.check()  # grads set by hand land now, every push is done
-            flags = torch.tensor(
-                [float(self.copies.accumulated), math.fsum(self.copies.sumsq.values())], dtype=torch.float64
-            )
-            self._collective("the norm's all-reduce", dist.all_reduce, flags)
-            if flags[0] > 0:
-                raise InvalidState(
-                    "ShardedPagedAdam clips with the norm of one backward pass; this step accumulated grads over "
-                    "several (call step() after each backward, or train without max_grad_norm)"
-                )
-            stats = GradStats.of(float(flags[1]) * inv_scale * inv_scale, False)
-        decision = decide(stats, inv_scale=inv_scale, max_grad_norm=self.global_max_grad_norm)
         try:
-            super().step(decision=decision)
+            if self.max_grad_norm is not None:
+                self.pager.check()  # grads set by hand land now, every push is done
+            decision = self.grads.decide(self.group, self, self.max_grad_norm)
+        except InvalidState:
+            self.grads.new_step()  # the step is refused
+            raise
+        try:
+            self._sync_hyper()
+            self.inner.step(decision=decision)  # a skip: every rank skips (the flag is global)
         finally:
-            self.copies.new_step()
-            self._collective_steps += 1
+            self.grads.new_step()
+            self.group.steps += 1
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
-        self.copies.new_step()
+        self.inner.zero_grad(set_to_none=set_to_none)
+        self.grads.new_step()

@@ -1,5 +1,6 @@
-"""Checkpoints of the ZeRO-3 optimizers in ``reshard``'s format, at any world size: a part of ``ShardedPagedAdam``
-and ``LayerShardedAdam`` (a mixin over ``_share``, what the optimizer says its rank holds, and three bindings).
+"""Checkpoints of the ZeRO-3 optimizers in ``reshard``'s format, at any world size: ``Zero3Checkpoint``, a part
+``ShardedPagedAdam`` and ``LayerShardedAdam`` are composed with, over ``RankShare`` (what the rank holds) and
+a ``RankStore`` (the rank's state: ``InnerStore``, its inner ``OffloadAdam``).
 
 - ``shard_state_dict()`` (not collective): this rank's file: the fp32 values and Adam state of the
   stretches of params it holds, with the metadata to merge it with the others (``reshard``);
@@ -10,7 +11,7 @@ and ``LayerShardedAdam`` (a mixin over ``_share``, what the optimizer says its r
 - ``full_state_dict()`` (collective): ``torch.optim.AdamW``'s format, on every rank: state keyed by the
   index in ``model.parameters()``, each param's moments summed over the ranks holding its stretches
   (every other rank contributes zeros: one all-reduce per param, the same for either layout);
-- ``_load_full(state_dict)``: this rank's stretches of a dict in that format, from any world size, or
+- ``load_full(state_dict)``: this rank's stretches of a dict in that format, from any world size, or
   from ``torch.optim.AdamW`` itself; the model's params are not touched (torch's rule).
 
 A rank's tensor ``tid`` in its daemon is a ``Slot``: elements ``[lo, hi)`` of one param, then zero
@@ -27,7 +28,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,10 +47,11 @@ from tiermem.client.distributed.reshard import (
     persistent_buffers,
     save_file,
 )
-from tiermem.client.offload.transfer import StateTransfer, packed_groups, plan_load
+from tiermem.client.offload.optimizer import OffloadAdam
+from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups, packed_groups, plan_load
 from tiermem.core.errors import InvalidArgument
 
-__all__ = ["RankShare", "Slot", "Zero3Checkpoints"]
+__all__ = ["InnerStore", "RankShare", "RankStore", "Slot", "Zero3Checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -96,32 +98,78 @@ def _padded(values: torch.Tensor, numel: int) -> torch.Tensor:
     return out
 
 
-class Zero3Checkpoints:
-    """See the module docstring."""
+class RankStore(Protocol):
+    """What a ZeRO-3 optimizer gives its checkpoints: the rank's state, read and written."""
 
-    _share: RankShare
+    job_id: str
+    param_groups: list[dict[str, Any]]
+    """The optimizer's groups over the model's params (the checkpoint's groups)."""
 
-    if TYPE_CHECKING:  # what the optimizer using it has and binds
-        param_groups: list[dict[str, Any]]
-        job_id: str
+    def read(self) -> tuple[StateTransfer | None, int | None]:
+        """The rank's transfer, settled (None: it holds no tensor) and its applied steps (None: unknown)."""
 
-        def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+    def load(self, state: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+        """Load ``state`` (``OffloadAdam``'s format over the rank's tensors, by tensor id) and adopt the saved
+        ``groups``' hyper-parameters (checked to match the optimizer's groups)."""
 
-        def _state_io(self) -> tuple[StateTransfer | None, int | None]:
-            """The rank's transfer, settled (None: it holds no tensor) and its applied steps (None: unknown)."""
+    def write_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
+        """Make each slot's fp32 values (padded to its ``numel``) its param's values."""
 
-        def _load_rank_state(self, state: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
-            """Load ``state`` (``OffloadAdam``'s format over the rank's tensors, by tensor id) and adopt the
-            saved ``groups``' hyper-parameters (checked to match the optimizer's groups)."""
 
-        def _write_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
-            """Make each slot's fp32 values (padded to its ``numel``) its param's values."""
+@dataclass
+class InnerStore:
+    """A ZeRO-3 rank's state in its inner ``OffloadAdam`` (None: the rank holds no tensor), as ``RankStore``.
+
+    ``settle`` runs before the state is read or written (the pager's transfers drained); ``sync`` copies the
+    optimizer's hyper-parameters into the inner groups; ``keeps_values``: the inner tensors hold the values
+    in the trainer (not paged), so a load writes them there too."""
+
+    job_id: str
+    param_groups: list[dict[str, Any]]
+    inner: OffloadAdam | None
+    settle: Callable[[], None]
+    sync: Callable[[], None]
+    keeps_values: bool = False
+
+    def read(self) -> tuple[StateTransfer | None, int | None]:
+        self.settle()
+        if self.inner is None:
+            return None, None
+        self.inner.flush()
+        return self.inner.transfer, self.inner.steps
+
+    def load(self, state: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+        adopt_saved_groups(self.param_groups, groups)
+        self.sync()
+        if self.inner is not None:
+            self.inner.load_state_dict({"state": state, "param_groups": packed_groups(self.inner.param_groups)})
+
+    def write_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
+        self.settle()  # nothing is materialized after a load: the next use fetches these
+        if self.inner is None:
+            return
+        if self.keeps_values:
+            with torch.no_grad():
+                for slot, value in values:
+                    piece = self.inner.tensors[slot.tid]
+                    piece.copy_(value.view(piece.shape))
+        self.inner.transfer.push_many((slot.tid, "master", value, 0, False) for slot, value in values)
+
+
+class Zero3Checkpoint:
+    """See the module docstring: the checkpoints of one rank, over what it holds (``share``) and its state
+    (``store``); ``collective(what, fn, *args)`` runs a collective over the optimizer's group."""
+
+    def __init__(self, share: RankShare, store: RankStore, collective: Callable[..., Any]) -> None:
+        self.share = share
+        self.store = store
+        self._collective = collective
 
     # ----------------------------------------------------------------- saving
 
-    def _read_pieces(self) -> tuple[list[Piece], int | None]:
-        share = self._share
-        io, steps = self._state_io()
+    def read_pieces(self) -> tuple[list[Piece], int | None]:
+        share = self.share
+        io, steps = self.store.read()
         keys = ("master", *MOMENTS)
         reads = [(s.tid, key, torch.empty(s.numel, dtype=torch.float32)) for s in share.slots for key in keys]
         counts = io.pull_many_into(reads) if io is not None and reads else []
@@ -141,8 +189,8 @@ class Zero3Checkpoints:
     def shard_state_dict(self) -> dict[str, Any]:
         """This rank's file of a checkpoint that loads at any world size (see ``tiermem.client.distributed.
         reshard``); not collective, but every rank saves its own."""
-        share = self._share
-        pieces, steps = self._read_pieces()
+        share = self.share
+        pieces, steps = self.read_pieces()
         if share.rank == 0:  # the params no rank shards: once, from rank 0
             module_params = list(share.model.parameters())
             for i in share.replicated:
@@ -152,12 +200,12 @@ class Zero3Checkpoints:
             "format": FORMAT,
             "version": VERSION,
             "optimizer": share.optimizer,
-            "job_id": self.job_id,
+            "job_id": self.store.job_id,
             "steps": steps,
             "rank": share.rank,
             "world_size": share.world_size,
             "params": [info.to_dict() for info in share.params],
-            "param_groups": share.groups(self.param_groups),
+            "param_groups": share.groups(self.store.param_groups),
             "pieces": [piece.to_dict() for piece in pieces],
             "buffers": {k: v.detach().to("cpu", copy=True) for k, v in persistent_buffers(share.model).items()},
         }
@@ -171,8 +219,8 @@ class Zero3Checkpoints:
         """Collective: the whole optimizer state in ``torch.optim.AdamW``'s format, on every rank (state keyed
         by the index in ``model.parameters()``; ``master`` too for low-precision params), which
         ``torch.optim.AdamW`` and either ZeRO-3 optimizer at any world size load."""
-        share = self._share
-        pieces, _ = self._read_pieces()
+        share = self.share
+        pieces, _ = self.read_pieces()
         steps = torch.zeros(len(share.params), dtype=torch.float64, device=share.device)
         mine: dict[int, list[Piece]] = {}
         for piece in pieces:
@@ -194,15 +242,15 @@ class Zero3Checkpoints:
             for k, key in enumerate(keys):
                 gathered[(i, key)] = flat[k].to("cpu", copy=True)
         return build_adamw(
-            share.params, share.groups(self.param_groups), step_of.__getitem__, lambda i, key: gathered[(i, key)]
+            share.params, share.groups(self.store.param_groups), step_of.__getitem__, lambda i, key: gathered[(i, key)]
         )
 
     # ----------------------------------------------------------------- loading
 
-    def _load_full(self, state_dict: dict[str, Any]) -> None:
+    def load_full(self, state_dict: dict[str, Any]) -> None:
         """This rank's stretches of a ``torch.optim.AdamW``-format dict (checked whole before anything changes)."""
-        share = self._share
-        loads = plan_load(state_dict, self.param_groups, [share.params[i].numel for i in share.order])
+        share = self.share
+        loads = plan_load(state_dict, self.store.param_groups, [share.params[i].numel for i in share.order])
         by_param = {share.order[pos]: (entry, step) for pos, entry, step in loads}
         state: dict[int, dict[str, Any]] = {}
         for slot in share.slots:
@@ -217,7 +265,7 @@ class Zero3Checkpoints:
                     flat = value.detach().reshape(-1)[slot.lo : slot.hi].to("cpu", torch.float32)
                     cut[key] = _padded(flat, slot.numel)
             state[slot.tid] = cut
-        self._load_rank_state(state, list(state_dict["param_groups"]))
+        self.store.load(state, list(state_dict["param_groups"]))
 
     def load_shards(self, source: Source | ShardSet, *, complete: bool = True) -> None:
         """Take this rank's stretches from the rank files of a save at any world size (``source``: their
@@ -225,11 +273,11 @@ class Zero3Checkpoints:
         the groups' hyper-parameters, and the model's persistent buffers and unsharded params.  Every rank
         calls it; it is not collective.  ``complete``: every rank's file must be there (a directory always
         must); without it, only the stretches this rank needs."""
-        share = self._share
+        share = self.share
         shards = source if isinstance(source, ShardSet) else open_shards(source)
         if complete:
             shards.require_complete()
-        self._check_compatible(shards)
+        self.check_compatible(shards)
         state: dict[int, dict[str, Any]] = {}
         values: list[tuple[Slot, torch.Tensor]] = []
         for slot in share.slots:
@@ -252,8 +300,8 @@ class Zero3Checkpoints:
                     f"{list(buf.shape)} in this model"
                 )
         # checked: now change things
-        self._load_rank_state(state, [dict(g) for g in shards.param_groups])
-        self._write_values(values)
+        self.store.load(state, [dict(g) for g in shards.param_groups])
+        self.store.write_values(values)
         with torch.no_grad():
             for i, value in replicated:
                 p = module_params[i]
@@ -261,8 +309,8 @@ class Zero3Checkpoints:
             for name, buf in buffers.items():
                 buf.copy_(shards.buffers[name])
 
-    def _check_compatible(self, shards: ShardSet) -> None:
-        share = self._share
+    def check_compatible(self, shards: ShardSet) -> None:
+        share = self.share
         if len(shards.params) != len(share.params):
             raise InvalidArgument(
                 f"the checkpoint is of a model with {len(shards.params)} params; this one has {len(share.params)}"
@@ -274,7 +322,7 @@ class Zero3Checkpoints:
                     f"shape {list(mine.shape)} in this model"
                 )
         saved_groups = [g["params"] for g in shards.param_groups]
-        my_groups = [g["params"] for g in share.groups(self.param_groups)]
+        my_groups = [g["params"] for g in share.groups(self.store.param_groups)]
         if saved_groups != my_groups:
             raise InvalidArgument(
                 f"the checkpoint's param groups hold params {saved_groups}, this optimizer's {my_groups}; make the "

@@ -18,7 +18,9 @@ construction is refused here, before any connection is made.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tiermem.core.config import AdamConfig, PoolConfig
 from tiermem.core.errors import InvalidArgument
@@ -42,6 +44,16 @@ ADAMW_WEIGHT_DECAY = 1e-2
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "adamw")
 """The keys of a param group that its updates read (what a wrapping optimizer copies into its inner one)."""
+
+
+def copy_hyper(
+    source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]], pairs: Iterable[tuple[int, int]] | None = None
+) -> None:
+    """The hyper-parameters (``HYPER_KEYS``) of ``source[i]`` into ``target[j]`` for each ``(i, j)`` of ``pairs``
+    (default: group by group); a sharding strategy's groups into its inner optimizer's before each update."""
+    for i, j in pairs if pairs is not None else enumerate(range(len(target))):
+        for key in HYPER_KEYS:
+            target[j][key] = source[i][key]
 
 
 def optimizer_defaults(

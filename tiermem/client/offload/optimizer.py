@@ -47,7 +47,9 @@ training resumes; ``state_from`` where the state came from).
 
 Params are on the CPU (the shared exchange) or a GPU (the staged exchange, and
 ``exchange="staged"`` on the CPU), in one dtype (float32, float16 or
-bfloat16).  ``add_param_group`` after construction registers the rank again
+bfloat16).  The staging window is registered with CUDA when the params are on a GPU
+(``pin_window=True``: also for host tensors whose copies go to a GPU, as a
+sharding strategy's shards do).  ``add_param_group`` after construction registers the rank again
 with every tensor (``_register_again``: the state goes through one
 ``state_dict``/``load_state_dict`` round trip).
 """
@@ -149,6 +151,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         expected_step: int | None = None,
         rollback: bool = False,
         create_job: bool = False,
+        pin_window: bool | None = None,
     ) -> None:
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
@@ -209,6 +212,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         """Tensors of a delayed update whose params are not installed yet."""
         self._skipped = 0
         """The rank's skip count, as the daemon's last reply gave it."""
+        self._pin_asked = pin_window
         self._register(client, window_nbytes)
         self.state = StateView(self)  # type: ignore[assignment]
 
@@ -352,7 +356,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             self.state_keys = reply.state_keys
             self.placement_used = Placement.parse(reply.placement, "placement")
             self.transfer = StateTransfer(client)
-            self._pinned = self._pin_window(client, params)
+            on_gpu = any(p.is_cuda for p in params) if self._pin_asked is None else self._pin_asked
+            self._pinned = self._pin_window(client) if on_gpu else False
             if exchange is Exchange.STAGED:
                 buckets = plan_buckets([p.numel() * dtype.itemsize for p in params], self.bucket_nbytes)
                 staged = [
@@ -441,10 +446,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         self._own_feed = False
 
     @staticmethod
-    def _pin_window(client: Client, params: list[torch.nn.Parameter]) -> bool:
-        """Register the staging window with CUDA when params are on a GPU (copies from it are then DMA)."""
-        if not any(p.is_cuda for p in params):
-            return False
+    def _pin_window(client: Client) -> bool:
+        """Register the staging window with CUDA (copies between it and a GPU are then DMA)."""
         from tiermem.engine.pool.pinning import default_pinner
 
         result = default_pinner().register(client.window.data_ptr(), client.window.numel())

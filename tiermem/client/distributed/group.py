@@ -1,0 +1,226 @@
+"""``RankGroup``: the sharding strategies' one view of their process group, and the global half of a step.
+
+Each sharded optimizer (``ShardedOffloadAdam``, ``LayerShardedAdam``,
+``ShardedPagedAdam``) is an ``OffloadAdam`` per rank (the optimizer: it owns
+the rank's step, its daemon link and its counters) composed with a strategy
+that decides what the rank holds and how grads and params cross the group.
+What every strategy needs of the group lives here once:
+
+- who this rank is (``rank``, ``world_size``, the group), refused without
+  ``torch.distributed``;
+- ``collective``: every collective through one guard, so a rank that died or
+  timed out surfaces as ``RankLost`` naming the phase, this rank and its step
+  (``steps``: steps this optimizer completed, applied or skipped), never as a
+  low-level error or a hang (the collectives have the group's timeout);
+- the start: rank 0's initial values broadcast (``broadcast_from_first``), the
+  job id and token agreed (``agree_identity``), the node's daemon found or
+  started (``node_client``), an action that must succeed on every rank or
+  fail on every rank (``all_or_none``);
+- the two-phase step's first phase, ``decide``: each rank's statistics of the
+  grads it holds (sum of squares, whether they accumulated over several
+  backward passes) are all-reduced and ``step_rules.decide`` turns the global
+  ones, with the scaler's verdict, into the one ``StepDecision`` every rank
+  applies (the second phase: the rank's STEP with that skip, inverse scale and
+  clip coefficient).  One rank is the same exchange at world size 1: the
+  all-reduce of one rank returns its own figures.
+
+``ShardGrads`` is the statistics a ZeRO-3 rank keeps of the reduced grads it
+sent to its daemon as they landed (the grads are not in the trainer at
+``step()``), and the check ``ShardedGradScaler`` asks it for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiermem.client.distributed.identity import agree_identity
+from tiermem.client.distributed.node import node_client
+from tiermem.client.distributed.scaler import shard_scaler_inputs
+from tiermem.client.link import Client
+from tiermem.core.errors import InvalidArgument, InvalidState, RankLost
+from tiermem.core.modes import Exchange, Placement, StepMode
+from tiermem.core.step_rules import GradStats, StepDecision, decide
+
+__all__ = ["RankGroup", "ShardGrads", "check_max_grad_norm"]
+
+
+def check_max_grad_norm(max_grad_norm: float | None) -> None:
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+
+
+class RankGroup:
+    """See the module docstring.  ``who`` names the optimizer in errors; ``alone_hint`` says what to use
+    without ``torch.distributed``."""
+
+    def __init__(self, process_group: Any, who: str, *, alone_hint: str = "") -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidState(f"{who} needs torch.distributed initialised (torchrun){alone_hint}")
+        self.who = who
+        self.group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.steps = 0
+        """Steps completed, applied or skipped (the step a ``RankLost`` names is the next one)."""
+
+    def global_rank(self, rank: int) -> int:
+        """The default group's rank of the group's ``rank`` (what torch's ``src``/``dst`` take)."""
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn`` over the group; a failure (a rank gone, a timeout) is ``RankLost(during, rank, steps)``."""
+        kwargs.setdefault("group", self.group)
+        return self.guard(during, fn, *args, **kwargs)
+
+    def guard(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` (a collective, or a ``Work``'s ``wait``) with the same guard."""
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as exc:
+            raise RankLost(during, self.rank, self.steps, exc) from exc
+
+    # ----------------------------------------------------------------- the start
+
+    def broadcast_from_first(self, tensors: Iterable[torch.Tensor]) -> None:
+        """One truth to start from: rank 0's values, in place on every rank."""
+        for t in tensors:
+            self.collective("broadcast of the initial params", dist.broadcast, t, src=self.global_rank(0))
+
+    def agree_identity(self, job_id: str | None, token: str | None) -> tuple[str, str]:
+        """Rank 0's job id and token (given, or derived), the same on every rank (``identity``)."""
+        return agree_identity(self.collective, self.group, self.rank, job_id, token)
+
+    def node_client(
+        self,
+        numel: int,
+        *,
+        dtype: str,
+        offload: str | Placement,
+        window_nbytes: int | None = None,
+        exchange: Exchange = Exchange.SHARED,
+        mode: StepMode = StepMode.SYNC,
+        release_grads: bool = False,
+    ) -> Client:
+        """This rank's client of its node's daemon, for an inner optimizer of ``numel`` elements (``node``)."""
+        return node_client(
+            self.collective,
+            self.rank,
+            self.world_size,
+            numel,
+            dtype=dtype,
+            placement=Placement.parse(offload, "offload"),
+            window_nbytes=window_nbytes,
+            exchange=exchange,
+            mode=mode,
+            release_grads=release_grads,
+        )
+
+    def all_or_none(self, what: str, action: Callable[[], None]) -> None:
+        """Run ``action`` on every rank; if it fails on any, every rank raises (none hangs in a collective)."""
+        error: BaseException | None = None
+        try:
+            action()
+        except Exception as exc:
+            error = exc
+        outcomes: list[Any] = [None] * self.world_size
+        self.collective(what, dist.all_gather_object, outcomes, None if error is None else f"{error}")
+        if error is not None:
+            raise error
+        bad = [(r, e) for r, e in enumerate(outcomes) if e is not None]
+        if bad:
+            raise InvalidState(f"the {what} failed on rank {bad[0][0]}: {bad[0][1]}")
+
+    # ----------------------------------------------------------------- the step's global facts
+
+    def decide(
+        self,
+        sumsq: float | None,
+        *,
+        inv_scale: float = 1.0,
+        max_grad_norm: float | None,
+        scaler_found_inf: bool = False,
+        accumulated: bool = False,
+        skip_nonfinite: bool = False,
+    ) -> StepDecision:
+        """The step every rank applies, from this rank's sum of squares of its (scaled) grads (None: no norm is
+        needed) and the scaler's verdict (already global).  ``accumulated``: this rank's grads summed several
+        backward passes, where a clipping norm of one pass does not exist (refused on every rank)."""
+        stats = None
+        if sumsq is not None:
+            flags = torch.tensor([float(accumulated), sumsq], dtype=torch.float64)
+            self.collective("the norm's all-reduce", dist.all_reduce, flags)
+            if flags[0] > 0:
+                raise InvalidState(
+                    f"{self.who} clips with the norm of one backward pass; this step accumulated grads over "
+                    "several (call step() after each backward, or train without max_grad_norm)"
+                )
+            stats = GradStats.of(float(flags[1]) * inv_scale * inv_scale, False)
+        return decide(
+            stats,
+            inv_scale=inv_scale,
+            max_grad_norm=max_grad_norm,
+            scaler_found_inf=scaler_found_inf,
+            skip_nonfinite=skip_nonfinite,
+        )
+
+
+class ShardGrads:
+    """What a ZeRO-3 rank knows of the reduced grads it sent to its daemon this step: their sum of squares
+    (per key: a grad sent again without accumulating replaces its figure), whether one was non-finite,
+    whether one was added to a grad already there (accumulation), and what ``ShardedGradScaler`` asked."""
+
+    def __init__(self) -> None:
+        self.sumsq: dict[Hashable, float] = {}
+        self.nonfinite = False
+        self.accumulated = False
+        self.unscaled_by = 1.0
+        """The inverse scale ``ShardedGradScaler.unscale_`` gave (applied by the daemon at ``step()``)."""
+        self.scale_checked = False
+
+    def add(self, key: Hashable, grad: torch.Tensor, *, accumulate: bool = False) -> None:
+        """A reduced grad went to the daemon (``accumulate``: added to the one there; its square is then no
+        figure of one pass, and only marks the step as accumulated)."""
+        sq = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2  # waits for a device's stream
+        self.nonfinite = self.nonfinite or not math.isfinite(sq)
+        if accumulate:
+            self.accumulated = True
+        else:
+            self.sumsq[key] = sq
+
+    @property
+    def total(self) -> float:
+        return math.fsum(self.sumsq.values())
+
+    def check(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+        """``ShardedGradScaler``'s question: whether this rank's reduced grads overflowed (it all-reduces the
+        flag); the inverse scale is applied by the daemon at ``step()``."""
+        self.unscaled_by = float(inv_scale)
+        self.scale_checked = True
+        if self.nonfinite:
+            found_inf.fill_(1.0)
+        return found_inf
+
+    def decide(
+        self, group: RankGroup, optimizer: Any, max_grad_norm: float | None, *, accumulated: bool = False
+    ) -> StepDecision:
+        """The step every rank applies: the scaler's hand-over on ``optimizer`` (``shard_scaler_inputs``) and,
+        with ``max_grad_norm``, the global norm of the shards (``RankGroup.decide``)."""
+        inv_scale, skip = shard_scaler_inputs(optimizer, checked=self.scale_checked, unscaled_by=self.unscaled_by)
+        return group.decide(
+            None if max_grad_norm is None or skip else self.total,
+            inv_scale=inv_scale,
+            max_grad_norm=max_grad_norm,
+            scaler_found_inf=skip,
+            accumulated=self.accumulated or accumulated,
+        )
+
+    def new_step(self) -> None:
+        self.sumsq.clear()
+        self.nonfinite = False
+        self.accumulated = False
+        self.scale_checked = False
