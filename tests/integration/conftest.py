@@ -13,7 +13,7 @@ Fixtures:
 - ``daemon_factory``: start more daemons with other settings, stopped at teardown;
 - ``run_client``: start ``daemon_client.py`` as a client process;
 - ``one_rank_group``: a one-rank gloo process group;
-- ``libaio_engine``, ``swap_dir``: a real libaio engine and a directory on this disk for swap files;
+- ``libaio``, ``swap_dir``: a real libaio engine and a directory on this disk for swap files;
 - ``run_daemon_to_exit``: a daemon that is expected to fail at start-up, run to its exit.
 
 Adam runs eagerly in the test daemons (``adam.compile = false``): compiling
@@ -301,7 +301,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
 
 
 @pytest.fixture
-def libaio_engine() -> Iterator[LibaioEngine]:
+def libaio() -> Iterator[LibaioEngine]:
     """A real libaio engine (256 KiB blocks, queue depth 16), closed at teardown."""
     from tiermem.engine.swap.engine_libaio import LibaioEngine  # loads libaio: only for the tests that use it
 

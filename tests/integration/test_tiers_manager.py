@@ -42,11 +42,9 @@ def one_pass(manager: TierManager, step: int, budget: int) -> None:
 
 
 @pytest.mark.timeout(60)  # a pager livelock (prefetch and demand evicting each other) shows as a hang here
-def test_full_passes_with_a_quarter_of_the_state_in_memory_keep_contents(
-    libaio_engine: LibaioEngine, swap_dir: Path
-) -> None:
+def test_full_passes_with_a_quarter_of_the_state_in_memory_keep_contents(libaio: LibaioEngine, swap_dir: Path) -> None:
     budget = STATE_NBYTES // 4
-    pool, store, manager = make(libaio_engine, swap_dir, budget, 2 * MiB)
+    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
     try:
         one_pass(manager, 1, budget)
         one_pass(manager, 2, budget)  # the first pass recorded the order: eviction now knows next uses
@@ -64,11 +62,9 @@ def test_full_passes_with_a_quarter_of_the_state_in_memory_keep_contents(
         pool.close()
 
 
-def test_pool_eviction_callback_pages_tensors_out_when_the_pool_is_full(
-    libaio_engine: LibaioEngine, swap_dir: Path
-) -> None:
+def test_pool_eviction_callback_pages_tensors_out_when_the_pool_is_full(libaio: LibaioEngine, swap_dir: Path) -> None:
     # the budget would allow everything in memory, but the pool holds only about a third of it
-    pool, store, manager = make(libaio_engine, swap_dir, 4 * STATE_NBYTES, 400 * 1024)
+    pool, store, manager = make(libaio, swap_dir, 4 * STATE_NBYTES, 400 * 1024)
     try:
         one_pass(manager, 1, 4 * STATE_NBYTES)
         one_pass(manager, 2, 4 * STATE_NBYTES)
@@ -80,10 +76,10 @@ def test_pool_eviction_callback_pages_tensors_out_when_the_pool_is_full(
 
 
 def test_corrupt_swap_copy_is_raised_by_acquire_and_other_tensors_still_work(
-    libaio_engine: LibaioEngine, swap_dir: Path
+    libaio: LibaioEngine, swap_dir: Path
 ) -> None:
     budget = STATE_NBYTES // 4
-    pool, store, manager = make(libaio_engine, swap_dir, budget, 2 * MiB)
+    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
     try:
         one_pass(manager, 1, budget)
         victim = next(k for k in KEYS if manager.record(k).state is TensorState.NVME)
@@ -105,15 +101,15 @@ def test_corrupt_swap_copy_is_raised_by_acquire_and_other_tensors_still_work(
         pool.close()
 
 
-def test_flush_then_reopen_restores_every_tensor(libaio_engine: LibaioEngine, swap_dir: Path) -> None:
+def test_flush_then_reopen_restores_every_tensor(libaio: LibaioEngine, swap_dir: Path) -> None:
     budget = STATE_NBYTES // 2
-    pool, store, manager = make(libaio_engine, swap_dir, budget, 2 * MiB)
+    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
     one_pass(manager, 1, budget)
     manager.flush()
     manager.close()
     store.close()
     pool.close()
-    pool, store, manager = make(libaio_engine, swap_dir, budget, 2 * MiB)
+    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
     try:
         assert all(manager.record(k).state is TensorState.NVME for k in KEYS)
         one_pass(manager, 2, budget)
@@ -123,9 +119,9 @@ def test_flush_then_reopen_restores_every_tensor(libaio_engine: LibaioEngine, sw
         pool.close()
 
 
-def test_acquiring_more_than_the_budget_at_once_is_refused(libaio_engine: LibaioEngine, swap_dir: Path) -> None:
+def test_acquiring_more_than_the_budget_at_once_is_refused(libaio: LibaioEngine, swap_dir: Path) -> None:
     budget = SHAPES[0][0] * 4 * 2
-    pool, store, manager = make(libaio_engine, swap_dir, budget, 2 * MiB)
+    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
     try:
         manager.acquire("t0")
         manager.acquire("t1")  # 16 + 32 KiB > 32 KiB? t0 is 16 KiB, t1 32 KiB: not both
@@ -142,10 +138,10 @@ def test_acquiring_more_than_the_budget_at_once_is_refused(libaio_engine: Libaio
 
 @pytest.mark.timeout(60)
 def test_a_pager_thread_that_dies_fails_its_waiters_instead_of_hanging_them(
-    libaio_engine: LibaioEngine, swap_dir: Path, monkeypatch: pytest.MonkeyPatch
+    libaio: LibaioEngine, swap_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     budget = STATE_NBYTES // 4
-    pool, store, manager = make(libaio_engine, swap_dir, budget, 2 * MiB)
+    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
     try:
         one_pass(manager, 1, budget)
         one_pass(manager, 2, budget)

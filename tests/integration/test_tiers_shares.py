@@ -52,12 +52,10 @@ class Job:
 
 
 @pytest.mark.timeout(120)
-def test_two_jobs_borrow_the_whole_pool_and_give_it_back_to_a_third(
-    libaio_engine: LibaioEngine, swap_dir: Path
-) -> None:
+def test_two_jobs_borrow_the_whole_pool_and_give_it_back_to_a_third(libaio: LibaioEngine, swap_dir: Path) -> None:
     shares = PoolShares()
     pool = BufferPool.create(POOL_NBYTES, arena_size=POOL_NBYTES, mlock=False, evict=shares.evict)
-    a, b = Job("a", pool, shares, libaio_engine, swap_dir), Job("b", pool, shares, libaio_engine, swap_dir)
+    a, b = Job("a", pool, shares, libaio, swap_dir), Job("b", pool, shares, libaio, swap_dir)
     try:
         for step in range(1, 3):
             a.step(10.0 * step)
@@ -99,17 +97,17 @@ def test_two_jobs_borrow_the_whole_pool_and_give_it_back_to_a_third(
 
 @pytest.mark.timeout(120)
 def test_a_third_paged_job_is_admitted_into_a_full_pool_and_all_three_keep_their_contents(
-    libaio_engine: LibaioEngine, swap_dir: Path
+    libaio: LibaioEngine, swap_dir: Path
 ) -> None:
     shares = PoolShares()
     pool = BufferPool.create(POOL_NBYTES, arena_size=POOL_NBYTES, mlock=False, evict=shares.evict)
-    jobs = [Job("a", pool, shares, libaio_engine, swap_dir), Job("b", pool, shares, libaio_engine, swap_dir)]
+    jobs = [Job("a", pool, shares, libaio, swap_dir), Job("b", pool, shares, libaio, swap_dir)]
     try:
         for step in range(1, 3):
             for n, job in enumerate(jobs):
                 job.step(10.0 * step + n)
         assert pool.free_bytes < 2 * TENSOR_NBYTES
-        jobs.append(Job("c", pool, shares, libaio_engine, swap_dir))
+        jobs.append(Job("c", pool, shares, libaio, swap_dir))
         for step in range(3, 7):
             for n, job in enumerate(jobs):
                 job.step(10.0 * step + n)
