@@ -23,7 +23,7 @@ import json
 import os
 from pathlib import Path
 
-from bench_ranks import _count, _run
+from bench_ranks import _count, _run, add_run_args
 
 from tiermem.client.link import EmbeddedDaemon
 from tiermem.core.units import GiB
@@ -31,10 +31,7 @@ from tiermem.core.units import GiB
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--numel", default="32M", help="total params of the model (fp32)")
-    ap.add_argument("--ranks", default="2,4")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
+    add_run_args(ap, numel="32M", ranks="2,4")
     ap.add_argument("--batch", type=int, default=32, help="rows per rank")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()

@@ -93,6 +93,14 @@ def _count(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
+def add_run_args(ap: argparse.ArgumentParser, *, numel: str, ranks: str) -> None:
+    """The arguments of a benchmark that launches ranks with ``_run`` (which reads ``--steps`` and ``--warmup``)."""
+    ap.add_argument("--numel", default=numel, help="total params of the model (fp32)")
+    ap.add_argument("--ranks", default=ranks)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+
+
 def _run(
     mode: str, ranks: int, numel: int, args: argparse.Namespace, daemon: EmbeddedDaemon | None, omp_wait: str
 ) -> dict:
@@ -133,10 +141,7 @@ def _median(values: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--numel", default="16M", help="total params of the model (fp32)")
-    ap.add_argument("--ranks", default="1,2,4")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
+    add_run_args(ap, numel="16M", ranks="1,2,4")
     ap.add_argument("--rounds", type=int, default=1, help="run every rank count and mode this many times, interleaved")
     ap.add_argument("--no-peer", action="store_true", help="tiermem only (its paired 1-rank ratio needs no peer)")
     ap.add_argument("--chunk", default="", help="the daemon's adam.chunk_numel (its task size), e.g. 16M")

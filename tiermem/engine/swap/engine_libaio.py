@@ -50,6 +50,9 @@ _Block = tuple[Transfer, int, int, int]
 class LibaioEngine:
     """Linux AIO with O_DIRECT; see the module docstring."""
 
+    name = "libaio"
+    direct = True
+
     def __init__(self, *, block_size: int, queue_depth: int, reaper_thread: bool = True) -> None:
         if block_size <= 0 or block_size % 4096:
             raise InvalidArgument(f"block_size must be a positive multiple of 4096, got {block_size}")
@@ -77,14 +80,6 @@ class LibaioEngine:
             self._reaper.start()
 
     # ------------------------------------------------------------------ interface
-
-    @property
-    def name(self) -> str:
-        return "libaio"
-
-    @property
-    def direct(self) -> bool:
-        return True
 
     @property
     def block_size(self) -> int:

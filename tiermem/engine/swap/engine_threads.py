@@ -27,6 +27,9 @@ __all__ = ["ThreadEngine"]
 class ThreadEngine:
     """Blocking positional I/O on worker threads; see the module docstring."""
 
+    name = "threads"
+    direct = False
+
     def __init__(self, *, block_size: int, threads: int) -> None:
         if block_size <= 0:
             raise InvalidArgument(f"block_size must be > 0, got {block_size}")
@@ -35,14 +38,6 @@ class ThreadEngine:
         self._block_size = block_size
         self._pool = started_pool(threads, "tiermem-io")
         self._closed = False
-
-    @property
-    def name(self) -> str:
-        return "threads"
-
-    @property
-    def direct(self) -> bool:
-        return False
 
     @property
     def block_size(self) -> int:
