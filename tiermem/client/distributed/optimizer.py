@@ -193,7 +193,56 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         for i, piece in enumerate(self.pieces):
             self._by_bucket[piece.bucket].append(i)
         self.job_id, self._token = self.group.agree_identity(job_id, token)
-        flat = [p.detach().reshape(-1) for p in params_]
+        inner_groups = self._piece_groups(params_, group_of)
+        self.inner: OffloadAdam | None = None
+        if client is None:
+            client = self.group.node_client(
+                sum(pc.numel for pc in self.pieces),
+                dtype=self.dtype.name,
+                offload=offload,
+                window_nbytes=window_nbytes,
+                mode=StepMode.DELAYED if delayed_update else StepMode.SYNC,
+            )
+        self._attach(
+            client,
+            lambda: self._make_inner(
+                inner_groups, client, offload, adamw, window_nbytes, expected_step, rollback, hyper
+            ),
+        )
+        largest = self.layout.largest_bucket()
+        self._flat = torch.empty(largest, dtype=self.dtype.torch, device=self.device)
+        self._slice = torch.empty(-(-largest // self.world_size), dtype=self.dtype.torch, device=self.device)
+        self._shared: list[TensorEntry] = []
+        """The inner optimizer's tensors in the shared storage (the shared exchange), one per piece."""
+        if self.inner is not None and self.inner.shared_feed is not None:
+            self._shared = self.inner.shared_feed.entries
+        self._param_slices, self._grad_slices = self._storage_slices()
+        self.overlap_comm = overlap_comm
+        self._start_rounds(params_)
+        self._resume(params_)
+
+    def _start_rounds(self, params: list[torch.nn.Parameter]) -> None:
+        """The reduce rounds' bookkeeping, and with ``overlap_comm`` the hooks that start a bucket's reduce
+        during backward."""
+        self._bucket_of = [0] * len(params)
+        for b, bucket in enumerate(self.layout.buckets):
+            for index in bucket.params:
+                self._bucket_of[index] = b
+        self._wanted = [sum(params[i].requires_grad for i in bucket.params) for bucket in self.layout.buckets]
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._holding = False
+        self._told_accumulation = False
+        self._hooks: list[Any] = []
+        self._new_round()
+        if self.overlap_comm:
+            for index, p in enumerate(params):
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
+
+    def _piece_groups(self, params: list[torch.nn.Parameter], group_of: list[int]) -> list[dict[str, Any]]:
+        """This rank's pieces as host params (``_piece_params``) and the inner optimizer's groups over them (the
+        groups that have a piece here: ``_inner_of_group``)."""
+        flat = [p.detach().reshape(-1) for p in params]
         self._piece_params = [
             torch.nn.Parameter(flat[pc.param][pc.lo : pc.hi].to("cpu", copy=True)) for pc in self.pieces
         ]
@@ -205,55 +254,21 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
                 self._inner_of_group[g] = len(inner_groups)
                 entry = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "maximize")}
                 inner_groups.append({"params": members, **entry, "adamw": group["adamw"]})
-        numel = sum(pc.numel for pc in self.pieces)
-        self.inner: OffloadAdam | None = None
-        if client is None:
-            client = self.group.node_client(
-                numel,
-                dtype=self.dtype.name,
-                offload=offload,
-                window_nbytes=window_nbytes,
-                mode=StepMode.DELAYED if delayed_update else StepMode.SYNC,
-            )
+        return inner_groups
+
+    def _attach(self, client: Client | None, make_inner: Callable[[], None]) -> None:
+        """Every rank attaches, or none stays attached: a rank attached here while another failed keeps the
+        job's state waiting (detached with it), and the job id is released."""
         try:
-            self.group.all_or_none(
-                "attach",
-                lambda: self._make_inner(
-                    inner_groups, client, offload, adamw, window_nbytes, expected_step, rollback, hyper
-                ),
-            )
+            self.group.all_or_none("attach", make_inner)
         except BaseException:
-            if self.inner is not None:  # attached here, failed elsewhere: the job's state waits, kept
+            if self.inner is not None:
                 self.inner.close(keep_state=True)
                 self.inner = None
             elif client is not None:
                 client.close()
             release_job_id(self.job_id)
             raise
-        largest = self.layout.largest_bucket()
-        self._flat = torch.empty(largest, dtype=self.dtype.torch, device=self.device)
-        self._slice = torch.empty(-(-largest // self.world_size), dtype=self.dtype.torch, device=self.device)
-        self._shared: list[TensorEntry] = []
-        """The inner optimizer's tensors in the shared storage (the shared exchange), one per piece."""
-        if self.inner is not None and self.inner.shared_feed is not None:
-            self._shared = self.inner.shared_feed.entries
-        self._param_slices, self._grad_slices = self._storage_slices()
-        self.overlap_comm = overlap_comm
-        self._bucket_of = [0] * len(params_)
-        for b, bucket in enumerate(self.layout.buckets):
-            for index in bucket.params:
-                self._bucket_of[index] = b
-        self._wanted = [sum(params_[i].requires_grad for i in bucket.params) for bucket in self.layout.buckets]
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._holding = False
-        self._told_accumulation = False
-        self._hooks: list[Any] = []
-        self._new_round()
-        if overlap_comm:
-            for index, p in enumerate(params_):
-                if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
-        self._resume(params_)
 
     def _storage_slices(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Per bucket, this rank's slice of params and of grads as one tensor of the daemon's shared storage,
