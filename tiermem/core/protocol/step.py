@@ -185,27 +185,30 @@ class ParamsReady(FetchParams):
     TYPE: ClassVar[MsgType] = MsgType.PARAMS_READY
 
 
-@wire
 @dataclass(slots=True)
-class StateRead(Message):
-    """Copy fp32 state ``key`` of ``tensor_id``, from byte ``offset``, into ``dest`` (a staging area)."""
+class _StateRange(Message):
+    """The fields that open every state transfer: fp32 state ``key`` of ``tensor_id``, from byte ``offset``."""
 
-    TYPE: ClassVar[MsgType] = MsgType.STATE_READ
     tensor_id: Annotated[int, TENSOR_ID]
     key: Annotated[str, STATE_KEY]
     offset: Annotated[int, NBYTES]
+
+
+@wire
+@dataclass(slots=True)
+class StateRead(_StateRange):
+    """Copy fp32 state ``key`` of ``tensor_id``, from byte ``offset``, into ``dest`` (a staging area)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STATE_READ
     dest: MemRef
 
 
 @wire
 @dataclass(slots=True)
-class StateChunk(Message):
+class StateChunk(_StateRange):
     """``nbytes`` of ``total_nbytes`` bytes of state, from ``offset``, are in the staging area; ``step``: its count."""
 
     TYPE: ClassVar[MsgType] = MsgType.STATE_CHUNK
-    tensor_id: Annotated[int, TENSOR_ID]
-    key: Annotated[str, STATE_KEY]
-    offset: Annotated[int, NBYTES]
     nbytes: Annotated[int, NBYTES]
     total_nbytes: Annotated[int, NBYTES]
     step: Annotated[int, STEP_NO]
@@ -220,15 +223,12 @@ class StateChunk(Message):
 
 @wire
 @dataclass(slots=True)
-class StateWrite(Message):
+class StateWrite(_StateRange):
     """Load fp32 state ``key`` of ``tensor_id`` from ``src`` at byte ``offset``; ``step`` sets Adam's count
     (for a moment).  ``accumulate``: add into the state instead of replacing it (a grad landing again in
     the same step, gradient accumulation)."""
 
     TYPE: ClassVar[MsgType] = MsgType.STATE_WRITE
-    tensor_id: Annotated[int, TENSOR_ID]
-    key: Annotated[str, STATE_KEY]
-    offset: Annotated[int, NBYTES]
     src: MemRef
     step: Annotated[int, STEP_NO]
     accumulate: bool = False
