@@ -152,15 +152,7 @@ class LayerShardedAdam(torch.optim.Optimizer):
         """The group the layers are sharded over (what ``ShardedGradScaler`` all-reduces its flags over)."""
         self.rank = self.group.rank
         self.world_size = self.group.world_size
-        infos = describe_params(model)
-        modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
-        if not modules:
-            raise InvalidArgument("the model has no params")
-        count = len(modules)
-        owner_of = list(owners) if owners is not None else [i * self.world_size // count for i in range(count)]
-        if len(owner_of) != count or not all(0 <= o < self.world_size for o in owner_of):
-            raise InvalidArgument(f"owners must give a rank in [0, {self.world_size}) for each of the {count} units")
-        self.units = [_Unit(i, m, o) for i, (m, o) in enumerate(zip(modules, owner_of, strict=True))]
+        self.units = _deal_units(model, owners, self.world_size)
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         defaults = optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw)
         super().__init__([{"params": [p for unit in self.units for p in unit.params]}], defaults)
@@ -209,30 +201,10 @@ class LayerShardedAdam(torch.optim.Optimizer):
                 rank=self.rank,
                 world_size=self.world_size,
             )
-        index = {id(p): i for i, p in enumerate(model.parameters())}
-        order = tuple(index[id(p)] for unit in self.units for p in unit.params)
-        slots = tuple(
-            Slot(index[id(p)], 0, n, tid, n)
-            for u in mine
-            for p, n, tid in zip(u.params, u.numels, self._entry_of[u.index], strict=True)
-        )
-        sharded = set(order)
-        frozen = tuple(i for i in range(len(infos)) if i not in sharded)  # whole in every rank's module
-        share = RankShare(
-            "LayerShardedAdam",
-            self.rank,
-            self.world_size,
-            tuple(infos),
-            order,
-            slots,
-            frozen,
-            model,
-            torch.device("cpu"),
-        )
         store = InnerStore(
             self.job_id, self.param_groups, self.inner, _nothing, self._sync_hyper, keeps_values=not paged
         )
-        self.checkpoint = Zero3Checkpoint(share, store, self.group.collective)
+        self.checkpoint = Zero3Checkpoint(self._share(model, mine), store, self.group.collective)
         self._grads: DaemonGrads | None = None
         if paged and self.inner is not None:
             # the daemon has the values now (the staged exchange wrote them as masters): drop every copy here
@@ -248,6 +220,30 @@ class LayerShardedAdam(torch.optim.Optimizer):
             unit.module.register_full_backward_pre_hook(self._make_hook(unit, self._before_backward))
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(unit))
+
+    def _share(self, model: torch.nn.Module, mine: list[_Unit]) -> RankShare:
+        """What this rank holds, in the checkpoints' terms: its layers' params whole, by tensor id."""
+        infos = describe_params(model)
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        order = tuple(index[id(p)] for unit in self.units for p in unit.params)
+        slots = tuple(
+            Slot(index[id(p)], 0, n, tid, n)
+            for u in mine
+            for p, n, tid in zip(u.params, u.numels, self._entry_of[u.index], strict=True)
+        )
+        sharded = set(order)
+        frozen = tuple(i for i in range(len(infos)) if i not in sharded)  # whole in every rank's module
+        return RankShare(
+            "LayerShardedAdam",
+            self.rank,
+            self.world_size,
+            tuple(infos),
+            order,
+            slots,
+            frozen,
+            model,
+            torch.device("cpu"),
+        )
 
     # ----------------------------------------------------------------- collectives
 
@@ -507,6 +503,19 @@ class LayerShardedAdam(torch.optim.Optimizer):
 
 def _wait(work: Any) -> None:
     work.wait()
+
+
+def _deal_units(model: torch.nn.Module, owners: Iterable[int] | None, world_size: int) -> list[_Unit]:
+    """The model's units (the submodules that own params directly), each with its owner rank (``owners``, or
+    unit i to rank ``i * world_size // units``)."""
+    modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    if not modules:
+        raise InvalidArgument("the model has no params")
+    count = len(modules)
+    owner_of = list(owners) if owners is not None else [i * world_size // count for i in range(count)]
+    if len(owner_of) != count or not all(0 <= o < world_size for o in owner_of):
+        raise InvalidArgument(f"owners must give a rank in [0, {world_size}) for each of the {count} units")
+    return [_Unit(i, m, o) for i, (m, o) in enumerate(zip(modules, owner_of, strict=True))]
 
 
 def _nothing() -> None:
