@@ -29,9 +29,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from tiermem.core.errors import InvalidState
+from tiermem.core.figures import Family, counter, gauge
 from tiermemd import health
 
 __all__ = ["CpuScheduler", "SchedulerStats"]
@@ -47,20 +48,31 @@ class _Tenant:
     tasks: int = 0
 
 
+QUEUED = Family("tiermem_scheduler_queued_tasks", "CPU tasks waiting for the scheduler.")
+TASKS = Family("tiermem_scheduler_tasks", "CPU tasks the scheduler ran.")
+BUSY = Family("tiermem_scheduler_busy_seconds", "Time the scheduler spent running tasks.")
+BUSY_PERIODS = Family(
+    "tiermem_scheduler_busy_periods", "Busy periods of the scheduler (tasks back to back until none is queued)."
+)
+BUSY_PERIOD_TIME = Family(
+    "tiermem_scheduler_busy_period_seconds", "Total length of the busy periods: tasks and the gaps between them."
+)
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """A snapshot of the scheduler's counters (node totals: forgotten tenants stay counted)."""
 
-    queued: int
+    queued: Annotated[int, gauge(QUEUED, wire="queued_tasks")]
     """Tasks waiting to run."""
-    tasks: int
+    tasks: Annotated[int, counter(TASKS)]
     """Tasks run since start."""
-    busy_s: float
+    busy_s: Annotated[float, counter(BUSY, wire="cpu_busy_s")]
     """Time the executor spent running tasks."""
     tenants: int
-    busy_periods: int
+    busy_periods: Annotated[int, counter(BUSY_PERIODS)]
     """Busy periods that ended: from a task started on an idle executor to a task ended with none queued."""
-    busy_period_s: float
+    busy_period_s: Annotated[float, counter(BUSY_PERIOD_TIME)]
     """Their total length (tasks and the gaps between them)."""
 
 

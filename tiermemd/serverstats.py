@@ -12,8 +12,10 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass
+from typing import Annotated
 
 from tiermem.core.errors import AuthError, ProtocolError, TiermemError
+from tiermem.core.figures import Family, counter, gauge
 
 __all__ = ["DisconnectReason", "ServerCounters", "ServerStats"]
 
@@ -33,21 +35,33 @@ class DisconnectReason(enum.Enum):
     """The daemon closed the session while draining."""
 
 
+CLIENTS = Family("tiermem_clients", "Client connections being served.")
+ATTACHES = Family("tiermem_attaches", "Successful ATTACH requests (new jobs and reattaches).")
+REFUSED = Family("tiermem_connections_refused", "Connections refused at accept.")
+AUTH_ERRORS = Family("tiermem_auth_errors", "Authentication failures: uids not allowed, wrong job tokens.")
+PROTOCOL_ERRORS = Family(
+    "tiermem_protocol_errors",
+    "Frames refused with a protocol error (malformed, oversized, or not a request the session may send), "
+    "each answered with an error.",
+)
+DISCONNECTS = Family("tiermem_disconnects", "Client sessions that ended, by reason.", label="reason")
+
+
 @dataclass(frozen=True)
 class ServerStats:
-    sessions: int
+    sessions: Annotated[int, gauge(CLIENTS)]
     """Connections being served now."""
     accepted: int
     """Connections admitted since start."""
-    attaches: int
+    attaches: Annotated[int, counter(ATTACHES)]
     """Successful ATTACHes (new jobs and reattaches)."""
-    refused: int
+    refused: Annotated[int, counter(REFUSED)]
     """Connections refused at accept (not allowed, or over ``server.max_connections_per_uid``)."""
-    auth_errors: int
+    auth_errors: Annotated[int, counter(AUTH_ERRORS)]
     """``AuthError``s: refused uids at accept and failed job tokens."""
-    protocol_errors: int
+    protocol_errors: Annotated[int, counter(PROTOCOL_ERRORS)]
     """Frames refused as malformed (bad header, payload or field), each answered with an error."""
-    disconnects: tuple[tuple[DisconnectReason, int], ...]
+    disconnects: Annotated[tuple[tuple[DisconnectReason, int], ...], counter(DISCONNECTS)]
     """Sessions ended, per reason (every reason listed, zeros included)."""
 
     def disconnected(self, reason: DisconnectReason) -> int:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Annotated, NamedTuple, Protocol
 
 import torch
 
 from tiermem.core.errors import InvalidArgument
+from tiermem.core.figures import Family, gauge
 from tiermem.engine.pool import Block, BufferPool
 from tiermem.engine.swap.records import SwapStats
 from tiermem.engine.tiers.records import TierStats
@@ -59,13 +60,18 @@ def split_chunk(flat: torch.Tensor, n: int, keys: tuple[str, ...]) -> ChunkTenso
     return ChunkTensors(parts.get("master"), parts["exp_avg"], parts["exp_avg_sq"], parts.get("grad"))
 
 
+_PER_TIER = "per tier (cpu: pool bytes, NVMe chunk caches included; nvme: swap bytes)."
+STATE_BYTES = Family("tiermem_state_bytes", f"Optimizer state of all jobs, {_PER_TIER}", label="tier")
+JOB_STATE_BYTES = Family("tiermem_job_state_bytes", f"A job's optimizer state, {_PER_TIER}", label="tier", per_job=True)
+
+
 @dataclass(frozen=True)
 class StateStats:
     """Where a rank's state is, in bytes per tier, and the counters of the NVMe tier's parts."""
 
-    cpu_nbytes: int
+    cpu_nbytes: Annotated[int, gauge(STATE_BYTES.at("cpu"), JOB_STATE_BYTES.at("cpu"), wire="cpu_state_nbytes")]
     """Pool bytes: all of the state on the CPU placement, the chunk cache on the NVMe one."""
-    nvme_nbytes: int = 0
+    nvme_nbytes: Annotated[int, gauge(STATE_BYTES.at("nvme"), JOB_STATE_BYTES.at("nvme"), wire="nvme_state_nbytes")] = 0
     """Swap bytes holding the state's current (and not yet freed older) versions."""
     tiers: TierStats | None = None
     swap: SwapStats | None = None

@@ -6,15 +6,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from tiermem.core.figures import ended, zero
 from tiermem.core.histogram import UPDATE_SECONDS, Histogram
 from tiermem.engine.pool import PoolStats
 from tiermemd.ledger import Ledger, Resource
-from tiermemd.metrics import adam_families, job_families, pool_families, server_families, swap_families
+from tiermemd.metrics import families
 from tiermemd.rank import RankStats
 from tiermemd.scheduler import SchedulerStats
 from tiermemd.serverstats import DisconnectReason, ServerCounters
 from tiermemd.state import StateStats
-from tiermemd.stats import JobStats, NodeStats, Totals
+from tiermemd.stats import JobStats, NodeStats
 
 
 def _rank(job_id: str, *, updates: int, elements: int, cpu_nbytes: int) -> RankStats:
@@ -30,7 +31,7 @@ def _rank(job_id: str, *, updates: int, elements: int, cpu_nbytes: int) -> RankS
     )  # fmt: skip
 
 
-def _node(retired: Totals | None = None) -> NodeStats:
+def _node(retired: RankStats | None = None) -> NodeStats:
     ledger = Ledger({Resource.POOL: 1 << 30, Resource.WINDOW: 1 << 30, Resource.SWAP: 0, Resource.STORAGE: 1 << 30})
     ledger.reserve("secret-job-a", Resource.POOL, 4096)
     counters = ServerCounters()
@@ -47,7 +48,7 @@ def _node(retired: Totals | None = None) -> NodeStats:
         scheduler=SchedulerStats(queued=0, tasks=5, busy_s=0.1, tenants=2, busy_periods=2, busy_period_s=0.12),
         server=counters.stats(sessions=2),
         jobs=jobs,
-        retired=retired or Totals(),
+        retired=retired or zero(RankStats),
     )  # fmt: skip
 
 
@@ -56,11 +57,7 @@ class _Fixed(Collector):
         self.node, self.per_job = node, per_job
 
     def collect(self):  # type: ignore[no-untyped-def]
-        yield from pool_families(self.node)
-        yield from swap_families(self.node)
-        yield from adam_families(self.node)
-        yield from server_families(self.node)
-        yield from job_families(self.node, per_job=self.per_job)
+        yield from families(self.node, per_job=self.per_job)
 
 
 def _exposition(node: NodeStats, per_job: bool) -> str:
@@ -86,7 +83,7 @@ def test_with_job_labels_each_job_has_its_series_under_tiermem_job() -> None:
 
 def test_node_counters_include_ranks_that_ended() -> None:
     gone = _rank("ended", updates=4, elements=100, cpu_nbytes=0)
-    text = _exposition(_node(retired=Totals.of_rank(gone)), per_job=False)
+    text = _exposition(_node(retired=ended(gone)), per_job=False)
     assert "tiermem_adam_updates_total 9.0" in text  # 3 + 2 live, 4 retired
     assert "tiermem_adam_update_seconds_count 9.0" in text
     assert 'tiermem_disconnects_total{reason="client_exited"} 1.0' in text

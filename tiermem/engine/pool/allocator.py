@@ -31,8 +31,10 @@ import bisect
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
 from tiermem.core.errors import InvalidArgument, InvalidState, PoolExhausted
+from tiermem.core.figures import Family, counter, gauge
 from tiermem.core.units import PAGE_SIZE, align_up, format_size
 from tiermem.engine.pool.compaction import Move, plan_compaction, plan_for
 
@@ -92,18 +94,27 @@ def fragmentation(free: int, largest_free: int) -> float:
     return 0.0 if free == 0 else 1.0 - largest_free / free
 
 
+POOL_CAPACITY = Family("tiermem_pool_capacity_bytes", "Bytes of the daemon's host-memory pool.")
+POOL_BYTES = Family("tiermem_pool_bytes", "Pool bytes in live blocks (used) and not (free).", label="state")
+POOL_LARGEST_FREE = Family("tiermem_pool_largest_free_block_bytes", "The largest free extent of the pool.")
+POOL_BLOCKS = Family("tiermem_pool_blocks", "Live blocks in the pool.")
+POOL_COMPACTIONS = Family("tiermem_pool_compactions", "Compactions of the pool.")
+POOL_MOVED = Family("tiermem_pool_compaction_moved_bytes", "Bytes moved by compactions.")
+POOL_LOCKED = Family("tiermem_pool_locked_bytes", "Pool bytes locked in RAM (mlock).")
+
+
 @dataclass(frozen=True)
 class PoolStats:
     """A snapshot of an allocator's (or a whole pool's) counters, in bytes unless named otherwise."""
 
-    capacity: int
-    used: int
-    free: int
-    largest_free: int
-    blocks: int
-    compactions: int
-    bytes_moved: int
-    locked: int = 0
+    capacity: Annotated[int, gauge(POOL_CAPACITY, wire="capacity_nbytes")]
+    used: Annotated[int, gauge(POOL_BYTES.at("used"), wire="used_nbytes")]
+    free: Annotated[int, gauge(POOL_BYTES.at("free"), wire="free_nbytes")]
+    largest_free: Annotated[int, gauge(POOL_LARGEST_FREE, wire="largest_free_nbytes")]
+    blocks: Annotated[int, gauge(POOL_BLOCKS)]
+    compactions: Annotated[int, counter(POOL_COMPACTIONS)]
+    bytes_moved: Annotated[int, counter(POOL_MOVED, wire="moved_nbytes")]
+    locked: Annotated[int, gauge(POOL_LOCKED, wire="locked_nbytes")] = 0
     """Bytes of arenas locked in RAM (filled in by ``BufferPool.stats``; an allocator alone knows none)."""
 
     @property

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Annotated
 
 from tiermem.core.errors import InvalidState
+from tiermem.core.figures import Family, counter, gauge, histogram
 from tiermem.core.histogram import IO_SECONDS, HistogramSnapshot
 from tiermem.engine.swap.extents import Extent
 
@@ -81,22 +83,43 @@ class SwapRecord:
         return self.current is not None
 
 
+SWAP_BYTES = Family("tiermem_swap_bytes", "Bytes read from and written to swap.", label="direction")
+SWAP_IO_ERRORS = Family(
+    "tiermem_swap_io_errors",
+    "Swap reads and writes that failed with an I/O error (checksum failures are counted apart).",
+    label="op",
+)
+CHECKSUM_FAILURES = Family("tiermem_swap_checksum_failures", "Swap reads whose checksum did not verify.")
+SWAP_USED = Family("tiermem_swap_used_bytes", "Swap bytes holding optimizer state.")
+SWAP_RESERVED = Family("tiermem_swap_reserved_bytes", "Bytes preallocated in the jobs' swap files.")
+SWAP_IO_SECONDS = Family(
+    "tiermem_swap_io_seconds",
+    "Time from submitting a swap read or write to its (verified) completion.",
+    label="op",
+    buckets=IO_SECONDS,
+)
+
+
 @dataclass(frozen=True, slots=True)
 class SwapStats:
     """A snapshot of a store's counters and space."""
 
-    bytes_written: int = 0
-    bytes_read: int = 0
-    writes: int = 0
-    reads: int = 0
-    write_errors: int = 0
-    read_errors: int = 0
-    corruptions: int = 0
+    bytes_written: Annotated[int, counter(SWAP_BYTES.at("write"), wire="written_nbytes")] = 0
+    bytes_read: Annotated[int, counter(SWAP_BYTES.at("read"), wire="read_nbytes")] = 0
+    writes: Annotated[int, counter()] = 0
+    reads: Annotated[int, counter()] = 0
+    write_errors: Annotated[int, counter(SWAP_IO_ERRORS.at("write"))] = 0
+    read_errors: Annotated[int, counter(SWAP_IO_ERRORS.at("read"))] = 0
+    corruptions: Annotated[int, counter(CHECKSUM_FAILURES, wire="checksum_failures")] = 0
     commits: int = 0
     keys: int = 0
-    used_nbytes: int = 0
-    reserved_nbytes: int = 0
-    read_seconds: HistogramSnapshot = field(default_factory=lambda: HistogramSnapshot.empty(IO_SECONDS))
+    used_nbytes: Annotated[int, gauge(SWAP_USED)] = 0
+    reserved_nbytes: Annotated[int, gauge(SWAP_RESERVED)] = 0
+    read_seconds: Annotated[HistogramSnapshot, histogram(SWAP_IO_SECONDS.at("read"))] = field(
+        default_factory=lambda: HistogramSnapshot.empty(IO_SECONDS)
+    )
     """Time from submitting a read to its verified completion (failed ones included)."""
-    write_seconds: HistogramSnapshot = field(default_factory=lambda: HistogramSnapshot.empty(IO_SECONDS))
+    write_seconds: Annotated[HistogramSnapshot, histogram(SWAP_IO_SECONDS.at("write"))] = field(
+        default_factory=lambda: HistogramSnapshot.empty(IO_SECONDS)
+    )
     """Time from submitting a write to its completion (failed ones included)."""

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
 
 from tiermem.core.errors import InvalidState
+from tiermem.core.figures import Family, counter
 from tiermem.engine.tiers.sizing import CachePlan
 
 __all__ = ["TensorRecord", "TensorState", "TierStats"]
@@ -91,6 +92,15 @@ class TensorRecord:
         self.state = target
 
 
+ACQUIRES = Family(
+    "tiermem_prefetch_acquires",
+    "State chunks acquired from the NVMe tier (by updates, grad statistics and state or param transfers).",
+)
+HITS = Family("tiermem_prefetch_hits", "Chunk acquires that found the chunk resident.")
+STALL = Family("tiermem_prefetch_stall_seconds", "Time chunk acquires waited for page-ins the prefetch did not hide.")
+TIER_PAGES = Family("tiermem_tier_pages", "Chunks paged between pool and swap.", label="direction")
+
+
 @dataclass(frozen=True, slots=True)
 class TierStats:
     """A snapshot of the tier manager's counters."""
@@ -99,16 +109,16 @@ class TierStats:
     cpu_nbytes: int
     """Bytes of pool blocks held (resident tensors and page-ins in flight)."""
     cpu_budget_nbytes: int
-    acquires: int
-    hits: int
+    acquires: Annotated[int, counter(ACQUIRES)]
+    hits: Annotated[int, counter(HITS)]
     """Acquires that found the tensor resident."""
-    page_ins: int
-    page_outs: int
-    bytes_in: int
-    bytes_out: int
+    page_ins: Annotated[int, counter(TIER_PAGES.at("in"))]
+    page_outs: Annotated[int, counter(TIER_PAGES.at("out"))]
+    bytes_in: Annotated[int, counter(wire="read_nbytes")]
+    bytes_out: Annotated[int, counter(wire="written_nbytes")]
     evictions: int
     """Tensors dropped from CPU (written back or clean)."""
-    wait_s: float
+    wait_s: Annotated[float, counter(STALL, wire="stall_s")]
     """Time ``acquire`` spent waiting for page-ins (I/O the prefetch did not hide)."""
     io_errors: int
     ceiling_nbytes: int = 0
