@@ -281,37 +281,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         self.tensors = params
         self._index = {id(p): i for i, p in enumerate(params)}
-        if not params:
-            raise InvalidArgument("OffloadAdam got an empty parameter list")
-        kinds = {p.dtype for p in params}
-        if len(kinds) != 1:
-            raise DTypeError(
-                f"OffloadAdam needs one working dtype for all params, got {sorted(str(d) for d in kinds)}; "
-                "use one OffloadAdam per dtype"
-            )
-        dtype = dtypes.by_torch(kinds.pop())
-        on_cpu = all(p.device.type == "cpu" for p in params)
-        exchange = self._exchange_asked
-        if exchange is Exchange.AUTO:
-            exchange = Exchange.SHARED if on_cpu else Exchange.STAGED
-        if exchange is Exchange.SHARED and not on_cpu:
-            raise InvalidArgument(
-                "exchange='shared' needs every param on the CPU (their storage becomes memory shared with tiermemd); "
-                f"got params on {sorted({str(p.device) for p in params})}"
-            )
-        meta = [i for i, p in enumerate(params) if p.is_meta]
-        if meta and self._exchange_asked is not Exchange.STAGED:  # auto would pick staged: ask for it
-            raise InvalidArgument(
-                f"{len(meta)} of {len(params)} params (first: param {meta[0]}, shape {tuple(params[meta[0]].shape)}) "
-                "are on the meta device and have no values for OffloadAdam to update; build the model on the CPU "
-                "or a GPU, or page it from the meta device: OffloadAdam(..., exchange='staged') then "
-                "tiermem.offload_params(model, opt, init=...)"
-            )
-        if self.release_grads and self.policy.mode is StepMode.DELAYED:
-            raise InvalidArgument(
-                "release_grads=True cannot be combined with delayed_update=True: the delayed update reads the "
-                "released grads while the next step's land"
-            )
+        dtype, exchange = self._choose_exchange(params)
         self.exchange = exchange
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         specs = [
@@ -359,24 +329,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             on_gpu = any(p.is_cuda for p in params) if self._pin_asked is None else self._pin_asked
             self._pinned = self._pin_window(client) if on_gpu else False
             if exchange is Exchange.STAGED:
-                buckets = plan_buckets([p.numel() * dtype.itemsize for p in params], self.bucket_nbytes)
-                staged = [
-                    StagedEntry(i, p, p.dtype, p.device, p.shape, buckets.bucket_of[i]) for i, p in enumerate(params)
-                ]
-                feed = StagedFeed(
-                    staged,
-                    self.transfer,
-                    buckets,
-                    release_grads=self.release_grads,
-                    on_bucket=self._on_bucket if self.policy.mode is StepMode.OVERLAP else None,
-                )
-                feed.early = self._grads_early()
-                feed.hook()
-                self.feed = feed
-                if info.reattached:
-                    feed.pull_params(range(len(staged)))
-                else:  # params made on the meta device get their values later (tiermem.offload_params)
-                    feed.push_params([e for e in staged if not e.param.is_meta], only_edited=False)
+                self._bind_staged(params, dtype, reattached=info.reattached)
             else:
                 self._bind_shared(client, params, reply.slots, dtype, reattached=info.reattached)
             if info.reattached:
@@ -389,6 +342,62 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             raise
         self._client = client
         self._registered = True
+
+    def _choose_exchange(self, params: list[torch.nn.Parameter]) -> tuple[dtypes.WorkingDType, Exchange]:
+        """The params' one dtype and the exchange they take (checked: CPU params for the shared one, values
+        to update, a step mode the grads allow)."""
+        if not params:
+            raise InvalidArgument("OffloadAdam got an empty parameter list")
+        kinds = {p.dtype for p in params}
+        if len(kinds) != 1:
+            raise DTypeError(
+                f"OffloadAdam needs one working dtype for all params, got {sorted(str(d) for d in kinds)}; "
+                "use one OffloadAdam per dtype"
+            )
+        dtype = dtypes.by_torch(kinds.pop())
+        on_cpu = all(p.device.type == "cpu" for p in params)
+        exchange = self._exchange_asked
+        if exchange is Exchange.AUTO:
+            exchange = Exchange.SHARED if on_cpu else Exchange.STAGED
+        if exchange is Exchange.SHARED and not on_cpu:
+            raise InvalidArgument(
+                "exchange='shared' needs every param on the CPU (their storage becomes memory shared with tiermemd); "
+                f"got params on {sorted({str(p.device) for p in params})}"
+            )
+        meta = [i for i, p in enumerate(params) if p.is_meta]
+        if meta and self._exchange_asked is not Exchange.STAGED:  # auto would pick staged: ask for it
+            raise InvalidArgument(
+                f"{len(meta)} of {len(params)} params (first: param {meta[0]}, shape {tuple(params[meta[0]].shape)}) "
+                "are on the meta device and have no values for OffloadAdam to update; build the model on the CPU "
+                "or a GPU, or page it from the meta device: OffloadAdam(..., exchange='staged') then "
+                "tiermem.offload_params(model, opt, init=...)"
+            )
+        if self.release_grads and self.policy.mode is StepMode.DELAYED:
+            raise InvalidArgument(
+                "release_grads=True cannot be combined with delayed_update=True: the delayed update reads the "
+                "released grads while the next step's land"
+            )
+        return dtype, exchange
+
+    def _bind_staged(self, params: list[torch.nn.Parameter], dtype: dtypes.WorkingDType, *, reattached: bool) -> None:
+        """The staged exchange's feed: params and grads through the window; the daemon's values to the params
+        on a reattach, else the params' to the daemon."""
+        buckets = plan_buckets([p.numel() * dtype.itemsize for p in params], self.bucket_nbytes)
+        staged = [StagedEntry(i, p, p.dtype, p.device, p.shape, buckets.bucket_of[i]) for i, p in enumerate(params)]
+        feed = StagedFeed(
+            staged,
+            self.transfer,
+            buckets,
+            release_grads=self.release_grads,
+            on_bucket=self._on_bucket if self.policy.mode is StepMode.OVERLAP else None,
+        )
+        feed.early = self._grads_early()
+        feed.hook()
+        self.feed = feed
+        if reattached:
+            feed.pull_params(range(len(staged)))
+        else:  # params made on the meta device get their values later (tiermem.offload_params)
+            feed.push_params([e for e in staged if not e.param.is_meta], only_edited=False)
 
     def _bind_shared(
         self, client: Client, params: list[torch.nn.Parameter], slots: Any, dtype: Any, *, reattached: bool
