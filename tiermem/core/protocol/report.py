@@ -5,8 +5,11 @@ Owns ``NodeReport`` (with ``PoolReport``, ``SwapReport``, ``BudgetReport``,
 ``RankReport`` and ``NvmeReport``: typed, declared once with ``@wire`` like
 every other record, and part of the protocol version (a field added or
 renamed is a version change, see docs/protocol.md).  They are the protocol's
-view of the daemon's figures, not metric names: the Prometheus names live in
-the daemon's collector and can change without touching the wire.
+view of the daemon's figures, each declared once on the field of the owner's
+stats record that carries it (``tiermem.core.figures``: its key here, its
+Prometheus families); the daemon fills these records by key, so a Prometheus
+name can change without touching the wire, and a key no record carries fails
+at the first reply.
 
 Units are in the field names: ``*_nbytes`` bytes, ``*_s`` seconds, the rest
 counts.  Counters count since the daemon started (those of ended jobs
@@ -40,8 +43,9 @@ MAX_COUNT = (1 << 62) - 1
 MAX_REPORTED_JOBS = 1024
 """Jobs listed in one STATS_REPLY (about 300 bytes each, well inside a 1 MiB frame)."""
 BUDGET_RESOURCES = ("window", "pool", "swap", "storage")
-COUNT = Int(0, MAX_COUNT)
-SECONDS = NON_NEGATIVE
+Count = Annotated[int, Int(0, MAX_COUNT)]
+Nbytes = Annotated[int, NBYTES]
+Seconds = Annotated[float, NON_NEGATIVE]
 
 
 @wire
@@ -49,14 +53,14 @@ SECONDS = NON_NEGATIVE
 class PoolReport(Wire):
     """The daemon's host-memory pool."""
 
-    capacity_nbytes: Annotated[int, NBYTES]
-    used_nbytes: Annotated[int, NBYTES]
-    free_nbytes: Annotated[int, NBYTES]
-    largest_free_nbytes: Annotated[int, NBYTES]
-    locked_nbytes: Annotated[int, NBYTES]
-    blocks: Annotated[int, COUNT]
-    compactions: Annotated[int, COUNT]
-    moved_nbytes: Annotated[int, NBYTES]
+    capacity_nbytes: Nbytes
+    used_nbytes: Nbytes
+    free_nbytes: Nbytes
+    largest_free_nbytes: Nbytes
+    locked_nbytes: Nbytes
+    blocks: Count
+    compactions: Count
+    moved_nbytes: Nbytes
 
 
 @wire
@@ -64,27 +68,27 @@ class PoolReport(Wire):
 class SwapReport(Wire):
     """The NVMe tier: the swap budget, the bytes the jobs' stores use, and their I/O."""
 
-    capacity_nbytes: Annotated[int, NBYTES]
+    capacity_nbytes: Nbytes
     """Free space of the swap directories at start: the swap budget."""
-    reserved_nbytes: Annotated[int, NBYTES]
+    reserved_nbytes: Nbytes
     """Preallocated in the jobs' swap files."""
-    used_nbytes: Annotated[int, NBYTES]
+    used_nbytes: Nbytes
     """Holding state (current versions and older ones not yet freed)."""
-    read_nbytes: Annotated[int, NBYTES]
-    written_nbytes: Annotated[int, NBYTES]
-    reads: Annotated[int, COUNT]
-    writes: Annotated[int, COUNT]
-    io_errors: Annotated[int, COUNT]
+    read_nbytes: Nbytes
+    written_nbytes: Nbytes
+    reads: Count
+    writes: Count
+    io_errors: Count
     """Reads and writes that failed (errno, short transfer)."""
-    checksum_failures: Annotated[int, COUNT]
+    checksum_failures: Count
 
 
 @wire
 @dataclass(frozen=True, slots=True)
 class BudgetReport(Wire):
     resource: Annotated[str, Choice(BUDGET_RESOURCES)]
-    capacity_nbytes: Annotated[int, NBYTES]
-    held_nbytes: Annotated[int, NBYTES]
+    capacity_nbytes: Nbytes
+    held_nbytes: Nbytes
 
 
 @wire
@@ -92,19 +96,19 @@ class BudgetReport(Wire):
 class AdamReport(Wire):
     """The CPU Adam updates of every rank."""
 
-    updates: Annotated[int, COUNT]
-    updated_elements: Annotated[int, COUNT]
-    update_s: Annotated[float, SECONDS]
-    steps: Annotated[int, COUNT]
+    updates: Count
+    updated_elements: Count
+    update_s: Seconds
+    steps: Count
     """Steps applied, summed over ranks (skipped steps are ``skipped_steps``)."""
-    skipped_steps: Annotated[int, COUNT]
+    skipped_steps: Count
     """Steps skipped (``GradScaler`` found an inf/nan grad), summed over ranks."""
-    cpu_busy_s: Annotated[float, SECONDS]
+    cpu_busy_s: Seconds
     """Time the node's CPU scheduler spent running tasks (the kernels of every rank)."""
-    busy_periods: Annotated[int, COUNT]
+    busy_periods: Count
     """Busy periods of the scheduler that ended (a task started on an idle executor to one ended with none
     queued)."""
-    busy_period_s: Annotated[float, SECONDS]
+    busy_period_s: Seconds
     """Their total length: the tasks and the gaps between them."""
 
 
@@ -113,22 +117,22 @@ class AdamReport(Wire):
 class PrefetchReport(Wire):
     """The NVMe tier's chunk cache: how often the state was already resident when the update needed it."""
 
-    acquires: Annotated[int, COUNT]
-    hits: Annotated[int, COUNT]
-    stall_s: Annotated[float, SECONDS]
+    acquires: Count
+    hits: Count
+    stall_s: Seconds
     """Time updates waited for page-ins that the prefetch did not hide."""
 
 
 @wire
 @dataclass(frozen=True, slots=True)
 class ServerReport(Wire):
-    sessions: Annotated[int, COUNT]
+    sessions: Count
     """Connections served now."""
-    attaches: Annotated[int, COUNT]
-    disconnects: Annotated[int, COUNT]
-    refused: Annotated[int, COUNT]
-    protocol_errors: Annotated[int, COUNT]
-    auth_errors: Annotated[int, COUNT]
+    attaches: Count
+    disconnects: Count
+    refused: Count
+    protocol_errors: Count
+    auth_errors: Count
 
 
 @wire
@@ -142,9 +146,9 @@ class NodeReport(Wire):
     adam: AdamReport
     prefetch: PrefetchReport
     server: ServerReport
-    jobs: Annotated[int, COUNT]
+    jobs: Count
     """Jobs known to the daemon (all of them, also those the reply does not list)."""
-    queued_tasks: Annotated[int, COUNT]
+    queued_tasks: Count
     """CPU tasks waiting for the scheduler."""
 
 
@@ -153,14 +157,14 @@ class NodeReport(Wire):
 class NvmeReport(Wire):
     """A rank's NVMe-placed state: its tier manager and swap store."""
 
-    page_ins: Annotated[int, COUNT]
-    page_outs: Annotated[int, COUNT]
-    read_nbytes: Annotated[int, NBYTES]
-    written_nbytes: Annotated[int, NBYTES]
-    acquires: Annotated[int, COUNT]
-    hits: Annotated[int, COUNT]
-    stall_s: Annotated[float, SECONDS]
-    io_errors: Annotated[int, COUNT]
+    page_ins: Count
+    page_outs: Count
+    read_nbytes: Nbytes
+    written_nbytes: Nbytes
+    acquires: Count
+    hits: Count
+    stall_s: Seconds
+    io_errors: Count
 
 
 @wire
@@ -168,25 +172,25 @@ class NvmeReport(Wire):
 class RankReport(Wire):
     """The caller's own rank (the one its connection is attached to)."""
 
-    rank: Annotated[int, COUNT]
+    rank: Count
     placement: Annotated[str, Choice(("", *PLACEMENTS))]
     """Where the state is; empty before REGISTER."""
     last_step: Annotated[int, STEP_NO]
-    skipped_steps: Annotated[int, COUNT]
+    skipped_steps: Count
     failed: bool
-    tensors: Annotated[int, COUNT]
-    numel: Annotated[int, COUNT]
-    window_nbytes: Annotated[int, NBYTES]
-    storage_nbytes: Annotated[int, NBYTES]
-    cpu_state_nbytes: Annotated[int, NBYTES]
-    nvme_state_nbytes: Annotated[int, NBYTES]
-    overlapped_tensors: Annotated[int, COUNT]
-    adopted_elements: Annotated[int, COUNT]
-    updates: Annotated[int, COUNT]
-    updated_elements: Annotated[int, COUNT]
-    update_s: Annotated[float, SECONDS]
-    grad_stats_s: Annotated[float, SECONDS]
-    wait_s: Annotated[float, SECONDS]
+    tensors: Count
+    numel: Count
+    window_nbytes: Nbytes
+    storage_nbytes: Nbytes
+    cpu_state_nbytes: Nbytes
+    nvme_state_nbytes: Nbytes
+    overlapped_tensors: Count
+    adopted_elements: Count
+    updates: Count
+    updated_elements: Count
+    update_s: Seconds
+    grad_stats_s: Seconds
+    wait_s: Seconds
     """Time requests waited for a delayed update."""
     staleness_steps: Annotated[int, Int(0, 1)]
     """1 while a delayed update (DPU) is still running, else 0."""
@@ -201,14 +205,14 @@ class JobReport(Wire):
     job_id: Annotated[str, Str(MAX_ID, pattern=ID_PATTERN)]
     owner_uid: Annotated[int, Int(0, 0xFFFFFFFF)]
     state: Annotated[str, Str(32)]
-    world_size: Annotated[int, COUNT]
-    ranks: Annotated[int, COUNT]
+    world_size: Count
+    ranks: Count
     """Ranks the daemon holds (attached or waiting for a reattach)."""
-    failed_ranks: Annotated[int, COUNT]
+    failed_ranks: Count
     last_step: Annotated[int, STEP_NO]
-    window_nbytes: Annotated[int, NBYTES]
-    storage_nbytes: Annotated[int, NBYTES]
-    cpu_state_nbytes: Annotated[int, NBYTES]
-    nvme_state_nbytes: Annotated[int, NBYTES]
-    updated_elements: Annotated[int, COUNT]
+    window_nbytes: Nbytes
+    storage_nbytes: Nbytes
+    cpu_state_nbytes: Nbytes
+    nvme_state_nbytes: Nbytes
+    updated_elements: Count
     staleness_steps: Annotated[int, Int(0, 1)]
