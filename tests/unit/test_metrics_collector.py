@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -10,7 +13,7 @@ from tiermem.core.figures import ended, zero
 from tiermem.core.histogram import UPDATE_SECONDS, Histogram
 from tiermem.engine.pool import PoolStats
 from tiermemd.ledger import Ledger, Resource
-from tiermemd.metrics import families
+from tiermemd.metrics import build_info, families
 from tiermemd.rank import RankStats
 from tiermemd.scheduler import SchedulerStats
 from tiermemd.serverstats import DisconnectReason, ServerCounters
@@ -88,3 +91,16 @@ def test_node_counters_include_ranks_that_ended() -> None:
     assert "tiermem_adam_update_seconds_count 9.0" in text
     assert 'tiermem_disconnects_total{reason="client_exited"} 1.0' in text
     assert 'tiermem_disconnects_total{reason="protocol_error"} 0.0' in text
+
+
+def test_the_operating_guide_lists_every_family_as_declared() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operating.md").read_text()
+    documented = {}
+    for row in re.findall(r"^\| `(tiermem_\w+)`[^|]* \| (\w+) \| ([^|]*) \| (.*) \|$", text, re.M):
+        name, kind, labels, meaning = row
+        documented[re.sub(r"_(total|bucket|info)$", "", name)] = (kind, sorted(re.findall(r"`(\w+)`", labels)), meaning)
+    exposed = {}
+    for family in [build_info(), *families(_node(), per_job=True)]:
+        labels = sorted({k for s in family.samples for k in s.labels if k != "le"})
+        exposed[family.name] = (family.type, labels, family.documentation)
+    assert documented == exposed
