@@ -99,6 +99,16 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return found[0]
 
 
+def train(daemon: DaemonProcess, model: torch.nn.Linear, job_id: str, offload: str, steps: int) -> OffloadAdam:
+    """``steps`` steps of ``model`` under an ``OffloadAdam`` of job ``job_id``, left open."""
+    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id=job_id, offload=offload)
+    for _ in range(steps):
+        model(torch.randn(4, model.in_features)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
 def test_promtool_is_available() -> None:
     if find_promtool() is None:
         pytest.skip("promtool is not installed (Debian: apt-get install prometheus; run.sh setup does it as root)")
@@ -122,12 +132,8 @@ def test_a_cpu_job_is_counted_as_the_test_ran_it(metered: tuple[DaemonProcess, i
     before = scrape(port)
     model = torch.nn.Linear(32, 32)
     numel = 32 * 32 + 32
-    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id="metrics-cpu", offload="cpu")
     steps = 3
-    for _ in range(steps):
-        model(torch.randn(4, 32)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    opt = train(daemon, model, "metrics-cpu", "cpu", steps)
     busy = scrape(port)
     window = opt.stats().rank.window_nbytes
 
@@ -201,12 +207,8 @@ def test_an_nvme_job_pages_and_its_io_is_counted(metered: tuple[DaemonProcess, i
     daemon, port = metered
     before = scrape(port)
     model = torch.nn.Linear(128, 64)  # 8256 params: 9 chunks of 1024, more than the 6 the chunk cache holds
-    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id="metrics-nvme", offload="nvme")
     steps = 3
-    for _ in range(steps):
-        model(torch.randn(4, 128)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    opt = train(daemon, model, "metrics-nvme", "nvme", steps)
     busy = scrape(port)
     nvme = opt.stats().rank.nvme
     assert nvme is not None
@@ -312,12 +314,8 @@ def _without_labels(expr: str) -> str:
 def test_tiermem_status_shows_the_node_and_the_job(metered: tuple[DaemonProcess, int]) -> None:
     daemon, _ = metered
     model = torch.nn.Linear(32, 32)
-    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id="status-job", offload="cpu")
+    opt = train(daemon, model, "status-job", "cpu", 2)
     try:
-        for _ in range(2):
-            model(torch.randn(4, 32)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
         cmd = [sys.executable, "-m", "tiermem.client.cli", "status", "--socket", daemon.socket_path]
         shown = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, check=True)
         screen = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
