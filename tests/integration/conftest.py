@@ -12,6 +12,8 @@ Fixtures:
 - ``daemon``: one daemon shared by the session (tests that use it leave no job behind);
 - ``daemon_factory``: start more daemons with other settings, stopped at teardown;
 - ``run_client``: start ``daemon_client.py`` as a client process;
+- ``offload``, ``tier``, ``no_daemon``: the ``OffloadAdam`` tests' private daemon (one a module), tiers,
+  and no daemon at all;
 - ``one_rank_group``: a one-rank gloo process group;
 - ``libaio``, ``swap_dir``: a real libaio engine and a directory on this disk for swap files;
 - ``run_daemon_to_exit``: a daemon that is expected to fail at start-up, run to its exit.
@@ -48,6 +50,8 @@ from tiermem.net.frames import FrameSocket
 from tiermemd.main import to_toml
 
 if TYPE_CHECKING:
+    from offload_helpers import OffloadDaemon
+
     from tiermem.client.link import Client
     from tiermem.engine.swap.engine_libaio import LibaioEngine
 
@@ -340,6 +344,29 @@ def one_rank_group(tmp_path: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def offload(request: pytest.FixtureRequest) -> Iterator[OffloadDaemon]:
+    """One private tiermemd for an ``OffloadAdam`` test module (``offload_helpers.offload_daemon``); a module
+    changes its settings or pool size with ``OFFLOAD_DAEMON = {"settings": {...}, "pool_size": ...}``."""
+    from offload_helpers import offload_daemon  # imports torch: only for the modules that use it
+
+    with offload_daemon(**getattr(request.module, "OFFLOAD_DAEMON", {})) as daemon:
+        yield daemon
+
+
+@pytest.fixture(params=["cpu", "nvme"])
+def tier(request: pytest.FixtureRequest) -> str:
+    """The ``offload=`` tier of an ``OffloadAdam``: each test that takes it runs on both."""
+    return str(request.param)
+
+
+@pytest.fixture
+def no_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No daemon can be reached or started: a construction that tried would fail with a connection error."""
+    monkeypatch.setenv("TIERMEM_NO_EMBED", "1")
+    monkeypatch.setenv("TIERMEM_SOCKET_PATH", os.path.join(tmp_path, "no-daemon.sock"))
 
 
 class RawConn:

@@ -1,44 +1,39 @@
-"""Shared pieces of the ``OffloadAdam`` integration tests: a private daemon, models, data, training loops.
+"""Shared pieces of the ``OffloadAdam`` integration tests: a private daemon, training loops, comparisons.
 
 ``OffloadDaemon`` starts one real private tiermemd (``tiermem.client.link.connect``)
 for a test module and hands out ``OffloadAdam`` optimizers, each on its own
 connection to that daemon (one connection attaches to one job), closing them
-all at teardown.  The daemon runs its Adam eagerly (``adam.compile = false``,
-compiling costs tens of seconds per daemon here) on one thread, and the tests
-run torch on one thread: on a shared 2-core machine, oversubscribed OpenMP
-threads make every step an order of magnitude slower.
+all at teardown; conftest's ``offload`` fixture is one for the module.  The
+daemon runs its Adam eagerly (``adam.compile = false``, compiling costs tens of
+seconds per daemon here) on one thread, and the tests run torch on one thread:
+on a shared 2-core machine, oversubscribed OpenMP threads make every step an
+order of magnitude slower.
 
 Reference optimizers: ``cpu_adam`` builds ``tiermem.engine.optim.CPUAdam`` with the
 daemon's engine settings (eager, one thread), the same arithmetic the daemon
 runs, so long trajectories can be compared exactly; ``torch.optim.AdamW`` is the
-external reference (see each test for the tolerance and why).
+external reference (see each test for the tolerance and why), and
+``offload_and_adamw`` makes the usual pair of them.
 
-Models: ``tiny_gpt`` (``tiermem.client.demo.model.GPT``, about 21k parameters, about
-10 chunks of 2048 elements), ``mlp`` (fixed data, where torch and the engine
-stay within ``assert_close``'s default tolerances over 100 steps).
+The models and their data are in ``small_models``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from small_models import Batch, LossFn, replicas
 from torch import nn
-from torch.nn import functional as F
 
 from tiermem.client.connection import Connection
-from tiermem.client.demo.model import GPT, CharCorpus, GPTConfig
 from tiermem.client.link import Client, EmbeddedDaemon, connect
 from tiermem.client.offload import OffloadAdam
 from tiermem.engine.optim import CPUAdam
 
-TINY_GPT = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
-BATCH = 4
 CHUNK_NUMEL = 2048
 """Daemon chunk size in the tests: the tiny GPT's state is ~10 chunks, more than the NVMe tier's 6-chunk cache."""
 DAEMON_SETTINGS: dict[str, Any] = {
@@ -52,10 +47,6 @@ DAEMON_SETTINGS: dict[str, Any] = {
     "swap.prefetch_depth": 2,
     "swap.borrow": False,
 }
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-LossFn = Callable[[nn.Module, Batch], torch.Tensor]
-
 
 # ----------------------------------------------------------------------------- daemon
 
@@ -118,52 +109,17 @@ def cpu_adam(params: Any, **kwargs: Any) -> CPUAdam:
     return CPUAdam(params, compile=False, threads=1, **kwargs)
 
 
-# ----------------------------------------------------------------------------- models and data
+def offload_and_adamw(
+    offload: OffloadDaemon, base: nn.Module, tier: str, *, offload_only: dict[str, Any] | None = None, **hyper: Any
+) -> tuple[nn.Module, OffloadAdam, nn.Module, torch.optim.AdamW]:
+    """Two copies of ``base``: one trained by ``OffloadAdam`` on ``tier`` (with ``hyper`` and ``offload_only``),
+    one by ``torch.optim.AdamW`` (with ``hyper``)."""
+    m_off, m_ref = replicas(base, 2)
+    opt = offload.make(m_off.parameters(), offload=tier, **hyper, **(offload_only or {}))
+    return m_off, opt, m_ref, torch.optim.AdamW(m_ref.parameters(), **hyper)
 
 
-def tiny_gpt(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(TINY_GPT)
-
-
-def mlp(seed: int = 0, width: int = 64) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 8))
-
-
-def replicas(model: nn.Module, n: int) -> list[nn.Module]:
-    """``n`` independent copies of ``model`` with identical values."""
-    return [copy.deepcopy(model) for _ in range(n)]
-
-
-@functools.cache
-def corpus() -> CharCorpus:
-    return CharCorpus(nbytes=1 << 16, seed=0)
-
-
-def gpt_batches(steps: int, seed: int = 1, batch: int = BATCH) -> list[Batch]:
-    g = torch.Generator().manual_seed(seed)
-    return [corpus().batch(batch, TINY_GPT.block_size, g) for _ in range(steps)]
-
-
-def mlp_batches(steps: int, seed: int = 1, *, fixed: bool = True) -> list[Batch]:
-    """Regression data; ``fixed``: the same batch every step."""
-    g = torch.Generator().manual_seed(seed)
-    if fixed:
-        x, y = torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)
-        return [(x, y)] * steps
-    return [(torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)) for _ in range(steps)]
-
-
-def gpt_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    x, y = batch
-    return model(x, y)  # type: ignore[no-any-return]
-
-
-def mlp_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    x, y = batch
-    out = model(x.to(next(model.parameters()).dtype))
-    return F.mse_loss(out.float(), y)
+# ----------------------------------------------------------------------------- training and comparing
 
 
 def train(
@@ -188,6 +144,18 @@ def train(
             after_step(i)
         losses.append(float(loss.detach()))
     return losses
+
+
+def scaled_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> bool:
+    """``opt.step()``, through ``scaler`` (step, then update) when there is one; True when the scaler skipped
+    the step (it lowered its scale: an inf or nan grad)."""
+    if scaler is None:
+        opt.step()
+        return False
+    before = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    return scaler.get_scale() < before
 
 
 def assert_params_close(a: nn.Module, b: nn.Module, **tolerance: Any) -> None:

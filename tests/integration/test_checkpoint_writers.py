@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from offload_helpers import OffloadDaemon, offload_daemon
+from offload_helpers import OffloadDaemon
 from torch import nn
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -27,10 +28,7 @@ accelerate = pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def offload() -> Iterator[OffloadDaemon]:
-    with offload_daemon(pool_size=256 << 20) as daemon:
-        yield daemon
+OFFLOAD_DAEMON: dict[str, Any] = {"pool_size": 256 << 20}
 
 
 def _mlp() -> nn.Module:

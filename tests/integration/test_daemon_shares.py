@@ -10,33 +10,22 @@ same engine in-process.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
-from offload_helpers import (
-    CHUNK_NUMEL,
-    OffloadDaemon,
-    assert_params_equal,
-    cpu_adam,
-    gpt_batches,
-    gpt_loss,
-    offload_daemon,
-    replicas,
-    tiny_gpt,
-    train,
-)
+from offload_helpers import CHUNK_NUMEL, OffloadDaemon, assert_params_equal, cpu_adam, train
+from small_models import gpt_batches, gpt_loss, replicas, tiny_gpt
 
 STATE_NBYTES = 21472 * 12  # the tiny GPT's fp32 master and moments on the NVMe tier
 CHUNK_NBYTES = CHUNK_NUMEL * 12
 POOL_NBYTES = 2 * STATE_NBYTES + 2 * CHUNK_NBYTES  # two jobs' whole state, and room for two chunks
 
 
-@pytest.fixture(scope="module")
-def offload() -> Iterator[OffloadDaemon]:
-    with offload_daemon({"jobs.window_budget": "64MiB", "swap.borrow": True}, pool_size=POOL_NBYTES) as daemon:
-        yield daemon
-        daemon.close_all()
+OFFLOAD_DAEMON: dict[str, Any] = {
+    "settings": {"jobs.window_budget": "64MiB", "swap.borrow": True},
+    "pool_size": POOL_NBYTES,
+}
 
 
 @pytest.mark.timeout(300)

@@ -8,13 +8,12 @@ small GPT-2 on the CPU tier, against the same Trainer with ``torch.optim.AdamW``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from offload_helpers import OffloadDaemon, offload_daemon
+from offload_helpers import OffloadDaemon
 
 import tiermem
 
@@ -33,10 +32,7 @@ class TokenData(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return {"input_ids": ids, "labels": ids}
 
 
-@pytest.fixture(scope="module")
-def offload() -> Iterator[OffloadDaemon]:
-    with offload_daemon(pool_size=256 << 20) as daemon:
-        yield daemon
+OFFLOAD_DAEMON: dict[str, Any] = {"pool_size": 256 << 20}
 
 
 def _model() -> Any:

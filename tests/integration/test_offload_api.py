@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import pickle
 import re
 import signal
@@ -29,17 +28,8 @@ from typing import Any
 
 import pytest
 import torch
-from offload_helpers import (
-    OffloadDaemon,
-    assert_params_close,
-    assert_state_close,
-    mlp,
-    mlp_batches,
-    mlp_loss,
-    offload_daemon,
-    replicas,
-    train,
-)
+from offload_helpers import OffloadDaemon, assert_params_close, assert_state_close, offload_and_adamw, train
+from small_models import TwoBranches, mlp, mlp_batches, mlp_loss
 from torch import nn
 from torch.nn import functional as F
 
@@ -49,23 +39,8 @@ from tiermem.core.errors import DTypeError, InvalidArgument
 HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
 
 
-@pytest.fixture(scope="module")
-def offload() -> Iterator[OffloadDaemon]:
-    # the bounded-window test's model holds ~25 MiB of Adam state
-    with offload_daemon(settings={"jobs.max_jobs": 256}, pool_size=256 << 20) as daemon:
-        yield daemon
-
-
-@pytest.fixture(params=["cpu", "nvme"])
-def tier(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def no_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """No daemon can be reached or started: a construction that tried would fail with a connection error."""
-    monkeypatch.setenv("TIERMEM_NO_EMBED", "1")
-    monkeypatch.setenv("TIERMEM_SOCKET_PATH", os.path.join(tmp_path, "no-daemon.sock"))
+# the bounded-window test's model holds ~25 MiB of Adam state
+OFFLOAD_DAEMON: dict[str, Any] = {"settings": {"jobs.max_jobs": 256}, "pool_size": 256 << 20}
 
 
 # ----------------------------------------------------------------------------- construction
@@ -109,9 +84,7 @@ HARMLESS = {
 @pytest.mark.parametrize("case", list(HARMLESS))
 def test_harmless_torch_kwargs_are_accepted_and_train_like_adamw(offload: OffloadDaemon, tier: str, case: str) -> None:
     base = mlp()
-    m_off, m_ref = replicas(base, 2)
-    opt = offload.make(m_off.parameters(), offload=tier, **HYPER, **HARMLESS[case])
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER, **HARMLESS[case])
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, base, tier, **HYPER, **HARMLESS[case])
     batches = mlp_batches(3, fixed=False)
     train(m_off, opt, batches, mlp_loss)
     train(m_ref, ref, batches, mlp_loss)
@@ -218,9 +191,7 @@ def test_keyboard_interrupt_leaves_the_optimizer_usable_and_every_step_whole(
 
 def test_compiled_step_trains_like_adamw(offload: OffloadDaemon, tier: str) -> None:
     base = mlp()
-    m_off, m_ref = replicas(base, 2)
-    opt = offload.make(m_off.parameters(), offload=tier, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, base, tier, **HYPER)
     batches = mlp_batches(4, fixed=False)
     compiled_step = torch.compile(opt.step)
     try:
@@ -288,25 +259,9 @@ def test_deepcopy_and_pickle_raise_type_error_pointing_to_state_dict(offload: Of
 # ----------------------------------------------------------------------------- what the optimizer answers
 
 
-class TwoBranches(nn.Module):
-    """``branch_b`` is never used: its params get no grad and no state."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(3)
-        self.trunk = nn.Linear(16, 32)
-        self.branch_a = nn.Linear(32, 8)
-        self.branch_b = nn.Linear(32, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.branch_a(torch.tanh(self.trunk(x)))
-
-
 def test_state_mapping_answers_like_adamw(offload: OffloadDaemon, tier: str) -> None:
-    base = TwoBranches()
-    m_off, m_ref = replicas(base, 2)
-    opt = offload.make(m_off.parameters(), offload=tier, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    base = TwoBranches(heads="a")  # branch_b never takes part: its params get no grad and no state
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, base, tier, **HYPER)
     batches = mlp_batches(3, fixed=False)
     train(m_off, opt, batches, lambda m, b: F.mse_loss(m(b[0]), b[1]))
     train(m_ref, ref, batches, lambda m, b: F.mse_loss(m(b[0]), b[1]))
@@ -337,9 +292,7 @@ def _shadow_grad_norm(model: nn.Module, max_norm: float) -> float:
 
 def test_last_grad_norm_is_what_clip_grad_norm_returns(offload: OffloadDaemon, tier: str) -> None:
     base = mlp()
-    m_off, m_ref = replicas(base, 2)
-    opt = offload.make(m_off.parameters(), offload=tier, max_grad_norm=0.5, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, base, tier, offload_only={"max_grad_norm": 0.5}, **HYPER)
     assert opt.last_grad_norm is None  # no step yet
     norms = []
     for batch in mlp_batches(4, fixed=False):
@@ -361,9 +314,7 @@ def test_last_grad_norm_is_what_clip_grad_norm_returns(offload: OffloadDaemon, t
 def test_last_found_inf_reports_the_grad_scaler_overflow(offload: OffloadDaemon, tier: str) -> None:
     """A scale of 2**124 overflows the scaled fp32 grads until it has backed off: those steps are skipped."""
     base = mlp()
-    m_off, m_ref = replicas(base, 2)
-    opt = offload.make(m_off.parameters(), offload=tier, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, base, tier, **HYPER)
     batches = mlp_batches(8, fixed=False)
     flags = []
     for model, o in ((m_off, opt), (m_ref, ref)):
@@ -384,9 +335,9 @@ def test_last_found_inf_reports_the_grad_scaler_overflow(offload: OffloadDaemon,
 
 def test_release_grads_leaves_no_grad_and_clips_like_torch(offload: OffloadDaemon, tier: str) -> None:
     base = mlp()
-    m_off, m_ref = replicas(base, 2)
-    opt = offload.make(m_off.parameters(), offload=tier, release_grads=True, max_grad_norm=1.0, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = offload_and_adamw(
+        offload, base, tier, offload_only={"release_grads": True, "max_grad_norm": 1.0}, **HYPER
+    )
     batches = mlp_batches(5, fixed=False)
 
     def loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -427,9 +378,9 @@ def wide_mlp() -> nn.Module:
 def test_a_model_100x_the_window_trains_like_adamw(offload: OffloadDaemon, tier: str) -> None:
     base = wide_mlp()
     assert sum(p.numel() * p.element_size() for p in base.parameters()) >= 100 * WINDOW_NBYTES
-    m_off, m_ref = replicas(base, 2)
-    opt = offload.make(m_off.parameters(), offload=tier, window_nbytes=WINDOW_NBYTES, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = offload_and_adamw(
+        offload, base, tier, offload_only={"window_nbytes": WINDOW_NBYTES}, **HYPER
+    )
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 1024, generator=g), torch.randn(8, 1024, generator=g)) for _ in range(3)]
 

@@ -11,37 +11,15 @@ own optimizer and copies the master into the model one step late.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-from offload_helpers import (
-    Batch,
-    LossFn,
-    OffloadDaemon,
-    assert_params_close,
-    assert_params_equal,
-    assert_state_close,
-    cpu_adam,
-    gpt_batches,
-    gpt_loss,
-    mlp,
-    mlp_batches,
-    mlp_loss,
-    offload_daemon,
-    replicas,
-    tiny_gpt,
-    train,
-)
+from offload_helpers import OffloadDaemon, assert_params_close, assert_params_equal, assert_state_close, cpu_adam, train
+from small_models import Batch, LossFn, gpt_batches, gpt_loss, mlp, mlp_batches, mlp_loss, replicas, tiny_gpt
 from torch import nn
 
 WARMUP = 3
-
-
-@pytest.fixture(scope="module")
-def offload() -> Iterator[OffloadDaemon]:
-    with offload_daemon() as daemon:
-        yield daemon
 
 
 class DelayedReference:

@@ -5,20 +5,12 @@ One private daemon for the module (eager Adam, as in the other OffloadAdam tests
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-from offload_helpers import OffloadDaemon, offload_daemon
+from offload_helpers import OffloadDaemon
 from torch import nn
 
 from tiermem.core.errors import InvalidState
-
-
-@pytest.fixture(scope="module")
-def offload() -> Iterator[OffloadDaemon]:
-    with offload_daemon() as daemon:
-        yield daemon
 
 
 def mlp(seed: int = 0) -> nn.Module:

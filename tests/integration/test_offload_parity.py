@@ -19,37 +19,17 @@ Two references (see ``offload_helpers``):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from offload_helpers import (
-    OffloadDaemon,
-    assert_params_close,
-    assert_params_equal,
-    cpu_adam,
-    gpt_batches,
-    gpt_loss,
-    mlp,
-    mlp_batches,
-    mlp_loss,
-    offload_daemon,
-    replicas,
-    tiny_gpt,
-    train,
-)
+from offload_helpers import OffloadDaemon, assert_params_close, assert_params_equal, cpu_adam, train
+from small_models import gpt_batches, gpt_loss, mlp, mlp_batches, mlp_loss, replicas, tiny_gpt
 from torch import nn
 
 STEPS = 100
 GPT_VS_TORCH = {"atol": 1e-3, "rtol": 0.0}
 """Transformer trajectories vs torch.optim.AdamW over 100 steps: see the module docstring."""
-
-
-@pytest.fixture(scope="module")
-def offload() -> Iterator[OffloadDaemon]:
-    with offload_daemon() as daemon:
-        yield daemon
 
 
 def gpt_groups(model: nn.Module, *, weight_decay: bool) -> list[dict[str, Any]]:

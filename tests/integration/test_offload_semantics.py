@@ -22,8 +22,8 @@ does.
 from __future__ import annotations
 
 import copy
-import os
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -35,13 +35,10 @@ from offload_helpers import (
     assert_state_close,
     cpu_adam,
     max_param_diff,
-    mlp,
-    mlp_batches,
-    mlp_loss,
-    offload_daemon,
-    replicas,
+    offload_and_adamw,
     train,
 )
+from small_models import TwoBranches, mlp, mlp_batches, mlp_loss, replicas
 from torch import nn
 from torch.nn import functional as F
 
@@ -52,32 +49,7 @@ HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
 """Explicit hyper-parameters for every test but the defaults' own (so a wrong default cannot mask another error)."""
 
 
-@pytest.fixture(scope="module")
-def offload() -> Iterator[OffloadDaemon]:
-    with offload_daemon(settings={"jobs.max_jobs": 256}) as daemon:
-        yield daemon
-
-
-@pytest.fixture(params=["cpu", "nvme"])
-def tier(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def no_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """No daemon can be reached or started: a construction that tried would fail with a connection error."""
-    monkeypatch.setenv("TIERMEM_NO_EMBED", "1")
-    monkeypatch.setenv("TIERMEM_SOCKET_PATH", os.path.join(tmp_path, "no-daemon.sock"))
-
-
-def offload_and_adamw(
-    offload: OffloadDaemon, base: nn.Module, tier: str, *, offload_only: dict[str, Any] | None = None, **hyper: Any
-) -> tuple[nn.Module, OffloadAdam, nn.Module, torch.optim.AdamW]:
-    """Two copies of ``base``: one trained by ``OffloadAdam`` on ``tier`` (with ``hyper`` and ``offload_only``),
-    one by ``torch.optim.AdamW`` (with ``hyper``)."""
-    m_off, m_ref = replicas(base, 2)
-    opt = offload.make(m_off.parameters(), offload=tier, **hyper, **(offload_only or {}))
-    return m_off, opt, m_ref, torch.optim.AdamW(m_ref.parameters(), **hyper)
+OFFLOAD_DAEMON: dict[str, Any] = {"settings": {"jobs.max_jobs": 256}}
 
 
 # ----------------------------------------------------------------------------- defaults
@@ -117,6 +89,19 @@ def test_adamw_false_with_no_hyper_parameters_trains_like_torch_adam_defaults(
 
 
 # ----------------------------------------------------------------------------- params and grads edited by the loop
+
+
+def _assert_trains_like_adamw_with_an_edit(
+    offload: OffloadDaemon, tier: str, point: str, edit: Callable[[nn.Module, int], None]
+) -> None:
+    """Six steps of ``OffloadAdam`` and of ``torch.optim.AdamW``, each loop calling ``edit(model, step)`` at
+    ``point`` of ``train`` (``after_step`` or ``after_backward``), end with the same params and Adam state."""
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, **HYPER)
+    batches = mlp_batches(6, fixed=False)
+    for model, o in ((m_off, opt), (m_ref, ref)):
+        train(model, o, batches, mlp_loss, **{point: functools.partial(edit, model)})
+    assert_params_close(m_off, m_ref)
+    assert_state_close(opt.state_dict(), ref.state_dict())
 
 
 def _clamp_every_step(model: nn.Module, i: int) -> None:
@@ -160,12 +145,7 @@ PARAM_EDITS: dict[str, Callable[[nn.Module, int], None]] = {
 @pytest.mark.parametrize("edit", list(PARAM_EDITS))
 def test_param_edits_between_steps_are_honoured(offload: OffloadDaemon, tier: str, edit: str) -> None:
     """The next step starts from the edited values, as AdamW's does (the edit is never reverted)."""
-    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, **HYPER)
-    batches = mlp_batches(6, fixed=False)
-    train(m_off, opt, batches, mlp_loss, after_step=lambda i: PARAM_EDITS[edit](m_off, i))
-    train(m_ref, ref, batches, mlp_loss, after_step=lambda i: PARAM_EDITS[edit](m_ref, i))
-    assert_params_close(m_off, m_ref)
-    assert_state_close(opt.state_dict(), ref.state_dict())
+    _assert_trains_like_adamw_with_an_edit(offload, tier, "after_step", PARAM_EDITS[edit])
 
 
 def _clamp_grad_data(model: nn.Module, i: int) -> None:
@@ -189,12 +169,7 @@ GRAD_EDITS: dict[str, Callable[[nn.Module, int], None]] = {
 
 @pytest.mark.parametrize("edit", list(GRAD_EDITS))
 def test_grad_edits_through_data_after_backward_are_honoured(offload: OffloadDaemon, tier: str, edit: str) -> None:
-    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, **HYPER)
-    batches = mlp_batches(6, fixed=False)
-    train(m_off, opt, batches, mlp_loss, after_backward=lambda i: GRAD_EDITS[edit](m_off, i))
-    train(m_ref, ref, batches, mlp_loss, after_backward=lambda i: GRAD_EDITS[edit](m_ref, i))
-    assert_params_close(m_off, m_ref)
-    assert_state_close(opt.state_dict(), ref.state_dict())
+    _assert_trains_like_adamw_with_an_edit(offload, tier, "after_backward", GRAD_EDITS[edit])
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -243,25 +218,8 @@ def test_resume_continues_from_the_checkpoint_in_either_load_order(
     assert_state_close(opt.state_dict(), ref.state_dict())
 
 
-class TwoBranches(nn.Module):
-    """``branch_b`` takes part only while ``use_b``: until then its params get no grad and have no Adam state."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(3)
-        self.trunk = nn.Linear(16, 32)
-        self.branch_a = nn.Linear(32, 8)
-        self.branch_b = nn.Linear(32, 8)
-        self.use_b = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.trunk(x))
-        out = self.branch_a(h)
-        return out + self.branch_b(h) if self.use_b else out
-
-
 def _branch_steps(model: TwoBranches, opt: torch.optim.Optimizer, batches: list[Any], *, use_b: bool) -> None:
-    model.use_b = use_b
+    model.heads = "a+b" if use_b else "a"
     for x, y in batches:
         F.mse_loss(model(x), y).backward()
         opt.step()

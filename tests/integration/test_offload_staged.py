@@ -12,7 +12,6 @@ are in ``benchmarks/gpu_check.py``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,13 +22,11 @@ from offload_helpers import (
     assert_params_equal,
     assert_state_close,
     cpu_adam,
-    mlp,
-    mlp_batches,
-    mlp_loss,
-    offload_daemon,
-    replicas,
+    offload_and_adamw,
+    scaled_step,
     train,
 )
+from small_models import mlp, mlp_batches, mlp_loss, replicas
 from torch import nn
 from torch.nn import functional as F
 
@@ -40,25 +37,23 @@ WINDOW = 8192
 """Far below the MLP's params (about 22 KiB of fp32 per large layer): every transfer takes several pieces."""
 
 
-@pytest.fixture(scope="module")
-def offload() -> Iterator[OffloadDaemon]:
-    with offload_daemon(settings={"jobs.max_jobs": 128}) as daemon:
-        yield daemon
-
-
-@pytest.fixture(params=["cpu", "nvme"])
-def tier(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+OFFLOAD_DAEMON: dict[str, Any] = {"settings": {"jobs.max_jobs": 128}}
 
 
 def staged(offload: OffloadDaemon, params: Any, tier: str, **kwargs: Any) -> Any:
     return offload.make(params, offload=tier, exchange="staged", window_nbytes=WINDOW, **kwargs)
 
 
+def staged_and_adamw(
+    offload: OffloadDaemon, base: nn.Module, tier: str, **staged_only: Any
+) -> tuple[nn.Module, Any, nn.Module, torch.optim.AdamW]:
+    """``offload_and_adamw`` with the staged exchange (and ``staged_only``) on the ``OffloadAdam`` side."""
+    exchange = {"exchange": "staged", "window_nbytes": WINDOW, **staged_only}
+    return offload_and_adamw(offload, base, tier, offload_only=exchange, **HYPER)
+
+
 def test_staged_training_equals_adamw_and_keeps_no_storage(offload: OffloadDaemon, tier: str) -> None:
-    m_off, m_ref = replicas(mlp(), 2)
-    opt = staged(offload, m_off.parameters(), tier, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = staged_and_adamw(offload, mlp(), tier)
     batches = mlp_batches(8, fixed=False)
     train(m_off, opt, batches, mlp_loss)
     train(m_ref, ref, batches, mlp_loss)
@@ -72,9 +67,7 @@ def test_staged_training_equals_adamw_and_keeps_no_storage(offload: OffloadDaemo
 
 def test_staged_honours_param_and_grad_edits(offload: OffloadDaemon, tier: str) -> None:
     """``.data`` edits of params (clamp, rebinding) and of grads are seen, as with AdamW."""
-    m_off, m_ref = replicas(mlp(), 2)
-    opt = staged(offload, m_off.parameters(), tier, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = staged_and_adamw(offload, mlp(), tier)
     batches = mlp_batches(6, fixed=False)
     for i, batch in enumerate(batches):
         for model, o in ((m_off, opt), (m_ref, ref)):
@@ -114,9 +107,7 @@ def test_staged_checkpoint_resumes_in_either_load_order(offload: OffloadDaemon, 
 
 
 def test_staged_clipping_and_grad_scaler_match_torch(offload: OffloadDaemon, tier: str) -> None:
-    m_off, m_ref = replicas(mlp(), 2)
-    opt = staged(offload, m_off.parameters(), tier, max_grad_norm=0.05, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = staged_and_adamw(offload, mlp(), tier, max_grad_norm=0.05)
     norms = []
     for batch in mlp_batches(5, fixed=False):
         mlp_loss(m_off, batch).backward()
@@ -132,9 +123,7 @@ def test_staged_clipping_and_grad_scaler_match_torch(offload: OffloadDaemon, tie
         torch.amp.GradScaler("cpu", init_scale=2.0**10),
         torch.amp.GradScaler("cpu", init_scale=2.0**10),
     )
-    m_off, m_ref = replicas(mlp(), 2)
-    opt = staged(offload, m_off.parameters(), tier, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = staged_and_adamw(offload, mlp(), tier)
     for batch in mlp_batches(4, fixed=False):
         for model, o, scaler in ((m_off, opt, scaler_off), (m_ref, ref, scaler_ref)):
             scaler.scale(mlp_loss(model, batch)).backward()
@@ -172,9 +161,7 @@ def test_staged_bf16_equals_cpu_adam(offload: OffloadDaemon, tier: str) -> None:
 
 def test_staged_overlapped_update_trains_like_adamw(offload: OffloadDaemon, tier: str) -> None:
     """Grads go in as their buckets land (a pusher thread), the daemon updates each bucket during backward."""
-    m_off, m_ref = replicas(mlp(), 2)
-    opt = staged(offload, m_off.parameters(), tier, overlap_update=True, bucket_nbytes=4096, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = staged_and_adamw(offload, mlp(), tier, overlap_update=True, bucket_nbytes=4096)
     batches = mlp_batches(6, fixed=False)
     train(m_off, opt, batches, mlp_loss)
     train(m_ref, ref, batches, mlp_loss)
@@ -185,9 +172,7 @@ def test_staged_overlapped_update_trains_like_adamw(offload: OffloadDaemon, tier
 
 
 def test_staged_released_grads_are_none_after_backward_and_train_like_adamw(offload: OffloadDaemon, tier: str) -> None:
-    m_off, m_ref = replicas(mlp(), 2)
-    opt = staged(offload, m_off.parameters(), tier, release_grads=True, max_grad_norm=0.05, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = staged_and_adamw(offload, mlp(), tier, release_grads=True, max_grad_norm=0.05)
     batches = mlp_batches(6, fixed=False)
     grads_seen: list[bool] = []
 
@@ -272,11 +257,7 @@ def _run_with_an_inf_grad(opt: Any, model: nn.Module, scaler: Any = None) -> lis
         (scaler.scale(loss) if scaler is not None else loss).backward()
         if step == 3:
             next(model.parameters()).grad.view(-1)[0] = float("inf")
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        scaled_step(opt, scaler)
         opt.zero_grad()
         params = [p.detach().clone() for p in model.parameters()]
         out.append((opt.last_found_inf, opt.last_skipped, opt.last_grad_norm, params))

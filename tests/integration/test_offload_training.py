@@ -14,39 +14,19 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from offload_helpers import (
-    Batch,
-    OffloadDaemon,
-    assert_params_close,
-    assert_params_equal,
-    assert_state_close,
-    gpt_batches,
-    gpt_loss,
-    mlp,
-    mlp_batches,
-    mlp_loss,
-    offload_daemon,
-    replicas,
-    tiny_gpt,
-    train,
-)
+from offload_helpers import OffloadDaemon, assert_params_close, assert_params_equal, assert_state_close, train
+from small_models import Batch, TwoBranches, gpt_batches, gpt_loss, mlp, mlp_batches, mlp_loss, replicas, tiny_gpt
 from torch import nn
 
 from tiermem.client.offload import OffloadAdam
 from tiermem.core.errors import DTypeError, InvalidArgument
 
 STEPS = 40
-
-
-@pytest.fixture(scope="module")
-def offload() -> Iterator[OffloadDaemon]:
-    with offload_daemon() as daemon:
-        yield daemon
 
 
 def two_groups(model: nn.Module) -> list[dict[str, Any]]:
@@ -276,22 +256,6 @@ def test_gradient_accumulation_with_clipping(offload: OffloadDaemon) -> None:
     assert_params_close(m_off, m_ref)
 
 
-class TwoBranches(nn.Module):
-    """``branch_b`` is used on even steps only: its params have no grad on odd steps."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(3)
-        self.trunk = nn.Linear(16, 32)
-        self.branch_a = nn.Linear(32, 8)
-        self.branch_b = nn.Linear(32, 8)
-        self.use_b = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.trunk(x))
-        return self.branch_b(h) if self.use_b else self.branch_a(h)
-
-
 def test_params_without_grads_are_skipped_like_torch(offload: OffloadDaemon) -> None:
     base = TwoBranches()
     batches = mlp_batches(STEPS // 2, fixed=False)
@@ -300,7 +264,7 @@ def test_params_without_grads_are_skipped_like_torch(offload: OffloadDaemon) -> 
     ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.1)
     for model, o in ((m_off, opt), (m_ref, ref)):
         for i, (x, y) in enumerate(batches):
-            model.use_b = i % 2 == 0 and i < 12  # branch_a first steps at i=1; branch_b stops at i=12
+            model.heads = "b" if i % 2 == 0 and i < 12 else "a"  # branch_a first steps at i=1; branch_b stops at i=12
             torch.nn.functional.mse_loss(model(x), y).backward()
             o.step()
             o.zero_grad(set_to_none=True)

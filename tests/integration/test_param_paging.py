@@ -18,13 +18,13 @@ import io
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from offload_helpers import BATCH, OffloadDaemon, corpus, offload_daemon
+from offload_helpers import OffloadDaemon, offload_daemon
+from small_models import BATCH, corpus
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -41,10 +41,7 @@ PAGING_GPT = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16)
 """About 59k params (236 KiB): the largest submodule (the token embedding, 32 KiB) is a seventh of it."""
 
 
-@pytest.fixture(scope="module")
-def offload() -> Iterator[OffloadDaemon]:
-    with offload_daemon(settings={"jobs.max_jobs": 128}) as daemon:
-        yield daemon
+OFFLOAD_DAEMON: dict[str, Any] = {"settings": {"jobs.max_jobs": 128}}
 
 
 def make_opt(offload: OffloadDaemon, model: nn.Module, tier: str = "cpu", **kwargs: Any) -> Any:

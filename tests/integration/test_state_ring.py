@@ -9,11 +9,9 @@ of a pipeline is raised once and leaves the connection usable.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-from offload_helpers import OffloadDaemon, offload_daemon
+from offload_helpers import OffloadDaemon
 
 from tiermem.core.errors import InvalidArgument
 from tiermem.core.protocol import MemRef, Ping, StateRead
@@ -21,12 +19,6 @@ from tiermem.core.protocol import MemRef, Ping, StateRead
 WINDOW = 4096
 SIZES = [0, 1, 511, 512, 513, 1024, 3000, 7]
 """Elements: with two 2 KiB slots a slot holds 512 fp32, so these are empty, sub-slot, exact and multi-slot."""
-
-
-@pytest.fixture(scope="module")
-def offload() -> Iterator[OffloadDaemon]:
-    with offload_daemon() as daemon:
-        yield daemon
 
 
 def optimizer(offload: OffloadDaemon) -> tuple[list[torch.nn.Parameter], object]:

@@ -1,0 +1,93 @@
+"""Small models and their data for the ``OffloadAdam`` integration tests (no daemon here).
+
+``tiny_gpt`` (``tiermem.client.demo.model.GPT``, about 21k parameters, about 10
+chunks of 2048 elements) on a fixed character corpus; ``mlp`` on fixed
+regression data, where torch and the engine stay within ``assert_close``'s
+default tolerances over 100 steps; ``TwoBranches``, whose heads take part or
+not (a param without a grad has no Adam state).  Every model is seeded, so two
+built alike hold the same values.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tiermem.client.demo.model import GPT, CharCorpus, GPTConfig
+
+TINY_GPT = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
+BATCH = 4
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+def tiny_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(TINY_GPT)
+
+
+def mlp(seed: int = 0, width: int = 64) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 8))
+
+
+def replicas(model: nn.Module, n: int) -> list[nn.Module]:
+    """``n`` independent copies of ``model`` with identical values."""
+    return [copy.deepcopy(model) for _ in range(n)]
+
+
+@functools.cache
+def corpus() -> CharCorpus:
+    return CharCorpus(nbytes=1 << 16, seed=0)
+
+
+def gpt_batches(steps: int, seed: int = 1, batch: int = BATCH) -> list[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    return [corpus().batch(batch, TINY_GPT.block_size, g) for _ in range(steps)]
+
+
+def mlp_batches(steps: int, seed: int = 1, *, fixed: bool = True) -> list[Batch]:
+    """Regression data; ``fixed``: the same batch every step."""
+    g = torch.Generator().manual_seed(seed)
+    if fixed:
+        x, y = torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)
+        return [(x, y)] * steps
+    return [(torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)) for _ in range(steps)]
+
+
+def gpt_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    x, y = batch
+    return model(x, y)  # type: ignore[no-any-return]
+
+
+def mlp_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    x, y = batch
+    out = model(x.to(next(model.parameters()).dtype))
+    return F.mse_loss(out.float(), y)
+
+
+class TwoBranches(nn.Module):
+    """A trunk and two heads; ``heads`` says which take part (``"a"``, ``"b"`` or ``"a+b"``, summed): a head
+    that takes no part gets no grad, so no Adam state until it does."""
+
+    def __init__(self, heads: str = "a") -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk = nn.Linear(16, 32)
+        self.branch_a = nn.Linear(32, 8)
+        self.branch_b = nn.Linear(32, 8)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        if self.heads == "a":
+            return self.branch_a(h)
+        if self.heads == "b":
+            return self.branch_b(h)
+        return self.branch_a(h) + self.branch_b(h)
