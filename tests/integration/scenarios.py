@@ -18,6 +18,9 @@ Usage, under ``torchrun``::
 that raises writes its traceback to ``<PLAN_JSON dir>/<name>.error.<rank>``
 and ends the launch (its peers may be waiting in a collective; torchrun ends
 them); the scenarios after it did not run.
+
+The workers' own start and end (``join_group``, ``end_run``), their JSON
+outputs (``write_json``) and their exit as a script (``leave``) are here too.
 """
 
 from __future__ import annotations
@@ -25,12 +28,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
+from typing import Any, Protocol
 
 import torch.distributed as dist
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
 
 
 def _load(worker_file: Path) -> ModuleType:
@@ -62,6 +71,36 @@ def main() -> int:
             return code
     dist.destroy_process_group()
     return 0
+
+
+def join_group(*, outlive_a_killed_peer: bool = False) -> tuple[int, int, bool]:
+    """A worker's start: (rank, world size, owned) in the launch's process group, made here when the worker
+    runs alone under torchrun (``owned``: ``end_run`` destroys it).
+
+    ``outlive_a_killed_peer``: for a run that kills a rank.  torchrun's agent sees the killed rank within its
+    monitor interval (0.1 s) and SIGTERMs the others; a survivor that is still computing when the peer dies
+    would be ended before its collective fails: it stays until it has reported the error it caught (then the
+    agent's kill after 30 s bounds a hang)."""
+    if outlive_a_killed_peer:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    owned = not dist.is_initialized()  # this launcher makes one group for all of its runs
+    if owned:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), owned
+
+
+def end_run(owned: bool, *closing: Closeable) -> int:
+    """A worker's end: close ``closing`` (its optimizers), destroy the group if it made it; ``main``'s 0."""
+    for each in closing:
+        each.close()
+    if owned:
+        dist.destroy_process_group()
+    return 0
+
+
+def write_json(path: str | Path, value: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f)
 
 
 def leave(code: int) -> None:

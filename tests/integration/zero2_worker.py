@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import signal
 import time
 
 import torch
-import torch.distributed as dist
+from offload_helpers import scaled_step
+from scenarios import end_run, join_group, leave, write_json
 
 from tiermem.client.distributed import ShardedGradScaler, ShardedOffloadAdam
 from tiermem.core.errors import RankLost
@@ -94,15 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delayed", type=int, default=-1, help="delayed_update=True after this many warmup steps")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    if args.kill_step >= 0:
-        # torchrun's agent sees the killed rank within its monitor interval (0.1 s) and SIGTERMs the others; a
-        # survivor that is still computing when the peer dies would be ended before its collective fails: it
-        # stays until it has reported the error it caught (then the agent's kill after 30 s bounds a hang)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    owned = not dist.is_initialized()  # scenarios.py makes one group for all of its runs
-    if owned:
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, owned = join_group(outlive_a_killed_peer=args.kill_step >= 0)
     warned = _Warnings()
     logging.getLogger("tiermem").addHandler(warned)
     model = make_model(7)
@@ -137,17 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                         loss.backward()
             if step == args.kill_step and rank == world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
+            scaled_step(opt, scaler)
             opt.zero_grad()
             sched.step()
     except RankLost as exc:
         result.update(error="RankLost", during=exc.during, message=str(exc), at=time.monotonic())
-        with open(f"{args.out}.{rank}", "w") as f:
-            json.dump(result, f)
+        write_json(f"{args.out}.{rank}", result)
         return 3
     if args.delayed >= 0:
         opt.flush()  # every rank: the last update's params into the model
@@ -211,13 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 ref_scaler.unscale_(ref_opt)
             if args.clip:
                 result["ref_norm"] = float(torch.nn.utils.clip_grad_norm_(master.parameters(), args.clip))
-            if ref_scaler is not None:
-                before = ref_scaler.get_scale()
-                ref_scaler.step(ref_opt)
-                ref_scaler.update()
-                skipped += ref_scaler.get_scale() < before
-            else:
-                ref_opt.step()
+            skipped += scaled_step(ref_opt, ref_scaler)
             if master is not ref and step < args.delayed:
                 install()  # a warmup step: synchronous
             ref_opt.zero_grad()
@@ -242,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             float((p - q).abs().max()) for p, q in zip(model.parameters(), make_model(7).parameters(), strict=True)
         )
         result["moved"] = moved
-    with open(f"{args.out}.{rank}", "w") as f:
-        json.dump(result, f)
+    write_json(f"{args.out}.{rank}", result)
     if args.late_close and rank != 0:
         time.sleep(args.late_close)
     warned.messages.clear()
@@ -251,11 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     opt.close()
     logging.getLogger("tiermem").removeHandler(warned)  # the next scenario of the launch has its own
     closed = {"close_s": time.monotonic() - t0, "warnings": warned.messages}
-    with open(f"{args.out}.{rank}.close", "w") as f:
-        json.dump(closed, f)
-    if owned:
-        dist.destroy_process_group()
-    return 0
+    write_json(f"{args.out}.{rank}.close", closed)
+    return end_run(owned)
 
 
 class _Warnings(logging.Handler):
@@ -268,6 +245,4 @@ class _Warnings(logging.Handler):
 
 
 if __name__ == "__main__":
-    from scenarios import leave  # this script's directory is on sys.path
-
     leave(main())

@@ -22,13 +22,14 @@ trains on.  ``--scaler``: both sides train under a loss scaler
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import time
 
 import torch
 import torch.distributed as dist
+from offload_helpers import scaled_step
+from scenarios import end_run, join_group, leave, write_json
 from torch import nn
 
 from tiermem.client.distributed import ShardedGradScaler, ShardedPagedAdam
@@ -66,15 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scaler", action="store_true")
     ap.add_argument("--inf-step", type=int, default=-1)
     args = ap.parse_args(argv)
-    if args.kill_step >= 0:
-        # torchrun's agent sees the killed rank within its monitor interval (0.1 s) and SIGTERMs the others; a
-        # survivor that is still computing when the peer dies would be ended before its collective fails: it
-        # stays until it has reported the error it caught (then the agent's kill after 30 s bounds a hang)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    owned = not dist.is_initialized()  # scenarios.py makes one group for all of its runs
-    if owned:
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, owned = join_group(outlive_a_killed_peer=args.kill_step >= 0)
     model = make_model()
     budget = 2 * 13 * 11 * 4 + 4096  # two of the largest layer's params, a little slack
 
@@ -116,20 +109,16 @@ def main(argv: list[str] | None = None) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == args.inf_step and rank == world - 1:
                 loss = loss * float("inf")
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            scaled_step(opt, scaler)
             opt.zero_grad()
             sched.step()
             norms.append(None if opt.last_found_inf else opt.last_grad_norm)
             held.append(max(p.untyped_storage().nbytes() for p in model.parameters()))
     except RankLost as exc:
-        with open(f"{args.out}.{rank}", "w") as f:
-            json.dump({"rank": rank, "error": "RankLost", "during": exc.during, "at": time.monotonic()}, f)
+        write_json(
+            f"{args.out}.{rank}", {"rank": rank, "error": "RankLost", "during": exc.during, "at": time.monotonic()}
+        )
         return 3
     state = {k: v.tolist() for k, v in model.state_dict().items()}  # a collective: every rank gathers
     peak = opt.pager.stats()["peak_nbytes"]
@@ -161,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 loss.backward()
             ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)))
-            if ref_scaler is not None:
-                ref_scaler.step(ref_opt)
-                ref_scaler.update()
-            else:
-                ref_opt.step()
+            scaled_step(ref_opt, ref_scaler)
             ref_opt.zero_grad()
             ref_sched.step()
         result = {
@@ -179,15 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             "skipped": opt.stats().client_skipped_steps,
             "ranks": everything,
         }
-        with open(args.out, "w") as f:
-            json.dump(result, f)
-    opt.close()
-    if owned:
-        dist.destroy_process_group()
-    return 0
+        write_json(args.out, result)
+    return end_run(owned, opt)
 
 
 if __name__ == "__main__":
-    from scenarios import leave  # this script's directory is on sys.path
-
     leave(main())

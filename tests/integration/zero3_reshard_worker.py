@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from scenarios import end_run, join_group, leave
 from torch import nn
 
 from tiermem.client.distributed import LayerShardedAdam, ShardedPagedAdam
@@ -146,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-ranks", type=int, default=0, help="save with the first N ranks only (a subgroup)")
     ap.add_argument("--load", help="resume from the save in this directory and train MORE steps")
     args = ap.parse_args(argv)
-    owned = not dist.is_initialized()  # scenarios.py makes one group for all of its runs
-    if owned:
-        dist.init_process_group("gloo")
+    _, _, owned = join_group()
     group = dist.new_group(list(range(args.save_ranks))) if args.save_ranks else None  # every rank makes it
     if args.save and (group is None or dist.get_rank() < args.save_ranks):
         for kind in KINDS:
@@ -160,12 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
-    if owned:
-        dist.destroy_process_group()
-    return 0
+    return end_run(owned)
 
 
 if __name__ == "__main__":
-    from scenarios import leave  # this script's directory is on sys.path
-
     leave(main())

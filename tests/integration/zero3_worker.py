@@ -14,10 +14,11 @@ rank's loss inf at that step, so the global loss overflows and both skip it.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
+from offload_helpers import scaled_step
+from scenarios import end_run, join_group, leave, write_json
 
 from tiermem.client.distributed import LayerShardedAdam, ShardedGradScaler
 from tiermem.core.errors import InvalidState
@@ -85,10 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inf-step", type=int, default=-1, help="the last rank's loss is inf at this step")
     ap.add_argument("--schedule", action="store_true", help="an LR schedule on both sides (LambdaLR)")
     args = ap.parse_args(argv)
-    owned = not dist.is_initialized()  # scenarios.py makes one group for all of its runs
-    if owned:
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, owned = join_group()
     model = make_model()
     opt = LayerShardedAdam(
         model,
@@ -127,10 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         except InvalidState as exc:  # refused on every rank together (clipping after accumulation, ...)
             with open(f"{args.out}.refused.{rank}", "w") as f:
                 f.write(str(exc))
-            opt.close()
-            if owned:
-                dist.destroy_process_group()
-            return 0
+            return end_run(owned, opt)
         norms.append(None if opt.last_found_inf else opt.last_grad_norm)
         opt.zero_grad()
         if sched is not None:
@@ -162,13 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 ref_scaler.unscale_(ref_opt)
             if args.clip:
                 ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip)))
-            if ref_scaler is not None:
-                before = ref_scaler.get_scale()
-                ref_scaler.step(ref_opt)
-                ref_scaler.update()
-                ref_skipped += ref_scaler.get_scale() < before
-            else:
-                ref_opt.step()
+            ref_skipped += scaled_step(ref_opt, ref_scaler)
             ref_opt.zero_grad()
             if ref_sched is not None:
                 ref_sched.step()
@@ -189,15 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             "ref_skipped": ref_skipped,
             "ranks": everything,
         }
-        with open(args.out, "w") as f:
-            json.dump(result, f)
-    opt.close()
-    if owned:
-        dist.destroy_process_group()
-    return 0
+        write_json(args.out, result)
+    return end_run(owned, opt)
 
 
 if __name__ == "__main__":
-    from scenarios import leave  # this script's directory is on sys.path
-
     leave(main())
