@@ -42,6 +42,7 @@ from tiermem.client.distributed.identity import agree_identity
 from tiermem.client.distributed.node import node_client
 from tiermem.client.distributed.scaler import shard_scaler_inputs
 from tiermem.client.link import Client
+from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.core.errors import InvalidArgument, InvalidState, RankLost
 from tiermem.core.modes import Exchange, Placement, StepMode
 from tiermem.core.step_rules import GradStats, StepDecision, decide
@@ -118,6 +119,22 @@ class RankGroup:
             exchange=exchange,
             mode=mode,
             release_grads=release_grads,
+        )
+
+    def inner_optimizer(
+        self, params: list[Any], *, client: Client | None, job_id: str, token: str | None, **options: Any
+    ) -> OffloadAdam:
+        """This rank's ``OffloadAdam`` (``options``: its arguments) in the group's job, as rank ``rank`` of
+        ``world_size``; whichever rank attaches first creates the job with the agreed token."""
+        return OffloadAdam(
+            params,
+            client=client,
+            job_id=job_id,
+            token=token,
+            create_job=True,
+            rank=self.rank,
+            world_size=self.world_size,
+            **options,
         )
 
     def all_or_none(self, what: str, action: Callable[[], None]) -> None:

@@ -341,8 +341,11 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             if client is not None:
                 client.close()  # this rank owns no element (more ranks than elements): nothing to keep
             return
-        self.inner = OffloadAdam(
+        self.inner = self.group.inner_optimizer(
             groups,
+            client=client,
+            job_id=self.job_id,
+            token=self._token,
             lr=hyper.lr,
             betas=hyper.betas,
             eps=hyper.eps,
@@ -351,12 +354,6 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             offload=offload,
             exchange=Exchange.SHARED,
             window_nbytes=window_nbytes,
-            client=client,
-            job_id=self.job_id,
-            token=self._token,
-            create_job=True,
-            rank=self.rank,
-            world_size=self.world_size,
             expected_step=expected_step,
             rollback=rollback,
             delayed_update=self._delayed[0],

@@ -66,9 +66,7 @@ broadcast from rank 0).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,11 +75,10 @@ from torch import nn
 
 from tiermem.client.distributed.group import RankGroup, ShardGrads, check_max_grad_norm
 from tiermem.client.distributed.identity import release_job_id
-from tiermem.client.distributed.reshard import ShardSet, Source, describe_params, is_rank_file
-from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint
+from tiermem.client.distributed.reshard import describe_params, is_rank_file
+from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper, copy_hyper, optimizer_defaults
-from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.paging import ParamPager
 from tiermem.client.offload.stats import OptimizerStats
 from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups
@@ -229,7 +226,7 @@ def _model_groups(model: nn.Module, param_groups: list[dict[str, Any]] | None) -
     return groups
 
 
-class ShardedPagedAdam(torch.optim.Optimizer):
+class ShardedPagedAdam(Zero3Optimizer):
     """AdamW (``adamw=False``: Adam) over a model paged and sharded across ``process_group``; see the module
     docstring.  A ``torch.optim.Optimizer`` over the model's params (LR schedulers and edits of the groups'
     hyper-parameters reach the daemon with the next step), composed of this rank's ``OffloadAdam`` over its
@@ -308,17 +305,14 @@ class ShardedPagedAdam(torch.optim.Optimizer):
                 exchange=Exchange.STAGED,  # the pager's: params and grads through the window, grads in the daemon
                 release_grads=True,
             )
-        self.inner = OffloadAdam(
+        self.inner = self.group.inner_optimizer(
             shard_groups,
-            offload=offload,
-            exchange=Exchange.STAGED,
-            window_nbytes=window_nbytes,
             client=client,
             job_id=self.job_id,
             token=token,
-            create_job=True,
-            rank=rank,
-            world_size=world,
+            offload=offload,
+            exchange=Exchange.STAGED,
+            window_nbytes=window_nbytes,
             pin_window=device.type == "cuda",  # the shards are host tensors; the copies go to and from the GPU
         )
         self.pager = ParamPager(
@@ -397,18 +391,6 @@ class ShardedPagedAdam(torch.optim.Optimizer):
         self._sync_hyper()
         self.pager.drain()
         return self.inner.state_dict()
-
-    def shard_state_dict(self) -> dict[str, Any]:
-        return self.checkpoint.shard_state_dict()
-
-    def save_shard(self, directory: str | os.PathLike[str]) -> Path:
-        return self.checkpoint.save_shard(directory)
-
-    def full_state_dict(self) -> dict[str, Any]:
-        return self.checkpoint.full_state_dict()
-
-    def load_shards(self, source: Source | ShardSet, *, complete: bool = True) -> None:
-        self.checkpoint.load_shards(source, complete=complete)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.AdamW``'s format over the whole model (``full_state_dict()``, ``tiermem consolidate``,

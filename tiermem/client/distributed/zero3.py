@@ -66,9 +66,7 @@ every rank); CPU params; each unit used once per forward; one param group.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,8 +75,8 @@ import torch.distributed as dist
 from tiermem.client.distributed.daemon_grads import DaemonGrads
 from tiermem.client.distributed.group import RankGroup, ShardGrads, check_max_grad_norm
 from tiermem.client.distributed.identity import release_job_id
-from tiermem.client.distributed.reshard import ShardSet, Source, describe_params, is_rank_file
-from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint
+from tiermem.client.distributed.reshard import describe_params, is_rank_file
+from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper, copy_hyper, optimizer_defaults
 from tiermem.client.offload.optimizer import OffloadAdam
@@ -103,7 +101,7 @@ class _Unit:
         self.grads_left = 0
 
 
-class LayerShardedAdam(torch.optim.Optimizer):
+class LayerShardedAdam(Zero3Optimizer):
     """See the module docstring.  A ``torch.optim.Optimizer`` over the model's params (one param group: LR
     schedulers and edits of ``param_groups[0]["lr"]`` reach the owners' daemons with the next update);
     ``step()``, ``zero_grad()``, ``close()``.  Composed of the owner's ``OffloadAdam`` over its layers
@@ -183,8 +181,11 @@ class LayerShardedAdam(torch.optim.Optimizer):
         if not flat_pieces:
             client.close()  # this rank owns no layer
         else:
-            self.inner = OffloadAdam(
+            self.inner = self.group.inner_optimizer(
                 flat_pieces,
+                client=client,
+                job_id=self.job_id,
+                token=token,
                 lr=lr,
                 betas=betas,
                 eps=eps,
@@ -194,12 +195,6 @@ class LayerShardedAdam(torch.optim.Optimizer):
                 overlap_update=not paged,
                 bucket_nbytes=1,  # one bucket per tensor: each layer's update starts when its grads are in
                 exchange=Exchange.STAGED if paged else Exchange.AUTO,
-                client=client,
-                job_id=self.job_id,
-                token=token,
-                create_job=True,
-                rank=self.rank,
-                world_size=self.world_size,
             )
         store = InnerStore(
             self.job_id, self.param_groups, self.inner, _nothing, self._sync_hyper, keeps_values=not paged
@@ -454,18 +449,6 @@ class LayerShardedAdam(torch.optim.Optimizer):
         """This rank's file of a checkpoint that loads at any world size (``shard_state_dict()``): the params
         live in the owners' daemons and the modules hold placeholders, so it holds the params' values too."""
         return self.checkpoint.shard_state_dict()
-
-    def shard_state_dict(self) -> dict[str, Any]:
-        return self.checkpoint.shard_state_dict()
-
-    def save_shard(self, directory: str | os.PathLike[str]) -> Path:
-        return self.checkpoint.save_shard(directory)
-
-    def full_state_dict(self) -> dict[str, Any]:
-        return self.checkpoint.full_state_dict()
-
-    def load_shards(self, source: Source | ShardSet, *, complete: bool = True) -> None:
-        self.checkpoint.load_shards(source, complete=complete)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """One rank's ``state_dict()`` (this rank's layers, params included: the same world size and owners;

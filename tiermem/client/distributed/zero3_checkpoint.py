@@ -51,7 +51,7 @@ from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups, packed_groups, plan_load
 from tiermem.core.errors import InvalidArgument
 
-__all__ = ["InnerStore", "RankShare", "RankStore", "Slot", "Zero3Checkpoint"]
+__all__ = ["InnerStore", "RankShare", "RankStore", "Slot", "Zero3Checkpoint", "Zero3Optimizer"]
 
 
 @dataclass(frozen=True)
@@ -328,3 +328,27 @@ class Zero3Checkpoint:
                 f"the checkpoint's param groups hold params {saved_groups}, this optimizer's {my_groups}; make the "
                 "optimizer with the same groups"
             )
+
+
+class Zero3Optimizer(torch.optim.Optimizer):
+    """The checkpoint methods both ZeRO-3 strategies offer, through the ``Zero3Checkpoint`` they are composed
+    with (``checkpoint``, made by the strategy)."""
+
+    checkpoint: Zero3Checkpoint
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """This rank's file of a checkpoint that loads at any world size (``reshard``); not collective."""
+        return self.checkpoint.shard_state_dict()
+
+    def save_shard(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``shard_state_dict()`` to ``directory/zero3-rank<r>-of-<n>.pt`` (atomically; every rank
+        calls it); returns the path."""
+        return self.checkpoint.save_shard(directory)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective: ``torch.optim.AdamW``'s format over the whole model, on every rank."""
+        return self.checkpoint.full_state_dict()
+
+    def load_shards(self, source: Source | ShardSet, *, complete: bool = True) -> None:
+        """This rank's stretches of the rank files of a save at any world size (params and buffers too)."""
+        self.checkpoint.load_shards(source, complete=complete)

@@ -20,10 +20,24 @@ step, or when a delayed step's params are installed); ``new_step`` between steps
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
-__all__ = ["Feed"]
+import torch
+
+__all__ = ["Feed", "hook_grads", "remove_hooks"]
+
+
+def hook_grads(params: Iterable[torch.Tensor], on_grad: Callable[[torch.Tensor], None]) -> list[Any]:
+    """``on_grad`` as the post-accumulate-grad hook of each param that takes a grad; the hooks' handles."""
+    return [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
+
+
+def remove_hooks(handles: list[Any]) -> None:
+    """Remove every hook of ``handles`` (emptied)."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 class Feed(Protocol):

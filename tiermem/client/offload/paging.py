@@ -83,6 +83,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tiermem.client.offload.copies import ParamCopies, copies_for
+from tiermem.client.offload.feeds import hook_grads, remove_hooks
 from tiermem.client.offload.pagedparam import BufferCache, PagedParam, Residency, SavedParam
 from tiermem.client.offload.pagestate import PagedState
 from tiermem.client.offload.trace import FetchTrace
@@ -282,15 +283,11 @@ class ParamPager(PagedState):
                 self._hooks.append(module.register_state_dict_post_hook(functools.partial(self._gather_state)))
                 self._hooks.append(module.register_load_state_dict_pre_hook(functools.partial(self._load_pre)))
                 self._hooks.append(module.register_load_state_dict_post_hook(functools.partial(self._load_post)))
-        for e in self.entries:
-            if e.param.requires_grad:
-                self._hooks.append(e.param.register_post_accumulate_grad_hook(self._grad_ready))
+        self._hooks += hook_grads((e.param for e in self.entries), self._grad_ready)
 
     def unhook(self) -> None:
         """Remove every hook (``OffloadAdam.close``); the model keeps its placeholders."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        remove_hooks(self._hooks)
         self._io.shutdown(wait=True)
 
     def hook(self) -> None:

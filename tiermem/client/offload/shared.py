@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tiermem.client.offload.feeds import hook_grads, remove_hooks
 from tiermem.client.offload.policy import Buckets
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 
@@ -90,14 +91,10 @@ class SharedFeed:
             param.data = view
 
     def hook(self) -> None:
-        for e in self.entries:
-            if e.param.requires_grad:
-                self._hooks.append(e.param.register_post_accumulate_grad_hook(self.land_grad))
+        self._hooks += hook_grads((e.param for e in self.entries), self.land_grad)
 
     def unhook(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        remove_hooks(self._hooks)
 
     def reset(self) -> None:
         """A new step: nothing has landed."""

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from tiermem.client.offload.feeds import hook_grads, remove_hooks
 from tiermem.client.offload.policy import Buckets
 from tiermem.client.offload.transfer import PushItem, StateTransfer
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
@@ -221,14 +222,10 @@ class StagedFeed:
         if not (self.release_grads or self.on_bucket is not None):
             return
         self._pusher = GradPusher(self.transfer, self.on_bucket)
-        for e in self.entries:
-            if e.param.requires_grad:
-                self._hooks.append(e.param.register_post_accumulate_grad_hook(self._grad_ready))
+        self._hooks += hook_grads((e.param for e in self.entries), self._grad_ready)
 
     def unhook(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        remove_hooks(self._hooks)
         if self._pusher is not None:
             try:
                 self._pusher.join()
