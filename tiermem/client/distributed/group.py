@@ -68,6 +68,8 @@ class RankGroup:
         self.world_size = dist.get_world_size(process_group)
         self.steps = 0
         """Steps completed, applied or skipped (the step a ``RankLost`` names is the next one)."""
+        self.job_id = ""
+        self.token = ""
 
     def global_rank(self, rank: int) -> int:
         """The default group's rank of the group's ``rank`` (what torch's ``src``/``dst`` take)."""
@@ -93,8 +95,10 @@ class RankGroup:
             self.collective("broadcast of the initial params", dist.broadcast, t, src=self.global_rank(0))
 
     def agree_identity(self, job_id: str | None, token: str | None) -> tuple[str, str]:
-        """Rank 0's job id and token (given, or derived), the same on every rank (``identity``)."""
-        return agree_identity(self.collective, self.group, self.rank, job_id, token)
+        """Rank 0's job id and token (given, or derived), the same on every rank (``identity``); the job the
+        ranks' inner optimizers attach to."""
+        self.job_id, self.token = agree_identity(self.collective, self.group, self.rank, job_id, token)
+        return self.job_id, self.token
 
     def node_client(
         self,
@@ -121,16 +125,14 @@ class RankGroup:
             release_grads=release_grads,
         )
 
-    def inner_optimizer(
-        self, params: list[Any], *, client: Client | None, job_id: str, token: str | None, **options: Any
-    ) -> OffloadAdam:
-        """This rank's ``OffloadAdam`` (``options``: its arguments) in the group's job, as rank ``rank`` of
-        ``world_size``; whichever rank attaches first creates the job with the agreed token."""
+    def inner_optimizer(self, params: list[Any], client: Client | None, **options: Any) -> OffloadAdam:
+        """This rank's ``OffloadAdam`` (``options``: its arguments) in the agreed job (``agree_identity``), as
+        rank ``rank`` of ``world_size``; whichever rank attaches first creates the job with the agreed token."""
         return OffloadAdam(
             params,
             client=client,
-            job_id=job_id,
-            token=token,
+            job_id=self.job_id,
+            token=self.token,
             create_job=True,
             rank=self.rank,
             world_size=self.world_size,

@@ -88,7 +88,7 @@ import torch.distributed as dist
 from tiermem.client.distributed.group import RankGroup, check_max_grad_norm
 from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.link import Client
-from tiermem.client.offload.args import check_hyper, check_torch_flags, copy_hyper, optimizer_defaults
+from tiermem.client.offload.args import check_hyper, check_torch_flags, closure_loss, copy_hyper, optimizer_defaults
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.shared import TensorEntry
 from tiermem.client.offload.transfer import adopt_saved_groups, packed_groups, plan_load
@@ -343,9 +343,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             return
         self.inner = self.group.inner_optimizer(
             groups,
-            client=client,
-            job_id=self.job_id,
-            token=self._token,
+            client,
             lr=hyper.lr,
             betas=hyper.betas,
             eps=hyper.eps,
@@ -394,10 +392,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         grad_scale = getattr(self, "grad_scale", False)
         found_inf = getattr(self, "found_inf", None)
         scaled = grad_scale is not False

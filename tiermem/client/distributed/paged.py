@@ -78,7 +78,7 @@ from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.distributed.reshard import describe_params, is_rank_file
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
 from tiermem.client.link import Client
-from tiermem.client.offload.args import check_hyper, copy_hyper, optimizer_defaults
+from tiermem.client.offload.args import check_hyper, closure_loss, copy_hyper, optimizer_defaults
 from tiermem.client.offload.paging import ParamPager
 from tiermem.client.offload.stats import OptimizerStats
 from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups
@@ -295,7 +295,7 @@ class ShardedPagedAdam(Zero3Optimizer):
             n = len(g["params"])
             shard_groups.append({**g, "params": shards[at : at + n]})
             at += n
-        self.job_id, token = self.group.agree_identity(job_id, token)
+        self.job_id, _ = self.group.agree_identity(job_id, token)
         if client is None:
             client = self.group.node_client(
                 sum(s.numel() for s in shards),
@@ -307,9 +307,7 @@ class ShardedPagedAdam(Zero3Optimizer):
             )
         self.inner = self.group.inner_optimizer(
             shard_groups,
-            client=client,
-            job_id=self.job_id,
-            token=token,
+            client,
             offload=offload,
             exchange=Exchange.STAGED,
             window_nbytes=window_nbytes,
@@ -433,10 +431,7 @@ class ShardedPagedAdam(Zero3Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self.pager.drain()
         try:
             if self.max_grad_norm is not None:

@@ -78,7 +78,7 @@ from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.distributed.reshard import describe_params, is_rank_file
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
 from tiermem.client.link import Client
-from tiermem.client.offload.args import check_hyper, copy_hyper, optimizer_defaults
+from tiermem.client.offload.args import check_hyper, closure_loss, copy_hyper, optimizer_defaults
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
@@ -167,7 +167,7 @@ class LayerShardedAdam(Zero3Optimizer):
         for u in mine:
             self._entry_of[u.index] = list(range(len(flat_pieces), len(flat_pieces) + len(u.params)))
             flat_pieces += self._pieces[u.index]
-        self.job_id, token = self.group.agree_identity(job_id, token)
+        self.job_id, _ = self.group.agree_identity(job_id, token)
         self.inner: OffloadAdam | None = None
         if client is None:
             client = self.group.node_client(
@@ -183,9 +183,7 @@ class LayerShardedAdam(Zero3Optimizer):
         else:
             self.inner = self.group.inner_optimizer(
                 flat_pieces,
-                client=client,
-                job_id=self.job_id,
-                token=token,
+                client,
                 lr=lr,
                 betas=betas,
                 eps=eps,
@@ -400,10 +398,7 @@ class LayerShardedAdam(Zero3Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Finish the step: the owner's daemon completes its layers' updates (the first step: all of them now)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._recording = False
         try:
             accumulated = self._grads is not None and self._grads.accumulated

@@ -18,9 +18,11 @@ construction is refused here, before any connection is made.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from tiermem.core.config import AdamConfig, PoolConfig
 from tiermem.core.errors import InvalidArgument
@@ -44,6 +46,14 @@ ADAMW_WEIGHT_DECAY = 1e-2
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "adamw")
 """The keys of a param group that its updates read (what a wrapping optimizer copies into its inner one)."""
+
+
+def closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """torch's ``step(closure)`` rule: the loss of ``closure`` run with grad enabled (None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def copy_hyper(

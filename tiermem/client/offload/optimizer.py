@@ -68,7 +68,14 @@ from typing import Any
 import torch
 
 from tiermem.client.link import Client, connect
-from tiermem.client.offload.args import check_hyper, check_torch_flags, optimizer_defaults, private_pool_plan, step_mode
+from tiermem.client.offload.args import (
+    check_hyper,
+    check_torch_flags,
+    closure_loss,
+    optimizer_defaults,
+    private_pool_plan,
+    step_mode,
+)
 from tiermem.client.offload.checkpoint import OptimizerState
 from tiermem.client.offload.eager import eager_under_compile
 from tiermem.client.offload.feeds import Feed
@@ -511,10 +518,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None, *, decision: StepDecision | None = None) -> float | None:
         """One step.  ``decision``: taken by a sharding strategy over the global grad statistics (its skip,
         inverse scale and clip coefficient replace the scaler's hand-over and ``max_grad_norm``)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._settle()
         grad_scale, found_inf = self._scaler_inputs()
         if decision is not None:  # the strategy took the scaler's hand-over into its decision
