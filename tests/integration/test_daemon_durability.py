@@ -147,6 +147,15 @@ class Run:
             torch.testing.assert_close(a, b)
 
 
+def trained_and_stopped(node: Node, steps: int) -> tuple[Run, str | None]:
+    """A job of ``Run`` trained ``steps`` steps (no reference) and its node stopped cleanly: (run, its token)."""
+    run = Run()
+    token = run.attach(node.start()).token
+    run.train(steps, reference=False)
+    assert node.stop() == 0
+    return run, token
+
+
 def test_a_killed_daemon_serves_its_last_commit_and_the_client_refuses_it_unless_rolling_back(node: Node) -> None:
     node.commit_every = 3
     run = Run()
@@ -207,11 +216,7 @@ def test_without_periodic_commits_a_kill_after_a_reopen_comes_back_at_the_last_c
 
 
 def test_a_deleted_manifest_is_data_lost_at_start_and_at_reattach_never_zeros(node: Node) -> None:
-    run = Run()
-    opt = run.attach(node.start())
-    run.train(3, reference=False)
-    token = opt.token
-    assert node.stop() == 0
+    run, token = trained_and_stopped(node, 3)
     manifests = [p for p in node.store_files() if p.suffix == ".manifest"]
     assert len(manifests) == 1
     manifests[0].unlink()
@@ -230,11 +235,7 @@ def test_a_deleted_manifest_is_data_lost_at_start_and_at_reattach_never_zeros(no
 
 
 def test_a_corrupt_manifest_is_data_lost(node: Node) -> None:
-    run = Run()
-    opt = run.attach(node.start())
-    run.train(2, reference=False)
-    token = opt.token
-    assert node.stop() == 0
+    run, token = trained_and_stopped(node, 2)
     manifest = next(p for p in node.store_files() if p.suffix == ".manifest")
     data = bytearray(manifest.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -273,11 +274,7 @@ def test_a_failed_commit_at_shutdown_exits_6_and_the_next_start_serves_the_last_
 
 
 def test_files_no_job_owns_are_reported_at_start_and_removed_after_the_grace_period(node: Node) -> None:
-    run = Run()
-    opt = run.attach(node.start())
-    run.train(2, reference=False)
-    token = opt.token
-    assert node.stop() == 0
+    run, token = trained_and_stopped(node, 2)
     kept = node.store_files()
     ghosts = [node.swap / "u0-ghost-0123456789.r0.swap", node.swap / "u0-ghost-0123456789.r0.manifest"]
     for ghost in ghosts:
@@ -300,10 +297,7 @@ def test_files_no_job_owns_are_reported_at_start_and_removed_after_the_grace_per
 
 
 def test_a_new_job_never_reads_the_files_of_an_earlier_job_of_its_name(node: Node) -> None:
-    run = Run()
-    run.attach(node.start())
-    run.train(3, reference=False)
-    assert node.stop() == 0
+    trained_and_stopped(node, 3)
     for job_file in (node.root / "state" / "jobs").glob("*.job.json"):
         job_file.unlink()  # its job file is gone: the swap store is an orphan with a valid manifest
     client = node.start()

@@ -132,34 +132,13 @@ def test_reattach_with_the_token_after_a_crash_continues_as_if_uninterrupted(dae
     steps, sizes = 150, [30000, 5000, 7]
     sizes_arg = ",".join(map(str, sizes))
     progress = str(tmp_path / "crash.json")
-    crashed = run_client(
-        "train",
-        daemon,
-        "--job",
-        "phoenix",
-        "--sizes",
-        sizes_arg,
-        "--steps",
-        str(steps),
-        "--seed",
-        "4",
-        "--progress",
-        progress,
-        "--no-detach",
-    )
+    # both processes train the same job, from the same seed, reporting through the same progress file
+    same_run = ["--job", "phoenix", "--sizes", sizes_arg, "--steps", str(steps), "--seed", "4", "--progress", progress]
+    crashed = run_client("train", daemon, *same_run, "--no-detach")
     heir = run_client(
         "train",
         daemon,
-        "--job",
-        "phoenix",
-        "--sizes",
-        sizes_arg,
-        "--steps",
-        str(steps),
-        "--seed",
-        "4",
-        "--progress",
-        progress,
+        *same_run,
         "--reattach",
         "--wait-stdin",
         "--out",
