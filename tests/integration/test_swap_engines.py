@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import mmap
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,19 @@ def _open(path: Path, engine: IOEngine, nbytes: int) -> int:
     return fd
 
 
+@contextlib.contextmanager
+def engine_and_file(make: Callable[[], IOEngine], where: str, nbytes: int) -> Iterator[tuple[IOEngine, int]]:
+    """An engine from ``make`` and a file of ``nbytes`` opened for it under ``where``; both closed at the end."""
+    engine = make()
+    with tempfile.TemporaryDirectory(dir=where) as d:
+        fd = _open(Path(d) / "f", engine, nbytes)
+        try:
+            yield engine, fd
+        finally:
+            engine.close()
+            os.close(fd)
+
+
 ENGINES = [
     pytest.param(lambda: LibaioEngine(block_size=64 * 1024, queue_depth=8), DISK_TMP, id="libaio"),
     pytest.param(lambda: ThreadEngine(block_size=64 * 1024, threads=3), "/dev/shm", id="threads"),
@@ -59,26 +73,20 @@ ENGINES = [
 
 @pytest.mark.parametrize(("make", "where"), ENGINES)
 def test_batch_of_writes_then_reads_round_trips_split_blocks(make, where) -> None:  # type: ignore[no-untyped-def]
-    engine = make()
-    with tempfile.TemporaryDirectory(dir=where) as d:
-        n = 2 * 1024 * 1024 + 3 * P  # not a multiple of the block size: the last block is short
-        src = _arena(n, seed=3)
-        fd = _open(Path(d) / "f", engine, 2 * n)
-        try:
-            halves = [memoryview(src)[: n // 2 // P * P], memoryview(src)[n // 2 // P * P :]]
-            writes = [make_request(IOOp.WRITE, fd, n, halves[1], "f"), make_request(IOOp.WRITE, fd, 0, halves[0], "f")]
-            assert [f.result(timeout=30) for f in engine.submit(writes)] == [halves[1].nbytes, halves[0].nbytes]
-            dst = mmap.mmap(-1, n)
-            reads = [
-                make_request(IOOp.READ, fd, 0, memoryview(dst)[: halves[0].nbytes], "f"),
-                make_request(IOOp.READ, fd, n, memoryview(dst)[halves[0].nbytes :], "f"),
-            ]
-            for f in engine.submit(reads):
-                f.result(timeout=30)
-            assert dst[:] == src[:]
-        finally:
-            engine.close()
-            os.close(fd)
+    n = 2 * 1024 * 1024 + 3 * P  # not a multiple of the block size: the last block is short
+    src = _arena(n, seed=3)
+    with engine_and_file(make, where, 2 * n) as (engine, fd):
+        halves = [memoryview(src)[: n // 2 // P * P], memoryview(src)[n // 2 // P * P :]]
+        writes = [make_request(IOOp.WRITE, fd, n, halves[1], "f"), make_request(IOOp.WRITE, fd, 0, halves[0], "f")]
+        assert [f.result(timeout=30) for f in engine.submit(writes)] == [halves[1].nbytes, halves[0].nbytes]
+        dst = mmap.mmap(-1, n)
+        reads = [
+            make_request(IOOp.READ, fd, 0, memoryview(dst)[: halves[0].nbytes], "f"),
+            make_request(IOOp.READ, fd, n, memoryview(dst)[halves[0].nbytes :], "f"),
+        ]
+        for f in engine.submit(reads):
+            f.result(timeout=30)
+        assert dst[:] == src[:]
 
 
 def test_libaio_more_blocks_than_queue_depth_all_complete(disk_dir: Path) -> None:
@@ -129,34 +137,24 @@ def test_libaio_completions_reaped_by_an_asyncio_loop_through_the_eventfd(disk_d
 
 @pytest.mark.parametrize(("make", "where"), ENGINES)
 def test_read_past_end_of_file_is_a_short_transfer_error(make, where) -> None:  # type: ignore[no-untyped-def]
-    engine = make()
-    with tempfile.TemporaryDirectory(dir=where) as d:
-        fd = _open(Path(d) / "f", engine, 4 * P)
+    with engine_and_file(make, where, 4 * P) as (engine, fd):
         dst = mmap.mmap(-1, 8 * P)
-        try:
-            (f,) = engine.submit([make_request(IOOp.READ, fd, 2 * P, memoryview(dst), "f")])
-            with pytest.raises(SwapIOError, match="short transfer") as info:
-                f.result(timeout=30)
-            assert info.value.errno == 0 and info.value.path == "f"
-        finally:
-            engine.close()
-            os.close(fd)
+        (f,) = engine.submit([make_request(IOOp.READ, fd, 2 * P, memoryview(dst), "f")])
+        with pytest.raises(SwapIOError, match="short transfer") as info:
+            f.result(timeout=30)
+        assert info.value.errno == 0 and info.value.path == "f"
 
 
 @pytest.mark.parametrize(("make", "where"), ENGINES)
 def test_errno_from_the_kernel_becomes_swap_io_error(make, where) -> None:  # type: ignore[no-untyped-def]
-    engine = make()
-    with tempfile.TemporaryDirectory(dir=where) as d:
-        fd = _open(Path(d) / "f", engine, 4 * P)
-        os.close(fd)  # a closed descriptor: the kernel answers EBADF
+    with engine_and_file(make, where, 4 * P) as (engine, fd):
+        closed = os.dup(fd)
+        os.close(closed)  # a closed descriptor: the kernel answers EBADF
         buf = mmap.mmap(-1, P)
-        try:
-            (f,) = engine.submit([make_request(IOOp.WRITE, fd, 0, memoryview(buf), "gone")])
-            with pytest.raises(SwapIOError) as info:
-                f.result(timeout=30)
-            assert info.value.errno == errno.EBADF and info.value.offset == 0 and info.value.nbytes == P
-        finally:
-            engine.close()
+        (f,) = engine.submit([make_request(IOOp.WRITE, closed, 0, memoryview(buf), "gone")])
+        with pytest.raises(SwapIOError) as info:
+            f.result(timeout=30)
+        assert info.value.errno == errno.EBADF and info.value.offset == 0 and info.value.nbytes == P
 
 
 def test_libaio_rejects_misaligned_requests_before_submitting(disk_dir: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -189,30 +190,45 @@ def _store_with(engine: IOEngine, d: Path, quota: int = 8 * MiB) -> SwapStore:
     return SwapStore.open([d], "job", engine, quota)
 
 
-def test_flipped_byte_in_a_swap_file_is_reported_and_the_next_good_version_reads(libaio: LibaioEngine) -> None:
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
-        store = _store_with(libaio, Path(d))
-        arena = Arena(MiB)
+@contextlib.contextmanager
+def opened_store(engine: IOEngine, where: str, quota: int = 8 * MiB) -> Iterator[SwapStore]:
+    """A store of ``_store_with`` in a fresh directory under ``where``, closed and removed at the end."""
+    with tempfile.TemporaryDirectory(dir=where) as d:
+        store = _store_with(engine, Path(d), quota)
         try:
-            store.write("w", arena.fill(0, 4 * P, 1)).result(timeout=30)
-            record = store.record("w")
-            assert record is not None and record.current is not None
-            extent = record.current.extents[0]
-            with open(store.paths[0], "r+b") as f:
-                f.seek(extent.offset + 3 * P + 17)
-                byte = f.read(1)
-                f.seek(extent.offset + 3 * P + 17)
-                f.write(bytes([byte[0] ^ 0x40]))
-            out = arena.view[8 * P : 12 * P]
-            with pytest.raises(CorruptionError) as info:
-                store.read("w", out).result(timeout=30)
-            assert (info.value.key, info.value.path, info.value.offset) == ("w", str(store.paths[0]), extent.offset)
-            assert store.stats().corruptions == 1
-            store.write("w", arena.fill(0, 4 * P, 2)).result(timeout=30)  # a fresh extent: reads fine again
-            store.read("w", out).result(timeout=30)
-            assert bytes(out) == expected(4 * P, 2)
+            yield store
         finally:
             store.close(remove=True)
+
+
+@contextlib.contextmanager
+def faulty_store(libaio: LibaioEngine) -> Iterator[tuple[FaultyEngine, SwapStore, Arena]]:
+    """A store on this disk over a ``FaultyEngine`` around ``libaio`` (to inject faults into), and a 1 MiB arena."""
+    engine = FaultyEngine(libaio)
+    with opened_store(engine, "/var/tmp") as store:
+        yield engine, store, Arena(MiB)
+
+
+def test_flipped_byte_in_a_swap_file_is_reported_and_the_next_good_version_reads(libaio: LibaioEngine) -> None:
+    with opened_store(libaio, "/var/tmp") as store:
+        arena = Arena(MiB)
+        store.write("w", arena.fill(0, 4 * P, 1)).result(timeout=30)
+        record = store.record("w")
+        assert record is not None and record.current is not None
+        extent = record.current.extents[0]
+        with open(store.paths[0], "r+b") as f:
+            f.seek(extent.offset + 3 * P + 17)
+            byte = f.read(1)
+            f.seek(extent.offset + 3 * P + 17)
+            f.write(bytes([byte[0] ^ 0x40]))
+        out = arena.view[8 * P : 12 * P]
+        with pytest.raises(CorruptionError) as info:
+            store.read("w", out).result(timeout=30)
+        assert (info.value.key, info.value.path, info.value.offset) == ("w", str(store.paths[0]), extent.offset)
+        assert store.stats().corruptions == 1
+        store.write("w", arena.fill(0, 4 * P, 2)).result(timeout=30)  # a fresh extent: reads fine again
+        store.read("w", out).result(timeout=30)
+        assert bytes(out) == expected(4 * P, 2)
 
 
 def test_truncated_swap_file_is_reported_on_read_and_after_reopen(libaio: LibaioEngine) -> None:
@@ -240,112 +256,84 @@ def test_truncated_swap_file_is_reported_on_read_and_after_reopen(libaio: Libaio
 
 @pytest.mark.parametrize("kind", [FaultKind.ERRNO, FaultKind.SHORT])
 def test_failed_write_keeps_the_previous_version_readable(libaio: LibaioEngine, kind: FaultKind) -> None:
-    engine = FaultyEngine(libaio)
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
-        store = _store_with(engine, Path(d))
-        arena = Arena(MiB)
-        try:
-            store.write("k", arena.fill(0, 8 * P, 1)).result(timeout=30)
-            used = store.stats().used_nbytes
-            engine.inject(Fault(IOOp.WRITE, kind))
-            with pytest.raises(SwapIOError) as info:
-                store.write("k", arena.fill(0, 8 * P, 2)).result(timeout=30)
-            assert info.value.errno == (errno.EIO if kind is FaultKind.ERRNO else 0)
-            assert store.stats().used_nbytes == used  # the new extent was given back
-            out = arena.view[64 * P : 72 * P]
-            store.read("k", out).result(timeout=30)
-            assert bytes(out) == expected(8 * P, 1)
-            store.write("k", arena.fill(0, 8 * P, 3)).result(timeout=30)  # the key is writable again
-        finally:
-            store.close(remove=True)
+    with faulty_store(libaio) as (engine, store, arena):
+        store.write("k", arena.fill(0, 8 * P, 1)).result(timeout=30)
+        used = store.stats().used_nbytes
+        engine.inject(Fault(IOOp.WRITE, kind))
+        with pytest.raises(SwapIOError) as info:
+            store.write("k", arena.fill(0, 8 * P, 2)).result(timeout=30)
+        assert info.value.errno == (errno.EIO if kind is FaultKind.ERRNO else 0)
+        assert store.stats().used_nbytes == used  # the new extent was given back
+        out = arena.view[64 * P : 72 * P]
+        store.read("k", out).result(timeout=30)
+        assert bytes(out) == expected(8 * P, 1)
+        store.write("k", arena.fill(0, 8 * P, 3)).result(timeout=30)  # the key is writable again
 
 
 @pytest.mark.parametrize("kind", [FaultKind.ERRNO, FaultKind.SHORT])
 def test_failed_read_raises_and_the_data_stays_readable(libaio: LibaioEngine, kind: FaultKind) -> None:
-    engine = FaultyEngine(libaio)
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
-        store = _store_with(engine, Path(d))
-        arena = Arena(MiB)
-        try:
-            store.write("k", arena.fill(0, 8 * P, 4)).result(timeout=30)
-            engine.inject(Fault(IOOp.READ, kind))
-            out = arena.view[64 * P : 72 * P]
-            with pytest.raises(SwapIOError) as info:
-                store.read("k", out).result(timeout=30)
-            assert info.value.path == str(store.paths[0])
+    with faulty_store(libaio) as (engine, store, arena):
+        store.write("k", arena.fill(0, 8 * P, 4)).result(timeout=30)
+        engine.inject(Fault(IOOp.READ, kind))
+        out = arena.view[64 * P : 72 * P]
+        with pytest.raises(SwapIOError) as info:
             store.read("k", out).result(timeout=30)
-            assert bytes(out) == expected(8 * P, 4)
-        finally:
-            store.close(remove=True)
+        assert info.value.path == str(store.paths[0])
+        store.read("k", out).result(timeout=30)
+        assert bytes(out) == expected(8 * P, 4)
 
 
 def test_write_while_a_write_of_the_same_key_is_in_flight_is_refused(threads: ThreadEngine) -> None:
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        store = _store_with(threads, Path(d))
+    with opened_store(threads, "/dev/shm") as store:
         arena = Arena(4 * MiB)
-        try:
-            first = store.write("k", arena.fill(0, 2 * MiB, 1))
-            if not first.done():
-                with pytest.raises(InvalidState, match="in flight"):
-                    store.write("k", arena.view[2 * MiB : 3 * MiB])
-            first.result(timeout=30)
-        finally:
-            store.close(remove=True)
+        first = store.write("k", arena.fill(0, 2 * MiB, 1))
+        if not first.done():
+            with pytest.raises(InvalidState, match="in flight"):
+                store.write("k", arena.view[2 * MiB : 3 * MiB])
+        first.result(timeout=30)
 
 
 def test_failed_fsync_at_commit_reports_lost_keys_and_rolls_them_back(threads: ThreadEngine) -> None:
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        store = _store_with(threads, Path(d))
+    with opened_store(threads, "/dev/shm") as store:
         arena = Arena(MiB)
-        try:
-            store.write("old", arena.fill(0, P, 1)).result(timeout=30)
+        store.write("old", arena.fill(0, P, 1)).result(timeout=30)
+        store.commit()
+        store.write("old", arena.fill(0, P, 2)).result(timeout=30)
+        store.write("new", arena.fill(0, P, 3)).result(timeout=30)
+        blocker = store.manifest_path.with_name(store.manifest_path.name + ".tmp")
+        blocker.mkdir()  # the manifest's temp name is taken by a directory: writing it fails with EISDIR
+        with pytest.raises(DataLostError) as info:
             store.commit()
-            store.write("old", arena.fill(0, P, 2)).result(timeout=30)
-            store.write("new", arena.fill(0, P, 3)).result(timeout=30)
-            blocker = store.manifest_path.with_name(store.manifest_path.name + ".tmp")
-            blocker.mkdir()  # the manifest's temp name is taken by a directory: writing it fails with EISDIR
-            with pytest.raises(DataLostError) as info:
-                store.commit()
-            assert sorted(info.value.keys) == ["new", "old"]
-            assert store.keys() == ["old"]
-            store.read("old", arena.view[:P]).result(timeout=30)
-            assert bytes(arena.view[:P]) == expected(P, 1)
-            blocker.rmdir()
-            store.commit()
-        finally:
-            store.close(remove=True)
+        assert sorted(info.value.keys) == ["new", "old"]
+        assert store.keys() == ["old"]
+        store.read("old", arena.view[:P]).result(timeout=30)
+        assert bytes(arena.view[:P]) == expected(P, 1)
+        blocker.rmdir()
+        store.commit()
 
 
 def test_quota_exhaustion_is_a_swap_full_error_before_any_io(threads: ThreadEngine) -> None:
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        store = SwapStore.open([d], "job", threads, MiB)
+    with opened_store(threads, "/dev/shm", quota=MiB) as store:
         arena = Arena(2 * MiB)
-        try:
-            store.write("a", arena.fill(0, MiB // 2, 1)).result(timeout=30)
-            with pytest.raises(SwapFullError, match="is full") as info:
-                store.write("b", arena.fill(0, MiB, 2))
-            assert info.value.requested == MiB
-            assert "b" not in store
-            store.reserve(MiB)
-            store.write("b", arena.fill(0, MiB, 2)).result(timeout=30)
-        finally:
-            store.close(remove=True)
+        store.write("a", arena.fill(0, MiB // 2, 1)).result(timeout=30)
+        with pytest.raises(SwapFullError, match="is full") as info:
+            store.write("b", arena.fill(0, MiB, 2))
+        assert info.value.requested == MiB
+        assert "b" not in store
+        store.reserve(MiB)
+        store.write("b", arena.fill(0, MiB, 2)).result(timeout=30)
 
 
 def test_rewriting_a_full_store_commits_to_reclaim_the_old_copies(threads: ThreadEngine) -> None:
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        store = SwapStore.open([d], "job", threads, MiB)
+    with opened_store(threads, "/dev/shm", quota=MiB) as store:
         arena = Arena(MiB)
-        try:
-            store.write("a", arena.fill(0, MiB // 2, 0)).result(timeout=30)
-            store.commit()
-            for i in range(1, 5):  # the committed copy stays until a commit: the second rewrite finds no room
-                store.write("a", arena.fill(0, MiB // 2, i)).result(timeout=30)
-            store.read("a", arena.view[: MiB // 2]).result(timeout=30)
-            assert bytes(arena.view[: MiB // 2]) == expected(MiB // 2, 4)
-            assert store.stats().commits >= 2
-        finally:
-            store.close(remove=True)
+        store.write("a", arena.fill(0, MiB // 2, 0)).result(timeout=30)
+        store.commit()
+        for i in range(1, 5):  # the committed copy stays until a commit: the second rewrite finds no room
+            store.write("a", arena.fill(0, MiB // 2, i)).result(timeout=30)
+        store.read("a", arena.view[: MiB // 2]).result(timeout=30)
+        assert bytes(arena.view[: MiB // 2]) == expected(MiB // 2, 4)
+        assert store.stats().commits >= 2
 
 
 def test_full_filesystem_is_an_admission_error_naming_the_directory(threads: ThreadEngine) -> None:
