@@ -43,9 +43,14 @@ def test_free_coalesces_with_both_neighbors() -> None:
     assert alloc.largest_free == 8 * A and alloc.blocks == 0
 
 
-def test_double_free_raises_invalid_state() -> None:
+def one_block() -> tuple[Allocator, Block]:
+    """An allocator of four blocks' room holding one live block."""
     alloc = Allocator(4 * A)
-    block = alloc.alloc(A)
+    return alloc, alloc.alloc(A)
+
+
+def test_double_free_raises_invalid_state() -> None:
+    alloc, block = one_block()
     alloc.free(block)
     assert block.state is BlockState.FREED
     with pytest.raises(InvalidState, match="double free"):
@@ -61,16 +66,14 @@ def test_freeing_a_block_from_another_allocator_raises() -> None:
 
 
 def test_freed_block_cannot_be_pinned() -> None:
-    alloc = Allocator(4 * A)
-    block = alloc.alloc(A)
+    alloc, block = one_block()
     alloc.free(block)
     with pytest.raises(InvalidState):
         alloc.pin(block)
 
 
 def test_pinned_block_cannot_be_freed_and_unpin_below_zero_raises() -> None:
-    alloc = Allocator(4 * A)
-    block = alloc.alloc(A)
+    alloc, block = one_block()
     alloc.pin(block)
     with pytest.raises(InvalidState, match="pin"):
         alloc.free(block)
