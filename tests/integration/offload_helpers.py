@@ -146,6 +146,22 @@ def train(
     return losses
 
 
+def assert_trains_like(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    ref_model: nn.Module,
+    ref: torch.optim.Optimizer,
+    batches: Sequence[Batch],
+    loss_fn: LossFn,
+) -> None:
+    """``train`` each model with its optimizer on ``batches``: the params and the Adam state agree (default
+    fp32 tolerances)."""
+    train(model, opt, batches, loss_fn)
+    train(ref_model, ref, batches, loss_fn)
+    assert_params_close(model, ref_model)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+
+
 def scaled_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> bool:
     """``opt.step()``, through ``scaler`` (step, then update) when there is one; True when the scaler skipped
     the step (it lowered its scale: an inf or nan grad)."""

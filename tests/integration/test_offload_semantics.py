@@ -33,6 +33,7 @@ from offload_helpers import (
     assert_params_close,
     assert_params_equal,
     assert_state_close,
+    assert_trains_like,
     cpu_adam,
     max_param_diff,
     offload_and_adamw,
@@ -66,11 +67,7 @@ def test_no_hyper_parameters_trains_like_torch_adamw_defaults(offload: OffloadDa
     ref = torch.optim.AdamW(m_ref.parameters())
     for name in ("lr", "betas", "eps", "weight_decay", "maximize"):
         assert opt.param_groups[0][name] == ref.param_groups[0][name], name
-    batches = mlp_batches(8, fixed=False)
-    train(m_off, opt, batches, mlp_loss)
-    train(m_ref, ref, batches, mlp_loss)
-    assert_params_close(m_off, m_ref)
-    assert_state_close(opt.state_dict(), ref.state_dict())
+    assert_trains_like(m_off, opt, m_ref, ref, mlp_batches(8, fixed=False), mlp_loss)
 
 
 def test_adamw_false_with_no_hyper_parameters_trains_like_torch_adam_defaults(
@@ -81,11 +78,7 @@ def test_adamw_false_with_no_hyper_parameters_trains_like_torch_adam_defaults(
     opt = offload.make(m_off.parameters(), offload=tier, adamw=False)
     ref = torch.optim.Adam(m_ref.parameters())
     assert opt.param_groups[0]["weight_decay"] == ref.param_groups[0]["weight_decay"] == 0
-    batches = mlp_batches(8, fixed=False)
-    train(m_off, opt, batches, mlp_loss)
-    train(m_ref, ref, batches, mlp_loss)
-    assert_params_close(m_off, m_ref)
-    assert_state_close(opt.state_dict(), ref.state_dict())
+    assert_trains_like(m_off, opt, m_ref, ref, mlp_batches(8, fixed=False), mlp_loss)
 
 
 # ----------------------------------------------------------------------------- params and grads edited by the loop
