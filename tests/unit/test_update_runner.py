@@ -340,6 +340,26 @@ def test_run_adopts_the_params_into_the_master_before_the_update(pool: BufferPoo
     state.close()
 
 
+def test_run_of_fp32_params_kept_with_a_master_updates_the_params_and_writes_the_master(
+    pool: BufferPool, scheduler: CpuScheduler
+) -> None:
+    """The NVMe placement keeps a master beside fp32 params: the update reads the params (an edit is its
+    input, with no compare pass) and writes the result to the master in the same call."""
+    state = CpuStateChunks(pool, NUMEL, CHUNK_NUMEL, owner=TENANT)  # a master that differs from the params
+    records = make_records("float32")
+    tgt = target(torch.float32)
+    kernel = RecordingKernel(tgt.grads)
+    runner = UpdateRunner(kernel, scheduler, TENANT)
+    runner.run(state, advance(records, [0, 1, 2, 3]), tgt, grad_scale=1.0)
+    assert kernel.calls
+    itemsize = tgt.params.element_size()
+    for call in kernel.calls:
+        assert call.master_ptr == tgt.params.data_ptr() + call.lo * itemsize
+        assert call.out_ptr is not None and call.out_ptr != call.master_ptr
+    assert runner.adopted == 0
+    state.close()
+
+
 def test_run_of_a_delayed_step_neither_adopts_nor_writes_params(pool: BufferPool, scheduler: CpuScheduler) -> None:
     state = CpuStateChunks(pool, NUMEL, CHUNK_NUMEL, owner=TENANT)
     records = make_records("bfloat16")

@@ -200,7 +200,12 @@ class UpdateRunner:
                     if tensors.master is None:
                         raise InvalidState("the rank keeps no master, but its params are not in the storage")
                     master = tensors.master[a - c0 : b - c0]
-                    if target.write_params and params is not None:
+                    if target.write_params and params is not None and params.dtype == torch.float32:
+                        # fp32 params kept with a master (the NVMe placement persists it): the params, edits
+                        # and all, are what the update starts from; the master gets the result in the same
+                        # pass, instead of a compare pass to adopt edits and a copy back
+                        master, out = params, master
+                    elif target.write_params and params is not None:
                         self.adopted += adopt_edits(master, params)
                         out = params
                 if target.grads is not None:

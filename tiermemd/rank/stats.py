@@ -69,6 +69,8 @@ class RankStats:
     storage_nbytes: Annotated[int, gauge(STORAGE, JOB_STORAGE)]
     state_keys: int
     adopted_elements: int
+    """Elements of low-precision params whose in-place edits were taken into the fp32 master (fp32 params
+    are the update's input themselves: their edits need no adopting)."""
     updates: Annotated[int, counter(UPDATES)]
     """Adam updates (one per applied step or overlapped bucket) that completed."""
     updated_elements: Annotated[int, counter(UPDATED, JOB_UPDATED)]
