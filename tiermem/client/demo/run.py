@@ -42,7 +42,8 @@ def _factories(
                 weight_decay=0.01,
                 offload=kind,
                 delayed_update=delayed,
-                overlap_update=not delayed,  # buckets are updated as backward produces them
+                # the synchronous update: this demo trains on the CPU, where an update overlapped with
+                # backward competes with it for the same cores (measured 1.12-1.15x AdamW against 1.08x)
                 warmup_steps=max(10, args.steps // 3),  # DPU after the first, fastest-moving third
                 client=connect(daemon_socket, embed=False),
             )
