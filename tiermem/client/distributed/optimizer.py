@@ -166,6 +166,8 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         """The global norm of the last applied step's unscaled grads, when it computed one (clipping or a
         scaler); a skipped step leaves it as it was."""
         self.last_found_inf = False
+        self._global_found_inf: dict[torch.device, torch.Tensor] | None = None
+        """This step's found-inf flags from ``ShardedGradScaler`` (``take_found_inf``)."""
         self._skipped_here = 0
         """Skips of a rank that owns no element (no inner optimizer, so no daemon rank counts them)."""
         params_ = self._params()
@@ -390,13 +392,18 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the step
 
+    def take_found_inf(self, per_device: dict[torch.device, torch.Tensor]) -> None:
+        """``ShardedGradScaler``'s found-inf flags of this step, already global (all-reduced over the group);
+        ``step()`` sets them too when the reduced grads overflow, so the scaler backs off as every rank does."""
+        self._global_found_inf = per_device
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure_loss(closure)
         grad_scale = getattr(self, "grad_scale", False)
         found_inf = getattr(self, "found_inf", None)
         scaled = grad_scale is not False
-        global_flags = getattr(self, "_global_found_inf", None)
+        global_flags, self._global_found_inf = self._global_found_inf, None
         if scaled and global_flags is None:
             raise InvalidState(
                 "a torch.amp.GradScaler checks only this rank's grads for inf/nan, so the ranks would skip "
@@ -579,7 +586,8 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             grads.append(pp.grad)
         if not self.overlap_comm:
             while self._next >= 0:  # bucket by bucket through the shared buffers
-                self._launch(params, self._next, async_op=False, own=False).finish(self, self._next, stats, grads)
+                reduce = self._launch(params, self._next, async_op=False, own=False)
+                self._finish_reduce(reduce, self._next, stats, grads)
                 self._next -= 1
             return grads
         order = range(len(self.layout.buckets) - 1, -1, -1)
@@ -605,8 +613,21 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         for b in again:
             self._reduces[b] = self._launch(params, b, async_op=False, own=True)
         for b in order:
-            self._reduces[b].finish(self, b, stats, grads)
+            self._finish_reduce(self._reduces[b], b, stats, grads)
         return grads
+
+    def _finish_reduce(self, reduce: _Reduce, b: int, stats: torch.Tensor | None, grads: list[torch.Tensor]) -> None:
+        """Bucket ``b``'s reduce landed: the mean (DDP's), the slice's sum of squares into ``stats[0]``, and the
+        pieces' grads (copied out of the transfer buffer unless it was the daemon's grad buffer itself)."""
+        out = reduce.out
+        if self.world_size > 1:
+            out.div_(self.world_size)
+        if stats is not None:
+            stats[0] += out.double().square().sum()
+        if self._grad_slices[b] is None:
+            for i in self._by_bucket[b]:
+                piece = self.pieces[i]
+                grads[i].copy_(out[piece.at : piece.at + piece.numel])
 
     def _wait(self, reduce: _Reduce) -> None:
         if reduce.work is not None:
@@ -641,7 +662,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
     @property
     def params_behind(self) -> bool:
         """Whether this rank's daemon holds an update that the model does not have yet (``flush()``)."""
-        return self.inner is not None and bool(self.inner._inflight)
+        return self.inner is not None and self.inner.update_in_flight
 
     def _pull_params_into_pieces(self, params: list[torch.nn.Parameter]) -> None:
         for piece, pp in zip(self.pieces, self._piece_params, strict=True):
@@ -783,18 +804,6 @@ class _Reduce:
     work: Any
     out: torch.Tensor
     seen: list[tuple[torch.Tensor | None, int]]
-
-    def finish(self, opt: ShardedOffloadAdam, b: int, stats: torch.Tensor | None, grads: list[torch.Tensor]) -> None:
-        """The mean (DDP's), the slice's sum of squares into ``stats[0]``, and the pieces' grads."""
-        out = self.out
-        if opt.world_size > 1:
-            out.div_(opt.world_size)
-        if stats is not None:
-            stats[0] += out.double().square().sum()
-        if opt._grad_slices[b] is None:
-            for i in opt._by_bucket[b]:
-                piece = opt.pieces[i]
-                grads[i].copy_(out[piece.at : piece.at + piece.numel])
 
 
 def _run_from(base: torch.Tensor, first: torch.Tensor, numel: int) -> torch.Tensor:

@@ -424,7 +424,7 @@ class ShardedPagedAdam(Zero3Optimizer):
 
     # ----------------------------------------------------------------- the step
 
-    def _unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+    def unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
         """``ShardedGradScaler``'s check of this rank's reduced shards (``ShardGrads.check``)."""
         self.pager.check()  # grads set by hand land now, every push is done
         return self.grads.check(inv_scale, found_inf)

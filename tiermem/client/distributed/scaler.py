@@ -12,7 +12,7 @@ can).  Everything else is torch's ``GradScaler``.
 The ZeRO-3 optimizers (``LayerShardedAdam(paged=True)``, ``ShardedPagedAdam``)
 hold no grads in the trainer: each owner's reduced grads went to its daemon
 as they landed, and the owner recorded whether any was non-finite.  For them
-the scaler asks the optimizer (``_unscale_shards``) for those flags instead of
+the scaler asks the optimizer (``unscale_shards``) for those flags instead of
 looking at ``param_groups``; the unscaling itself happens in the daemon (the
 inverse scale is part of the STEP's grad scale), and the flags are
 all-reduced the same way.
@@ -36,7 +36,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
-        shards = getattr(optimizer, "_unscale_shards", None)
+        shards = getattr(optimizer, "unscale_shards", None)
         per_device: dict[torch.device, torch.Tensor]
         if shards is not None:  # the grads are in the owners' daemons: the owner knows whether its overflowed
             per_device = {found_inf.device: shards(inv_scale, found_inf)}
@@ -46,7 +46,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if dist.is_available() and dist.is_initialized():
             for flag in per_device.values():
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        optimizer._global_found_inf = per_device  # type: ignore[attr-defined]
+        take = getattr(optimizer, "take_found_inf", None)
+        if take is not None:  # ZeRO-2: the optimizer raises the flags when its reduced grads overflow
+            take(per_device)
         return per_device
 
 

@@ -379,7 +379,7 @@ class LayerShardedAdam(Zero3Optimizer):
         count where this rank owns layers, kept across a relaunch)."""
         return self.inner.skipped_steps if self.inner is not None else self._skipped_here
 
-    def _unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+    def unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
         """``ShardedGradScaler``'s check of this owner's reduced grads (``ShardGrads.check``)."""
         if not self.paged:
             raise InvalidState(

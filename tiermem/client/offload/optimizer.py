@@ -507,6 +507,11 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         return self._steps_sent
 
     @property
+    def update_in_flight(self) -> bool:
+        """Whether a delayed update runs in the daemon whose params the model does not have yet (``flush``)."""
+        return bool(self._inflight)
+
+    @property
     def skipped_steps(self) -> int:
         """Steps skipped so far (``GradScaler`` overflows; the daemon's count)."""
         return self._skipped
