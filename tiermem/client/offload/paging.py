@@ -242,6 +242,7 @@ class ParamPager(PagedState):
         self.grad_nbytes = 0
         self.peak_grad_nbytes = 0
         self.counters = collections.Counter[str]()
+        self._requests_at_reset = self.transfer.requests
         self._io = ThreadPoolExecutor(1, thread_name_prefix="tiermem-pager")
         self._pushes: collections.deque[tuple[Future[None], int]] = collections.deque()
         self._present: dict[int, PagedParam] = {}
@@ -615,9 +616,12 @@ class ParamPager(PagedState):
     # ----------------------------------------------------------------- figures
 
     def stats(self) -> dict[str, float]:
-        """Peak and current device bytes, bytes fetched and pushed, fetch counts, and time spent waiting."""
+        """Peak and current device bytes, bytes fetched and pushed, fetch counts, time spent waiting, and
+        ``requests``: the state reads and writes sent to the daemon through the optimizer's transfer (one per
+        staging-window slot filled; the pager's fetches and pushes, and any other use of that transfer)."""
         out = {k: float(v) for k, v in self.counters.items()}
         out.update(
+            requests=float(self.transfer.requests - self._requests_at_reset),
             device_budget=float(self.budget),
             nbytes=float(self.nbytes),
             peak_nbytes=float(self.peak_nbytes),
@@ -629,6 +633,7 @@ class ParamPager(PagedState):
 
     def reset_stats(self) -> None:
         self.counters.clear()
+        self._requests_at_reset = self.transfer.requests
         self.peak_nbytes = self.nbytes
         self.peak_grad_nbytes = self.grad_nbytes
         self.events.clear()

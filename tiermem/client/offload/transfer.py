@@ -5,6 +5,7 @@ The staging window is bounded (``jobs.window_size`` or the client's
 one STATE_READ / STATE_WRITE request; the window is a ring of slots and the
 requests are pipelined (``StateTransfer``).  ``state_dict`` and
 ``load_state_dict`` build ``torch.optim.AdamW``'s format on top of this.
+``StateTransfer.requests`` counts the requests sent (one per piece).
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ class StateTransfer:
             raise InvalidArgument(f"slots must be >= 1, got {slots}")
         self.client = client
         self.slots = slots
+        self.requests = 0
+        """Requests sent to the daemon (STATE_READ and STATE_WRITE, one per piece), since this was made."""
 
     def _ring(self) -> list[tuple[MemRef, torch.Tensor]]:
         info = self.client.info
@@ -154,6 +157,7 @@ class StateTransfer:
                     piece = flat[start : start + per]
                     buf[: piece.numel()].copy_(piece)
                     src = MemRef(ref.window, ref.offset, piece.numel() * 4)
+                    self.requests += 1
                     yield StateWrite(
                         tensor_id=tid, key=key, offset=start * 4, src=src, step=step, accumulate=accumulate
                     )
@@ -176,12 +180,14 @@ class StateTransfer:
                 if numel == 0:  # a zero-length read answers the step count
                     ref, buf = ring[len(plan) % len(ring)]
                     plan.append((j, None, buf))
+                    self.requests += 1
                     yield StateRead(tensor_id=tid, key="exp_avg", offset=0, dest=MemRef(ref.window, ref.offset, 0))
                     continue
                 for start in range(0, numel, per):
                     n = min(per, numel - start)
                     ref, buf = ring[len(plan) % len(ring)]
                     plan.append((j, flat[start : start + n], buf[:n]))
+                    self.requests += 1
                     yield StateRead(
                         tensor_id=tid, key=key, offset=start * 4, dest=MemRef(ref.window, ref.offset, n * 4)
                     )
