@@ -44,7 +44,7 @@ from tiermem.client.distributed.scaler import shard_scaler_inputs
 from tiermem.client.link import Client
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.core.errors import InvalidArgument, InvalidState, RankLost
-from tiermem.core.modes import Exchange, Placement, StepMode
+from tiermem.core.modes import Placement
 from tiermem.core.step_rules import GradStats, StepDecision, decide
 
 __all__ = ["RankGroup", "ShardGrads", "check_max_grad_norm"]
@@ -100,30 +100,12 @@ class RankGroup:
         self.job_id, self.token = agree_identity(self.collective, self.group, self.rank, job_id, token)
         return self.job_id, self.token
 
-    def node_client(
-        self,
-        numel: int,
-        *,
-        dtype: str,
-        offload: str | Placement,
-        window_nbytes: int | None = None,
-        exchange: Exchange = Exchange.SHARED,
-        mode: StepMode = StepMode.SYNC,
-        release_grads: bool = False,
-    ) -> Client:
-        """This rank's client of its node's daemon, for an inner optimizer of ``numel`` elements (``node``)."""
-        return node_client(
-            self.collective,
-            self.rank,
-            self.world_size,
-            numel,
-            dtype=dtype,
-            placement=Placement.parse(offload, "offload"),
-            window_nbytes=window_nbytes,
-            exchange=exchange,
-            mode=mode,
-            release_grads=release_grads,
-        )
+    def node_client(self, numel: int, *, offload: str | Placement, **plan: Any) -> Client:
+        """This rank's client of its node's daemon, for an inner optimizer of ``numel`` elements; ``plan``:
+        the inner optimizer's ``dtype``, ``window_nbytes``, ``exchange``, ``mode``, ``release_grads``
+        (``node``, which sizes a private daemon for every rank of the node)."""
+        placement = Placement.parse(offload, "offload")
+        return node_client(self.collective, self.rank, self.world_size, numel, placement=placement, **plan)
 
     def inner_optimizer(self, params: list[Any], client: Client | None, **options: Any) -> OffloadAdam:
         """This rank's ``OffloadAdam`` (``options``: its arguments) in the agreed job (``agree_identity``), as

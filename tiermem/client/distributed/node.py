@@ -42,7 +42,7 @@ def node_client(
     *,
     dtype: str,
     placement: Placement,
-    window_nbytes: int | None,
+    window_nbytes: int | None = None,
     exchange: Exchange = Exchange.SHARED,
     mode: StepMode = StepMode.SYNC,
     release_grads: bool = False,

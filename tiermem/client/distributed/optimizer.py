@@ -88,7 +88,14 @@ import torch.distributed as dist
 from tiermem.client.distributed.group import RankGroup, check_max_grad_norm
 from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.link import Client
-from tiermem.client.offload.args import check_hyper, check_torch_flags, closure_loss, copy_hyper, optimizer_defaults
+from tiermem.client.offload.args import (
+    check_hyper,
+    check_torch_flags,
+    closure_loss,
+    copy_hyper,
+    hyper_of,
+    optimizer_defaults,
+)
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.shared import TensorEntry
 from tiermem.client.offload.transfer import adopt_saved_groups, packed_groups, plan_load
@@ -207,9 +214,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             )
         self._attach(
             client,
-            lambda: self._make_inner(
-                inner_groups, client, offload, adamw, window_nbytes, expected_step, rollback, hyper
-            ),
+            lambda: self._make_inner(inner_groups, client, offload, window_nbytes, expected_step, rollback),
         )
         largest = self.layout.largest_bucket()
         self._flat = torch.empty(largest, dtype=self.dtype.torch, device=self.device)
@@ -254,8 +259,7 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
             members = [pp for pp, pc in zip(self._piece_params, self.pieces, strict=True) if group_of[pc.param] == g]
             if members:
                 self._inner_of_group[g] = len(inner_groups)
-                entry = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "maximize")}
-                inner_groups.append({"params": members, **entry, "adamw": group["adamw"]})
+                inner_groups.append({"params": members, **hyper_of(group)})
         return inner_groups
 
     def _attach(self, client: Client | None, make_inner: Callable[[], None]) -> None:
@@ -333,24 +337,17 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         groups: list[dict[str, Any]],
         client: Client | None,
         offload: str | Placement,
-        adamw: bool,
         window_nbytes: int | None,
         expected_step: int | None,
         rollback: bool,
-        hyper: Any,
     ) -> None:
         if not groups:
             if client is not None:
                 client.close()  # this rank owns no element (more ranks than elements): nothing to keep
             return
         self.inner = self.group.inner_optimizer(
-            groups,
+            groups,  # each with its group's hyper-parameters
             client,
-            lr=hyper.lr,
-            betas=hyper.betas,
-            eps=hyper.eps,
-            weight_decay=hyper.weight_decay,
-            adamw=adamw,
             offload=offload,
             exchange=Exchange.SHARED,
             window_nbytes=window_nbytes,

@@ -78,7 +78,7 @@ from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.distributed.reshard import describe_params, is_rank_file
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
 from tiermem.client.link import Client
-from tiermem.client.offload.args import check_hyper, closure_loss, copy_hyper, optimizer_defaults
+from tiermem.client.offload.args import check_hyper, closure_loss, copy_hyper, hyper_of, optimizer_defaults
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
@@ -182,13 +182,8 @@ class LayerShardedAdam(Zero3Optimizer):
             client.close()  # this rank owns no layer
         else:
             self.inner = self.group.inner_optimizer(
-                flat_pieces,
+                [{"params": flat_pieces, **hyper_of(self.param_groups[0])}],
                 client,
-                lr=lr,
-                betas=betas,
-                eps=eps,
-                weight_decay=weight_decay,
-                adamw=adamw,
                 offload=offload,
                 overlap_update=not paged,
                 bucket_nbytes=1,  # one bucket per tensor: each layer's update starts when its grads are in

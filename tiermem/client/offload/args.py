@@ -56,6 +56,12 @@ def closure_loss(closure: Callable[[], float] | None) -> float | None:
         return closure()
 
 
+def hyper_of(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyper-parameters (``HYPER_KEYS``): what an inner optimizer's group over the same
+    params' shards takes."""
+    return {key: group[key] for key in HYPER_KEYS}
+
+
 def copy_hyper(
     source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]], pairs: Iterable[tuple[int, int]] | None = None
 ) -> None:

@@ -25,12 +25,23 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Feed", "hook_grads", "remove_hooks"]
+__all__ = ["Feed", "hook_grads", "remove_hooks", "zero_grads"]
 
 
 def hook_grads(params: Iterable[torch.Tensor], on_grad: Callable[[torch.Tensor], None]) -> list[Any]:
     """``on_grad`` as the post-accumulate-grad hook of each param that takes a grad; the hooks' handles."""
     return [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
+
+
+def zero_grads(
+    params: Iterable[torch.Tensor], *, set_to_none: bool, zeroed: Callable[[int, torch.Tensor], torch.Tensor]
+) -> None:
+    """``zero_grad`` over ``params`` that have a grad: None, or ``zeroed(i, grad)`` (the i-th param's grad,
+    zeroed: the feed decides where it lives)."""
+    for i, p in enumerate(params):
+        if p.grad is None:
+            continue
+        p.grad = None if set_to_none else zeroed(i, p.grad)
 
 
 def remove_hooks(handles: list[Any]) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tiermem.client.offload.feeds import hook_grads, remove_hooks
+from tiermem.client.offload.feeds import hook_grads, remove_hooks, zero_grads
 from tiermem.client.offload.policy import Buckets
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 
@@ -219,15 +219,11 @@ class SharedFeed:
     def zero(self, *, set_to_none: bool) -> None:
         """``zero_grad``: with ``set_to_none=False`` the grads become the next step's zeroed grad views (in
         the delayed mode the current buffer is still being read by the update)."""
-        for e in self.entries:
-            if e.param.grad is None:
-                continue
-            if set_to_none:
-                e.param.grad = None
-            else:
-                view = e.grad_views[self.buffer]
-                view.zero_()
-                e.param.grad = view
+        zero_grads(
+            (e.param for e in self.entries),
+            set_to_none=set_to_none,
+            zeroed=lambda i, _grad: self.entries[i].grad_views[self.buffer].zero_(),
+        )
 
     def params_of(self, ids: Sequence[int]) -> list[torch.nn.Parameter]:
         return [self.entries[i].param for i in ids]

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from tiermem.client.offload.feeds import hook_grads, remove_hooks
+from tiermem.client.offload.feeds import hook_grads, remove_hooks, zero_grads
 from tiermem.client.offload.policy import Buckets
 from tiermem.client.offload.transfer import PushItem, StateTransfer
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
@@ -313,14 +313,7 @@ class StagedFeed:
             raise DTypeError(f"{e.describe()} has a {grad.dtype} gradient; params and grads must share a dtype")
 
     def zero(self, *, set_to_none: bool) -> None:
-        for e in self.entries:
-            if e.param.grad is None:
-                continue
-            if set_to_none:
-                e.param.grad = None
-            else:
-                e.param.grad.detach_()
-                e.param.grad.zero_()
+        zero_grads((e.param for e in self.entries), set_to_none=set_to_none, zeroed=lambda _i, g: g.detach_().zero_())
 
     # the exchange
     def push_params(self, entries: list[StagedEntry] | None = None, *, only_edited: bool = True) -> int:
