@@ -14,6 +14,10 @@ as in ``bench_memory.py``, whose cgroup probe this reuses):
   params live in the daemon's NVMe state and come to the trainer a submodule
   at a time.
 
+Each mode is searched for each model dtype of ``--dtypes`` (``fp32``,
+``bf16``: the demo GPT made in that dtype; ``adamw`` in bf16 is torch's AdamW
+on the bf16 model).
+
 Search by size: from ``--start-params`` the size doubles while trials train
 ``--steps`` steps (batch ``--batch`` x ``--seq`` tokens) without being killed
 (an OOM kill in the cgroup, an error, or ``--timeout-s``), then ``--bisect``
@@ -21,6 +25,13 @@ geometric bisections between the last size that trained and the first that
 did not.  ``--max-params`` caps the search (a mode that trains the cap is
 reported as ``>=``); the NVMe modes are also capped by the free space of the
 swap directory.
+
+The private daemon's pool is ``--pool-size`` (1 GiB, its default); the NVMe
+tier's chunk cache borrows free pool memory up to all of the state, so a
+model whose state (16 B/param) fits in the pool does not touch the disk after
+its first step.  A smaller pool makes a small model page like a large one
+(the cache plan asks for whole chunks plus 4 KiB each: a pool of exactly N
+chunks, e.g. 320MiB, is refused; 352MiB works).
 
 Per mode, at its largest size: the step time (the last step), the bytes the
 daemon moved to and from the disk in that step (``/proc/<pid>/io`` of the
@@ -32,11 +43,32 @@ written bytes over fio's write bandwidth, fio (libaio, O_DIRECT, 1 MiB, QD32,
 paged mode also reports what the pager moved (params fetched, grads pushed)
 and how long the trainer waited for fetches.
 
+The NVMe modes' disk traffic against the least a layout could move
+(``LAYOUT_MIN``, the paged mode's figure for its dtype: 34 B/param for a bf16
+model, 40 for fp32), from the same last step:
+
+- bytes per param read and written (the ``/proc`` figures over the model's
+  params), their sum over the minimum (``x min``);
+- requests per step: the pager's requests to the daemon
+  (``ParamPager.stats()["requests"]``: each state read or write through the
+  staging window, one per window slot) and the disk I/O requests the daemon
+  issued (``swap.reads`` + ``swap.writes`` of its STATS reply, through
+  ``OffloadAdam.stats()``; the daemon is private, so the node's figures are
+  this trainer's), with the rank's NVMe page-ins and page-outs.  The swap
+  store counts one read or write per chunk (``adam.chunk_numel`` elements
+  with all their state keys), which its I/O engine submits as block-sized
+  AIO requests; the STATS reply does not count those;
+- the step time over the minimal-bytes disk bound (the minimum's read bytes
+  over fio's read bandwidth plus its written bytes over fio's write
+  bandwidth), beside the step time over the bound of the measured bytes.
+
     ./run.sh bench scale [--limit 4GiB] [--modes adamw,offload-cpu,offload-nvme,offload-nvme-paged]
-        [--max-params 4e9] [--device-budget 512MiB] [--json out.json]
+        [--dtypes fp32,bf16] [--max-params 4e9] [--device-budget 512MiB] [--pool-size 1GiB] [--json out.json]
 
 The goal (issue 11): the paged mode trains a model >= 10x the largest
 ``adamw`` trains in the same limit, at a step time <= 1.25x its disk bound.
+The figures next to the layout's minimum are those the redesign of param
+paging on NVMe ("params paged in their working precision") is judged on.
 """
 
 from __future__ import annotations
@@ -67,6 +99,15 @@ MODES = ("adamw", "offload-cpu", "offload-nvme", "offload-nvme-paged")
 NVME_MODES = ("offload-nvme", "offload-nvme-paged")
 STATE_BYTES = {"offload-nvme": 12, "offload-nvme-paged": 16}
 """Swap bytes per param of the NVMe modes (master, moments; the paged mode keeps its grads there too)."""
+DTYPES = ("fp32", "bf16")
+LAYOUT_MIN = {
+    ("offload-nvme-paged", "bf16"): (2 + 2 + 2 + 12, 2 + 12 + 2),
+    ("offload-nvme-paged", "fp32"): (4 + 4 + 4 + 8 + 4, 4 + 8 + 4),
+}
+"""The least disk bytes per param a paged step can move, ``(read, written)``, each byte once: bf16 reads the
+param for forward (2) and backward (2), the grad back (2) and the fp32 master, m and v (12), and writes the
+grad (2), master, m and v (12) and the new bf16 param (2): 34.  fp32 reads the param twice (4 + 4), the grad
+(4), m and v (8) and the param for the update (4), and writes the grad (4), m and v (8) and the param (4): 40."""
 
 
 def parse_size(text: str) -> int:
@@ -88,6 +129,7 @@ def parse_count(text: str) -> int:
 @dataclass
 class Trial:
     mode: str
+    dtype: str
     params: int
     status: str = "ok"
     """ok, oom, failed, timeout."""
@@ -97,22 +139,24 @@ class Trial:
     worker: dict[str, Any] = field(default_factory=dict)
 
 
-def run_trial(args: argparse.Namespace, mode: str, params: int, parent: Path, log_dir: Path) -> Trial:
-    trial = Trial(mode, params)
+def run_trial(args: argparse.Namespace, mode: str, dtype: str, params: int, parent: Path, log_dir: Path) -> Trial:
+    trial = Trial(mode, dtype, params)
     spec = {
         "mode": mode,
+        "dtype": dtype,
         "params": params,
         "steps": args.steps,
         "batch": args.batch,
         "seq": args.seq,
         "device_budget": args.device_budget,
+        "pool_size": args.pool_size,
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
     env["TIERMEM_SOCKET_PATH"] = str(log_dir / "no-such-daemon.sock")  # a private daemon, inside the cgroup
     env["TMPDIR"] = str(args.swap_dir)  # where the private daemon puts its swap files
     env["PYTHONUNBUFFERED"] = "1"
-    log_path = log_dir / f"{mode}-{params}.log"
-    probe = CgroupProbe(parent, f"tiermem-scale-{os.getpid()}-{mode}-{params}", args.limit)
+    log_path = log_dir / f"{mode}-{dtype}-{params}.log"
+    probe = CgroupProbe(parent, f"tiermem-scale-{os.getpid()}-{mode}-{dtype}-{params}", args.limit)
     t0 = time.monotonic()
     try:
         with open(log_path, "wb") as log:
@@ -159,7 +203,9 @@ def run_trial(args: argparse.Namespace, mode: str, params: int, parent: Path, lo
     return trial
 
 
-def search(args: argparse.Namespace, mode: str, parent: Path, log_dir: Path) -> tuple[Trial | None, list[Trial]]:
+def search(
+    args: argparse.Namespace, mode: str, dtype: str, parent: Path, log_dir: Path
+) -> tuple[Trial | None, list[Trial]]:
     """The largest size that trained, and every trial."""
     cap = args.max_params
     if mode in NVME_MODES:
@@ -168,10 +214,13 @@ def search(args: argparse.Namespace, mode: str, parent: Path, log_dir: Path) -> 
     trials: list[Trial] = []
 
     def attempt(n: int) -> Trial:
-        t = run_trial(args, mode, n, parent, log_dir)
+        t = run_trial(args, mode, dtype, n, parent, log_dir)
         trials.append(t)
         ok = f"{t.worker['steps'][-1]['step_s']:.2f} s/step" if t.status == "ok" else t.reason
-        print(f"  {mode:<20} {n / 1e6:>9.1f}M params: {t.status:<7} peak {t.peak_nbytes / GiB:5.2f} GiB  {ok}")
+        print(
+            f"  {mode:<20} {dtype} {n / 1e6:>9.1f}M params: {t.status:<7} peak {t.peak_nbytes / GiB:5.2f} GiB  {ok}",
+            flush=True,
+        )
         return t
 
     best: Trial | None = None
@@ -222,6 +271,26 @@ def worker(spec: dict[str, Any]) -> int:
     return 0 if "error" not in result else 1
 
 
+def _daemon_figures(opt: Any) -> dict[str, int]:
+    """The daemon's running totals of disk I/O (its STATS reply); empty for an in-process optimizer."""
+    import tiermem
+
+    if not isinstance(opt, tiermem.OffloadAdam):
+        return {}
+    stats = opt.stats()
+    swap = stats.node.swap
+    out = {
+        "swap_reads": swap.reads,
+        "swap_writes": swap.writes,
+        "swap_read_nbytes": swap.read_nbytes,
+        "swap_written_nbytes": swap.written_nbytes,
+    }
+    nvme = stats.rank.nvme
+    if nvme is not None:
+        out.update(page_ins=nvme.page_ins, page_outs=nvme.page_outs)
+    return out
+
+
 def _train(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -230,20 +299,29 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.manual_seed(0)
     mode = spec["mode"]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
     cfg = GPTConfig.for_params(spec["params"], block_size=spec["seq"])
     opt: Any
     pager = None
-    if mode == "offload-nvme-paged":
-        with torch.device("meta"):
-            model = GPT(cfg)
-        opt = tiermem.OffloadAdam(model.parameters(), lr=1e-4, offload="nvme", exchange="staged")
-        pager = tiermem.offload_params(model, opt, device_budget=spec["device_budget"], prefetch=2, init=GPT._init)
-    else:
-        model = GPT(cfg)
-        if mode == "adamw":
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the model is made in its dtype, never as an fp32 copy first
+    try:
+        if mode == "offload-nvme-paged":
+            with torch.device("meta"):
+                model = GPT(cfg)
         else:
-            opt = tiermem.OffloadAdam(model.parameters(), lr=1e-4, offload=mode.removeprefix("offload-"))
+            model = GPT(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    if mode == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        client = tiermem.connect(pool_size=spec["pool_size"])  # the private daemon (no other is reachable)
+        if mode == "offload-nvme-paged":
+            opt = tiermem.OffloadAdam(model.parameters(), lr=1e-4, offload="nvme", exchange="staged", client=client)
+            pager = tiermem.offload_params(model, opt, device_budget=spec["device_budget"], prefetch=2, init=GPT._init)
+        else:
+            opt = tiermem.OffloadAdam(model.parameters(), lr=1e-4, offload=mode.removeprefix("offload-"), client=client)
     numel = cfg.num_params()
     daemon = getattr(getattr(opt, "client", None), "daemon", None)
     daemon_pid = daemon.process.pid if daemon is not None else None
@@ -252,6 +330,7 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
     for _ in range(spec["steps"]):
         x = torch.randint(0, cfg.vocab_size, (spec["batch"], cfg.block_size), generator=g)
         y = torch.randint(0, cfg.vocab_size, (spec["batch"], cfg.block_size), generator=g)
+        figures0 = _daemon_figures(opt)  # outside the timed step: a STATS round trip
         io0 = _io(daemon_pid) if daemon_pid else (0, 0)
         if pager is not None:
             pager.reset_stats()
@@ -262,20 +341,32 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
         step_s = time.perf_counter() - t0
         io1 = _io(daemon_pid) if daemon_pid else (0, 0)
+        figures1 = _daemon_figures(opt)
         row: dict[str, Any] = {
             "step_s": step_s,
             "loss": float(loss.detach()),
             "read_nbytes": io1[0] - io0[0],
             "write_nbytes": io1[1] - io0[1],
         }
+        if figures1:
+            row["daemon"] = {k: v - figures0[k] for k, v in figures1.items()}
         if pager is not None:
             stats = pager.stats()
             row["pager"] = {
                 k: stats.get(k, 0.0)
-                for k in ("fetched_nbytes", "pushed_nbytes", "fetch_wait_us", "push_wait_us", "peak_nbytes")
+                for k in (
+                    "fetched_nbytes",
+                    "pushed_nbytes",
+                    "fetch_wait_us",
+                    "push_wait_us",
+                    "peak_nbytes",
+                    "fetches",
+                    "prefetches",
+                    "requests",
+                )
             }
         steps.append(row)
-    out = {"numel": numel, "config": asdict(cfg), "steps": steps}
+    out = {"numel": numel, "dtype": spec["dtype"], "config": asdict(cfg), "steps": steps}
     if hasattr(opt, "close"):
         opt.close()
     return out
@@ -284,11 +375,17 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- report
 
 
-def summarize(mode: str, best: Trial | None, fio_bw: dict[str, float], capped: bool) -> dict[str, Any]:
-    row: dict[str, Any] = {"mode": mode, "largest_params": best.worker["numel"] if best else 0, "capped": capped}
+def summarize(mode: str, dtype: str, best: Trial | None, fio_bw: dict[str, float], capped: bool) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "mode": mode,
+        "dtype": dtype,
+        "largest_params": best.worker["numel"] if best else 0,
+        "capped": capped,
+    }
     if best is None:
         return row
     last = best.worker["steps"][-1]
+    numel = best.worker["numel"]
     moved = last["read_nbytes"] + last["write_nbytes"]
     row.update(
         step_s=last["step_s"],
@@ -301,39 +398,109 @@ def summarize(mode: str, best: Trial | None, fio_bw: dict[str, float], capped: b
     if moved and fio_bw:
         bound = last["read_nbytes"] / (fio_bw["read"] * 1e9) + last["write_nbytes"] / (fio_bw["write"] * 1e9)
         row.update(disk_bound_s=bound, step_over_bound=last["step_s"] / bound)
+    if mode in NVME_MODES:
+        row.update(
+            read_per_param=last["read_nbytes"] / numel,
+            write_per_param=last["write_nbytes"] / numel,
+            moved_per_param=moved / numel,
+        )
+    least = LAYOUT_MIN.get((mode, dtype))
+    if least is not None:
+        row.update(min_read_per_param=least[0], min_write_per_param=least[1], min_per_param=sum(least))
+        row["over_min"] = moved / numel / sum(least)
+        if fio_bw:
+            bound = numel * least[0] / (fio_bw["read"] * 1e9) + numel * least[1] / (fio_bw["write"] * 1e9)
+            row.update(min_bound_s=bound, step_over_min_bound=last["step_s"] / bound)
+    if "daemon" in last:
+        row["daemon"] = last["daemon"]
+        row["disk_requests"] = last["daemon"]["swap_reads"] + last["daemon"]["swap_writes"]
     if "pager" in last:
         row["pager"] = last["pager"]
+        row["pager_requests"] = int(last["pager"]["requests"])
     return row
 
 
-def print_table(rows: list[dict[str, Any]], limit: int) -> None:
-    adamw = next((r["largest_params"] for r in rows if r["mode"] == "adamw" and r["largest_params"]), None)
-    print(f"\nlargest demo GPT trained for the steps in a {limit / GiB:.2f} GiB cgroup (trainer + daemon)")
-    head = ["mode", "largest", "x adamw", "peak", "step s", "paged/step", "NVMe GB/s", "disk bound s", "x bound"]
+def _cells(head: list[str], rows: list[list[str]]) -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
+
+
+def print_table(rows: list[dict[str, Any]], limit: int) -> None:
+    adamw = {r["dtype"]: r["largest_params"] for r in rows if r["mode"] == "adamw" and r["largest_params"]}
+    print(f"\nlargest demo GPT trained for the steps in a {limit / GiB:.2f} GiB cgroup (trainer + daemon)")
+    head = ["mode", "dtype", "largest", "x adamw", "peak", "step s", "on disk/step", "NVMe GB/s"]
+    head += ["disk bound s", "x bound"]
+    body = []
     for r in rows:
         n = r["largest_params"]
-        cells = [
-            r["mode"],
-            (">=" if r.get("capped") else "") + f"{n / 1e6:.0f}M" if n else "none",
-            f"{n / adamw:.1f}x" if adamw and n else "",
-            f"{r['peak_nbytes'] / GiB:.2f} GiB" if "peak_nbytes" in r else "",
-            f"{r['step_s']:.2f}" if "step_s" in r else "",
-            f"{r['paged_nbytes'] / GiB:.2f} GiB" if r.get("paged_nbytes") else "0",
-            f"{r['nvme_gbps']:.2f}" if r.get("nvme_gbps") else "",
-            f"{r['disk_bound_s']:.2f}" if "disk_bound_s" in r else "",
-            f"{r['step_over_bound']:.2f}x" if "step_over_bound" in r else "",
-        ]
-        print("| " + " | ".join(cells) + " |")
+        base = adamw.get(r["dtype"])
+        body.append(
+            [
+                r["mode"],
+                r["dtype"],
+                (">=" if r.get("capped") else "") + f"{n / 1e6:.0f}M" if n else "none",
+                f"{n / base:.1f}x" if base and n else "",
+                f"{r['peak_nbytes'] / GiB:.2f} GiB" if "peak_nbytes" in r else "",
+                f"{r['step_s']:.2f}" if "step_s" in r else "",
+                f"{r['paged_nbytes'] / GiB:.2f} GiB" if r.get("paged_nbytes") else "0",
+                f"{r['nvme_gbps']:.2f}" if r.get("nvme_gbps") else "",
+                f"{r['disk_bound_s']:.2f}" if "disk_bound_s" in r else "",
+                f"{r['step_over_bound']:.2f}x" if "step_over_bound" in r else "",
+            ]
+        )
+    _cells(head, body)
+    disk = [r for r in rows if "moved_per_param" in r]
+    if disk:
+        print("\nper step at that size: disk bytes per param (read + written) against the layout's minimum")
+        head = ["mode", "dtype", "params", "B/param read + written", "minimum", "x min", "pager requests"]
+        head += ["disk requests", "step s", "x bound (measured bytes)", "min bound s", "x min bound"]
+        body = []
+        for r in disk:
+            moved = f"{r['read_per_param']:.1f} + {r['write_per_param']:.1f} = {r['moved_per_param']:.1f}"
+            least = ""
+            if "min_per_param" in r:
+                least = f"{r['min_read_per_param']} + {r['min_write_per_param']} = {r['min_per_param']}"
+            body.append(
+                [
+                    r["mode"],
+                    r["dtype"],
+                    f"{r['largest_params'] / 1e6:.0f}M",
+                    moved,
+                    least,
+                    f"{r['over_min']:.2f}x" if "over_min" in r else "",
+                    str(r["pager_requests"]) if "pager_requests" in r else "",
+                    str(r["disk_requests"]) if "disk_requests" in r else "",
+                    f"{r['step_s']:.2f}",
+                    f"{r['step_over_bound']:.2f}x" if "step_over_bound" in r else "",
+                    f"{r['min_bound_s']:.2f}" if "min_bound_s" in r else "",
+                    f"{r['step_over_min_bound']:.2f}x" if "step_over_min_bound" in r else "",
+                ]
+            )
+        _cells(head, body)
+        idle = [f"{r['mode']} {r['dtype']}" for r in disk if not r["moved_per_param"]]
+        if idle:
+            print(
+                f"{', '.join(idle)}: no disk I/O in the step (the state fit in the daemon's chunk cache, which "
+                "borrows the free pool); measure a larger model or a smaller --pool-size"
+            )
     for r in rows:
         if "pager" in r:
             p = r["pager"]
             print(
-                f"{r['mode']}: pager fetched {p['fetched_nbytes'] / GiB:.2f} GiB and pushed "
+                f"{r['mode']} {r['dtype']}: pager fetched {p['fetched_nbytes'] / GiB:.2f} GiB "
+                f"({p['fetches']:.0f} fetches, {p['prefetches']:.0f} prefetches) and pushed "
                 f"{p['pushed_nbytes'] / GiB:.2f} GiB of grads per step; the trainer waited "
                 f"{p['fetch_wait_us'] / 1e6:.2f} s for fetches, {p['push_wait_us'] / 1e6:.2f} s for pushes; "
                 f"peak materialized params {p['peak_nbytes'] / MiB:.0f} MiB"
+            )
+        if "daemon" in r and r["disk_requests"]:
+            d = r["daemon"]
+            print(
+                f"{r['mode']} {r['dtype']}: the daemon issued {d['swap_reads']} disk reads and "
+                f"{d['swap_writes']} writes ({r['paged_nbytes'] / r['disk_requests'] / MiB:.2f} MiB each on "
+                f"average), {d.get('page_ins', 0)} page-ins and {d.get('page_outs', 0)} page-outs"
             )
 
 
@@ -341,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=parse_size, default=4 * GiB, help="memory cgroup limit (default 4GiB)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"model dtypes, comma-separated, of {', '.join(DTYPES)}")
     ap.add_argument("--start-params", type=parse_count, default=16_000_000, help="first size tried (16e6)")
     ap.add_argument("--max-params", type=parse_count, default=4_000_000_000, help="largest size tried (4e9)")
     ap.add_argument("--bisect", type=int, default=2, help="bisections after the doubling search (2)")
@@ -348,6 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence (64)")
     ap.add_argument("--device-budget", type=parse_size, default=512 * MiB, help="paged mode's budget (512MiB)")
+    ap.add_argument(
+        "--pool-size",
+        type=parse_size,
+        default=1 * GiB,
+        help="the private daemon's pool (1GiB, its default); below the NVMe state, a small model pages as a large one",
+    )
     ap.add_argument("--swap-dir", type=Path, default=None, help="NVMe directory (default: a fresh one in $TMPDIR)")
     ap.add_argument("--fio-size", type=parse_size, default=1 * GiB, help="bytes fio writes and reads (1GiB)")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per trial (1800)")
@@ -360,6 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         ap.error(f"unknown mode(s) {', '.join(unknown)}; the modes are {', '.join(MODES)}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    unknown = sorted(set(dtypes) - set(DTYPES))
+    if unknown or not dtypes:
+        ap.error(f"unknown dtype(s) {', '.join(unknown) or '(none given)'}; the dtypes are {', '.join(DTYPES)}")
     parent = own_memory_cgroup()
     if parent is None:
         ap.error("needs a writable cgroup v1 memory controller at /sys/fs/cgroup/memory (run as root)")
@@ -380,10 +558,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no disk bound: {missing}")
         rows, every = [], []
         for mode in modes:
-            best, trials = search(args, mode, parent, log_dir)
-            every += [asdict(t) for t in trials]
-            capped = best is not None and all(t.status == "ok" for t in trials)
-            rows.append(summarize(mode, best, fio_bw, capped))
+            for dtype in dtypes:
+                best, trials = search(args, mode, dtype, parent, log_dir)
+                every += [asdict(t) for t in trials]
+                capped = best is not None and all(t.status == "ok" for t in trials)
+                rows.append(summarize(mode, dtype, best, fio_bw, capped))
         print_table(rows, args.limit)
         if args.json:
             report = {
@@ -391,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
                 "args": {k: str(v) for k, v in vars(args).items() if k != "worker"},
                 "fio_gbps": fio_bw,
+                "layout_min_per_param": {
+                    f"{m} {d}": {"read": r, "written": w} for (m, d), (r, w) in LAYOUT_MIN.items()
+                },
                 "results": rows,
                 "trials": every,
             }
