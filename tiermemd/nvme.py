@@ -51,6 +51,7 @@ import torch
 
 from tiermem.core.config import MAX_QUEUE_DEPTH, SwapConfig
 from tiermem.core.errors import DataLostError, TiermemError
+from tiermem.core.units import PAGE_SIZE
 from tiermem.engine.swap.engine import IOEngine
 from tiermem.engine.swap.probe import DiskProbe, probe_disk
 from tiermem.engine.swap.store import SwapStore
@@ -118,9 +119,14 @@ class SwapDevice:
             return probe
 
 
+CHUNK_SLACK = PAGE_SIZE
+"""Pool bytes a cached chunk's block may take beyond its state (the last chunk's page rounding)."""
+
+
 def plan_rank(service: Service, job: Job, numel: int, chunk_numel: int, per_element: int) -> CachePlan:
-    """The sizing of one rank's chunk cache: measured, within the job's room in the pool budget, overridden
-    by what the configuration fixes."""
+    """The sizing of one rank's chunk cache: measured, within the job's room in the pool budget (each cached
+    chunk counted with its ``CHUNK_SLACK``, as ``make_nvme_state`` reserves it), overridden by what the
+    configuration fixes."""
     cfg = service.config.swap
     nchunks = -(-numel // chunk_numel)
     room = service.ledger.available(Resource.POOL)
@@ -130,7 +136,7 @@ def plan_rank(service: Service, job: Job, numel: int, chunk_numel: int, per_elem
     probe = service.swap_device.probe()
     plan = plan_cache(
         probe,
-        chunk_nbytes=chunk_numel * per_element,
+        chunk_nbytes=chunk_numel * per_element + CHUNK_SLACK,
         nchunks=nchunks,
         memory_nbytes=room,
         queue_depth=service.swap_device.queue_depth,
@@ -328,13 +334,13 @@ def make_nvme_state(
     log.info(
         "job %r rank %d: NVMe state of %d chunk(s): %s", job.job_id, rank, -(-numel // chunk_numel), plan.describe()
     )
-    cache_nbytes = min(state_nbytes, plan.cache_chunks * chunk_numel * per_element) + 4096 * plan.cache_chunks
+    cache_nbytes = min(state_nbytes, plan.cache_chunks * chunk_numel * per_element) + CHUNK_SLACK * plan.cache_chunks
     # out-of-place writes keep the committed version until the next commit: room for two copies of the state
     # and the chunks being written
     swap_nbytes = 2 * state_nbytes + cache_nbytes
     ceiling_nbytes = cache_nbytes
     if service.config.swap.borrow:
-        ceiling_nbytes = _ceiling(service, job, state_nbytes + 4096 * (-(-numel // chunk_numel)), cache_nbytes)
+        ceiling_nbytes = _ceiling(service, job, state_nbytes + CHUNK_SLACK * (-(-numel // chunk_numel)), cache_nbytes)
     service.ledger.reserve(job.key, Resource.POOL, cache_nbytes)
     try:
         service.ledger.reserve(job.key, Resource.SWAP, swap_nbytes)

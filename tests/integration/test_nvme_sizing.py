@@ -106,3 +106,29 @@ def test_nothing_is_probed_when_the_configuration_fixes_every_size_or_io_is_buff
         assert SwapDevice([disk_dir], threads, SwapConfig()).probe() is None
     finally:
         threads.close()
+
+
+def test_a_pool_of_a_whole_number_of_chunks_admits_a_cache_of_that_many() -> None:
+    """The cache plan counts each cached chunk with the slack its block is reserved with: a pool that holds
+    exactly four chunks of the rank's state admits a rank of eight, which then trains through it."""
+    import torch
+
+    from tiermem.client.link import connect
+    from tiermem.client.offload import OffloadAdam
+
+    chunk_numel = 65536
+    pool = 4 * chunk_numel * 12  # master, exp_avg, exp_avg_sq: 12 bytes an element
+    client = connect(pool_size=pool, settings={"adam.chunk_numel": chunk_numel, "pool.arena_size": pool})
+    p = torch.nn.Parameter(torch.randn(8 * chunk_numel))
+    opt = OffloadAdam([p], offload="nvme", client=client)
+    try:
+        for _ in range(2):
+            p.grad = torch.randn_like(p)
+            opt.step()
+        stats = opt.stats()
+        assert stats.rank.last_step == 2
+        assert stats.rank.cpu_state_nbytes <= pool
+        assert stats.rank.nvme is not None and stats.rank.nvme.page_outs > 0  # the state did not fit: it paged
+    finally:
+        opt.close()
+        client.close()
