@@ -322,17 +322,27 @@ def scale(name: str, data: Any, plt: Any, out: Path) -> Section:
     rows = scale_rows(data)
     sec = Section("Largest model by mode, in a fixed memory limit", f"{name} (bench_scale.py)")
     limit = data.get("limit_nbytes") if isinstance(data, dict) else None
-    adamw = next((r["largest_params"] for r in rows if r["mode"] == "adamw" and r["largest_params"]), None)
+    # each model dtype against AdamW's of the same dtype (results before dtypes were measured are fp32)
+    adamw_of = {
+        r.get("dtype", "fp32"): r["largest_params"] for r in rows if r["mode"] == "adamw" and r["largest_params"]
+    }
+    adamw = adamw_of.get("fp32") or next(iter(adamw_of.values()), None)
 
     def largest(r: dict[str, Any]) -> str:
         # capped: every size tried trained, so the largest is at least this
         return (">= " if r.get("capped") else "") + count(r["largest_params"])
 
+    def versus_adamw(r: dict[str, Any]) -> str:
+        base = adamw_of.get(r.get("dtype", "fp32"))
+        return f"{r['largest_params'] / base:.1f}x" if base else ""
+
+    by_dtype = any("dtype" in r for r in rows)  # results made before dtypes were measured have one (fp32)
     body = [
         [
             r["mode"],
+            *([r.get("dtype", "fp32")] if by_dtype else []),
             largest(r),
-            f"{r['largest_params'] / adamw:.1f}x" if adamw else "",
+            versus_adamw(r),
             f"{r['step_s']:.1f}" if r.get("step_s") else "",
             f"{r['step_over_bound']:.2f}x" if r.get("step_over_bound") else "",
         ]
@@ -344,10 +354,11 @@ def scale(name: str, data: Any, plt: Any, out: Path) -> Section:
         + "; `>=`: every size tried trained. Step time of that size, and its ratio to the disk bound "
         "(bytes paged per step over fio's bandwidth measured in the same run).",
         "",
-        *table(["mode", "largest model", "x adamw", "step s", "x disk bound"], body),
+        *table(["mode", *(["dtype"] if by_dtype else []), "largest model", "x adamw", "step s", "x disk bound"], body),
     ]
     fig, ax = plt.subplots(figsize=(7, 4))
-    bars = ax.bar([r["mode"] for r in rows], [r["largest_params"] / 1e6 for r in rows], color="C0")
+    labels = [r["mode"] + (f" {r.get('dtype', 'fp32')}" if by_dtype else "") for r in rows]
+    bars = ax.bar(labels, [r["largest_params"] / 1e6 for r in rows], color="C0")
     ax.bar_label(bars, [largest(r) for r in rows])
     ax.set_yscale("log")
     ax.set_ylabel("largest model (M params, log)")

@@ -154,6 +154,27 @@ def test_the_largest_model_plot_is_made_once_bench_scales_json_exists(report, tm
     assert "2 GiB memory cgroup" in text
 
 
+def test_a_scale_json_of_several_dtypes_names_them_and_compares_each_with_its_own_adamw(report, tmp_path):
+    scale = {  # bench_scale.py --dtypes fp32,bf16
+        "limit_nbytes": 4 << 30,
+        "results": [
+            {"mode": "adamw", "dtype": "fp32", "largest_params": 100_000_000, "capped": False, "step_s": 12.0},
+            {"mode": "adamw", "dtype": "bf16", "largest_params": 200_000_000, "capped": False, "step_s": 10.0},
+            {"mode": "offload-nvme-paged", "dtype": "fp32", "largest_params": 1_000_000_000, "capped": True,
+             "step_s": 100.0},
+            {"mode": "offload-nvme-paged", "dtype": "bf16", "largest_params": 1_000_000_000, "capped": True,
+             "step_s": 90.0},
+        ],
+    }  # fmt: skip
+    results = write_results(tmp_path / "results", scale=scale)
+    out = tmp_path / "out"
+    assert report.main(["--results", str(results), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "| mode | dtype | largest model | x adamw | step s | x disk bound |" in text
+    assert "| offload-nvme-paged | fp32 | >= 1G | 10.0x | 100.0 |  |" in text
+    assert "| offload-nvme-paged | bf16 | >= 1G | 5.0x | 90.0 |  |" in text
+
+
 def test_a_json_of_an_unknown_shape_is_reported_not_plotted(report, tmp_path):
     results = write_results(tmp_path / "results", scale={"something": "else"}, swap={"rows": []})
     assert report.main(["--results", str(results)]) == 0
