@@ -4,7 +4,9 @@ The Adam update is memory-bound and already parallel inside one call (the
 engine uses the configured number of threads), so running two updates at once
 only makes them fight over memory bandwidth and cores.  The scheduler
 therefore runs one task at a time on one executor thread, taking tasks from
-per-tenant FIFO queues in round-robin order: a tenant (a job's rank) with a
+per-tenant FIFO queues in round-robin order (``run_here``: a task that finds
+the executor idle and nothing queued runs in its caller's thread instead,
+while the executor waits): a tenant (a job's rank) with a
 long update cannot starve another, because tasks are chunk-sized (the engine's
 ``chunk_numel``), and no core is oversubscribed.
 
@@ -101,6 +103,34 @@ class CpuScheduler:
             self._cond.notify()
         return future
 
+    def run_here(self, tenant: str, fn: Callable[[], T]) -> Future[T]:
+        """``fn`` in the calling thread when the executor is idle and nothing is queued, else ``submit``: one
+        task at a time either way, counted the same.  Why: the caller (a session handling a STEP) holds a core
+        already, while a woken executor may wait for one behind a trainer's spinning OpenMP workers: measured
+        on the demo GPT's CPU tier (five alternating runs), ``opt.step`` took 0.3 ms less on average (0.0 to
+        0.8 ms)."""
+        with self._cond:
+            if self._closed:
+                raise InvalidState("the CPU scheduler is shut down")
+            if self._running is not None or any(t.queue for t in self._tenants.values()):
+                claimed = False
+            else:
+                self._tenants.setdefault(tenant, _Tenant())
+                self._running = tenant  # the executor waits until this task is done (``_next``)
+                claimed = True
+        if not claimed:
+            return self.submit(tenant, fn)
+        future: Future[T] = Future()
+        future.set_running_or_notify_cancel()
+        start = self._start()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # delivered to the waiter, as the executor does
+            future.set_exception(exc)
+        finally:
+            self._finish(tenant, start)
+        return future
+
     def cancel(self, tenant: str) -> int:
         """Cancel the queued tasks of ``tenant``; returns how many were dropped."""
         with self._cond:
@@ -154,9 +184,36 @@ class CpuScheduler:
             self._cond.notify_all()
         self._thread.join(timeout_s)
 
+    def _start(self) -> float:
+        start = time.perf_counter()
+        with self._cond:
+            if self._period_start is None:
+                self._period_start = start
+        return start
+
+    def _finish(self, name: str, start: float) -> None:
+        """A task of ``name`` that started at ``start`` ended: its accounting, and the executor is free."""
+        with self._cond:
+            end = time.perf_counter()
+            busy = end - start
+            self._tasks += 1
+            self._busy_s += busy
+            if not any(t.queue for t in self._tenants.values()):
+                self._periods += 1
+                self._period_s += end - (self._period_start if self._period_start is not None else start)
+                self._period_start = None
+            state = self._tenants.get(name)
+            if state is not None:
+                state.busy_s += busy
+                state.tasks += 1
+            self._running = None
+            self._cond.notify_all()  # the executor, if a task was queued meanwhile
+
     def _next(self) -> tuple[str, Callable[[], Any], Future[Any]] | None:
         with self._cond:
             while True:
+                while self._running is not None:  # a task runs in its caller's thread (``run_here``)
+                    self._cond.wait()
                 for name in list(self._tenants):
                     state = self._tenants[name]
                     if state.queue:
@@ -178,9 +235,7 @@ class CpuScheduler:
             if not future.set_running_or_notify_cancel():
                 del fn, future
                 continue
-            start = time.perf_counter()
-            if self._period_start is None:  # only this thread reads or writes it
-                self._period_start = start
+            start = self._start()
             beacon.enter()
             try:
                 future.set_result(fn())
@@ -188,19 +243,6 @@ class CpuScheduler:
                 future.set_exception(exc)
             finally:
                 beacon.leave()
-                with self._cond:
-                    end = time.perf_counter()
-                    busy = end - start
-                    self._tasks += 1
-                    self._busy_s += busy
-                    if not any(t.queue for t in self._tenants.values()):
-                        self._periods += 1
-                        self._period_s += end - self._period_start
-                        self._period_start = None
-                    state = self._tenants.get(name)
-                    if state is not None:
-                        state.busy_s += busy
-                        state.tasks += 1
-                    self._running = None
+                self._finish(name, start)
             del fn, future
         health.REGISTRY.forget(beacon)

@@ -82,3 +82,56 @@ def test_tasks_back_to_back_make_one_busy_period_and_an_idle_gap_starts_another(
     assert two.busy_periods == 2, two
     assert 0.01 <= two.busy_period_s - one.busy_period_s < 0.05, (one, two)
     sched.close()
+
+
+def test_run_here_runs_in_the_callers_thread_when_the_executor_is_idle_and_is_counted() -> None:
+    sched = CpuScheduler()
+    ran_in: list[str] = []
+    future = sched.run_here("a", lambda: ran_in.append(threading.current_thread().name) or 5)
+    assert future.done() and future.result() == 5
+    assert ran_in == [threading.current_thread().name]
+    with pytest.raises(ValueError, match="bad chunk"):
+        sched.run_here("a", lambda: (_ for _ in ()).throw(ValueError("bad chunk"))).result(0)
+    stats = _after(sched, 2)
+    assert stats.tasks == 2 and stats.busy_periods == 2 and sched.busy_seconds()["a"] >= 0
+    sched.close()
+    with pytest.raises(Exception, match="shut down"):
+        sched.run_here("a", lambda: 1)
+
+
+def test_run_here_while_the_executor_works_queues_behind_it_in_turn() -> None:
+    sched = CpuScheduler()
+    gate = threading.Event()
+    order: list[str] = []
+    first = sched.submit("blocker", gate.wait)
+    queued = sched.submit("b", lambda: order.append("b0"))
+    here = sched.run_here("a", lambda: order.append(f"a0 on {threading.current_thread().name}"))
+    assert not here.done()  # the executor is busy: handed over, not run here
+    gate.set()
+    for f in (first, queued, here):
+        f.result(5)
+    assert order == ["b0", "a0 on tiermem-cpu"]
+    sched.close()
+
+
+def test_a_task_run_here_holds_the_executor_off_until_it_ends() -> None:
+    sched = CpuScheduler()
+    inside, release = threading.Event(), threading.Event()
+    events: list[str] = []
+
+    def long_task() -> None:
+        inside.set()
+        release.wait(5)
+        events.append("here done")
+
+    caller = threading.Thread(target=lambda: sched.run_here("a", long_task))
+    caller.start()
+    assert inside.wait(5)
+    other = sched.submit("b", lambda: events.append("executor ran"))
+    time.sleep(0.05)
+    assert not other.done()  # one task at a time: the executor waits for the task run in its caller
+    release.set()
+    other.result(5)
+    caller.join(5)
+    assert events == ["here done", "executor ran"]
+    sched.close()

@@ -499,7 +499,7 @@ class RankOptimizer(StateIO):
                     task = functools.partial(self.kernel.grad_stats, grads[a:b], inv_scale)
                 else:
                     task = functools.partial(self._staged_stats, chunk, a, b, inv_scale)
-                futures.append(self.scheduler.submit(self.tenant, task))
+                futures.append(self.scheduler.run_here(self.tenant, task))
         return combine_grad_stats(health.wait(future) for future in futures)
 
     def _staged_stats(self, chunk: int, a: int, b: int, inv_scale: float) -> tuple[float, bool]:

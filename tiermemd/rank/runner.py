@@ -121,7 +121,10 @@ class UpdateRunner:
             for piece in pieces:
                 if limit is not None and len(window) >= limit:
                     health.wait(window.popleft())
-                window.append(self._piece(state, piece, target, grad_scale))
+                # the NVMe placement pipelines: the next chunk is acquired (perhaps waiting for its page-in) while
+                # the scheduler updates this one; on the CPU placement nothing waits, so the piece runs here when
+                # the scheduler is idle (no handoff to another thread: ``CpuScheduler.run_here``)
+                window.append(self._piece(state, piece, target, grad_scale, here=limit is None))
                 health.tick()  # progress of this thread (tiermemd.health): a piece was acquired
         except BaseException as exc:
             error = exc
@@ -185,7 +188,9 @@ class UpdateRunner:
             self._pipeline.shutdown(wait=True)
             self._pipeline = None
 
-    def _piece(self, state: StateChunks, piece: Piece, target: UpdateTarget, grad_scale: float) -> Future[None]:
+    def _piece(
+        self, state: StateChunks, piece: Piece, target: UpdateTarget, grad_scale: float, *, here: bool = False
+    ) -> Future[None]:
         c0 = piece.chunk * state.chunk_numel
         a, b = piece.lo, piece.hi
         tensors = state.acquire(piece.chunk)
@@ -222,7 +227,7 @@ class UpdateRunner:
                 state.release(piece.chunk, dirty=True)
 
         try:
-            future = self.scheduler.submit(self.tenant, work)
+            future = (self.scheduler.run_here if here else self.scheduler.submit)(self.tenant, work)
         except BaseException:
             state.release(piece.chunk, dirty=False)
             raise
