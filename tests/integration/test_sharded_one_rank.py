@@ -9,6 +9,7 @@ of ``torch.optim.AdamW``.
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Callable, Iterable, Sequence
 
 import pytest
@@ -195,6 +196,23 @@ def test_loss_scaling_of_layers_updated_during_backward_is_refused(daemon, one_r
             scaler.step(opt)
     finally:
         opt.close()
+
+
+def test_the_sharded_optimizers_refuse_deepcopy_and_pickle_naming_what_to_save(daemon, one_rank_group):
+    makers = (
+        lambda m, c: ShardedOffloadAdam(m.parameters(), client=c),
+        lambda m, c: LayerShardedAdam(m, client=c),
+        lambda m, c: ShardedPagedAdam(m, offload="cpu", device_budget="1MiB", client=c),
+    )
+    for make in makers:
+        opt = make(model(), connect(daemon.socket_path))
+        try:
+            with pytest.raises(TypeError, match=rf"{type(opt).__name__} holds a connection.*full_state_dict\(\)"):
+                copy.deepcopy(opt)
+            with pytest.raises(TypeError, match=r"full_state_dict\(\)"):
+                pickle.dumps(opt)
+        finally:
+            opt.close()
 
 
 def test_a_model_on_the_meta_device_is_refused_naming_it(one_rank_group):

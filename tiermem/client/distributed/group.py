@@ -47,12 +47,29 @@ from tiermem.core.errors import InvalidArgument, InvalidState, RankLost
 from tiermem.core.modes import Placement
 from tiermem.core.step_rules import GradStats, StepDecision, decide
 
-__all__ = ["RankGroup", "ShardGrads", "check_max_grad_norm"]
+__all__ = ["NotCopyable", "RankGroup", "ShardGrads", "check_max_grad_norm"]
 
 
 def check_max_grad_norm(max_grad_norm: float | None) -> None:
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+
+
+class NotCopyable:
+    """A sharded optimizer holds a connection to tiermemd and a place in a process group: ``copy.deepcopy``
+    and ``pickle`` are refused, naming what to save instead."""
+
+    def _not_copyable(self) -> TypeError:
+        return TypeError(
+            f"{type(self).__name__} holds a connection to tiermemd; save its state instead: full_state_dict() "
+            "(torch.optim.AdamW's format, any world size) or state_dict()"
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise self._not_copyable()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise self._not_copyable()
 
 
 class RankGroup:

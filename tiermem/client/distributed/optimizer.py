@@ -85,7 +85,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiermem.client.distributed.group import RankGroup, check_max_grad_norm
+from tiermem.client.distributed.group import NotCopyable, RankGroup, check_max_grad_norm
 from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
@@ -115,7 +115,7 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class ShardedOffloadAdam(torch.optim.Optimizer):
+class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
     """AdamW (``adamw=False``: Adam) sharded ZeRO-2 style across ``process_group``; see the module docstring."""
 
     _step_supports_amp_scaling = True
@@ -785,12 +785,6 @@ class ShardedOffloadAdam(torch.optim.Optimizer):
         if self.inner is not None:
             self.inner.close(keep_state=keep_state)
             self.inner = None
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> ShardedOffloadAdam:
-        raise TypeError("ShardedOffloadAdam holds a connection to tiermemd; save full_state_dict() instead")
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError("ShardedOffloadAdam holds a connection to tiermemd; save full_state_dict() instead")
 
 
 @dataclass

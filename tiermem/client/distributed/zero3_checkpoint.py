@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tiermem.client.distributed.group import NotCopyable
 from tiermem.client.distributed.reshard import (
     FORMAT,
     MOMENTS,
@@ -330,7 +331,7 @@ class Zero3Checkpoint:
             )
 
 
-class Zero3Optimizer(torch.optim.Optimizer):
+class Zero3Optimizer(NotCopyable, torch.optim.Optimizer):
     """The checkpoint methods both ZeRO-3 strategies offer, through the ``Zero3Checkpoint`` they are composed
     with (``checkpoint``, made by the strategy)."""
 
