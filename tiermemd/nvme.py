@@ -221,6 +221,10 @@ class NvmeStateChunks:
     def _chunk_len(self, chunk: int) -> int:
         return min(self.chunk_numel, self.numel - chunk * self.chunk_numel)
 
+    def resident(self) -> bool:
+        """Every chunk is in the cache now: an update has no page-in to overlap with."""
+        return bool(self.tiers.resident())
+
     def acquire(self, chunk: int) -> ChunkTensors:
         flat = self.tiers.acquire(_key(chunk))
         return split_chunk(flat, self._chunk_len(chunk), self.keys)

@@ -160,3 +160,20 @@ def test_a_pager_thread_that_dies_fails_its_waiters_instead_of_hanging_them(
         manager.close()
         store.close(remove=True)
         pool.close()
+
+
+def test_resident_says_whether_every_tensor_is_in_the_pool(libaio: LibaioEngine, swap_dir: Path) -> None:
+    pool, store, manager = make(libaio, swap_dir, 2 * STATE_NBYTES, 2 * MiB)
+    try:
+        assert not manager.resident()  # registered, never paged in
+        one_pass(manager, 1, 2 * STATE_NBYTES)
+        assert manager.resident()  # the budget holds the whole state
+        manager.acquire(KEYS[0])
+        assert manager.resident()  # in use counts as resident
+        manager.release(KEYS[0], dirty=False)
+        assert manager.page_out([KEYS[1]])
+        assert not manager.resident()
+    finally:
+        manager.close()
+        store.close(remove=True)
+        pool.close()

@@ -115,16 +115,18 @@ class UpdateRunner:
     def run(self, state: StateChunks, pieces: Sequence[Piece], target: UpdateTarget, grad_scale: float) -> None:
         started = time.perf_counter()
         limit = getattr(state, "max_acquired", None)
+        resident = getattr(state, "resident", None)
+        # the NVMe placement pipelines: the next chunk is acquired (perhaps waiting for its page-in) while the
+        # scheduler updates this one; where nothing waits (the CPU placement, or every chunk in the cache now)
+        # the piece runs here when the scheduler is idle (no handoff to another thread: ``run_here``)
+        here = limit is None or (resident is not None and resident())
         window: collections.deque[Future[None]] = collections.deque()
         error: BaseException | None = None
         try:
             for piece in pieces:
                 if limit is not None and len(window) >= limit:
                     health.wait(window.popleft())
-                # the NVMe placement pipelines: the next chunk is acquired (perhaps waiting for its page-in) while
-                # the scheduler updates this one; on the CPU placement nothing waits, so the piece runs here when
-                # the scheduler is idle (no handoff to another thread: ``CpuScheduler.run_here``)
-                window.append(self._piece(state, piece, target, grad_scale, here=limit is None))
+                window.append(self._piece(state, piece, target, grad_scale, here=here))
                 health.tick()  # progress of this thread (tiermemd.health): a piece was acquired
         except BaseException as exc:
             error = exc

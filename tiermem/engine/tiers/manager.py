@@ -352,6 +352,11 @@ class TierManager:
 
     # ------------------------------------------------------------------ facts
 
+    def resident(self) -> bool:
+        """Whether every tensor is in the pool now (an acquire of any of them would not wait for a page-in)."""
+        with self._lock:
+            return all(r.state in (T.CPU, T.IN_USE) for r in self._records.values())
+
     def record(self, key: str) -> TensorRecord:
         with self._lock:
             return self._get(key)
