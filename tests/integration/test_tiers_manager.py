@@ -177,3 +177,28 @@ def test_resident_says_whether_every_tensor_is_in_the_pool(libaio: LibaioEngine,
         manager.close()
         store.close(remove=True)
         pool.close()
+
+
+def test_an_overwriting_acquire_pages_in_without_reading_and_the_new_values_are_kept(
+    libaio: LibaioEngine, swap_dir: Path
+) -> None:
+    pool, store, manager = make(libaio, swap_dir, 2 * STATE_NBYTES, 2 * MiB)
+    key = KEYS[0]
+    try:
+        one_pass(manager, 1, 2 * STATE_NBYTES)  # every tensor holds 1 + its index, dirty
+        assert manager.page_out([key])
+        read_before = manager.stats().bytes_in
+        t = manager.acquire(key, overwrite=True)
+        assert manager.stats().bytes_in == read_before  # nothing read from NVMe
+        assert not t.any()  # a zeroed block, never another tensor's bytes
+        t.fill_(42.0)
+        manager.release(key, dirty=True)
+        assert manager.page_out([key])  # written: the stored copy is now the overwritten one
+        again = manager.acquire(key)
+        assert manager.stats().bytes_in > read_before  # a plain acquire reads
+        assert torch.equal(again, torch.full_like(again, 42.0))
+        manager.release(key, dirty=False)
+    finally:
+        manager.close()
+        store.close(remove=True)
+        pool.close()

@@ -166,13 +166,19 @@ class TierManager:
 
     # ------------------------------------------------------------------ use
 
-    def acquire(self, key: str) -> Any:
-        """The tensor ``key`` resident and pinned (a torch tensor over its pool block) until ``release``."""
+    def acquire(self, key: str, *, overwrite: bool = False) -> Any:
+        """The tensor ``key`` resident and pinned (a torch tensor over its pool block) until ``release``.
+
+        ``overwrite``: the caller writes the whole tensor before it or anyone else reads any of it, so a
+        tensor that is not resident is given a zeroed block without being read from NVMe (unless another
+        acquire waiting for it needs its contents); it is then dirty."""
         start = self._clock()
         with self._cond:
             record = self._get(key)
             self._note_use(record)
             waited = False
+            if record.state in (T.NVME, T.EMPTY):
+                record.skip_read = overwrite and (record.skip_read or record.waiters == 0)
             record.waiters += 1
             try:
                 while True:
@@ -566,7 +572,7 @@ class TierManager:
             self._finish_page_in(record, None, exc)
             return
         self._pool.pin(block)
-        if not record.on_nvme:
+        if not record.on_nvme or record.skip_read:  # nothing stored, or its waiter overwrites it whole
             ctypes.memset(self._pool.address(block), 0, record.padded_nbytes)
             self._finish_page_in(record, block, None)
             return
@@ -594,12 +600,14 @@ class TierManager:
             if error is not None:
                 self._pool.free(block)
         with self._cond:
+            read = record.on_nvme and not record.skip_read
+            record.skip_read = False
             if error is None:
                 record.block = block
                 record.move(T.CPU)
-                record.dirty = not record.on_nvme
+                record.dirty = not read  # a block that was not read differs from the stored copy, if any
                 self._counts["page_ins"] += 1
-                self._counts["bytes_in"] += record.padded_nbytes if record.on_nvme else 0
+                self._counts["bytes_in"] += record.padded_nbytes if read else 0
             else:
                 self._cpu -= record.padded_nbytes
                 record.move(T.NVME if record.on_nvme else T.EMPTY)

@@ -81,6 +81,9 @@ class TensorRecord:
     """Its last page-out failed: not picked for eviction again until it is modified."""
     acquired_at: float = 0.0
     """When its current use began (the first of its concurrent acquires)."""
+    skip_read: bool = False
+    """The acquire waiting for it overwrites it whole (``acquire(overwrite=True)``): its next page-in gets a
+    zeroed block and reads nothing."""
 
     @property
     def resident(self) -> bool:
