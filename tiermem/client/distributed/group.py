@@ -78,7 +78,10 @@ class RankGroup:
 
     def __init__(self, process_group: Any, who: str, *, alone_hint: str = "") -> None:
         if not (dist.is_available() and dist.is_initialized()):
-            raise InvalidState(f"{who} needs torch.distributed initialised (torchrun){alone_hint}")
+            raise InvalidState(
+                f"{who} needs torch.distributed initialised (torchrun, then torch.distributed.init_process_group)"
+                + alone_hint
+            )
         self.who = who
         self.group = process_group
         self.rank = dist.get_rank(process_group)

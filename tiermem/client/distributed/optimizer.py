@@ -153,7 +153,7 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         self.group = RankGroup(
             process_group,
             "ShardedOffloadAdam",
-            alone_hint=", then torch.distributed.init_process_group); for one process use OffloadAdam",
+            alone_hint="; for one process use OffloadAdam",
         )
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
