@@ -150,3 +150,32 @@ def test_delayed_update_lags_the_synchronous_one_no_more_than_the_rule_itself(of
     sync, delayed_final = finals
     ours, theirs = (delayed_final - sync) / sync, (rule_final - plain) / plain
     assert ours <= max(theirs, 0.0) + 0.02, f"delayed {ours:+.1%} above synchronous; the rule itself: {theirs:+.1%}"
+
+
+def test_params_edited_after_a_flush_are_taken_by_the_next_delayed_step(offload: OffloadDaemon) -> None:
+    """After ``flush()`` the model holds the last update; an in-place edit made then is the params the next
+    delayed step starts from (the daemon adopts it), as in the reference where the edit reaches the master."""
+    base = mlp()
+    batches = mlp_batches(12, fixed=False)
+    m_off, m_ref = replicas(base, 2)
+    opt = offload.make(m_off.parameters(), lr=1e-2, weight_decay=0.1, delayed_update=True, warmup_steps=WARMUP)
+    ref = DelayedReference(m_ref, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), WARMUP)
+
+    def edit(*models: nn.Module) -> None:
+        with torch.no_grad():
+            for m in models:
+                for p in m.parameters():
+                    p.mul_(0.5)
+
+    losses = train(m_off, opt, batches[:6], mlp_loss)
+    ref_losses = [ref.step(batch, mlp_loss) for batch in batches[:6]]
+    opt.flush()
+    ref.flush()
+    edit(m_off)
+    edit(m_ref, ref.master)
+    losses += train(m_off, opt, batches[6:], mlp_loss)
+    ref_losses += [ref.step(batch, mlp_loss) for batch in batches[6:]]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    opt.flush()
+    ref.flush()
+    assert_params_close(m_off, ref.master)

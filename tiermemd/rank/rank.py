@@ -461,10 +461,12 @@ class RankOptimizer(StateIO):
             return done(step=self.last_step, skipped=True)
         grad_scale = decision.grad_scale if msg.clip_coef is None else inv_scale * msg.clip_coef
         if msg.delayed:
+            fresh = self._uninstalled.intersection(ids)  # installed just now from the master: no edit to adopt
             self._install(ids)
-            if not self.master_in_params and not self.staged:
+            edited = [tid for tid in ids if tid not in fresh]
+            if edited and not self.master_in_params and not self.staged:
                 params = self._region(layout.param_offset)
-                self.runner.adopt(state, self._chunk_ranges(ids), params)
+                self.runner.adopt(state, self._chunk_ranges(edited), params)
             pieces = self._advance(ids, groups)
             self.last_step = msg.step
             self._delayed = self.runner.submit(

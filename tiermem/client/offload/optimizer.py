@@ -555,14 +555,14 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             self._abort_open()  # GradScaler found an overflow: skip, as torch's fused Adam does
             self._send(Step(step=self._steps_sent + 1, attempt=next(self._attempts), skip=True), [], delayed=False)
             return loss
-        if self._inflight:
-            self._install()
+        step_no = self._steps_sent + 1
+        delayed = self.policy.delayed(step_no)
+        if self._inflight and not (delayed and self.shared_feed is not None and set(self._inflight) <= set(ids)):
+            self._install()  # else the delayed STEP installs them first, in the daemon, with no round trip
         if not ids and open_attempt is None:
             self._new_step()
             return loss
         self.feed.send(ids)
-        step_no = self._steps_sent + 1
-        delayed = self.policy.delayed(step_no)
         if decision is not None:
             loss_scale = 1.0 / decision.inv_scale
         else:
