@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Trains the same small GPT-style model on a generated text corpus several times from the same "
             "seed: with in-process torch.optim.AdamW (the reference), and with its Adam state offloaded "
-            "through tiermem. Shows each run's progress, prints loss and step time side by side, and writes the "
-            "runs' loss curves to a PNG."
+            "through tiermem. The runs take turns, ten steps at a time, so their step times compare on a machine "
+            "whose speed drifts. Shows each run's progress, prints loss and step time side by side, and writes "
+            "the runs' loss curves to a PNG."
         ),
     )
     demo.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiermem.client.demo.model import CharCorpus, GPTConfig
-from tiermem.client.demo.train import RunResult, train_run
+from tiermem.client.demo.train import RunResult, RunSpec, train_runs
 from tiermem.core.units import MiB, align_up, format_size
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ def run_demo(args: argparse.Namespace) -> int:
         from tiermem.client.link import EmbeddedDaemon
 
         numel = cfg.num_params()
-        runs_at_once = 1
+        runs_at_once = len(offloaded)  # the runs take turns: every offloaded run's state is in the pool at once
         pool = align_up(int(numel * 12 * 1.2 * runs_at_once) + 128 * MiB)
         print("starting an embedded tiermemd ...", file=sys.stderr)
         daemon = EmbeddedDaemon(
@@ -105,21 +105,23 @@ def run_demo(args: argparse.Namespace) -> int:
         )
     try:
         factories = _factories(args, daemon.socket if daemon else None)
-        results: list[RunResult] = []
-        for name in wanted:
-            results.append(
-                train_run(
-                    name,
-                    factories[name],
-                    cfg=cfg,
-                    corpus=corpus,
-                    steps=args.steps,
-                    batch_size=args.batch_size,
-                    show=not args.quiet,
-                    describe=_describe if name.startswith("offload") else None,
-                    close=_close,
-                )
+        specs = [
+            RunSpec(
+                name,
+                factories[name],
+                describe=_describe if name.startswith("offload") else None,
+                close=_close,
             )
+            for name in wanted
+        ]
+        results = train_runs(
+            specs,
+            cfg=cfg,
+            corpus=corpus,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            show=not args.quiet,
+        )
     finally:
         if daemon is not None:
             daemon.stop()

@@ -3,7 +3,8 @@
 Each run builds the model from the same seed, trains ``steps`` steps on the
 generated corpus and records the loss curve and step times, so runs compare
 side by side (loss equality is the proof that the offloaded update is the same
-update; step time is the cost).
+update; step time is the cost).  The runs take turns, ten steps at a time, so
+the step times of one demo compare even on a machine whose speed drifts.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from tqdm import tqdm
 
 from tiermem.client.demo.model import GPT, CharCorpus, GPTConfig
 
-__all__ = ["RunResult", "train_run"]
+__all__ = ["RunResult", "RunSpec", "train_runs"]
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+BLOCK_STEPS = 10
+"""Steps a run takes before the next run's turn (``train_runs``)."""
 
 
 @dataclass
@@ -43,39 +46,44 @@ class RunResult:
         return statistics.median(steady)
 
 
-def train_run(
-    name: str,
-    make_optimizer: OptimizerFactory,
-    *,
-    cfg: GPTConfig,
-    corpus: CharCorpus,
-    steps: int,
-    batch_size: int,
-    seed: int = 0,
-    show: bool = True,
-    describe: Callable[[torch.optim.Optimizer], dict[str, str]] | None = None,
-    close: Callable[[torch.optim.Optimizer], dict[str, float]] | None = None,
-) -> RunResult:
-    """Train a fresh ``GPT(cfg)`` for ``steps`` steps with the optimizer ``make_optimizer`` builds."""
-    torch.manual_seed(seed)
-    model = GPT(cfg)
-    optimizer = make_optimizer(model.parameters())
-    data_gen = torch.Generator().manual_seed(seed + 1)
-    result = RunResult(name)
-    # on a terminal the bar redraws in place; in a log (CI, a pipe) a line every 10 s at most
-    interactive = sys.stderr.isatty()
-    progress = tqdm(
-        total=steps,
-        desc=f"{name:<12}",
-        unit="step",
-        file=sys.stderr,
-        disable=not show,
-        dynamic_ncols=interactive,
-        mininterval=0.1 if interactive else 10.0,
-    )
-    try:
+@dataclass
+class RunSpec:
+    """One run of the demo: a name, the optimizer it trains with, and what its progress line shows."""
+
+    name: str
+    make_optimizer: OptimizerFactory
+    describe: Callable[[torch.optim.Optimizer], dict[str, str]] | None = None
+    close: Callable[[torch.optim.Optimizer], dict[str, float]] | None = None
+
+
+class _Run:
+    """A run in progress: a fresh ``GPT(cfg)`` from the seed, its optimizer, its data and its progress bar."""
+
+    def __init__(self, spec: RunSpec, position: int, *, cfg: GPTConfig, steps: int, seed: int, show: bool) -> None:
+        self.spec = spec
+        torch.manual_seed(seed)
+        self.model = GPT(cfg)
+        self.optimizer = spec.make_optimizer(self.model.parameters())
+        self.data_gen = torch.Generator().manual_seed(seed + 1)
+        self.result = RunResult(spec.name)
+        self.show = show
+        # on a terminal the bars redraw in place, one line each; in a log (CI, a pipe) a line every 10 s at most
+        interactive = sys.stderr.isatty()
+        self.progress = tqdm(
+            total=steps,
+            desc=f"{spec.name:<12}",
+            unit="step",
+            file=sys.stderr,
+            disable=not show,
+            position=position,
+            dynamic_ncols=interactive,
+            mininterval=0.1 if interactive else 10.0,
+        )
+
+    def train(self, steps: int, *, cfg: GPTConfig, corpus: CharCorpus, batch_size: int) -> None:
+        model, optimizer, result = self.model, self.optimizer, self.result
         for _ in range(steps):
-            x, y = corpus.batch(batch_size, cfg.block_size, data_gen)
+            x, y = corpus.batch(batch_size, cfg.block_size, self.data_gen)
             start = time.perf_counter()
             loss = model(x, y)
             loss.backward()
@@ -83,14 +91,41 @@ def train_run(
             optimizer.zero_grad(set_to_none=True)
             result.step_s.append(time.perf_counter() - start)
             result.losses.append(loss.item())
-            if show:
+            if self.show:
                 fields = {"loss": f"{loss.item():.3f}", "step": f"{result.step_s[-1] * 1e3:.0f}ms"}
-                if describe is not None:
-                    fields.update(describe(optimizer))
-                progress.set_postfix(fields, refresh=False)
-                progress.update()
+                if self.spec.describe is not None:
+                    fields.update(self.spec.describe(optimizer))
+                self.progress.set_postfix(fields, refresh=False)
+                self.progress.update()
+
+    def finish(self) -> RunResult:
+        self.progress.close()
+        if self.spec.close is not None:
+            self.result.extra.update(self.spec.close(self.optimizer))
+        return self.result
+
+
+def train_runs(
+    specs: list[RunSpec],
+    *,
+    cfg: GPTConfig,
+    corpus: CharCorpus,
+    steps: int,
+    batch_size: int,
+    seed: int = 0,
+    show: bool = True,
+    block: int = BLOCK_STEPS,
+) -> list[RunResult]:
+    """Train one fresh ``GPT(cfg)`` per run for ``steps`` steps, the runs taking turns ``block`` steps at a
+    time, so a machine that gets faster or slower meanwhile (another process, the clock) weighs on every run
+    alike and the step times compare; each run's model, data and losses are its own, as if run alone."""
+    runs: list[_Run] = []
+    try:
+        for position, spec in enumerate(specs):
+            runs.append(_Run(spec, position, cfg=cfg, steps=steps, seed=seed, show=show))
+        for done in range(0, steps, block):
+            for run in runs:
+                run.train(min(block, steps - done), cfg=cfg, corpus=corpus, batch_size=batch_size)
     finally:
-        progress.close()
-        if close is not None:
-            result.extra.update(close(optimizer))
-    return result
+        results = [run.finish() for run in runs]
+    return results
