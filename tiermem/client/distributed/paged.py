@@ -328,7 +328,7 @@ class ShardedPagedAdam(Zero3Optimizer):
         share = RankShare(
             "ShardedPagedAdam", rank, world, tuple(describe_params(model)), order, tuple(slots), (), model, device
         )
-        store = InnerStore(self.job_id, self.param_groups, self.inner, self.pager.drain, self._sync_hyper)
+        store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper)
         self.checkpoint = Zero3Checkpoint(share, store, self.group.collective)
 
     # ----------------------------------------------------------------- what the inner optimizer counts
@@ -362,8 +362,7 @@ class ShardedPagedAdam(Zero3Optimizer):
         return self.inner.stats()
 
     def flush(self) -> None:
-        self.pager.drain()
-        self.inner.flush()
+        self.inner.flush()  # the pager's transfers drained too: it is the inner optimizer's feed
 
     def close(self, *, keep_state: bool = False) -> None:
         release_job_id(self.job_id)
@@ -387,8 +386,7 @@ class ShardedPagedAdam(Zero3Optimizer):
         """This rank's shard in ``torch.optim.AdamW``'s format over the shards (only the same world size loads
         it; ``full_state_dict()`` and ``save_shard()`` load at any)."""
         self._sync_hyper()
-        self.pager.drain()
-        return self.inner.state_dict()
+        return self.inner.state_dict()  # which flushes, the pager's transfers included
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.AdamW``'s format over the whole model (``full_state_dict()``, ``tiermem consolidate``,
@@ -397,7 +395,6 @@ class ShardedPagedAdam(Zero3Optimizer):
         if is_rank_file(state_dict):
             self.checkpoint.load_shards([state_dict], complete=False)
         elif self._is_own_shard(state_dict):
-            self.pager.drain()
             self.inner.load_state_dict(state_dict)
             adopt_saved_groups(self.param_groups, state_dict["param_groups"])
         else:

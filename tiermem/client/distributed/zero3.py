@@ -189,9 +189,7 @@ class LayerShardedAdam(Zero3Optimizer):
                 bucket_nbytes=1,  # one bucket per tensor: each layer's update starts when its grads are in
                 exchange=Exchange.STAGED if paged else Exchange.AUTO,
             )
-        store = InnerStore(
-            self.job_id, self.param_groups, self.inner, _nothing, self._sync_hyper, keeps_values=not paged
-        )
+        store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper, keeps_values=not paged)
         self.checkpoint = Zero3Checkpoint(self._share(model, mine), store, self.group.collective)
         self._grads: DaemonGrads | None = None
         if paged and self.inner is not None:
@@ -489,7 +487,3 @@ def _deal_units(model: torch.nn.Module, owners: Iterable[int] | None, world_size
     if len(owner_of) != count or not all(0 <= o < world_size for o in owner_of):
         raise InvalidArgument(f"owners must give a rank in [0, {world_size}) for each of the {count} units")
     return [_Unit(i, m, o) for i, (m, o) in enumerate(zip(modules, owner_of, strict=True))]
-
-
-def _nothing() -> None:
-    """Nothing to settle before a checkpoint's I/O (the owner's transfers complete as they are made)."""

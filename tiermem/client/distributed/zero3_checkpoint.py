@@ -121,19 +121,18 @@ class RankStore(Protocol):
 class InnerStore:
     """A ZeRO-3 rank's state in its inner ``OffloadAdam`` (None: the rank holds no tensor), as ``RankStore``.
 
-    ``settle`` runs before the state is read or written (the pager's transfers drained); ``sync`` copies the
-    optimizer's hyper-parameters into the inner groups; ``keeps_values``: the inner tensors hold the values
-    in the trainer (not paged), so a load writes them there too."""
+    The inner optimizer is flushed before its state is read or written (an interrupted step settled, its
+    feed's transfers drained: the pager's too); ``sync`` copies the optimizer's hyper-parameters into the
+    inner groups; ``keeps_values``: the inner tensors hold the values in the trainer (not paged), so a load
+    writes them there too."""
 
     job_id: str
     param_groups: list[dict[str, Any]]
     inner: OffloadAdam | None
-    settle: Callable[[], None]
     sync: Callable[[], None]
     keeps_values: bool = False
 
     def read(self) -> tuple[StateTransfer | None, int | None]:
-        self.settle()
         if self.inner is None:
             return None, None
         self.inner.flush()
@@ -146,9 +145,9 @@ class InnerStore:
             self.inner.load_state_dict({"state": state, "param_groups": packed_groups(self.inner.param_groups)})
 
     def write_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
-        self.settle()  # nothing is materialized after a load: the next use fetches these
         if self.inner is None:
             return
+        self.inner.flush()
         if self.keeps_values:
             with torch.no_grad():
                 for slot, value in values:
