@@ -72,10 +72,15 @@ class Node:
                     pytest.fail(f"tiermemd exited {self.proc.returncode}: {self.log[-2000:]}")
                 time.sleep(0.05)
                 continue
-            self.clients.append(client)
             # the socket accepts before start-up finished logging (what it restored): wait for "ready"
             while self.log.count("INFO tiermemd: ready:") < self.starts and time.monotonic() < deadline:
                 time.sleep(0.05)
+            try:
+                client.stats()  # right after a kill, the killed daemon's acceptor may have taken this connection
+            except DaemonUnavailable:
+                client.close()
+                continue
+            self.clients.append(client)
             return client
         pytest.fail("tiermemd did not come up")
 
