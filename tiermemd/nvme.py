@@ -1,11 +1,17 @@
 """The NVMe placement of a rank's state: chunks paged through a ``TierManager``.
 
-Each state chunk (master | exp_avg | exp_avg_sq of ``chunk_numel`` elements,
-see ``state``) is one key of the rank's ``SwapStore`` and one tensor of its
-``TierManager``.  The step pipeline acquires chunks in ascending order, so the
-manager is given that order once and keeps the next chunks in flight: while
-chunk i is updated, chunks i+1.. are read and chunk i-1 written back as its
-slot is needed.
+Each part of each state chunk (``param``: the master; ``state``: the
+moments; ``grad``: the staged grads; see ``state``) is one key of the rank's
+``SwapStore`` (``chunk{c}.{part}``) and one tensor of its ``TierManager``, so
+a param fetch reads the param's bytes only and a grad push touches only
+grads.  The update acquires chunks in ascending order, each chunk's parts
+together, so the manager is given that order once and keeps the next chunks
+in flight: while chunk i is updated, chunks i+1.. are read and chunk i-1
+written back as its slot is needed.  Uses outside the update (fetches, grad
+pushes, checkpoints) do not move the prefetch along that order; they page in
+on demand.  Grads an update consumed are dropped (``TierManager.release(...,
+discard=True)``): never written back, and the next step's first grad landing
+in a chunk finds it zeroed without a read.
 
 Sizing is measured, not fixed (``tiermem.engine.tiers.sizing``): the first time a rank
 is placed here, ``SwapDevice`` probes the swap device (bandwidth by queue
@@ -42,7 +48,7 @@ import hashlib
 import logging
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,21 +56,29 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiermem.core.config import MAX_QUEUE_DEPTH, SwapConfig
-from tiermem.core.errors import DataLostError, TiermemError
-from tiermem.core.units import PAGE_SIZE
+from tiermem.core.errors import DataLostError, InvalidArgument, TiermemError
+from tiermem.core.units import align_up
 from tiermem.engine.swap.engine import IOEngine
 from tiermem.engine.swap.probe import DiskProbe, probe_disk
 from tiermem.engine.swap.store import SwapStore
 from tiermem.engine.tiers import PoolShares, TierManager
 from tiermem.engine.tiers.sizing import CachePlan, choose_queue_depth, plan_cache, with_overrides
 from tiermemd.ledger import Resource
-from tiermemd.state import ALL_KEYS, ChunkTensors, StateStats, split_chunk
+from tiermemd.state import ALL_KEYS, UPDATE_KEYS, ChunkTensors, StateStats, chunk_parts
 
 if TYPE_CHECKING:
     from tiermemd.jobs import Job
     from tiermemd.service import Service
 
-__all__ = ["NvmeStateChunks", "SwapDevice", "make_nvme_state", "plan_rank", "remove_store", "store_name"]
+__all__ = [
+    "NvmeStateChunks",
+    "SwapDevice",
+    "chunk_nbytes",
+    "make_nvme_state",
+    "plan_rank",
+    "remove_store",
+    "store_name",
+]
 
 log = logging.getLogger(__name__)
 
@@ -119,24 +133,56 @@ class SwapDevice:
             return probe
 
 
-CHUNK_SLACK = PAGE_SIZE
-"""Pool bytes a cached chunk's block may take beyond its state (the last chunk's page rounding)."""
+def part_dtype(part: str, keys: Sequence[str], param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a part's values: the working dtype for a ``param`` part that holds ``param``, else fp32."""
+    return param_dtype if part == "param" and "param" in keys else torch.float32
 
 
-def plan_rank(service: Service, job: Job, numel: int, chunk_numel: int, per_element: int) -> CachePlan:
+def part_nbytes(numel: int, keys: Sequence[str], param_dtype: torch.dtype = torch.float32) -> list[int]:
+    """Pool (and swap) bytes of each part of a chunk of ``numel`` elements, in whole pages (each part is its
+    own block)."""
+    return [
+        align_up(numel * len(held) * part_dtype(part, keys, param_dtype).itemsize)
+        for part, held in chunk_parts(keys).items()
+    ]
+
+
+def chunk_nbytes(numel: int, keys: Sequence[str], param_dtype: torch.dtype = torch.float32) -> int:
+    """Pool (and swap) bytes one chunk of ``numel`` elements takes: all of its parts."""
+    return sum(part_nbytes(numel, keys, param_dtype))
+
+
+def state_nbytes(numel: int, chunk_numel: int, keys: Sequence[str], param_dtype: torch.dtype = torch.float32) -> int:
+    """Pool bytes of all of a rank's chunks (what a cache that holds all of its state takes)."""
+    full, rest = divmod(numel, chunk_numel)
+    last = chunk_nbytes(rest, keys, param_dtype) if rest else 0
+    return full * chunk_nbytes(chunk_numel, keys, param_dtype) + last
+
+
+def plan_rank(
+    service: Service,
+    job: Job,
+    numel: int,
+    chunk_numel: int,
+    keys: Sequence[str] = ALL_KEYS,
+    param_dtype: torch.dtype = torch.float32,
+) -> CachePlan:
     """The sizing of one rank's chunk cache: measured, within the job's room in the pool budget (each cached
-    chunk counted with its ``CHUNK_SLACK``, as ``make_nvme_state`` reserves it), overridden by what the
+    chunk counted in whole pages per part, as ``make_nvme_state`` reserves it), overridden by what the
     configuration fixes."""
     cfg = service.config.swap
     nchunks = -(-numel // chunk_numel)
-    room = service.ledger.available(Resource.POOL)
+    # parts of different sizes are placed among pinned blocks (those being updated or paged): a cache that
+    # would fill the pool to its last byte could find its free room cut in holes smaller than a part, so one
+    # part's worth of the pool is left to the allocator
+    room = service.ledger.available(Resource.POOL) - max(part_nbytes(chunk_numel, keys, param_dtype))
     quota = service.ledger.quota(job.key, Resource.POOL)
     if quota is not None:
         room = min(room, quota - service.ledger.held(Resource.POOL, job.key))
     probe = service.swap_device.probe()
     plan = plan_cache(
         probe,
-        chunk_nbytes=chunk_numel * per_element + CHUNK_SLACK,
+        chunk_nbytes=chunk_nbytes(chunk_numel, keys, param_dtype),
         nchunks=nchunks,
         memory_nbytes=room,
         queue_depth=service.swap_device.queue_depth,
@@ -151,8 +197,12 @@ def store_name(job_id: str, rank: int, uid: int) -> str:
     return f"u{uid}-{safe}-{digest}.r{rank}"
 
 
-def _key(chunk: int) -> str:
-    return f"chunk{chunk}"
+def _key(chunk: int, part: str) -> str:
+    return f"chunk{chunk}.{part}"
+
+
+PERSISTED_PARTS = ("param", "state")
+"""What a reopened rank must find in its store; grads are transient (consumed by each step)."""
 
 
 class NvmeStateChunks:
@@ -165,6 +215,7 @@ class NvmeStateChunks:
         cache_nbytes: int,
         keys: tuple[str, ...] = ALL_KEYS,
         *,
+        param_dtype: torch.dtype = torch.float32,
         require_stored: bool = False,
         ceiling_nbytes: int | None = None,
         shares: PoolShares | None = None,
@@ -179,28 +230,46 @@ class NvmeStateChunks:
         and gives it back when the node needs it (registered as ``tenant``).  ``plan`` sizes the pipeline
         (default: the unmeasured minimum); with ``replan`` its prefetch is planned again from ``probe`` and
         the measured update time after each pass."""
+        if "master" not in keys:
+            raise InvalidArgument(f"NVMe-placed state keeps the fp32 master, got keys {keys}")
         self.keys = keys
+        self._part_keys = chunk_parts(keys)
+        self.parts = tuple(self._part_keys)
         self.numel = numel
         self.chunk_numel = chunk_numel
         self.store = store
         if require_stored:
-            missing = [_key(c) for c in range(self.nchunks) if _key(c) not in store]
+            missing = [
+                _key(c, part)
+                for c in range(self.nchunks)
+                for part in self.parts
+                if part in PERSISTED_PARTS and _key(c, part) not in store
+            ]
             if missing:
                 raise DataLostError(
                     missing,
                     f"the state is reopened from a job file, but the swap manifest {store.manifest_path} "
-                    f"(generation {store.generation}) holds no committed copy of {len(missing)} of its "
-                    f"{self.nchunks} chunks",
+                    f"(generation {store.generation}) holds no committed copy of {len(missing)} of the "
+                    f"{self.nchunks} chunks' parts",
                 )
         self.tiers = TierManager(pool, store, cache_nbytes, ceiling_nbytes=ceiling_nbytes)
         try:
             for c in range(self.nchunks):
-                self.tiers.register(_key(c), torch.float32, (len(keys) * self._chunk_len(c),))
+                for part in self.parts:
+                    shape = (len(self._part_keys[part]) * self._chunk_len(c),)
+                    self.tiers.register(_key(c, part), part_dtype(part, keys, param_dtype), shape)
             self.plan = plan or plan_cache(
-                None, chunk_nbytes=chunk_numel * 4 * len(keys), nchunks=self.nchunks, memory_nbytes=cache_nbytes
+                None,
+                chunk_nbytes=chunk_nbytes(chunk_numel, keys, param_dtype),
+                nchunks=self.nchunks,
+                memory_nbytes=cache_nbytes,
             )
-            self.tiers.prefetch([_key(c) for c in range(self.nchunks)], self.plan.prefetch_depth)
-            self.tiers.set_plan(self.plan)
+            # the update's order; working-dtype params are left out: the update writes them whole, and a
+            # prefetch would read what is about to be overwritten
+            self._ordered = tuple(part for part in self.parts if self._part_keys[part] != ("param",))
+            order = [_key(c, part) for c in range(self.nchunks) for part in self._ordered]
+            self.tiers.prefetch(order, self.plan.prefetch_depth * len(self._ordered))
+            self.tiers.set_plan(self.plan, tensors_per_chunk=len(self._ordered))
             if shares is not None:
                 shares.register(tenant, self.tiers)
         except BaseException:
@@ -225,14 +294,38 @@ class NvmeStateChunks:
         """Every chunk is in the cache now: an update has no page-in to overlap with."""
         return bool(self.tiers.resident())
 
-    def acquire(self, chunk: int) -> ChunkTensors:
-        flat = self.tiers.acquire(_key(chunk))
-        return split_chunk(flat, self._chunk_len(chunk), self.keys)
+    def acquire(
+        self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, advance: bool = True, overwrite: Iterable[str] = ()
+    ) -> ChunkTensors:
+        parts = self._parts_of(keys)
+        whole = set(overwrite)
+        if len(parts) > 1:
+            self.tiers.want([_key(chunk, part) for part in parts])  # read together, not one after the other
+        n = self._chunk_len(chunk)
+        sections: dict[str, torch.Tensor] = {}
+        taken: list[str] = []
+        try:
+            for part in parts:
+                fresh = whole.issuperset(self._part_keys[part])
+                flat = self.tiers.acquire(_key(chunk, part), advance=advance, overwrite=fresh)
+                taken.append(part)
+                keys_of_part = self._part_keys[part]
+                sections.update({key: flat[i * n : (i + 1) * n] for i, key in enumerate(keys_of_part)})
+        except BaseException:
+            for part in taken:
+                self.tiers.release(_key(chunk, part), dirty=False)
+            raise
+        return ChunkTensors(**sections)
 
-    def release(self, chunk: int, *, dirty: bool) -> None:
-        self.tiers.release(_key(chunk), dirty=dirty)
+    def release(self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, dirty: bool, consumed: bool = False) -> None:
+        for part in self._parts_of(keys):
+            self.tiers.release(_key(chunk, part), dirty=dirty, discard=consumed and part == "grad")
         if chunk == self.nchunks - 1 and self._replan:
             self._plan_again()
+
+    def _parts_of(self, keys: Iterable[str]) -> tuple[str, ...]:
+        wanted = set(keys)
+        return tuple(part for part, held in self._part_keys.items() if wanted.intersection(held))
 
     def _plan_again(self) -> None:
         """After a pass: the prefetch depth for the update time measured now.  The reserved cache stays as it
@@ -252,7 +345,7 @@ class NvmeStateChunks:
         prefetch = max(1, min(fresh.prefetch_depth, self.nchunks - 1))
         if prefetch != self.plan.prefetch_depth or fresh.bound != self.plan.bound:
             self.plan = replace(self.plan, prefetch_depth=prefetch, bound=fresh.bound)
-            self.tiers.set_plan(self.plan)
+            self.tiers.set_plan(self.plan, tensors_per_chunk=len(self._ordered))
             log.info(
                 "%s: update %.1f ms per chunk measured: %s",
                 self._tenant or "NVMe state",
@@ -328,23 +421,24 @@ def make_nvme_state(
     numel: int,
     keys: tuple[str, ...] = ALL_KEYS,
     *,
+    param_dtype: torch.dtype = torch.float32,
     require_stored: bool = False,
 ) -> NvmeStateChunks:
-    """Reserve cache and swap for ``numel`` elements of ``job``'s ``rank`` and open its store."""
+    """Reserve cache and swap for ``numel`` elements of ``job``'s ``rank`` and open its store (``param_dtype``:
+    the rank's working dtype, that of its ``param`` key where it keeps one)."""
     chunk_numel = service.config.adam.chunk_numel
-    per_element = 4 * len(keys)
-    state_nbytes = numel * per_element
-    plan = plan_rank(service, job, numel, chunk_numel, per_element)
+    plan = plan_rank(service, job, numel, chunk_numel, keys, param_dtype)
     log.info(
         "job %r rank %d: NVMe state of %d chunk(s): %s", job.job_id, rank, -(-numel // chunk_numel), plan.describe()
     )
-    cache_nbytes = min(state_nbytes, plan.cache_chunks * chunk_numel * per_element) + CHUNK_SLACK * plan.cache_chunks
+    resident_nbytes = state_nbytes(numel, chunk_numel, keys, param_dtype)
+    cache_nbytes = min(resident_nbytes, plan.cache_chunks * chunk_nbytes(chunk_numel, keys, param_dtype))
     # out-of-place writes keep the committed version until the next commit: room for two copies of the state
     # and the chunks being written
-    swap_nbytes = 2 * state_nbytes + cache_nbytes
+    swap_nbytes = 2 * resident_nbytes + cache_nbytes
     ceiling_nbytes = cache_nbytes
     if service.config.swap.borrow:
-        ceiling_nbytes = _ceiling(service, job, state_nbytes + CHUNK_SLACK * (-(-numel // chunk_numel)), cache_nbytes)
+        ceiling_nbytes = _ceiling(service, job, resident_nbytes, cache_nbytes)
     service.ledger.reserve(job.key, Resource.POOL, cache_nbytes)
     try:
         service.ledger.reserve(job.key, Resource.SWAP, swap_nbytes)
@@ -371,6 +465,7 @@ def make_nvme_state(
                 chunk_numel,
                 cache_nbytes,
                 keys,
+                param_dtype=param_dtype,
                 require_stored=require_stored,
                 ceiling_nbytes=ceiling_nbytes,
                 shares=service.shares,

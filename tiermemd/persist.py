@@ -48,7 +48,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_VERSION = 3
+_VERSION = 4
+"""4: each state chunk's params, moments and grads are separate swap records (``chunk{c}.{part}``); a
+job file of an earlier version names a store of whole chunks, which this daemon cannot reopen."""
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,11 @@ class JobRecord:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> JobRecord:
         if d.get("version") != _VERSION:
-            raise ValueError(f"job file version {d.get('version')!r}, this daemon reads {_VERSION}")
+            raise ValueError(
+                f"job file version {d.get('version')!r}, this daemon reads {_VERSION} (the swap layout "
+                "changed: each chunk's params, moments and grads are now separate records); the job cannot be "
+                "reopened: start it again from a checkpoint (OffloadAdam.state_dict and the model's)"
+            )
         clean = bool(d["clean"])
         return cls(
             job_id=str(d["job_id"]),

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from tiermem.core import dtypes
 from tiermem.core.config import DaemonConfig, load_config
 from tiermem.core.errors import ConfigError, TiermemError, UnsafePathError
 from tiermem.core.units import format_size
@@ -236,8 +237,8 @@ class Service:
 
     # ----------------------------------------------------------------- state and reclaim
 
-    def state_factory(self, job: Job, rank: int, placement: str) -> Callable[[int, tuple[str, ...]], StateChunks]:
-        def make(numel: int, keys: tuple[str, ...]) -> StateChunks:
+    def state_factory(self, job: Job, rank: int, placement: str) -> Callable[[int, tuple[str, ...], str], StateChunks]:
+        def make(numel: int, keys: tuple[str, ...], dtype: str) -> StateChunks:
             nbytes = numel * 4 * len(keys)
             if placement == "cpu":
                 self.ledger.reserve(job.key, Resource.POOL, nbytes)
@@ -253,7 +254,8 @@ class Service:
             reopened = getattr(job.ranks.get(rank), "restored", None) is not None
             if not reopened:
                 self.orphans.forget(store_name(job.job_id, rank, job.owner_uid))
-            return make_nvme_state(self, job, rank, numel, keys, require_stored=reopened)
+            param_dtype = dtypes.by_name(dtype).torch
+            return make_nvme_state(self, job, rank, numel, keys, param_dtype=param_dtype, require_stored=reopened)
 
         return make
 

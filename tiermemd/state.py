@@ -1,27 +1,46 @@
-"""Where a rank's fp32 Adam state lives: chunks of its state keys (master, exp_avg, exp_avg_sq).
+"""Where a rank's fp32 Adam state lives: chunks of its state keys, in parts.
 
 A rank's state is one flat fp32 buffer of ``numel`` elements per state key,
 cut into chunks of ``chunk_numel`` elements; chunk ``c`` covers elements
-``[c * chunk_numel, min((c + 1) * chunk_numel, numel))`` and is stored as one
-block of consecutive sections, one per key in ``keys`` order (master |
-exp_avg | exp_avg_sq, or exp_avg | exp_avg_sq when the rank's fp32 params
-are their own master), so one I/O moves all of a chunk's state.
+``[c * chunk_numel, min((c + 1) * chunk_numel, numel))``.  The keys of a
+chunk are grouped in parts (``chunk_parts``), each the unit a tier moves:
 
-``StateChunks`` is the interface the step pipeline uses: ``acquire(c)`` returns
-the three tensors of chunk ``c`` (valid until ``release``).  ``CpuStateChunks`` keeps every chunk in the daemon's
-pool: a chunk is pinned only while it is in use, so the pool may compact
-around idle state.  The NVMe tier pages chunks through the tier manager.
+- ``param``: what a param fetch reads and a step writes: the params in their
+  working dtype (``param``, bf16/fp16) where a paged rank keeps them apart
+  from the master, else the fp32 ``master`` itself;
+- ``state``: the fp32 master where ``param`` is kept, ``exp_avg`` and
+  ``exp_avg_sq`` (only an update and a checkpoint touch them);
+- ``grad``: the staged exchange's grads (written as they land, read once by
+  the update, then consumed).
+
+Every key is fp32 except ``param``, which is in the rank's working dtype and
+always equals the master cast to it (the update writes both in one pass; a
+write of the master writes both).
+
+Why parts and not one record per chunk: a param fetch then moves the param's
+bytes only, not the moments and the grad beside it; a grad push moves the
+grad only; and consumed grads are dropped without being written back.  On
+the NVMe tier that is the difference between 40 and 64+ B/param a paged
+step (``benchmarks/bench_scale.py``).
+
+``StateChunks`` is the interface the step pipeline uses: ``acquire(c, keys)``
+returns the tensors of ``keys`` of chunk ``c`` (the others None; valid until
+``release(c, keys)``).  ``CpuStateChunks`` keeps every chunk in the daemon's
+pool, one block per chunk holding every part: a chunk is pinned only while it
+is in use, so the pool may compact around idle state.  The NVMe tier
+(``tiermemd.nvme``) pages each part of each chunk on its own.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, NamedTuple, Protocol
 
 import torch
 
-from tiermem.core.errors import InvalidArgument
+from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.figures import Family, gauge
 from tiermem.engine.pool import Block, BufferPool
 from tiermem.engine.swap.records import SwapStats
@@ -29,11 +48,15 @@ from tiermem.engine.tiers.records import TierStats
 
 __all__ = [
     "ALL_KEYS",
+    "MOMENTS",
+    "PAGED_KEYS",
     "STAGED_KEYS",
+    "UPDATE_KEYS",
     "ChunkTensors",
     "CpuStateChunks",
     "StateChunks",
     "StateStats",
+    "chunk_parts",
     "chunk_ranges",
     "split_chunk",
 ]
@@ -43,21 +66,50 @@ STAGED_KEYS = (*ALL_KEYS, "grad")
 """A rank whose params do not live in the shared storage (the staged exchange) also keeps its grads."""
 STATE_BYTES_PER_ELEMENT = 4 * len(ALL_KEYS)
 """What a rank with a master keeps per element (fp32 master and both moments)."""
+MOMENTS = ("exp_avg", "exp_avg_sq")
+PAGED_KEYS = ("param", *STAGED_KEYS)
+"""A staged rank on the NVMe tier whose params are below fp32 also keeps them in their working dtype
+(``param``), apart from the fp32 master, so a fetch reads 2 bytes a param, not 4."""
+UPDATE_KEYS = PAGED_KEYS
+"""What an update may read and write (a rank acquires the ones it keeps)."""
+
+
+def chunk_parts(keys: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """The parts of a chunk of a rank that keeps ``keys``, each stored and paged as a unit, with the keys each
+    holds in order: ``param`` (the working-dtype ``param`` where kept, else the ``master``), ``state`` (the
+    master where ``param`` is kept, and the moments), ``grad``.  Parts holding none of ``keys`` are left out."""
+    if "param" in keys:
+        table = {"param": ("param",), "state": ("master", *MOMENTS), "grad": ("grad",)}
+    else:
+        table = {"param": ("master",), "state": MOMENTS, "grad": ("grad",)}
+    parts = {part: tuple(k for k in held if k in keys) for part, held in table.items()}
+    return {part: held for part, held in parts.items() if held}
 
 
 class ChunkTensors(NamedTuple):
-    master: torch.Tensor | None
-    """None when the rank keeps no master (its fp32 params in the shared storage are the master)."""
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    """The tensors of one chunk's keys; a key the rank does not keep or that was not acquired is None."""
+
+    param: torch.Tensor | None = None
+    """The params in their working dtype, where the rank keeps them apart from the master."""
+    master: torch.Tensor | None = None
+    """None also when the rank keeps no master (its fp32 params in the shared storage are the master)."""
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
     grad: torch.Tensor | None = None
     """The staged exchange's fp32 grads (None: the grads are in the shared storage)."""
 
+    def need(self, key: str) -> torch.Tensor:
+        """The tensor of ``key``, which the caller acquired: None here is a bug, said as such."""
+        value: torch.Tensor | None = getattr(self, key)
+        if value is None:
+            raise InvalidState(f"state key {key!r} of this chunk was not acquired or is not kept by the rank")
+        return value
 
-def split_chunk(flat: torch.Tensor, n: int, keys: tuple[str, ...]) -> ChunkTensors:
-    """The per-key sections of one chunk's flat fp32 block (``len(keys) * n`` elements)."""
-    parts = {key: flat[i * n : (i + 1) * n] for i, key in enumerate(keys)}
-    return ChunkTensors(parts.get("master"), parts["exp_avg"], parts["exp_avg_sq"], parts.get("grad"))
+
+def split_chunk(flat: torch.Tensor, n: int, keys: Sequence[str], wanted: Iterable[str] | None = None) -> ChunkTensors:
+    """The per-key sections of a flat fp32 block of ``len(keys) * n`` elements (only ``wanted`` ones)."""
+    chosen = set(keys if wanted is None else wanted)
+    return ChunkTensors(**{key: flat[i * n : (i + 1) * n] for i, key in enumerate(keys) if key in chosen})
 
 
 _PER_TIER = "per tier (cpu: pool bytes, NVMe chunk caches included; nvme: swap bytes)."
@@ -84,8 +136,21 @@ class StateChunks(Protocol):
 
     @property
     def nchunks(self) -> int: ...
-    def acquire(self, chunk: int) -> ChunkTensors: ...
-    def release(self, chunk: int, *, dirty: bool) -> None: ...
+    def acquire(
+        self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, advance: bool = True, overwrite: Iterable[str] = ()
+    ) -> ChunkTensors:
+        """The tensors of those of ``keys`` the rank keeps, resident until ``release`` with the same keys.
+
+        ``advance``: a use of the update's pass (in chunk order, which the NVMe tier prefetches along);
+        False for uses outside it (param fetches, grad pushes, checkpoints).  ``overwrite``: keys whose
+        whole chunk the caller writes before anyone reads them (the NVMe tier then reads nothing for them)."""
+        ...
+
+    def release(self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, dirty: bool, consumed: bool = False) -> None:
+        """End an ``acquire``; ``dirty``: its tensors were written; ``consumed``: the grads of the chunk are no
+        longer needed (an update took them; the next step writes them anew), so they are not kept."""
+        ...
+
     def close(self, *, remove: bool = True) -> None: ...
     def stats(self) -> StateStats: ...
 
@@ -110,6 +175,8 @@ class CpuStateChunks:
     ) -> None:
         if numel <= 0 or chunk_numel <= 0:
             raise InvalidArgument(f"state needs numel > 0 and chunk_numel > 0, got {numel} and {chunk_numel}")
+        if "param" in keys:
+            raise InvalidArgument("the cpu placement keeps no working-dtype params apart from the master")
         self.pool = pool
         self.numel = numel
         self.chunk_numel = chunk_numel
@@ -137,14 +204,16 @@ class CpuStateChunks:
     def _chunk_len(self, chunk: int) -> int:
         return min(self.chunk_numel, self.numel - chunk * self.chunk_numel)
 
-    def acquire(self, chunk: int) -> ChunkTensors:
+    def acquire(
+        self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, advance: bool = True, overwrite: Iterable[str] = ()
+    ) -> ChunkTensors:
         block = self._blocks[chunk]
         n = self._chunk_len(chunk)
         self.pool.pin(block)
         flat = self.pool.tensor(block, torch.float32, (len(self.keys) * n,))
-        return split_chunk(flat, n, self.keys)
+        return split_chunk(flat, n, self.keys, keys)
 
-    def release(self, chunk: int, *, dirty: bool) -> None:
+    def release(self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, dirty: bool, consumed: bool = False) -> None:
         self.pool.unpin(self._blocks[chunk])
 
     def stats(self) -> StateStats:

@@ -55,7 +55,11 @@ def test_the_plan_sizes_the_pipeline_and_a_slow_update_deepens_the_prefetch(
     state = NvmeStateChunks(pool, store, NCHUNKS * CHUNK_NUMEL, CHUNK_NUMEL, plan.cache_nbytes, plan=plan, probe=probe)
     try:
         assert state.max_acquired == plan.acquired
-        assert state.tiers.stats().plan == plan and state.tiers.stats().prefetch_depth == plan.prefetch_depth
+        # the prefetch keeps whole chunks in flight: each is one tier tensor per part (param, state)
+        per_chunk = len(state.parts)
+        assert (
+            state.tiers.stats().plan == plan and state.tiers.stats().prefetch_depth == plan.prefetch_depth * per_chunk
+        )
         for _ in range(2):
             for c in range(NCHUNKS):
                 tensors = state.acquire(c)
@@ -66,7 +70,7 @@ def test_the_plan_sizes_the_pipeline_and_a_slow_update_deepens_the_prefetch(
         assert replanned is not None and replanned.bound == "compute"
         assert replanned.prefetch_depth > plan.prefetch_depth  # (4 + 200) ms / ~20 ms: ~10 chunks ahead
         assert (replanned.acquired, replanned.writeback) == (plan.acquired, plan.writeback)
-        assert state.tiers.stats().prefetch_depth == replanned.prefetch_depth
+        assert state.tiers.stats().prefetch_depth == replanned.prefetch_depth * per_chunk
         assert float(state.acquire(0).exp_avg[0]) == 2.0
         state.release(0, dirty=False)
     finally:
@@ -108,9 +112,10 @@ def test_nothing_is_probed_when_the_configuration_fixes_every_size_or_io_is_buff
         threads.close()
 
 
-def test_a_pool_of_a_whole_number_of_chunks_admits_a_cache_of_that_many() -> None:
-    """The cache plan counts each cached chunk with the slack its block is reserved with: a pool that holds
-    exactly four chunks of the rank's state admits a rank of eight, which then trains through it."""
+def test_a_pool_of_a_whole_number_of_chunks_admits_a_rank_that_pages_through_it() -> None:
+    """The cache plan counts each cached chunk as its parts' blocks take the pool, and leaves one part's room to
+    the allocator (parts of two sizes among pinned blocks): a pool that holds exactly four chunks of the rank's
+    state admits a rank of eight, which then trains through it, steps after steps."""
     import torch
 
     from tiermem.client.link import connect
@@ -122,11 +127,11 @@ def test_a_pool_of_a_whole_number_of_chunks_admits_a_cache_of_that_many() -> Non
     p = torch.nn.Parameter(torch.randn(8 * chunk_numel))
     opt = OffloadAdam([p], offload="nvme", client=client)
     try:
-        for _ in range(2):
+        for _ in range(6):
             p.grad = torch.randn_like(p)
             opt.step()
         stats = opt.stats()
-        assert stats.rank.last_step == 2
+        assert stats.rank.last_step == 6
         assert stats.rank.cpu_state_nbytes <= pool
         assert stats.rank.nvme is not None and stats.rank.nvme.page_outs > 0  # the state did not fit: it paged
     finally:

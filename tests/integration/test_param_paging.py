@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from offload_helpers import OffloadDaemon, offload_daemon
+from offload_helpers import CHUNK_NUMEL, OffloadDaemon, offload_daemon
 from small_models import BATCH, corpus
 from torch import nn
 from torch.nn import functional as F
@@ -238,17 +238,21 @@ def test_gpt_four_times_the_budget_trains_bitwise_like_unpaged(offload: OffloadD
         assert pager.counters["prefetches"] > 0 and pager.trace.missed == 0
 
 
-def test_nvme_state_past_the_pool_budget_with_paged_params_equals_the_in_memory_run() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvme_state_past_the_pool_budget_with_paged_params_equals_the_in_memory_run(dtype: torch.dtype) -> None:
+    """bf16 on the NVMe tier keeps its params in bf16 apart from the fp32 master (what a fetch reads): the
+    same values as the cpu tier's master cast, to the bit."""
     data = batches(3)
     results = []
     for tier, settings in (("nvme", {"jobs.max_pool": "320KiB"}), ("cpu", {})):
         with offload_daemon(settings={"jobs.max_jobs": 8, **settings}) as daemon:
-            model = paging_gpt()
+            model = paging_gpt().to(dtype)
             state_nbytes = 16 * sum(p.numel() for p in model.parameters())  # master, moments, grad in fp32
             opt = make_opt(daemon, model, tier)
             if tier == "nvme":
                 assert opt.placement_used.value == "nvme"
                 assert state_nbytes >= 4 * 320 * 1024 * 0.7
+                assert ("param" in opt.state_keys) == (dtype != torch.float32)
             pager = tiermem.offload_params(model, opt, device_budget=param_nbytes(model) // 4)
             results.append((run(model, opt, data), model.state_dict()))
             assert pager.peak_nbytes <= param_nbytes(model) // 4
@@ -256,6 +260,42 @@ def test_nvme_state_past_the_pool_budget_with_paged_params_equals_the_in_memory_
     assert nvme_losses == cpu_losses
     for name, value in cpu_state.items():
         assert torch.equal(nvme_state[name], value), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_paged_nvme_step_moves_each_byte_of_the_layout_once(offload: OffloadDaemon, dtype: torch.dtype) -> None:
+    """With a cache of 6 of the state's ~30 chunks: a fetch reads the params' working bytes only (2 a bf16
+    param, not the 16 of master, moments and grad together), and a step reads the grads and the fp32 state
+    once and writes them and the params once (consumed grads are not written back)."""
+    model = paging_gpt().to(dtype)
+    numel = sum(p.numel() for p in model.parameters())
+    opt = make_opt(offload, model, "nvme")
+    assert opt.placement_used.value == "nvme"
+    tiermem.offload_params(model, opt, device_budget=param_nbytes(model) // 4)
+    data = batches(3)
+    run(model, opt, data[:2])  # the first step writes everything once; from the second on, steps are steady
+
+    def disk() -> tuple[int, int]:
+        nvme = opt.stats().rank.nvme
+        assert nvme is not None
+        return nvme.read_nbytes, nvme.written_nbytes
+
+    working = numel * dtype.itemsize
+    grads, state = 4 * numel, 12 * numel  # fp32 grads; fp32 master and moments
+    pad = -(-numel // CHUNK_NUMEL) * 4096  # page rounding: at most a page per chunk and part
+    read0, written0 = disk()
+    with torch.no_grad():
+        model(*data[2])  # fetches only
+    read1, _ = disk()
+    assert 0 < read1 - read0 <= working + pad
+    run(model, opt, data[2:])
+    read2, written2 = disk()
+    assert state <= read2 - read1 <= 2 * working + grads + state + 3 * pad  # the state did not fit the cache
+    params_out = working if dtype != torch.float32 else 0  # an fp32 model's params are its master
+    # what the last update left dirty in the cache is written when evicted: in this window, the update
+    # before it; at its end, some of its own chunks are still unwritten
+    cached = 6 * CHUNK_NUMEL * (4 + 12 + 4)
+    assert written2 - written0 <= grads + state + params_out + 3 * pad + cached
 
 
 # ----------------------------------------------------------------------------- reuse, checkpointing, eval

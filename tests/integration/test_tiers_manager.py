@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,91 @@ def test_an_overwriting_acquire_pages_in_without_reading_and_the_new_values_are_
         assert manager.stats().bytes_in > read_before  # a plain acquire reads
         assert torch.equal(again, torch.full_like(again, 42.0))
         manager.release(key, dirty=False)
+    finally:
+        manager.close()
+        store.close(remove=True)
+        pool.close()
+
+
+def test_a_discarded_tensor_is_dropped_without_a_write_and_comes_back_zeroed_without_a_read(
+    libaio: LibaioEngine, swap_dir: Path
+) -> None:
+    pool, store, manager = make(libaio, swap_dir, 2 * STATE_NBYTES, 2 * MiB)
+    key = KEYS[0]
+    try:
+        one_pass(manager, 1, 2 * STATE_NBYTES)
+        manager.flush()  # every tensor has a stored copy
+        assert key in store
+        t = manager.acquire(key)
+        t.fill_(7.0)
+        before = manager.stats()
+        manager.release(key, dirty=True, discard=True)
+        after = manager.stats()
+        assert manager.record(key).state is TensorState.EMPTY and key not in store  # the stale copy is gone too
+        assert after.cpu_nbytes == before.cpu_nbytes - manager.record(key).padded_nbytes  # its block is freed
+        assert (after.bytes_out, after.discards) == (before.bytes_out, before.discards + 1)  # nothing written
+        again = manager.acquire(key)
+        assert manager.stats().bytes_in == after.bytes_in  # nothing read
+        assert not again.any()
+        manager.release(key, dirty=False)
+        other = manager.acquire(KEYS[1])  # the other tensors keep their values
+        assert torch.equal(other, torch.full_like(other, 2.0))
+        manager.release(KEYS[1], dirty=False)
+    finally:
+        manager.close()
+        store.close(remove=True)
+        pool.close()
+
+
+def test_a_discard_waits_for_the_last_user(libaio: LibaioEngine, swap_dir: Path) -> None:
+    pool, store, manager = make(libaio, swap_dir, 2 * STATE_NBYTES, 2 * MiB)
+    key = KEYS[0]
+    try:
+        first = manager.acquire(key)
+        manager.acquire(key)
+        first.fill_(3.0)
+        manager.release(key, dirty=True, discard=True)  # another user holds it: kept
+        assert manager.record(key).state is TensorState.IN_USE
+        manager.release(key, dirty=True)
+        assert manager.record(key).state is TensorState.CPU
+        assert float(manager.acquire(key)[0]) == 3.0
+        manager.release(key, dirty=False)
+    finally:
+        manager.close()
+        store.close(remove=True)
+        pool.close()
+
+
+def test_acquires_outside_the_order_do_not_move_the_prefetch(libaio: LibaioEngine, swap_dir: Path) -> None:
+    """A use that is not a step of the order (a param fetch between two updates) pages in on demand only: the
+    pager does not read ahead of it along the order."""
+    budget = 2 * STATE_NBYTES
+    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
+    try:
+        one_pass(manager, 1, budget)
+        manager.flush()
+        assert manager.page_out(KEYS)  # nothing resident
+        manager.prefetch(KEYS, 4)
+        # the pager prefetches the start of the order now; wait for it, then count
+        first = manager.acquire(KEYS[0])
+        manager.release(KEYS[0], dirty=False)
+        deadline = time.monotonic() + 10
+        while sum(manager.record(k).resident for k in KEYS[1:5]) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert first is not None and all(manager.record(k).resident for k in KEYS[1:5])
+        read = manager.stats().page_ins
+        t = manager.acquire(KEYS[9], advance=False)
+        manager.release(KEYS[9], dirty=False)
+        time.sleep(0.2)  # room for a prefetch, were one started
+        assert manager.stats().page_ins == read + 1  # KEYS[9] only: nothing read ahead of it
+        assert not any(manager.record(k).resident for k in KEYS[10:14])
+        assert torch.equal(t, torch.full_like(t, 10.0))
+        manager.acquire(KEYS[9])  # a step of the order: the prefetch moves on past it
+        manager.release(KEYS[9], dirty=False)
+        deadline = time.monotonic() + 10
+        while not manager.record(KEYS[10]).resident and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert manager.record(KEYS[10]).resident
     finally:
         manager.close()
         store.close(remove=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -28,7 +28,7 @@ from tiermemd.rank.planner import Piece, plan_pieces
 from tiermemd.rank.records import TensorRecord
 from tiermemd.rank.runner import AdamSlices, UpdateRunner, UpdateTarget, adopt_edits
 from tiermemd.scheduler import CpuScheduler
-from tiermemd.state import ALL_KEYS, ChunkTensors, CpuStateChunks
+from tiermemd.state import ALL_KEYS, UPDATE_KEYS, ChunkTensors, CpuStateChunks
 
 TENANT = "job/0"
 LOW = (torch.float16, torch.bfloat16)
@@ -121,16 +121,18 @@ class CountingState:
     def nchunks(self) -> int:
         return self.inner.nchunks
 
-    def acquire(self, chunk: int) -> ChunkTensors:
-        tensors = self.inner.acquire(chunk)
+    def acquire(
+        self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, advance: bool = True, overwrite: Iterable[str] = ()
+    ) -> ChunkTensors:
+        tensors = self.inner.acquire(chunk, keys, advance=advance, overwrite=overwrite)
         with self._lock:
             self.held += 1
             self.acquires += 1
             self.most_held = max(self.most_held, self.held)
         return tensors
 
-    def release(self, chunk: int, *, dirty: bool) -> None:
-        self.inner.release(chunk, dirty=dirty)
+    def release(self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, dirty: bool, consumed: bool = False) -> None:
+        self.inner.release(chunk, keys, dirty=dirty, consumed=consumed)
         with self._lock:
             self.held -= 1
 

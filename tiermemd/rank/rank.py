@@ -70,24 +70,26 @@ from tiermemd.rank.runner import AdamKernel, UpdateRunner, UpdateTarget
 from tiermemd.rank.stateio import StateIO
 from tiermemd.rank.stats import RankStats
 from tiermemd.scheduler import CpuScheduler
-from tiermemd.state import ALL_KEYS, STAGED_KEYS, StateChunks, StateStats, chunk_ranges
+from tiermemd.state import ALL_KEYS, PAGED_KEYS, STAGED_KEYS, StateChunks, StateStats, chunk_ranges
 
 __all__ = ["RankOptimizer", "Registration", "state_keys_for"]
 
-MakeState = Callable[[int, tuple[str, ...]], StateChunks]
+MakeState = Callable[[int, tuple[str, ...], str], StateChunks]
+"""Makes a rank's state: (elements, state keys, working dtype name)."""
 MakeStorage = Callable[[int], tuple[Arena, int]]
 
 
 def state_keys_for(
     dtype: str, placement: str, grad_buffers: int, exchange: str = "shared", grads_in_state: bool = False
 ) -> tuple[str, ...]:
-    """The fp32 state a rank keeps: no master when its fp32 params in the pool-backed storage can be it.
+    """The state a rank keeps: no master when its fp32 params in the pool-backed storage can be it.
 
     NVMe-placed state keeps the master (what a restarted daemon reopens); a delayed update keeps it
     (the trainer reads the old params while the update writes the new master); the staged exchange
-    (params on a device, not in the storage) keeps the master and the grads."""
+    (params on a device, not in the storage) keeps the master and the grads, and on the NVMe tier, where
+    the params are below fp32, the params in their working dtype too (``param``: what a fetch reads)."""
     if exchange == "staged":
-        return STAGED_KEYS
+        return PAGED_KEYS if placement == "nvme" and dtype != "float32" else STAGED_KEYS
     grad = ("grad",) if grads_in_state else ()
     if dtype == "float32" and placement == "cpu" and grad_buffers == 1:
         return ("exp_avg", "exp_avg_sq", *grad)
@@ -205,7 +207,7 @@ class RankOptimizer(StateIO):
         keys = state_keys_for(layout.dtype, placement, grad_buffers, exchange, grads_in_state)
         storage, storage_id = make_storage(layout.nbytes) if exchange == "shared" else (None, 0)
         try:
-            state = make_state(layout.numel, keys)
+            state = make_state(layout.numel, keys, layout.dtype)
         except BaseException:
             if storage is not None:
                 storage.close()
@@ -470,7 +472,11 @@ class RankOptimizer(StateIO):
             pieces = self._advance(ids, groups)
             self.last_step = msg.step
             self._delayed = self.runner.submit(
-                state, pieces, self._target(msg.grad_buffer, write_params=False), grad_scale
+                state,
+                pieces,
+                self._target(msg.grad_buffer, write_params=False),
+                grad_scale,
+                consume=self.grads_in_state,
             )
             self._delayed_step = msg.step
             self._uninstalled.update(ids)
@@ -480,7 +486,8 @@ class RankOptimizer(StateIO):
         pieces = self._advance(ids, groups)
         self.last_step = msg.step
         try:
-            self.runner.run(state, pieces, self._target(msg.grad_buffer, write_params=True), grad_scale)
+            target = self._target(msg.grad_buffer, write_params=True)
+            self.runner.run(state, pieces, target, grad_scale, consume=self.grads_in_state)
         except BaseException as exc:
             self.phase.fail(msg.step, _reason(exc))
             raise StepFailed(msg.step, _reason(exc)) from exc
@@ -507,13 +514,13 @@ class RankOptimizer(StateIO):
     def _staged_stats(self, chunk: int, a: int, b: int, inv_scale: float) -> tuple[float, bool]:
         _, state = self._parts()
         c0 = chunk * state.chunk_numel
-        tensors = state.acquire(chunk)
+        tensors = state.acquire(chunk, ("grad",), advance=False)
         try:
             if tensors.grad is None:
                 raise InvalidState("the rank keeps no staged grads")
             return self.kernel.grad_stats(tensors.grad[a - c0 : b - c0], inv_scale)
         finally:
-            state.release(chunk, dirty=False)
+            state.release(chunk, ("grad",), dirty=False)
 
     # ----------------------------------------------------------------- params and state
 

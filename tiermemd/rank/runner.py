@@ -12,7 +12,8 @@ Where the update reads and writes (``UpdateTarget``):
   fp32 params in the storage themselves (updated in place);
 - the params: written in the same pass (cast to the working dtype) unless the
   step is delayed, whose params are installed later (``install``) because the
-  trainer is reading them meanwhile.
+  trainer is reading them meanwhile; a staged rank's working-dtype ``param``
+  key is always written in the same pass (the trainer reads it only after).
 
 Edits: the storage params are what the trainer sees and may change in place
 between steps (``p.data.clamp_()``, ``load_state_dict`` on the model).  Where a
@@ -48,6 +49,25 @@ from tiermemd.scheduler import CpuScheduler
 from tiermemd.state import StateChunks
 
 __all__ = ["AdamKernel", "AdamSlices", "UpdateRunner", "UpdateTarget", "adopt_edits"]
+
+_MASTER = ("master",)
+_WRITTEN_WHOLE = ("param",)
+"""What an update writes without reading: the working-dtype params it casts from the master."""
+
+
+def _whole_chunks(state: StateChunks, pieces: Sequence[Piece]) -> dict[int, int]:
+    """For each chunk the pieces cover whole, the index of its first piece (which may acquire the keys the
+    update only writes without reading them; later pieces of the chunk find them written)."""
+    first: dict[int, int] = {}
+    covered: dict[int, int] = {}
+    for i, piece in enumerate(pieces):
+        first.setdefault(piece.chunk, i)
+        covered[piece.chunk] = covered.get(piece.chunk, 0) + piece.hi - piece.lo
+    whole = {}
+    for chunk, count in covered.items():
+        if count == min(state.chunk_numel, state.numel - chunk * state.chunk_numel):
+            whole[chunk] = first[chunk]
+    return whole
 
 
 class AdamSlices(NamedTuple):
@@ -112,8 +132,20 @@ class UpdateRunner:
         self.adopted = 0
         """Param elements whose in-place edits were taken into the master."""
 
-    def run(self, state: StateChunks, pieces: Sequence[Piece], target: UpdateTarget, grad_scale: float) -> None:
+    def run(
+        self,
+        state: StateChunks,
+        pieces: Sequence[Piece],
+        target: UpdateTarget,
+        grad_scale: float,
+        *,
+        consume: bool = False,
+    ) -> None:
+        """Apply ``pieces``; ``consume``: this run takes the last of the step's grads in the state's ``grad``
+        key, so each chunk's grads are given up after its last piece (the next step writes them anew)."""
         started = time.perf_counter()
+        last = {piece.chunk: i for i, piece in enumerate(pieces)} if consume else {}
+        fresh = _whole_chunks(state, pieces)
         limit = getattr(state, "max_acquired", None)
         resident = getattr(state, "resident", None)
         # the NVMe placement pipelines: the next chunk is acquired (perhaps waiting for its page-in) while the
@@ -123,10 +155,14 @@ class UpdateRunner:
         window: collections.deque[Future[None]] = collections.deque()
         error: BaseException | None = None
         try:
-            for piece in pieces:
+            for i, piece in enumerate(pieces):
                 if limit is not None and len(window) >= limit:
                     health.wait(window.popleft())
-                window.append(self._piece(state, piece, target, grad_scale, here=here))
+                consumed = last.get(piece.chunk) == i
+                overwrite = _WRITTEN_WHOLE if fresh.get(piece.chunk) == i else ()
+                window.append(
+                    self._piece(state, piece, target, grad_scale, here=here, consumed=consumed, overwrite=overwrite)
+                )
                 health.tick()  # progress of this thread (tiermemd.health): a piece was acquired
         except BaseException as exc:
             error = exc
@@ -148,42 +184,48 @@ class UpdateRunner:
         self.updated_elements += sum(piece.hi - piece.lo for piece in pieces)
 
     def submit(
-        self, state: StateChunks, pieces: Sequence[Piece], target: UpdateTarget, grad_scale: float
+        self,
+        state: StateChunks,
+        pieces: Sequence[Piece],
+        target: UpdateTarget,
+        grad_scale: float,
+        *,
+        consume: bool = False,
     ) -> Future[None]:
         """``run`` on the rank's pipeline thread, after what was submitted before."""
         if self._pipeline is None:
             self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{self.tenant}")
-        return self._pipeline.submit(self._tracked_run, state, list(pieces), target, grad_scale)
+        return self._pipeline.submit(self._tracked_run, state, list(pieces), target, grad_scale, consume)
 
     def _tracked_run(
-        self, state: StateChunks, pieces: Sequence[Piece], target: UpdateTarget, grad_scale: float
+        self, state: StateChunks, pieces: Sequence[Piece], target: UpdateTarget, grad_scale: float, consume: bool
     ) -> None:
         with health.track(f"tiermem-{self.tenant} pipeline"):
-            self.run(state, pieces, target, grad_scale)
+            self.run(state, pieces, target, grad_scale, consume=consume)
 
     def install(self, state: StateChunks, ranges: Sequence[tuple[int, int, int]], params: torch.Tensor) -> None:
         """Cast the master of ``(chunk, lo, hi)`` ranges into the storage params."""
         for chunk, lo, hi in ranges:
             c0 = chunk * state.chunk_numel
-            tensors = state.acquire(chunk)
+            tensors = state.acquire(chunk, _MASTER, advance=False)
             try:
                 master = tensors.master
                 if master is not None:
                     params[lo:hi].copy_(master[lo - c0 : hi - c0])
             finally:
-                state.release(chunk, dirty=False)
+                state.release(chunk, _MASTER, dirty=False)
 
     def adopt(self, state: StateChunks, ranges: Sequence[tuple[int, int, int]], params: torch.Tensor) -> None:
         """Take in-place edits of the storage params of ``(chunk, lo, hi)`` ranges into the master (before a
         delayed update, which does not write the params and so cannot adopt them piece by piece)."""
         for chunk, lo, hi in ranges:
             c0 = chunk * state.chunk_numel
-            tensors = state.acquire(chunk)
+            tensors = state.acquire(chunk, _MASTER, advance=False)
             try:
                 if tensors.master is not None:
                     self.adopted += adopt_edits(tensors.master[lo - c0 : hi - c0], params[lo:hi])
             finally:
-                state.release(chunk, dirty=True)
+                state.release(chunk, _MASTER, dirty=True)
 
     def close(self) -> None:
         if self._pipeline is not None:
@@ -191,16 +233,31 @@ class UpdateRunner:
             self._pipeline = None
 
     def _piece(
-        self, state: StateChunks, piece: Piece, target: UpdateTarget, grad_scale: float, *, here: bool = False
+        self,
+        state: StateChunks,
+        piece: Piece,
+        target: UpdateTarget,
+        grad_scale: float,
+        *,
+        here: bool = False,
+        consumed: bool = False,
+        overwrite: tuple[str, ...] = (),
     ) -> Future[None]:
         c0 = piece.chunk * state.chunk_numel
         a, b = piece.lo, piece.hi
-        tensors = state.acquire(piece.chunk)
+        tensors = state.acquire(piece.chunk, overwrite=overwrite)
 
         def work() -> None:
             try:
                 params = target.params[a:b] if target.params is not None else None
                 out: torch.Tensor | None = None
+                cast: torch.Tensor | None = None
+                if params is None and tensors.param is not None:
+                    # the staged params kept in their working dtype, whatever the step (the trainer reads them
+                    # from here, after the update): cast from the new master right after the update, not as
+                    # the kernel's output, so the master comes from the same arithmetic as where none is kept
+                    # (fp32 grads without an output take torch's fused AdamW, which rounds differently)
+                    cast = tensors.param[a - c0 : b - c0]
                 if target.master_in_params and params is not None:
                     master = params
                 else:
@@ -221,12 +278,13 @@ class UpdateRunner:
                     grads = tensors.grad[a - c0 : b - c0]
                 else:
                     raise InvalidState("the rank has neither a grad buffer nor staged grads")
-                ops = AdamSlices(
-                    master, tensors.exp_avg[a - c0 : b - c0], tensors.exp_avg_sq[a - c0 : b - c0], grads, out
-                )
+                m, v = tensors.need("exp_avg"), tensors.need("exp_avg_sq")
+                ops = AdamSlices(master, m[a - c0 : b - c0], v[a - c0 : b - c0], grads, out)
                 self.kernel.update(ops, group=piece.group, step=piece.step, grad_scale=grad_scale)
+                if cast is not None:
+                    cast.copy_(master)
             finally:
-                state.release(piece.chunk, dirty=True)
+                state.release(piece.chunk, dirty=True, consumed=consumed)
 
         try:
             future = (self.scheduler.run_here if here else self.scheduler.submit)(self.tenant, work)

@@ -4,7 +4,11 @@ A part of ``RankOptimizer`` (a mixin over the rank's records, state and
 window): every reference into the window is bounds-checked, every state range
 is checked against its tensor, and the keys a rank does not keep are refused
 by name.  ``master`` of a rank whose fp32 params are their own master reads
-and writes the storage params.
+and writes the storage params.  ``param`` (read-only) is the params in their
+working dtype, widened to fp32 in the window: what a param fetch reads.  Where
+a paged rank keeps them apart from the master, it reads only their 2 bytes an
+element from the tier; elsewhere it reads the master.  A write of the master
+writes the kept working-dtype params beside it.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ class StateIO:
         if key not in STATE_KEYS:
             raise InvalidArgument(f"unknown state key {key!r}; the keys are {', '.join(STATE_KEYS)}")
         _, state = self._parts()
-        if key not in state.keys and not (key == "master" and self.master_in_params):
+        readable = key == "param" or (key == "master" and self.master_in_params)
+        if key not in state.keys and not readable:
             raise InvalidArgument(f"this rank keeps no {key!r} state (its keys are {', '.join(state.keys)})")
         rec = self.records[check_ids([tid], len(self.records))[0]]
         total = rec.spec.numel * 4
@@ -82,9 +87,15 @@ class StateIO:
             raise BoundsError(f"fp32 staging area at offset {ref.offset}, length {ref.length} is not 4-byte aligned")
         return self._window_bytes[ref.offset : ref.offset + ref.length].view(torch.float32)
 
+    def _source(self, key: str) -> str:
+        """The key whose values a read of ``key`` returns: ``param`` is the working-dtype params where the rank
+        keeps them, else the master (which they equal, cast)."""
+        _, state = self._parts()
+        return "master" if key == "param" and "param" not in state.keys else key
+
     def _key_view(self, key: str, lo: int, hi: int, chunk: int, tensors: object) -> torch.Tensor:
-        """The fp32 values of ``key`` for flat ``[lo, hi)``: a state section, or the fp32 storage params
-        when the params are the master."""
+        """The values of ``key`` for flat ``[lo, hi)``: a state section, or the fp32 storage params when the
+        params are the master."""
         _, state = self._parts()
         if key == "master" and self.master_in_params:
             return self._region(self.layout.param_offset)[lo:hi]  # type: ignore[union-attr]
@@ -109,12 +120,21 @@ class StateIO:
         lo, hi = self._state_span(tid, key, offset, ref.length)
         staged = self._window_f32(ref)
         self._install([tid])
+        key = self._source(key)
+        keys: tuple[str, ...] = () if key == "master" and self.master_in_params else (key,)
+        # a write of the master writes the working-dtype params beside it, which always equal it cast
+        cast = dirty and key == "master" and "param" in state.keys
+        if cast:
+            keys = ("master", "param")
         for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
-            tensors = state.acquire(chunk)
+            tensors = state.acquire(chunk, keys, advance=False)
             try:
-                apply(staged[a - lo : b - lo], self._key_view(key, a, b, chunk, tensors))
+                values = self._key_view(key, a, b, chunk, tensors)
+                apply(staged[a - lo : b - lo], values)
+                if cast:
+                    self._key_view("param", a, b, chunk, tensors).copy_(values)
             finally:
-                state.release(chunk, dirty=dirty)
+                state.release(chunk, keys, dirty=dirty)
 
     def read_state(self, msg: StateRead) -> StateChunk:
         self._transfer(msg.tensor_id, msg.key, msg.offset, msg.dest, _read, dirty=False)
@@ -132,6 +152,8 @@ class StateIO:
         """Load a piece of ``key``.  The storage params are not touched: a loaded master that the model's
         param does not round to is replaced by the param at the next update (the model is the truth, as
         for ``torch.optim``), so loading the optimizer before or after the model gives the same result."""
+        if msg.key == "param":
+            raise InvalidArgument("'param' is read-only (the params cast from the master); write 'master'")
         apply = _accumulate if msg.accumulate else _write
         self._transfer(msg.tensor_id, msg.key, msg.offset, msg.src, apply, dirty=True)
         if msg.key in ("exp_avg", "exp_avg_sq"):
@@ -152,10 +174,10 @@ class StateIO:
             rec = self.records[tid]
             for chunk, a, b in chunk_ranges(rec.start, rec.stop, state.chunk_numel):
                 c0 = chunk * state.chunk_numel
-                tensors = state.acquire(chunk)
+                tensors = state.acquire(chunk, advance=False)
                 try:
-                    tensors.exp_avg[a - c0 : b - c0].zero_()
-                    tensors.exp_avg_sq[a - c0 : b - c0].zero_()
+                    tensors.need("exp_avg")[a - c0 : b - c0].zero_()
+                    tensors.need("exp_avg_sq")[a - c0 : b - c0].zero_()
                     if tensors.grad is not None:
                         tensors.grad[a - c0 : b - c0].zero_()
                     if tensors.master is not None and params is not None:

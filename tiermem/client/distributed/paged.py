@@ -160,7 +160,7 @@ class ShardCopies:
         n = self._shard(tid)
         with self._on_copy_stream():
             mine = torch.empty(n, dtype=out.dtype, device=self.device)
-            transfer.pull_into(tid, "master", mine)
+            transfer.pull_into(tid, "param", mine)
             whole = torch.empty(n * self.world_size, dtype=out.dtype, device=self.device)
             self.collective("the all-gather of a param", _ALL_GATHER, whole, mine)
             out.view(-1).copy_(whole[: self.numels[tid]])  # to a host ``out``: complete when it returns

@@ -252,7 +252,7 @@ class LayerShardedAdam(Zero3Optimizer):
         if unit.owner == self.rank and self.paged and self.inner is not None:
             self.inner.transfer.pull_many_into(
                 [
-                    (tid, "master", view)
+                    (tid, "param", view)
                     for tid, view in zip(self._entry_of[unit.index], self._views(unit, flat), strict=True)
                 ]
             )

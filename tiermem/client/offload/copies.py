@@ -39,7 +39,7 @@ class ParamCopies(Protocol):
         ...
 
     def fetch(self, transfer: StateTransfer, tid: int, dest: torch.Tensor) -> Any:
-        """Read the param's master into ``dest`` (I/O thread); returns what ``ready`` needs."""
+        """Read the param (its ``param`` key) into ``dest`` (I/O thread); returns what ``ready`` needs."""
         ...
 
     def ready(self, token: Any) -> None:
@@ -67,7 +67,7 @@ class _DirectMaster:
     """Where the daemon's tensor is the whole param: the master is read and written as it is."""
 
     def read_master(self, transfer: StateTransfer, tid: int, out: torch.Tensor) -> None:
-        transfer.pull_into(tid, "master", out)
+        transfer.pull_into(tid, "param", out)
 
     def write_master(self, transfer: StateTransfer, tid: int, values: torch.Tensor) -> None:
         transfer.push(tid, "master", values, step=0)
@@ -81,7 +81,7 @@ class HostCopies(_DirectMaster):
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def fetch(self, transfer: StateTransfer, tid: int, dest: torch.Tensor) -> Any:
-        transfer.pull_into(tid, "master", dest)
+        transfer.pull_into(tid, "param", dest)
         return None
 
     def ready(self, token: Any) -> None:
@@ -104,7 +104,7 @@ class CudaCopies(_DirectMaster):
 
     def fetch(self, transfer: StateTransfer, tid: int, dest: torch.Tensor) -> Any:
         with torch.cuda.stream(self.stream):
-            transfer.pull_into(tid, "master", dest)
+            transfer.pull_into(tid, "param", dest)
             event = torch.cuda.Event()
             event.record(self.stream)
         return event

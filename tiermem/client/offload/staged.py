@@ -344,8 +344,8 @@ class StagedFeed:
         self.transfer.push_many(items)
 
     def pull_params(self, ids: list[int] | range) -> None:
-        """The updated params: the daemon's master, cast into each param on the copy."""
+        """The updated params (the daemon's ``param``: the master cast to their dtype)."""
         chosen = [self.entries[tid] for tid in ids]
-        self.transfer.pull_many_into([(e.index, "master", e.param.data) for e in chosen])
+        self.transfer.pull_many_into([(e.index, "param", e.param.data) for e in chosen])
         for e in chosen:
             e.mark = fingerprint(e.param)

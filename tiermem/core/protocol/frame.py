@@ -67,8 +67,8 @@ __all__ = [
 ]
 
 MAGIC = b"TM"
-PROTOCOL_VERSION = 5
-SUPPORTED_VERSIONS: tuple[int, ...] = (5,)
+PROTOCOL_VERSION = 6
+SUPPORTED_VERSIONS: tuple[int, ...] = (6,)
 HEADER = struct.Struct("<2sBBHHII")
 HEADER_NBYTES = HEADER.size  # 16
 DEFAULT_MAX_FRAME = 1 * MiB

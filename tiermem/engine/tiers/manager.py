@@ -114,6 +114,7 @@ class TierManager:
                 "io_errors",
                 "given_back",
                 "grow_refused",
+                "discards",
             ),
             0,
         )
@@ -166,16 +167,18 @@ class TierManager:
 
     # ------------------------------------------------------------------ use
 
-    def acquire(self, key: str, *, overwrite: bool = False) -> Any:
+    def acquire(self, key: str, *, overwrite: bool = False, advance: bool = True) -> Any:
         """The tensor ``key`` resident and pinned (a torch tensor over its pool block) until ``release``.
 
         ``overwrite``: the caller writes the whole tensor before it or anyone else reads any of it, so a
         tensor that is not resident is given a zeroed block without being read from NVMe (unless another
-        acquire waiting for it needs its contents); it is then dirty."""
+        acquire waiting for it needs its contents); it is then dirty.  ``advance``: this use is a step of
+        the access order (the prefetch moves on past it); False for a use outside the order's pass (a
+        param fetched for forward between two updates), which must not make the pager read ahead of it."""
         start = self._clock()
         with self._cond:
             record = self._get(key)
-            self._note_use(record)
+            self._note_use(record, advance=advance)
             waited = False
             if record.state in (T.NVME, T.EMPTY):
                 record.skip_read = overwrite and (record.skip_read or record.waiters == 0)
@@ -209,23 +212,51 @@ class TierManager:
         self._pool.pin(block)
         return self._pool.tensor(block, record.dtype, record.shape)
 
-    def release(self, key: str, *, dirty: bool = True) -> None:
-        """End one ``acquire``; ``dirty`` says the tensor was modified (its NVMe copy is now stale)."""
+    def want(self, keys: Sequence[str]) -> None:
+        """Start paging ``keys`` in now, ahead of the acquires that follow (each waits for its own page-in,
+        and the disk serves them together instead of one after the other)."""
+        with self._cond:
+            for key in keys:
+                if self._get(key).state in (T.NVME, T.EMPTY):
+                    self._demand.setdefault(key, None)
+            self._kick_locked()
+
+    def release(self, key: str, *, dirty: bool = True, discard: bool = False) -> None:
+        """End one ``acquire``; ``dirty`` says the tensor was modified (its NVMe copy is now stale).
+
+        ``discard``: its contents are no longer needed (grads an update consumed): once no one else uses
+        it, its block is freed and its swap copy dropped without a write, and its next acquire sees zeros
+        (EMPTY) without a read."""
         with self._lock:
             record = self._get(key)
             if record.state is not T.IN_USE:
                 raise InvalidState(f"tensor {key!r} is {record.state.value}, not in use; release without acquire")
             block = record.block
         self._pool.unpin(block)
+        stored = False
         with self._cond:
             record.users -= 1
             record.dirty = record.dirty or dirty
             record.write_failed = record.write_failed and not dirty
             if record.users == 0:
-                record.move(T.CPU)
                 held = self._clock() - record.acquired_at
                 self._hold_s = held if self._hold_s == 0.0 else 0.8 * self._hold_s + 0.2 * held
+                if discard and not record.waiters:
+                    record.move(T.EMPTY)
+                    record.block, record.dirty, record.write_failed = None, False, False
+                    stored, record.on_nvme = record.on_nvme, False
+                    self._cpu -= record.padded_nbytes
+                    self._counts["discards"] += 1
+                else:
+                    block = None
+                    record.move(T.CPU)
                 self._kick_locked()
+            else:
+                block = None
+        if block is not None:
+            self._pool.free(block)
+        if stored:
+            self._store.delete(key)
 
     def prefetch(self, order: Sequence[str] | None, depth: int) -> None:
         """Keep the next ``depth`` tensors of ``order`` (None: the order recorded on the first pass) in flight."""
@@ -238,11 +269,16 @@ class TierManager:
             self._depth = depth
             self._kick_locked()
 
-    def set_plan(self, plan: CachePlan) -> None:
-        """Adopt a sizing decision: its prefetch depth from now on; the plan is reported in ``stats``."""
+    def set_plan(self, plan: CachePlan, *, tensors_per_chunk: int = 1) -> None:
+        """Adopt a sizing decision: its prefetch depth from now on; the plan is reported in ``stats``.
+
+        The plan counts chunks; ``tensors_per_chunk`` is how many of this manager's tensors one chunk is
+        (its parts), so the prefetch keeps ``prefetch_depth`` whole chunks in flight."""
+        if tensors_per_chunk < 1:
+            raise InvalidArgument(f"tensors_per_chunk must be >= 1, got {tensors_per_chunk}")
         with self._cond:
             self._sizing = plan
-            self._depth = plan.prefetch_depth
+            self._depth = plan.prefetch_depth * tensors_per_chunk
             self._kick_locked()
 
     def flush(self) -> None:
@@ -378,6 +414,7 @@ class TierManager:
                 limit_nbytes=max(self._budget, self._limit),
                 given_back=c["given_back"],
                 grow_refused=c["grow_refused"],
+                discards=c["discards"],
                 prefetch_depth=self._depth,
                 use_s=self._use_s,
                 hold_s=self._hold_s,
@@ -417,7 +454,7 @@ class TierManager:
             raise UnknownKey(key, "tier manager")
         return record
 
-    def _note_use(self, record: TensorRecord) -> None:
+    def _note_use(self, record: TensorRecord, *, advance: bool = True) -> None:
         self._tick += 1
         record.last_use = self._tick
         now = self._clock()
@@ -425,6 +462,8 @@ class TierManager:
             gap = now - self._last_acquire_t
             self._use_s = gap if self._use_s == 0.0 else 0.8 * self._use_s + 0.2 * gap
         self._last_acquire_t = now
+        if not advance:
+            return
         previous = self._position
         if self._order is None:
             if record.key in self._traced:  # a second pass began: the first one is the order

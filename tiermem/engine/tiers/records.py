@@ -11,7 +11,9 @@ States (``TensorState``; ``TensorRecord.move`` rejects anything else)::
       ^                                  v
       └──────────ok────────────── PAGING_OUT ──failed──> CPU
 
-- EMPTY: registered, never written; its first page-in fills zeros.
+    IN_USE ──release(discard)──> EMPTY   (contents no longer needed: no write)
+
+- EMPTY: registered and never written, or discarded; its next page-in fills zeros.
 - NVME: only the swap store holds it; no pool block.
 - PAGING_IN / PAGING_OUT: a transfer is in flight; the block is pinned.
 - CPU: resident in a pool block, idle: the only state eviction may pick.
@@ -49,7 +51,7 @@ _ALLOWED: dict[TensorState, frozenset[TensorState]] = {
     T.NVME: frozenset({T.PAGING_IN}),
     T.PAGING_IN: frozenset({T.CPU, T.NVME, T.EMPTY}),
     T.CPU: frozenset({T.IN_USE, T.PAGING_OUT}),
-    T.IN_USE: frozenset({T.CPU}),
+    T.IN_USE: frozenset({T.CPU, T.EMPTY}),
     T.PAGING_OUT: frozenset({T.NVME, T.CPU}),
 }
 
@@ -97,11 +99,11 @@ class TensorRecord:
 
 ACQUIRES = Family(
     "tiermem_prefetch_acquires",
-    "State chunks acquired from the NVMe tier (by updates, grad statistics and state or param transfers).",
+    "State chunk parts (params, moments, grads) acquired from the NVMe tier (updates, grad statistics, transfers).",
 )
-HITS = Family("tiermem_prefetch_hits", "Chunk acquires that found the chunk resident.")
+HITS = Family("tiermem_prefetch_hits", "Chunk part acquires that found the part resident.")
 STALL = Family("tiermem_prefetch_stall_seconds", "Time chunk acquires waited for page-ins the prefetch did not hide.")
-TIER_PAGES = Family("tiermem_tier_pages", "Chunks paged between pool and swap.", label="direction")
+TIER_PAGES = Family("tiermem_tier_pages", "Chunk parts paged between pool and swap.", label="direction")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,8 @@ class TierStats:
     """Tensors paged out because another allocation of the node needed the memory."""
     grow_refused: int = 0
     """Page-ins above the floor that found no free pool room (the manager then evicts its own)."""
+    discards: int = 0
+    """Tensors dropped without a write because their contents were no longer needed (consumed grads)."""
     prefetch_depth: int = 0
     use_s: float = 0.0
     """Moving average of the seconds between two acquires (what prefetch must stay ahead of)."""
