@@ -43,8 +43,10 @@ from tiermem.core.protocol import (
     Register,
     RegisterOk,
     StateRead,
+    StateReadMany,
     StateReset,
     StateWrite,
+    StateWriteMany,
     Stats,
     Step,
 )
@@ -80,6 +82,8 @@ class Handlers:
             FetchParams: self._fetch_params,  # type: ignore[dict-item]
             StateRead: self._state_read,  # type: ignore[dict-item]
             StateWrite: self._state_write,  # type: ignore[dict-item]
+            StateReadMany: self._state_read_many,  # type: ignore[dict-item]
+            StateWriteMany: self._state_write_many,  # type: ignore[dict-item]
             StateReset: self._state_reset,  # type: ignore[dict-item]
             Abort: self._abort,  # type: ignore[dict-item]
             Stats: self._stats,  # type: ignore[dict-item]
@@ -330,6 +334,15 @@ class Handlers:
     def _state_write(self, session: Session, msg: StateWrite) -> Reply:
         _, rank = self._bound(session)
         rank.write_state(msg)
+        return Reply(Ok())
+
+    def _state_read_many(self, session: Session, msg: StateReadMany) -> Reply:
+        _, rank = self._bound(session)
+        return Reply(rank.read_many(msg))
+
+    def _state_write_many(self, session: Session, msg: StateWriteMany) -> Reply:
+        _, rank = self._bound(session)
+        rank.write_many(msg)
         return Reply(Ok())
 
     def _state_reset(self, session: Session, msg: StateReset) -> Reply:

@@ -42,8 +42,11 @@ from tiermem.core.protocol import (
     RegisterOk,
     StateChunk,
     StateRead,
+    StateReadMany,
     StateReset,
+    StateSpans,
     StateWrite,
+    StateWriteMany,
     Stats,
     Step,
     StepDone,
@@ -54,6 +57,7 @@ from tiermem.core.protocol import (
     encode_message,
 )
 from tiermem.core.protocol.fields import FieldError
+from tiermem.core.protocol.step import StateSpan, WriteSpan
 
 u64 = st.integers(0, (1 << 56) - 1)
 step_no = st.integers(0, (1 << 62) - 1)
@@ -175,6 +179,15 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
     MsgType.STATE_READ: st.builds(StateRead, tensor_id, st.sampled_from(STATE_KEYS), u64, memref),
     MsgType.STATE_CHUNK: state_chunks(),
     MsgType.STATE_WRITE: st.builds(StateWrite, tensor_id, st.sampled_from(STATE_KEYS), u64, memref, step_no),
+    MsgType.STATE_READ_MANY: st.lists(
+        st.builds(StateSpan, tensor_id, st.sampled_from(STATE_KEYS), u64, memref), min_size=1, max_size=4
+    ).map(lambda spans: StateReadMany(spans=tuple(spans))),
+    MsgType.STATE_SPANS: st.lists(step_no, max_size=4).map(lambda steps: StateSpans(steps=tuple(steps))),
+    MsgType.STATE_WRITE_MANY: st.lists(
+        st.builds(WriteSpan, tensor_id, st.sampled_from(STATE_KEYS), u64, memref, step_no, st.booleans()),
+        min_size=1,
+        max_size=4,
+    ).map(lambda spans: StateWriteMany(spans=tuple(spans))),
     MsgType.STATS: st.just(Stats()),
     MsgType.STATS_REPLY: st.integers(0, 1 << 60).map(lambda n: sample_reply(jobs=n)),
     MsgType.DETACH: st.builds(Detach, st.booleans()),

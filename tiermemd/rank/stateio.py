@@ -21,7 +21,16 @@ import torch
 
 from tiermem.core.errors import BoundsError, InvalidArgument
 from tiermem.core.layout import Layout
-from tiermem.core.protocol import STATE_KEYS, MemRef, StateChunk, StateRead, StateWrite
+from tiermem.core.protocol import (
+    STATE_KEYS,
+    MemRef,
+    StateChunk,
+    StateRead,
+    StateReadMany,
+    StateSpans,
+    StateWrite,
+    StateWriteMany,
+)
 from tiermem.engine.pool import Arena
 from tiermemd.rank.planner import check_ids
 from tiermemd.rank.records import PhaseRecord, RankPhase, TensorRecord
@@ -158,6 +167,28 @@ class StateIO:
         self._transfer(msg.tensor_id, msg.key, msg.offset, msg.src, apply, dirty=True)
         if msg.key in ("exp_avg", "exp_avg_sq"):
             self.records[msg.tensor_id].step = msg.step
+
+    def read_many(self, msg: StateReadMany) -> StateSpans:
+        """STATE_READ of each span, in order; the reply carries each span's tensor's step count."""
+        steps = []
+        for span in msg.spans:
+            self._transfer(span.tensor_id, span.key, span.offset, span.area, _read, dirty=False)
+            steps.append(self.records[span.tensor_id].step)
+        return StateSpans(steps=tuple(steps))
+
+    def write_many(self, msg: StateWriteMany) -> None:
+        """STATE_WRITE of each span, in order, after every span was checked (a bad one writes nothing)."""
+        self._settle()
+        for span in msg.spans:
+            if span.key == "param":
+                raise InvalidArgument("'param' is read-only (the params cast from the master); write 'master'")
+            self._state_span(span.tensor_id, span.key, span.offset, span.area.length)
+            self._window_f32(span.area)
+        for span in msg.spans:
+            apply = _accumulate if span.accumulate else _write
+            self._transfer(span.tensor_id, span.key, span.offset, span.area, apply, dirty=True)
+            if span.key in ("exp_avg", "exp_avg_sq"):
+                self.records[span.tensor_id].step = span.step
 
     def reset_state(self, ids: Sequence[int]) -> None:
         """Zero the moments of ``ids`` (empty: all) and their step counts; the master takes the storage

@@ -66,7 +66,7 @@ broadcast from rank 0).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,9 +79,10 @@ from tiermem.client.distributed.reshard import describe_params, is_rank_file
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper, closure_loss, copy_hyper, optimizer_defaults
+from tiermem.client.offload.copies import FetchItem, GradItem
 from tiermem.client.offload.paging import ParamPager
 from tiermem.client.offload.stats import OptimizerStats
-from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups
+from tiermem.client.offload.transfer import PushItem, StateTransfer, adopt_saved_groups
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement
@@ -156,21 +157,22 @@ class ShardCopies:
         grad.record_stream(self.stream)  # the copy stream reads it: its memory is not handed out before
         return event
 
-    def _gather(self, transfer: StateTransfer, tid: int, out: torch.Tensor) -> None:
-        n = self._shard(tid)
+    def _gather(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> None:
+        """This rank's shards of ``items`` in one transfer, then each param all-gathered into its ``out``."""
         with self._on_copy_stream():
-            mine = torch.empty(n, dtype=out.dtype, device=self.device)
-            transfer.pull_into(tid, "param", mine)
-            whole = torch.empty(n * self.world_size, dtype=out.dtype, device=self.device)
-            self.collective("the all-gather of a param", _ALL_GATHER, whole, mine)
-            out.view(-1).copy_(whole[: self.numels[tid]])  # to a host ``out``: complete when it returns
+            mine = [torch.empty(self._shard(tid), dtype=out.dtype, device=self.device) for tid, out in items]
+            transfer.pull_many_into([(tid, "param", m) for (tid, _), m in zip(items, mine, strict=True)])
+            for (tid, out), m in zip(items, mine, strict=True):
+                whole = torch.empty(m.numel() * self.world_size, dtype=out.dtype, device=self.device)
+                self.collective("the all-gather of a param", _ALL_GATHER, whole, m)
+                out.view(-1).copy_(whole[: self.numels[tid]])  # to a host ``out``: complete when it returns
 
-    def fetch(self, transfer: StateTransfer, tid: int, dest: torch.Tensor) -> Any:
-        self._gather(transfer, tid, dest)
+    def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> Any:
+        self._gather(transfer, items)
         return self._event()
 
     def read_master(self, transfer: StateTransfer, tid: int, out: torch.Tensor) -> None:
-        self._gather(transfer, tid, out)
+        self._gather(transfer, [(tid, out)])
 
     def mine(self, tid: int, values: torch.Tensor) -> torch.Tensor:
         """This rank's stretch of a whole param's ``values`` (any device), on the host, padded to the shard's
@@ -186,19 +188,24 @@ class ShardCopies:
     def write_master(self, transfer: StateTransfer, tid: int, values: torch.Tensor) -> None:
         transfer.push(tid, "master", self.mine(tid, values), step=0)
 
-    def push(self, transfer: StateTransfer, tid: int, grad: torch.Tensor, accumulate: bool, token: Any) -> None:
-        n = self._shard(tid)
-        if token is not None and self.stream is not None:
-            self.stream.wait_event(token)
+    def push_many(self, transfer: StateTransfer, items: Sequence[GradItem]) -> None:
+        """Each grad reduce-scattered to this rank's shard, then the shards written in one transfer."""
+        shards: list[PushItem] = []
+        for tid, grad, accumulate, token in items:
+            n = self._shard(tid)
+            if token is not None and self.stream is not None:
+                self.stream.wait_event(token)
+            with self._on_copy_stream():
+                whole = torch.zeros(n * self.world_size, dtype=grad.dtype, device=self.device)
+                whole[: self.numels[tid]].copy_(grad.reshape(-1))
+                mine = torch.empty(n, dtype=grad.dtype, device=self.device)
+                self.collective("the reduce-scatter of a grad", _REDUCE_SCATTER, mine, whole)
+                if self.world_size > 1:
+                    mine.div_(self.world_size)
+                self.grads.add(tid, mine, accumulate=accumulate)
+            shards.append((tid, "grad", mine, 0, accumulate))
         with self._on_copy_stream():
-            whole = torch.zeros(n * self.world_size, dtype=grad.dtype, device=self.device)
-            whole[: self.numels[tid]].copy_(grad.reshape(-1))
-            mine = torch.empty(n, dtype=grad.dtype, device=self.device)
-            self.collective("the reduce-scatter of a grad", _REDUCE_SCATTER, mine, whole)
-            if self.world_size > 1:
-                mine.div_(self.world_size)
-            self.grads.add(tid, mine, accumulate=accumulate)
-            transfer.push(tid, "grad", mine, step=0, accumulate=accumulate)
+            transfer.push_many(shards)
 
 
 def _model_groups(model: nn.Module, param_groups: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

@@ -5,8 +5,11 @@ bounded staging window, piece by piece); the trainer's thread only waits for
 what it needs.  Two engines share one interface:
 
 - ``HostCopies``: the device is the trainer's memory.  A fetch is a read of
-  the ``master`` state key into a fresh tensor; a grad push is a write of the
-  ``grad`` key (accumulating after the first landing of a step).
+  the ``param`` state key (the params in their working dtype) into fresh
+  tensors; a grad push is a write of the ``grad`` key (accumulating after the
+  first landing of a step).  Both take several params at once: a submodule's
+  params, the grads that landed while the I/O thread was busy; they share the
+  window's slots, so they cost a request per slot filled, not one per param.
 - ``CudaCopies``: the same on a copy stream.  A fetch copies each piece from
   the (CUDA-registered) window to the device on the copy stream and records
   an event; the compute stream waits on it before the param is used.  A grad
@@ -24,13 +27,19 @@ device guarantees on the stream it runs on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
 from tiermem.client.offload.transfer import StateTransfer
 
-__all__ = ["CudaCopies", "HostCopies", "ParamCopies", "copies_for"]
+__all__ = ["CudaCopies", "FetchItem", "GradItem", "HostCopies", "ParamCopies", "copies_for"]
+
+FetchItem = tuple[int, torch.Tensor]
+"""``(tensor id, destination)``: a param to fetch."""
+GradItem = tuple[int, torch.Tensor, bool, Any]
+"""``(tensor id, grad, accumulate, token)``: a grad to push, after ``token`` (from ``grad_token``)."""
 
 
 class ParamCopies(Protocol):
@@ -38,8 +47,8 @@ class ParamCopies(Protocol):
         """A tensor to fetch a param into (trainer's thread)."""
         ...
 
-    def fetch(self, transfer: StateTransfer, tid: int, dest: torch.Tensor) -> Any:
-        """Read the param (its ``param`` key) into ``dest`` (I/O thread); returns what ``ready`` needs."""
+    def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> Any:
+        """Read each param (its ``param`` key) into its destination (I/O thread); returns what ``ready`` needs."""
         ...
 
     def ready(self, token: Any) -> None:
@@ -50,8 +59,8 @@ class ParamCopies(Protocol):
         """When a grad lands (trainer's thread): what ``push`` waits on."""
         ...
 
-    def push(self, transfer: StateTransfer, tid: int, grad: torch.Tensor, accumulate: bool, token: Any) -> None:
-        """Write the grad into the daemon's ``grad`` key (I/O thread)."""
+    def push_many(self, transfer: StateTransfer, items: Sequence[GradItem]) -> None:
+        """Write each grad into the daemon's ``grad`` key (I/O thread)."""
         ...
 
     def read_master(self, transfer: StateTransfer, tid: int, out: torch.Tensor) -> None:
@@ -80,8 +89,8 @@ class HostCopies(_DirectMaster):
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def fetch(self, transfer: StateTransfer, tid: int, dest: torch.Tensor) -> Any:
-        transfer.pull_into(tid, "param", dest)
+    def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> Any:
+        transfer.pull_many_into([(tid, "param", dest) for tid, dest in items])
         return None
 
     def ready(self, token: Any) -> None:
@@ -90,8 +99,8 @@ class HostCopies(_DirectMaster):
     def grad_token(self, grad: torch.Tensor) -> Any:
         return None
 
-    def push(self, transfer: StateTransfer, tid: int, grad: torch.Tensor, accumulate: bool, token: Any) -> None:
-        transfer.push(tid, "grad", grad, step=0, accumulate=accumulate)
+    def push_many(self, transfer: StateTransfer, items: Sequence[GradItem]) -> None:
+        transfer.push_many([(tid, "grad", grad, 0, accumulate) for tid, grad, accumulate, _ in items])
 
 
 class CudaCopies(_DirectMaster):
@@ -102,9 +111,9 @@ class CudaCopies(_DirectMaster):
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def fetch(self, transfer: StateTransfer, tid: int, dest: torch.Tensor) -> Any:
+    def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> Any:
         with torch.cuda.stream(self.stream):
-            transfer.pull_into(tid, "param", dest)
+            transfer.pull_many_into([(tid, "param", dest) for tid, dest in items])
             event = torch.cuda.Event()
             event.record(self.stream)
         return event
@@ -118,10 +127,11 @@ class CudaCopies(_DirectMaster):
         grad.record_stream(self.stream)
         return event
 
-    def push(self, transfer: StateTransfer, tid: int, grad: torch.Tensor, accumulate: bool, token: Any) -> None:
-        self.stream.wait_event(token)
+    def push_many(self, transfer: StateTransfer, items: Sequence[GradItem]) -> None:
+        for _, _, _, token in items:
+            self.stream.wait_event(token)
         with torch.cuda.stream(self.stream):
-            transfer.push(tid, "grad", grad, step=0, accumulate=accumulate)
+            transfer.push_many([(tid, "grad", grad, 0, accumulate) for tid, grad, accumulate, _ in items])
 
 
 def copies_for(device: torch.device) -> ParamCopies:

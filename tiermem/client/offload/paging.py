@@ -72,6 +72,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -82,7 +83,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tiermem.client.offload.copies import ParamCopies, copies_for
+from tiermem.client.offload.copies import GradItem, ParamCopies, copies_for
 from tiermem.client.offload.feeds import hook_grads, remove_hooks
 from tiermem.client.offload.pagedparam import BufferCache, PagedParam, Residency, SavedParam
 from tiermem.client.offload.pagestate import PagedState
@@ -141,6 +142,14 @@ class _Frame:
     module: nn.Module
     leased: list[PagedParam] = field(default_factory=list)
     contexts: list[Any] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _GradBatch:
+    """Grads that landed while the I/O thread was busy: pushed together, one future for all."""
+
+    items: list[GradItem] = field(default_factory=list)
+    future: Future[None] = field(default_factory=Future)
 
 
 class ParamPager(PagedState):
@@ -245,6 +254,9 @@ class ParamPager(PagedState):
         self._requests_at_reset = self.transfer.requests
         self._io = ThreadPoolExecutor(1, thread_name_prefix="tiermem-pager")
         self._pushes: collections.deque[tuple[Future[None], int]] = collections.deque()
+        self._batch: _GradBatch | None = None
+        """Grads landed and not yet taken by the I/O thread: they go in one transfer."""
+        self._batch_lock = threading.Lock()
         self._present: dict[int, PagedParam] = {}
         self._by_storage: dict[int, PagedParam] = {}
         self._upcoming: set[int] = set()
@@ -398,21 +410,25 @@ class ParamPager(PagedState):
         for e in list(self._present.values()):
             self._settle(e)
         for g in upcoming:
-            for i in g:
+            wanted: list[PagedParam] = []
+            room = self.budget - self.nbytes
+            for i in dict.fromkeys(g):
                 e = self.entries[i]
                 if e.residency is not Residency.ABSENT:
                     continue
-                if self.nbytes + e.nbytes > self.budget:
+                if e.nbytes > room:
+                    self._start_fetches(wanted, event="prefetch")
                     return
-                self._start_fetch(e, event="prefetch")
+                wanted.append(e)
+                room -= e.nbytes
+            self._start_fetches(wanted, event="prefetch")
 
     # ----------------------------------------------------------------- residency
 
     def _materialize(self, group: list[PagedParam], *, event: str) -> None:
         need = [e for e in group if e.residency is Residency.ABSENT]
         self._make_room(need, keep=group)
-        for e in need:
-            self._start_fetch(e, event=event)
+        self._start_fetches(need, event=event)
         for e in group:
             if e.residency is Residency.FETCHING:
                 self._finish_fetch(e)
@@ -436,16 +452,21 @@ class ParamPager(PagedState):
             f"({', '.join(e.name for e in held[:6])}{', ...' if len(held) > 6 else ''}); raise device_budget"
         )
 
-    def _start_fetch(self, e: PagedParam, *, event: str) -> None:
-        dest = self._buffer_for(e)
-        e.fetch = self._io.submit(self.copies.fetch, self.transfer, e.index, dest)
-        e.move(Residency.FETCHING)
-        self._present[e.index] = e
-        self.nbytes += e.nbytes
-        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
-        self.counters[f"{event}es"] += 1
-        self.counters["fetched_nbytes"] += e.nbytes
-        self.events.append((event, e.name))
+    def _start_fetches(self, entries: list[PagedParam], *, event: str) -> None:
+        """Fetch ``entries`` (a submodule's params) in one transfer: they share the window's slots."""
+        if not entries:
+            return
+        items = [(e.index, self._buffer_for(e)) for e in entries]
+        future = self._io.submit(self.copies.fetch_many, self.transfer, items)
+        for e in entries:
+            e.fetch = future
+            e.move(Residency.FETCHING)
+            self._present[e.index] = e
+            self.nbytes += e.nbytes
+            self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+            self.counters[f"{event}es"] += 1
+            self.counters["fetched_nbytes"] += e.nbytes
+            self.events.append((event, e.name))
 
     def _finish_fetch(self, e: PagedParam) -> None:
         future, e.fetch = e.fetch, None
@@ -532,13 +553,25 @@ class ParamPager(PagedState):
         nbytes = grad.numel() * grad.element_size()
         self._reap(wait_over=self.budget - nbytes)
         token = self.copies.grad_token(grad)
-        self._pushes.append(
-            (self._io.submit(self.copies.push, self.transfer, e.index, grad, accumulate, token), nbytes)
-        )
+        with self._batch_lock:
+            batch = self._batch
+            if batch is None:  # the I/O thread took the last one (or there was none): a new transfer
+                batch = self._batch = _GradBatch()
+                batch.future = self._io.submit(self._push_batch, batch)
+            batch.items.append((e.index, grad, accumulate, token))
+        self._pushes.append((batch.future, nbytes))
         self.grad_nbytes += nbytes
         self.peak_grad_nbytes = max(self.peak_grad_nbytes, self.grad_nbytes)
         self.counters["pushed_nbytes"] += nbytes
         self.events.append(("grad", e.name))
+
+    def _push_batch(self, batch: _GradBatch) -> None:
+        """I/O thread: push the grads of ``batch``; those landing from now on start another."""
+        with self._batch_lock:
+            if self._batch is batch:
+                self._batch = None
+            items = list(batch.items)
+        self.copies.push_many(self.transfer, items)
 
     def _reap(self, *, wait_over: int | None) -> None:
         """Forget finished grad pushes; wait for the oldest while more than ``wait_over`` bytes wait (None:

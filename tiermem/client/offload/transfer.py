@@ -1,16 +1,18 @@
 """State transfer: the daemon's fp32 state in and out, piece by piece through the staging window.
 
 The staging window is bounded (``jobs.window_size`` or the client's
-``window_nbytes``), so a tensor larger than it moves in several pieces, each
-one STATE_READ / STATE_WRITE request; the window is a ring of slots and the
-requests are pipelined (``StateTransfer``).  ``state_dict`` and
+``window_nbytes``) and cut into a ring of slots; what a transfer moves is
+packed into slots (``pack_spans``: small tensors share one, a large one
+spans several), and each slot filled is one STATE_READ_MANY /
+STATE_WRITE_MANY request, pipelined (``StateTransfer``).  ``state_dict`` and
 ``load_state_dict`` build ``torch.optim.AdamW``'s format on top of this.
-``StateTransfer.requests`` counts the requests sent (one per piece).
+``StateTransfer.requests`` counts the requests sent (one per slot filled).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,9 +20,10 @@ import torch
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper
 from tiermem.core.errors import InvalidArgument, InvalidState, ProtocolError
-from tiermem.core.protocol import MemRef, Message, StateChunk, StateRead, StateWrite
+from tiermem.core.protocol import MemRef, Message, StateReadMany, StateSpans, StateWriteMany
+from tiermem.core.protocol.step import MAX_SPANS, StateSpan, WriteSpan
 
-__all__ = ["RING_SLOTS", "PullItem", "PushItem", "StateTransfer", "plan_load"]
+__all__ = ["RING_SLOTS", "PullItem", "PushItem", "Span", "StateTransfer", "pack_spans", "plan_load"]
 
 
 def packed_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -106,13 +109,51 @@ RING_SLOTS = 2
 _SLOT_ALIGN = 64
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A piece of item ``item`` (elements ``[start, start + numel)`` of its flat values) staged at element
+    ``at`` of a slot."""
+
+    item: int
+    start: int
+    numel: int
+    at: int
+
+
+def pack_spans(numels: Sequence[int], slot_numel: int, max_spans: int = MAX_SPANS) -> Iterator[list[Span]]:
+    """Cut items of ``numels`` elements into batches, each one request: what fits one slot of ``slot_numel``
+    elements, at most ``max_spans`` spans.  Consecutive items share a slot; an item larger than the room left
+    continues in the next batch.  A zero-length item is a span with no elements (it still reaches the
+    daemon: a read of it answers the tensor's step count, a write of a moment sets it).  Pure."""
+    if slot_numel < 1 or max_spans < 1:
+        raise InvalidArgument(f"a slot needs room for an element and a span, got {slot_numel} and {max_spans}")
+    batch: list[Span] = []
+    used = 0
+    for i, n in enumerate(numels):
+        start = 0
+        while True:
+            if len(batch) == max_spans or (used == slot_numel and n > start):
+                yield batch
+                batch, used = [], 0
+            take = min(n - start, slot_numel - used)
+            batch.append(Span(i, start, take, used))
+            used += take
+            start += take
+            if start >= n:
+                break
+    if batch:
+        yield batch
+
+
 class StateTransfer:
     """Moves state through the staging window as a ring of ``slots`` slots, pipelined.
 
-    Piece ``i`` of a transfer goes through slot ``i % slots``; up to ``slots`` requests are outstanding
-    (``Connection.pipeline``), so the client's copy of one piece (into the window, or out of it) overlaps
-    the daemon's copy of the previous one.  A slot is refilled only after the reply for its previous piece
-    was read and, for reads, after that piece was copied out, so neither side ever sees a slot the other
+    The pieces to move are packed into slots (``pack_spans``): one request per slot filled, however many
+    tensors share it (STATE_READ_MANY / STATE_WRITE_MANY), so a submodule of small params costs a request,
+    not one per param.  Batch ``i`` goes through slot ``i % slots``; up to ``slots`` requests are outstanding
+    (``Connection.pipeline``), so the client's copy of one batch (into the window, or out of it) overlaps
+    the daemon's copy of the previous one.  A slot is refilled only after the reply for its previous batch
+    was read and, for reads, after that batch was copied out, so neither side ever sees a slot the other
     is still using.  Copies between the window and a device tensor are synchronous (complete when
     ``copy_`` returns), which is what makes a slot free again on CUDA too."""
 
@@ -122,7 +163,7 @@ class StateTransfer:
         self.client = client
         self.slots = slots
         self.requests = 0
-        """Requests sent to the daemon (STATE_READ and STATE_WRITE, one per piece), since this was made."""
+        """Requests sent to the daemon (one per slot filled), since this was made."""
 
     def _ring(self) -> list[tuple[MemRef, torch.Tensor]]:
         info = self.client.info
@@ -139,29 +180,33 @@ class StateTransfer:
             for k in range(count)
         ]
 
+    @staticmethod
+    def _area(ref: MemRef, span: Span) -> MemRef:
+        return MemRef(ref.window, ref.offset + span.at * 4, span.numel * 4)
+
     def push_many(self, items: Iterable[PushItem]) -> int:
-        """Write several tensors' state, pipelined; returns the number of pieces sent.
+        """Write several tensors' state, pipelined; returns the number of requests sent.
 
         ``values`` may be of any float dtype and on any device: each piece is converted as it is copied into
         its slot, so no full-size host copy is made.  ``step`` sets the tensor's count when ``key`` is a
         moment."""
         ring = self._ring()
-        per = ring[0][1].numel()
+        chosen = [
+            (tid, key, values.detach().reshape(-1), step, accumulate) for tid, key, values, step, accumulate in items
+        ]
+        batches = pack_spans([flat.numel() for _, _, flat, _, _ in chosen], ring[0][1].numel())
 
-        def requests() -> Iterator[StateWrite]:
-            k = 0
-            for tid, key, values, step, accumulate in items:
-                flat = values.detach().reshape(-1)
-                for start in range(0, max(flat.numel(), 1), per):
-                    ref, buf = ring[k % len(ring)]
-                    piece = flat[start : start + per]
-                    buf[: piece.numel()].copy_(piece)
-                    src = MemRef(ref.window, ref.offset, piece.numel() * 4)
-                    self.requests += 1
-                    yield StateWrite(
-                        tensor_id=tid, key=key, offset=start * 4, src=src, step=step, accumulate=accumulate
-                    )
-                    k += 1
+        def requests() -> Iterator[StateWriteMany]:
+            for k, batch in enumerate(batches):
+                ref, buf = ring[k % len(ring)]
+                spans = []
+                for span in batch:
+                    tid, key, flat, step, accumulate = chosen[span.item]
+                    buf[span.at : span.at + span.numel].copy_(flat[span.start : span.start + span.numel])
+                    area = self._area(ref, span)
+                    spans.append(WriteSpan(tid, key, span.start * 4, area, step, accumulate))
+                self.requests += 1
+                yield StateWriteMany(spans=tuple(spans))
 
         return self.client.conn.pipeline(requests(), depth=len(ring))
 
@@ -169,36 +214,33 @@ class StateTransfer:
         """Read several tensors' state into their destinations (any float dtype, any device: converted
         piece by piece on the copy out of the slot), pipelined; returns each tensor's step count."""
         ring = self._ring()
-        per = ring[0][1].numel()
+        flats = [dest.view(-1) for _, _, dest in items]
         steps = [0] * len(items)
-        plan: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
+        sent: list[tuple[list[Span], torch.Tensor]] = []
 
-        def requests() -> Iterator[StateRead]:
-            for j, (tid, key, dest) in enumerate(items):
-                flat = dest.view(-1)
-                numel = flat.numel()
-                if numel == 0:  # a zero-length read answers the step count
-                    ref, buf = ring[len(plan) % len(ring)]
-                    plan.append((j, None, buf))
-                    self.requests += 1
-                    yield StateRead(tensor_id=tid, key="exp_avg", offset=0, dest=MemRef(ref.window, ref.offset, 0))
-                    continue
-                for start in range(0, numel, per):
-                    n = min(per, numel - start)
-                    ref, buf = ring[len(plan) % len(ring)]
-                    plan.append((j, flat[start : start + n], buf[:n]))
-                    self.requests += 1
-                    yield StateRead(
-                        tensor_id=tid, key=key, offset=start * 4, dest=MemRef(ref.window, ref.offset, n * 4)
+        def requests() -> Iterator[StateReadMany]:
+            for k, batch in enumerate(pack_spans([flat.numel() for flat in flats], ring[0][1].numel())):
+                ref, buf = ring[k % len(ring)]
+                sent.append((batch, buf))
+                spans = []
+                for span in batch:
+                    tid, key, _ = items[span.item]
+                    spans.append(
+                        StateSpan(tid, key if span.numel else "exp_avg", span.start * 4, self._area(ref, span))
                     )
+                self.requests += 1
+                yield StateReadMany(spans=tuple(spans))
 
         def on_reply(i: int, reply: Message) -> None:
-            if not isinstance(reply, StateChunk):
-                raise ProtocolError(f"expected STATE_CHUNK, got {type(reply).__name__}")
-            j, dest, slot = plan[i]
-            if dest is not None:
-                dest.copy_(slot)
-            steps[j] = reply.step
+            if not isinstance(reply, StateSpans):
+                raise ProtocolError(f"expected STATE_SPANS, got {type(reply).__name__}")
+            batch, buf = sent[i]
+            if len(reply.steps) != len(batch):
+                raise ProtocolError(f"STATE_SPANS carries {len(reply.steps)} step counts for {len(batch)} spans")
+            for span, step in zip(batch, reply.steps, strict=True):
+                if span.numel:
+                    flats[span.item][span.start : span.start + span.numel].copy_(buf[span.at : span.at + span.numel])
+                steps[span.item] = step
 
         self.client.conn.pipeline(requests(), depth=len(ring), on_reply=on_reply)
         return steps

@@ -96,6 +96,8 @@ class MsgType(IntEnum):
     PING = 0x0A
     ABORT = 0x0B
     STATE_RESET = 0x0C
+    STATE_READ_MANY = 0x0D
+    STATE_WRITE_MANY = 0x0E
 
     OK = 0x80
     ATTACH_OK = 0x81
@@ -106,6 +108,7 @@ class MsgType(IntEnum):
     STATS_REPLY = 0x88
     PONG = 0x8A
     ABORTED = 0x8B
+    STATE_SPANS = 0x8D
     ERROR = 0xFF
 
     @property

@@ -27,6 +27,8 @@ REPLY_TYPES: dict[MsgType, MsgType | None] = {
     MsgType.STATE_READ: MsgType.STATE_CHUNK,
     MsgType.STATE_WRITE: MsgType.OK,
     MsgType.STATE_RESET: MsgType.OK,
+    MsgType.STATE_READ_MANY: MsgType.STATE_SPANS,
+    MsgType.STATE_WRITE_MANY: MsgType.OK,
     MsgType.ABORT: MsgType.ABORTED,
     MsgType.STATS: MsgType.STATS_REPLY,
     MsgType.DETACH: MsgType.OK,

@@ -31,7 +31,7 @@ from tiermem.core.protocol.records import (
     Message,
     ParamGroup,
 )
-from tiermem.core.protocol.spec import Float, Int, List, Map, Opt, wire
+from tiermem.core.protocol.spec import Float, Int, List, Map, Opt, Wire, wire
 
 __all__ = [
     "Abort",
@@ -40,9 +40,12 @@ __all__ = [
     "FetchParams",
     "ParamsReady",
     "StateChunk",
+    "StateSpans",
     "StateRead",
+    "StateReadMany",
     "StateReset",
     "StateWrite",
+    "StateWriteMany",
     "Step",
     "StepDone",
 ]
@@ -232,3 +235,60 @@ class StateWrite(_StateRange):
     src: MemRef
     step: Annotated[int, STEP_NO]
     accumulate: bool = False
+
+
+MAX_SPANS = 1024
+"""Ranges one batched state transfer carries at most (a staging slot's worth of tensors, many of them small)."""
+
+
+@wire(array=True)
+@dataclass(frozen=True, slots=True)
+class StateSpan(Wire):
+    """One range of a batched state transfer: state ``key`` of ``tensor_id`` from byte ``offset``, staged (fp32)
+    at ``area``; ``area.length`` bytes."""
+
+    tensor_id: Annotated[int, TENSOR_ID]
+    key: Annotated[str, STATE_KEY]
+    offset: Annotated[int, NBYTES]
+    area: MemRef
+
+
+@wire(array=True)
+@dataclass(frozen=True, slots=True)
+class WriteSpan(Wire):
+    """A ``StateSpan`` to write: ``step`` sets Adam's count (for a moment); ``accumulate`` adds instead."""
+
+    tensor_id: Annotated[int, TENSOR_ID]
+    key: Annotated[str, STATE_KEY]
+    offset: Annotated[int, NBYTES]
+    area: MemRef
+    step: Annotated[int, STEP_NO]
+    accumulate: bool
+
+
+@wire
+@dataclass(slots=True)
+class StateReadMany(Message):
+    """STATE_READ of several ranges in one request: each span's state into its staging area, in order (the
+    pieces of several tensors that share one staging slot)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STATE_READ_MANY
+    spans: Annotated[tuple[StateSpan, ...], List(StateSpan, MAX_SPANS, min_len=1)]
+
+
+@wire
+@dataclass(slots=True)
+class StateSpans(Message):
+    """The spans of a STATE_READ_MANY are in their staging areas; ``steps``: each span's tensor's step count."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STATE_SPANS
+    steps: Annotated[tuple[int, ...], List(STEP_NO, MAX_SPANS)]
+
+
+@wire
+@dataclass(slots=True)
+class StateWriteMany(Message):
+    """STATE_WRITE of several ranges in one request, in order; every span is checked before any is written."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STATE_WRITE_MANY
+    spans: Annotated[tuple[WriteSpan, ...], List(WriteSpan, MAX_SPANS, min_len=1)]

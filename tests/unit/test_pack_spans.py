@@ -1,0 +1,51 @@
+"""``pack_spans``: how a transfer's tensors are packed into staging slots, one request per slot filled."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiermem.client.offload.transfer import Span, pack_spans
+from tiermem.core.errors import InvalidArgument
+
+
+def check_cover(numels: list[int], batches: list[list[Span]], slot: int, max_spans: int) -> None:
+    """Every element of every item is in exactly one span, in order; each batch fits its slot, back to back."""
+    seen = {i: 0 for i in range(len(numels))}
+    for batch in batches:
+        assert 0 < len(batch) <= max_spans
+        at = 0
+        for span in batch:
+            assert span.at == at and span.start == seen[span.item]
+            at += span.numel
+            seen[span.item] += span.numel
+        assert at <= slot
+    assert seen == dict(enumerate(numels))
+    items = [span.item for batch in batches for span in batch]
+    assert items == sorted(items) and set(items) == set(range(len(numels)))  # each item reaches the daemon
+
+
+@pytest.mark.parametrize("slot", [1, 7, 512, 4096])
+def test_items_share_slots_and_large_ones_continue_in_the_next(slot: int) -> None:
+    numels = [0, 1, 511, 512, 513, 1024, 3000, 7, 0]
+    batches = list(pack_spans(numels, slot))
+    check_cover(numels, batches, slot, 1024)
+    assert len(batches) == -(-sum(numels) // slot)  # full slots: one request per slot's worth of elements
+
+
+def test_many_small_tensors_are_one_request_up_to_the_span_limit() -> None:
+    numels = [3] * 2000  # biases and norms: 6000 elements, far less than the slot
+    assert len(list(pack_spans(numels, 1 << 20, max_spans=4096))) == 1
+    batches = list(pack_spans(numels, 1 << 20, max_spans=1024))
+    check_cover(numels, batches, 1 << 20, 1024)
+    assert [len(b) for b in batches] == [1024, 976]
+
+
+def test_empty_items_alone_are_one_request() -> None:
+    batches = list(pack_spans([0, 0], 512))
+    assert batches == [[Span(0, 0, 0, 0), Span(1, 0, 0, 0)]]
+    assert list(pack_spans([], 512)) == []
+
+
+def test_a_slot_without_room_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="room for an element"):
+        list(pack_spans([1], 0))
