@@ -30,8 +30,10 @@ The private daemon's pool is ``--pool-size`` (1 GiB, its default); the NVMe
 tier's chunk cache borrows free pool memory up to all of the state, so a
 model whose state (16 B/param) fits in the pool does not touch the disk after
 its first step.  A smaller pool makes a small model page like a large one
-(the cache plan asks for whole chunks plus 4 KiB each: a pool of exactly N
-chunks, e.g. 320MiB, is refused; 352MiB works).
+(the cache plan counts each chunk's parts in whole pages and leaves one
+part's room to the allocator).  ``--window-size`` sets the private daemon's
+staging window: its two slots bound what one request moves, so the pager's
+requests per step are about the bytes it moves over half the window.
 
 Per mode, at its largest size: the step time (the last step), the bytes the
 daemon moved to and from the disk in that step (``/proc/<pid>/io`` of the
@@ -150,6 +152,7 @@ def run_trial(args: argparse.Namespace, mode: str, dtype: str, params: int, pare
         "seq": args.seq,
         "device_budget": args.device_budget,
         "pool_size": args.pool_size,
+        "window_size": args.window_size,
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
     env["TIERMEM_SOCKET_PATH"] = str(log_dir / "no-such-daemon.sock")  # a private daemon, inside the cgroup
@@ -316,7 +319,10 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
     if mode == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
-        client = tiermem.connect(pool_size=spec["pool_size"])  # the private daemon (no other is reachable)
+        ws = spec["window_size"]
+        window = {"jobs.window_size": ws, "jobs.window_budget": ws} if ws else {}  # one job, one window
+        # the private daemon (no other is reachable)
+        client = tiermem.connect(pool_size=spec["pool_size"], settings=window)
         if mode == "offload-nvme-paged":
             opt = tiermem.OffloadAdam(model.parameters(), lr=1e-4, offload="nvme", exchange="staged", client=client)
             pager = tiermem.offload_params(model, opt, device_budget=spec["device_budget"], prefetch=2, init=GPT._init)
@@ -521,6 +527,13 @@ def main(argv: list[str] | None = None) -> int:
         type=parse_size,
         default=1 * GiB,
         help="the private daemon's pool (1GiB, its default); below the NVMe state, a small model pages as a large one",
+    )
+    ap.add_argument(
+        "--window-size",
+        type=parse_size,
+        default=0,
+        help="the private daemon's staging window per rank (default: its own, 2MiB); the window's two slots "
+        "bound the bytes one request moves",
     )
     ap.add_argument("--swap-dir", type=Path, default=None, help="NVMe directory (default: a fresh one in $TMPDIR)")
     ap.add_argument("--fio-size", type=parse_size, default=1 * GiB, help="bytes fio writes and reads (1GiB)")

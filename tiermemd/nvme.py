@@ -268,7 +268,10 @@ class NvmeStateChunks:
             # prefetch would read what is about to be overwritten
             self._ordered = tuple(part for part in self.parts if self._part_keys[part] != ("param",))
             order = [_key(c, part) for c in range(self.nchunks) for part in self._ordered]
-            self.tiers.prefetch(order, self.plan.prefetch_depth * len(self._ordered))
+            # where grads land in the cache between two updates (and params are fetched from it), the next
+            # update's first chunks are not read ahead at the end of one: they would sit through those uses
+            wrap = "grad" not in keys
+            self.tiers.prefetch(order, self.plan.prefetch_depth * len(self._ordered), wrap=wrap)
             self.tiers.set_plan(self.plan, tensors_per_chunk=len(self._ordered))
             if shares is not None:
                 shares.register(tenant, self.tiers)

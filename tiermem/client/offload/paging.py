@@ -11,10 +11,13 @@ Why a function of (model, optimizer) and not an ``OffloadAdam`` option: an
 optimizer sees params, never modules, and paging needs the module tree (hooks
 on the submodules that own params, ``state_dict`` keys); the optimizer stays
 ``torch.optim``'s API, and the pager becomes its grad feed.  The tier is the
-optimizer's ``offload``: the params are its ``master`` state key (the staged
-exchange's, which the daemon updates in place), so they live where the rest of
-the rank's state lives, the pool or NVMe, and one state record per tensor
-holds them all.
+optimizer's ``offload``: the params are the daemon's state of the staged
+exchange (a fetch reads the ``param`` key, a load writes ``master``), so they
+live where the rest of the rank's state lives, the pool or NVMe; on NVMe in
+their own dtype and apart from the moments and grads, so a fetch reads only
+the param's bytes (``tiermemd.state``).  A submodule's params are fetched in
+one transfer, and the grads that land while the I/O thread is busy are pushed
+in one (they share the staging window's slots).
 
 What the model holds: each param's data is a placeholder (one NaN element
 expanded to the param's shape, so shapes and ``numel`` stay true and a stray

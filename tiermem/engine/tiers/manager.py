@@ -96,6 +96,7 @@ class TierManager:
         self._traced: set[str] = set()
         self._position = -1
         self._depth = 0
+        self._wrap = True
         self._demand: dict[str, None] = {}  # keys acquire is waiting for, oldest first
         self._completions: deque[Callable[[], None]] = deque()
         self._kicked = False
@@ -258,8 +259,12 @@ class TierManager:
         if stored:
             self._store.delete(key)
 
-    def prefetch(self, order: Sequence[str] | None, depth: int) -> None:
-        """Keep the next ``depth`` tensors of ``order`` (None: the order recorded on the first pass) in flight."""
+    def prefetch(self, order: Sequence[str] | None, depth: int, *, wrap: bool = True) -> None:
+        """Keep the next ``depth`` tensors of ``order`` (None: the order recorded on the first pass) in flight.
+
+        ``wrap=False``: the prefetch stops at the end of a pass and starts again with the next pass's first
+        use, for passes with other uses between them (an update's, with a model's fetches between two),
+        which tensors read ahead would only sit through, taking the room of those uses."""
         if depth < 0:
             raise InvalidArgument(f"prefetch depth must be >= 0, got {depth}")
         with self._cond:
@@ -267,6 +272,7 @@ class TierManager:
                 self._order = AccessOrder(list(order))
                 self._position = -1
             self._depth = depth
+            self._wrap = wrap
             self._kick_locked()
 
     def set_plan(self, plan: CachePlan, *, tensors_per_chunk: int = 1) -> None:
@@ -499,7 +505,7 @@ class TierManager:
         if wanted:
             return wanted
         if self._order is not None and self._depth:
-            for key in self._order.window(self._position, self._depth):
+            for key in self._order.window(self._position, self._depth, wrap=self._wrap):
                 r = self._records.get(key)
                 if r is not None and r.state in (T.NVME, T.EMPTY) and r.error is None and key not in wanted:
                     wanted.append(key)
@@ -523,7 +529,7 @@ class TierManager:
             protect = set(self._demand)
             distance = None
             if not demand and self._order is not None:  # prefetch: keep what is needed sooner than this key
-                protect |= set(self._order.window(self._position, self._depth))
+                protect |= set(self._order.window(self._position, self._depth, wrap=self._wrap))
                 distance = self._order.distance(key, self._position)
             deficit = self._cpu - self._outgoing + need - limit
             victims = self._victims(deficit, protect=protect, sooner_than=distance)

@@ -70,11 +70,13 @@ class AccessOrder:
         d = (nxt - position) % len(self._keys)
         return d if d > 0 else len(self._keys)
 
-    def window(self, position: int, depth: int) -> list[str]:
-        """The distinct keys of the next ``depth`` uses after ``position``, soonest first."""
+    def window(self, position: int, depth: int, *, wrap: bool = True) -> list[str]:
+        """The distinct keys of the next ``depth`` uses after ``position``, soonest first; without ``wrap``,
+        none of the next pass (the window ends with the order)."""
         out: list[str] = []
         n = len(self._keys)
-        for step in range(1, min(depth, n) + 1):
+        last = min(depth, n) if wrap else min(depth, n - 1 - position)
+        for step in range(1, last + 1):
             key = self._keys[(position + step) % n]
             if key not in out:
                 out.append(key)

@@ -1,0 +1,121 @@
+"""The NVMe placement's layout: each chunk's params, fp32 state and grads are separate tier records.
+
+Against a real pool and a real swap store (libaio, O_DIRECT), with a cache of
+two of twelve chunks, so every pass pages: a param fetch reads the params'
+bytes in their working dtype and nothing else; an update reads the state and
+the grads once and writes the state and the params once, the params without
+reading them and the consumed grads without writing them back.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tiermem.core.units import MiB
+from tiermem.engine.pool import BufferPool
+from tiermem.engine.swap.engine_libaio import LibaioEngine
+from tiermem.engine.swap.store import SwapStore
+from tiermem.engine.tiers.sizing import plan_cache
+from tiermemd.nvme import NvmeStateChunks, chunk_nbytes
+from tiermemd.state import PAGED_KEYS, STAGED_KEYS
+
+CHUNK_NUMEL = 16384  # a whole number of pages for every part
+NCHUNKS = 12
+
+
+@pytest.fixture
+def parts() -> Iterator[tuple[BufferPool, SwapStore]]:
+    engine = LibaioEngine(block_size=256 * 1024, queue_depth=8)
+    pool = BufferPool.create(8 * MiB, arena_size=8 * MiB, mlock=False)
+    with tempfile.TemporaryDirectory(prefix="tiermem-parts-", dir="/var/tmp") as d:
+        store = SwapStore.open([Path(d)], "rank", engine, 64 * MiB)
+        yield pool, store
+        store.close(remove=True)
+    pool.close()
+    engine.close()
+
+
+class IoLog:
+    """What the store reads and writes, by key (wrapping the real store's methods: the I/O still happens)."""
+
+    def __init__(self, store: SwapStore) -> None:
+        self.reads: list[tuple[str, int]] = []
+        self.writes: list[tuple[str, int]] = []
+        read, write = store.read, store.write
+
+        def logged_read(key: str, memory: Any) -> Any:
+            self.reads.append((key, memory[1]))
+            return read(key, memory)
+
+        def logged_write(key: str, memory: Any) -> Any:
+            self.writes.append((key, memory[1]))
+            return write(key, memory)
+
+        store.read, store.write = logged_read, logged_write  # type: ignore[method-assign]
+
+    def take(self) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        out = (self.reads, self.writes)
+        self.reads, self.writes = [], []
+        return out
+
+
+@pytest.mark.parametrize(
+    ("keys", "dtype"), [(PAGED_KEYS, torch.bfloat16), (STAGED_KEYS, torch.float32)], ids=["bf16", "fp32"]
+)
+def test_fetches_read_the_params_only_and_an_update_moves_each_state_byte_once(
+    parts: tuple[BufferPool, SwapStore], keys: tuple[str, ...], dtype: torch.dtype
+) -> None:
+    pool, store = parts
+    per_chunk = chunk_nbytes(CHUNK_NUMEL, keys, dtype)
+    plan = plan_cache(None, chunk_nbytes=per_chunk, nchunks=NCHUNKS, memory_nbytes=4 * per_chunk)
+    state = NvmeStateChunks(pool, store, NCHUNKS * CHUNK_NUMEL, CHUNK_NUMEL, plan.cache_nbytes, keys, param_dtype=dtype)
+    io = IoLog(store)
+    params = CHUNK_NUMEL * dtype.itemsize  # a chunk's params in their working dtype
+    fetched = ("param",) if "param" in keys else ("master",)
+    written: list[str] = []
+    try:
+        for step in range(4):
+            for c in range(NCHUNKS):  # forward: fetches
+                t = state.acquire(c, fetched, advance=False)
+                got = t.param if t.param is not None else t.master
+                assert got is not None and torch.equal(got, torch.full_like(got, float(step)))
+                state.release(c, fetched, dirty=False)
+            reads, _ = io.take()
+            assert all(key.endswith(".param") and n == params for key, n in reads), reads  # the params only
+            assert len({key for key, _ in reads}) == len(reads)  # each at most once
+            assert step == 0 or reads  # the cache did not hold them all
+            for c in reversed(range(NCHUNKS)):  # backward: a grad lands in each chunk
+                t = state.acquire(c, ("grad",), advance=False)
+                assert t.grad is not None and not t.grad.any()  # consumed by the last update: zeros
+                t.grad.fill_(1.0)
+                state.release(c, ("grad",), dirty=True)
+            reads, _ = io.take()
+            assert reads == []  # a grad's first landing reads nothing
+            for c in range(NCHUNKS):  # the update: master += grad; the params cast from it
+                t = state.acquire(c, overwrite=("param",))
+                assert t.master is not None and t.grad is not None and t.exp_avg is not None
+                t.master.add_(t.grad)
+                t.exp_avg.add_(1.0)
+                if t.param is not None:
+                    t.param.copy_(t.master)
+                state.release(c, dirty=True, consumed=True)
+            reads, writes = io.take()
+            read_keys = [key for key, _ in reads]
+            assert len(read_keys) == len(set(read_keys))  # every part read at most once
+            if "param" in keys:
+                assert not any(key.endswith(".param") for key in read_keys)  # written whole, never read
+            if step:
+                assert {f"chunk{c}.state" for c in range(4, NCHUNKS)} <= set(read_keys)  # it did not fit
+            written += [key for key, _ in writes]
+        # each update dirties a chunk's state and params once: each is written at most once a step (the last
+        # update's tail may still be in the cache); consumed grads are dropped, never written back
+        assert max(written.count(key) for key in written) <= 4
+        assert state.tiers.stats().discards == 4 * NCHUNKS
+    finally:
+        state.close()
