@@ -260,6 +260,14 @@ def _io(pid: int) -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
+def _memory(pid: int) -> dict[str, int]:
+    """A process's peak resident set and, of the resident set now, what is shared memory (the pool's
+    memfd arenas for the daemon), in bytes (``/proc/<pid>/status``)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    kib = {k: int(v.split()[0]) * 1024 for k, v in fields.items() if v.strip().endswith("kB")}
+    return {"peak_rss": kib.get("VmHWM", 0), "rss_shmem": kib.get("RssShmem", 0)}
+
+
 def worker(spec: dict[str, Any]) -> int:
     sys.stdin.buffer.read(1)  # wait until the parent has moved this process into its cgroup
     result: dict[str, Any] = {}
@@ -373,6 +381,9 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
             }
         steps.append(row)
     out = {"numel": numel, "dtype": spec["dtype"], "config": asdict(cfg), "steps": steps}
+    out["memory"] = {"trainer": _memory(os.getpid())}
+    if daemon_pid:
+        out["memory"]["daemon"] = _memory(daemon_pid)
     if hasattr(opt, "close"):
         opt.close()
     return out
@@ -423,6 +434,8 @@ def summarize(mode: str, dtype: str, best: Trial | None, fio_bw: dict[str, float
     if "pager" in last:
         row["pager"] = last["pager"]
         row["pager_requests"] = int(last["pager"]["requests"])
+    if "memory" in best.worker:
+        row["memory"] = best.worker["memory"]
     return row
 
 
@@ -501,6 +514,12 @@ def print_table(rows: list[dict[str, Any]], limit: int) -> None:
                 f"{p['fetch_wait_us'] / 1e6:.2f} s for fetches, {p['push_wait_us'] / 1e6:.2f} s for pushes; "
                 f"peak materialized params {p['peak_nbytes'] / MiB:.0f} MiB"
             )
+        if "memory" in r:
+            parts = [
+                f"{who} {m['peak_rss'] / GiB:.2f} GiB (shared memory {m['rss_shmem'] / GiB:.2f} GiB at the end)"
+                for who, m in r["memory"].items()
+            ]
+            print(f"{r['mode']} {r['dtype']}: peak resident set: {', '.join(parts)}")
         if "daemon" in r and r["disk_requests"]:
             d = r["daemon"]
             print(

@@ -110,12 +110,15 @@ def test_fetches_read_the_params_only_and_an_update_moves_each_state_byte_once(
             assert len(read_keys) == len(set(read_keys))  # every part read at most once
             if "param" in keys:
                 assert not any(key.endswith(".param") for key in read_keys)  # written whole, never read
-            if step:
-                assert {f"chunk{c}.state" for c in range(4, NCHUNKS)} <= set(read_keys)  # it did not fit
-            written += [key for key, _ in writes]
-        # each update dirties a chunk's state and params once: each is written at most once a step (the last
-        # update's tail may still be in the cache); consumed grads are dropped, never written back
-        assert max(written.count(key) for key in written) <= 4
+            if step:  # the state did not fit: most of it was read (the cache holds at most six state parts)
+                assert sum(key.endswith(".state") for key in read_keys) >= NCHUNKS - 6
+            if step:  # (step 0 fetches never-written params: zero blocks, written once when evicted)
+                written += [key for key, _ in writes]
+        # each of the four updates dirties a chunk's state and params once: each is written at most once for
+        # it (the last one's tail may still be in the cache); consumed grads are dropped, never written back
+        assert max(written.count(key) for key in written) <= 4, sorted(
+            {k: written.count(k) for k in written}.items(), key=lambda kv: -kv[1]
+        )[:4]
         assert state.tiers.stats().discards == 4 * NCHUNKS
     finally:
         state.close()

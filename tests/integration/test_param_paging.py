@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -574,3 +575,20 @@ def test_the_trainers_memory_grows_by_the_budget_not_by_the_model() -> None:
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["peak_nbytes"] <= figures["budget"] and figures["peak_grad_nbytes"] <= figures["budget"]
     assert figures["growth"] < figures["model_nbytes"] // 2, figures
+
+
+def test_a_window_too_small_for_a_submodule_is_named_with_the_knob(
+    offload: OffloadDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fetch costs a request per window slot: a window smaller than two slots of the largest submodule's
+    params (staged as fp32) is said at ``offload_params``, with the size to pass."""
+    model = paging_gpt()
+    with caplog.at_level(logging.WARNING, logger="tiermem.client.offload.paging"):
+        tiermem.offload_params(model, make_opt(offload, model), device_budget=param_nbytes(model))
+    assert "the staging window (4KiB) is smaller" in caplog.text and "window_nbytes=1048576" in caplog.text
+    caplog.clear()
+    roomy = paging_gpt()
+    opt = offload.make(roomy.parameters(), offload="cpu", exchange="staged", window_nbytes=1 << 20, **HYPER)
+    with caplog.at_level(logging.WARNING, logger="tiermem.client.offload.paging"):
+        tiermem.offload_params(roomy, opt, device_budget=param_nbytes(roomy))
+    assert "staging window" not in caplog.text

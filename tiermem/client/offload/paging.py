@@ -93,7 +93,7 @@ from tiermem.client.offload.pagestate import PagedState
 from tiermem.client.offload.trace import FetchTrace
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, StepMode
-from tiermem.core.units import format_size, parse_size
+from tiermem.core.units import MiB, format_size, parse_size
 
 if TYPE_CHECKING:
     from tiermem.client.offload.optimizer import OffloadAdam
@@ -241,6 +241,8 @@ class ParamPager(PagedState):
                 f"({type(module).__name__} with {', '.join(e.name for e in own)}: "
                 f"{format_size(sum(e.nbytes for e in own))}); raise it or split that module"
             )
+        if largest is not None:
+            self._check_window(largest[0], sum(e.shape.numel() for e in largest[1]))
         # the feed interface OffloadAdam uses
         self.accumulated = False
         self.changed_after_landing = False
@@ -425,6 +427,28 @@ class ParamPager(PagedState):
                 wanted.append(e)
                 room -= e.nbytes
             self._start_fetches(wanted, event="prefetch")
+
+    def _check_window(self, module: nn.Module, numel: int) -> None:
+        """Say so when the staging window is too small for a submodule's params to move in one request.
+
+        A transfer costs a request per window slot filled (two slots, params and grads staged as fp32),
+        and each request about a millisecond here: with the default 2 MiB window a 2B-param step sent
+        23,055 requests and waited 31 s of its 60 for fetches; with 64 MiB, 1,017 requests and 13 s
+        (``benchmarks/README.md``, bench_scale)."""
+        window = self.transfer.client.window.numel()
+        want = -(-2 * 4 * numel // MiB) * MiB
+        if window < want:
+            log.warning(
+                "the staging window (%s) is smaller than two slots of the largest submodule's params staged as "
+                "fp32 (%s, %s): each of its fetches and grad pushes takes several requests; pass "
+                "OffloadAdam(..., window_nbytes=%d) (%s; or raise the daemon's jobs.window_size) for about one "
+                "request per submodule",
+                format_size(window),
+                type(module).__name__,
+                format_size(4 * numel),
+                want,
+                format_size(want),
+            )
 
     # ----------------------------------------------------------------- residency
 
