@@ -42,6 +42,7 @@ import torch
 
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.figures import Family, gauge
+from tiermem.core.statekeys import ALL_KEYS, MOMENTS, PAGED_KEYS, STAGED_KEYS, chunk_parts
 from tiermem.engine.pool import Block, BufferPool
 from tiermem.engine.swap.records import SwapStats
 from tiermem.engine.tiers.records import TierStats
@@ -61,29 +62,10 @@ __all__ = [
     "split_chunk",
 ]
 
-ALL_KEYS = ("master", "exp_avg", "exp_avg_sq")
-STAGED_KEYS = (*ALL_KEYS, "grad")
-"""A rank whose params do not live in the shared storage (the staged exchange) also keeps its grads."""
 STATE_BYTES_PER_ELEMENT = 4 * len(ALL_KEYS)
 """What a rank with a master keeps per element (fp32 master and both moments)."""
-MOMENTS = ("exp_avg", "exp_avg_sq")
-PAGED_KEYS = ("param", *STAGED_KEYS)
-"""A staged rank on the NVMe tier whose params are below fp32 also keeps them in their working dtype
-(``param``), apart from the fp32 master, so a fetch reads 2 bytes a param, not 4."""
 UPDATE_KEYS = PAGED_KEYS
 """What an update may read and write (a rank acquires the ones it keeps)."""
-
-
-def chunk_parts(keys: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """The parts of a chunk of a rank that keeps ``keys``, each stored and paged as a unit, with the keys each
-    holds in order: ``param`` (the working-dtype ``param`` where kept, else the ``master``), ``state`` (the
-    master where ``param`` is kept, and the moments), ``grad``.  Parts holding none of ``keys`` are left out."""
-    if "param" in keys:
-        table = {"param": ("param",), "state": ("master", *MOMENTS), "grad": ("grad",)}
-    else:
-        table = {"param": ("master",), "state": MOMENTS, "grad": ("grad",)}
-    parts = {part: tuple(k for k in held if k in keys) for part, held in table.items()}
-    return {part: held for part, held in parts.items() if held}
 
 
 class ChunkTensors(NamedTuple):

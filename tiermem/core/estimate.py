@@ -32,7 +32,9 @@ device's optimizer shard (``tiermem.client.offload.staged``; ``offload.args``'s
 
 - ``cpu``: fp32 master, exp_avg, exp_avg_sq and an fp32 grad accumulator
   (16 B) in the daemon's pool, plus one staging window per rank;
-- ``nvme``: the same 16 B on the swap files; the pool holds the NVMe tier's
+- ``nvme``: the same 16 B on the swap files and the fp16 params again (2 B,
+  kept apart from the master so a param fetch reads only them:
+  ``tiermem.core.statekeys``), 18 B in all; the pool holds the NVMe tier's
   chunk cache (seven chunks of ``adam.chunk_numel`` elements at most) and the
   window.
 
@@ -55,6 +57,7 @@ from tiermem.core.units import MiB
 __all__ = [
     "DAEMON_PROCESS_NBYTES",
     "DAEMON_STATE_BYTES",
+    "NVME_STATE_BYTES",
     "NVME_CACHE_CHUNKS",
     "STAGES",
     "Estimate",
@@ -81,6 +84,8 @@ OPTIMIZER_BYTES = 12
 """fp32 master, momentum and variance (the paper's K)."""
 DAEMON_STATE_BYTES = 16
 """What tiermemd keeps per element of an offloaded shard: fp32 master, exp_avg, exp_avg_sq and grad."""
+NVME_STATE_BYTES = DAEMON_STATE_BYTES + PARAM_BYTES
+"""On the NVMe tier, the fp16 params too (the ``param`` key, apart from the master)."""
 NVME_CACHE_CHUNKS = 7
 """Chunks of the NVMe tier's cache in the pool: six in use, one for unequal chunk sizes (``private_pool_plan``)."""
 DAEMON_PROCESS_NBYTES = 320 * MiB
@@ -197,7 +202,8 @@ def estimate(shape: RunShape, stage: int, offload: Offload | str) -> Estimate:
     state = DAEMON_STATE_BYTES * states
     if offload is Offload.CPU:
         return Estimate(shape, stage, offload, gpu, state + shape.window_nbytes, 0)
-    cache = min(state, NVME_CACHE_CHUNKS * shape.chunk_numel * DAEMON_STATE_BYTES)
+    state = NVME_STATE_BYTES * states
+    cache = min(state, NVME_CACHE_CHUNKS * shape.chunk_numel * NVME_STATE_BYTES)
     return Estimate(shape, stage, offload, gpu, cache + shape.window_nbytes, state)
 
 

@@ -60,6 +60,7 @@ from tiermem.core.protocol import (
     TensorSlot,
     TensorSpec,
 )
+from tiermem.core.statekeys import state_keys_for
 from tiermem.core.step_rules import GradStats, combine_grad_stats, decide
 from tiermem.engine.pool import Arena
 from tiermemd import health
@@ -70,30 +71,13 @@ from tiermemd.rank.runner import AdamKernel, UpdateRunner, UpdateTarget
 from tiermemd.rank.stateio import StateIO
 from tiermemd.rank.stats import RankStats
 from tiermemd.scheduler import CpuScheduler
-from tiermemd.state import ALL_KEYS, PAGED_KEYS, STAGED_KEYS, StateChunks, StateStats, chunk_ranges
+from tiermemd.state import StateChunks, StateStats, chunk_ranges
 
 __all__ = ["RankOptimizer", "Registration", "state_keys_for"]
 
 MakeState = Callable[[int, tuple[str, ...], str], StateChunks]
 """Makes a rank's state: (elements, state keys, working dtype name)."""
 MakeStorage = Callable[[int], tuple[Arena, int]]
-
-
-def state_keys_for(
-    dtype: str, placement: str, grad_buffers: int, exchange: str = "shared", grads_in_state: bool = False
-) -> tuple[str, ...]:
-    """The state a rank keeps: no master when its fp32 params in the pool-backed storage can be it.
-
-    NVMe-placed state keeps the master (what a restarted daemon reopens); a delayed update keeps it
-    (the trainer reads the old params while the update writes the new master); the staged exchange
-    (params on a device, not in the storage) keeps the master and the grads, and on the NVMe tier, where
-    the params are below fp32, the params in their working dtype too (``param``: what a fetch reads)."""
-    if exchange == "staged":
-        return PAGED_KEYS if placement == "nvme" and dtype != "float32" else STAGED_KEYS
-    grad = ("grad",) if grads_in_state else ()
-    if dtype == "float32" and placement == "cpu" and grad_buffers == 1:
-        return ("exp_avg", "exp_avg_sq", *grad)
-    return (*ALL_KEYS, *grad)
 
 
 @dataclass(frozen=True)

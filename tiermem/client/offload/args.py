@@ -27,6 +27,7 @@ import torch
 from tiermem.core.config import AdamConfig, PoolConfig
 from tiermem.core.errors import InvalidArgument
 from tiermem.core.modes import Exchange, Placement, StepMode
+from tiermem.core.statekeys import chunk_parts, key_nbytes, state_keys_for
 from tiermem.core.units import PAGE_SIZE, MiB, align_up
 from tiermem.engine.pool.pool import arena_sizes
 
@@ -180,21 +181,21 @@ def private_pool_plan(
     staging window, packed as the daemon's allocator will place them (``packed_pool_nbytes``).  The pool is
     allocated and pre-faulted at once, so every byte of slack costs memory for nothing: the arenas are made
     a whole number of chunk blocks (at most ``pool.arena_size``), so the blocks tile them."""
-    if exchange is Exchange.STAGED:
-        per_element = 16
-    elif dtype == "float32" and placement is Placement.CPU and mode is not StepMode.DELAYED:
-        per_element = 8  # the fp32 params in the shared storage are the master
-    else:
-        per_element = 12
-    if release_grads and exchange is Exchange.SHARED:
-        per_element += 4  # the released grads, in the daemon's grad key
+    grad_buffers = 2 if mode is StepMode.DELAYED else 1
+    released = release_grads and exchange is Exchange.SHARED  # the released grads, in the daemon's grad key
+    keys = state_keys_for(dtype, placement.value, grad_buffers, exchange.value, released)
+    per_element = sum(key_nbytes(key, dtype) for key in keys)
     chunk_numel = AdamConfig().chunk_numel
     chunks = [min(chunk_numel, numel - start) for start in range(0, numel, chunk_numel)]
+    blocks = [window_nbytes or 2 * MiB]
     if placement is Placement.NVME:
         # the NVMe tier's chunk cache (6 chunks, tiermemd.nvme) and one chunk more: chunks of unequal size
-        # (the last one is short) leave holes between pinned blocks that compaction cannot close
-        chunks = [chunk_numel] * min(len(chunks), 7)
-    blocks = [window_nbytes or 2 * MiB] + [n * per_element for n in chunks]
+        # (the last one is short) leave holes between pinned blocks that compaction cannot close; each
+        # chunk is one block per part (tiermem.core.statekeys.chunk_parts)
+        parts = [chunk_numel * sum(key_nbytes(key, dtype) for key in held) for held in chunk_parts(keys).values()]
+        blocks += parts * min(len(chunks), 7)
+    else:
+        blocks += [n * per_element for n in chunks]
     largest = align_up(max(blocks), PAGE_SIZE)
     arena = PoolConfig().arena_size
     arena = max(largest, arena - arena % largest)
