@@ -55,8 +55,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiermem.core import dtypes
 from tiermem.core.config import MAX_QUEUE_DEPTH, SwapConfig
 from tiermem.core.errors import DataLostError, InvalidArgument, TiermemError
+from tiermem.core.statekeys import part_element_nbytes
 from tiermem.core.units import align_up
 from tiermem.engine.swap.engine import IOEngine
 from tiermem.engine.swap.probe import DiskProbe, probe_disk
@@ -141,10 +143,8 @@ def part_dtype(part: str, keys: Sequence[str], param_dtype: torch.dtype) -> torc
 def part_nbytes(numel: int, keys: Sequence[str], param_dtype: torch.dtype = torch.float32) -> list[int]:
     """Pool (and swap) bytes of each part of a chunk of ``numel`` elements, in whole pages (each part is its
     own block)."""
-    return [
-        align_up(numel * len(held) * part_dtype(part, keys, param_dtype).itemsize)
-        for part, held in chunk_parts(keys).items()
-    ]
+    per_element = part_element_nbytes(keys, dtypes.by_torch(param_dtype).name)
+    return [align_up(numel * nbytes) for nbytes in per_element.values()]
 
 
 def chunk_nbytes(numel: int, keys: Sequence[str], param_dtype: torch.dtype = torch.float32) -> int:
@@ -302,8 +302,9 @@ class NvmeStateChunks:
     ) -> ChunkTensors:
         parts = self._parts_of(keys)
         whole = set(overwrite)
-        if len(parts) > 1:
-            self.tiers.want([_key(chunk, part) for part in parts])  # read together, not one after the other
+        read = [_key(chunk, part) for part in parts if not whole.issuperset(self._part_keys[part])]
+        if len(read) > 1:
+            self.tiers.want(read)  # read together, not one after the other (and never what is overwritten)
         n = self._chunk_len(chunk)
         sections: dict[str, torch.Tensor] = {}
         taken: list[str] = []
@@ -321,10 +322,11 @@ class NvmeStateChunks:
         return ChunkTensors(**sections)
 
     def release(self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, dirty: bool, consumed: bool = False) -> None:
-        for part in self._parts_of(keys):
+        parts = self._parts_of(keys)
+        for part in parts:
             self.tiers.release(_key(chunk, part), dirty=dirty, discard=consumed and part == "grad")
-        if chunk == self.nchunks - 1 and self._replan:
-            self._plan_again()
+        if chunk == self.nchunks - 1 and dirty and "state" in parts and self._replan:
+            self._plan_again()  # the end of an update's pass (not a fetch of the last chunk's params)
 
     def _parts_of(self, keys: Iterable[str]) -> tuple[str, ...]:
         wanted = set(keys)

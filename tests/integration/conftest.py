@@ -53,7 +53,9 @@ if TYPE_CHECKING:
     from offload_helpers import OffloadDaemon
 
     from tiermem.client.link import Client
+    from tiermem.engine.pool import BufferPool
     from tiermem.engine.swap.engine_libaio import LibaioEngine
+    from tiermem.engine.swap.store import SwapStore
 
 CLIENT_SCRIPT = Path(__file__).with_name("daemon_client.py")
 GRACE_PERIOD_S = 3.0
@@ -311,6 +313,23 @@ def libaio() -> Iterator[LibaioEngine]:
 
     engine = LibaioEngine(block_size=256 * 1024, queue_depth=16)
     yield engine
+    engine.close()
+
+
+@pytest.fixture
+def pool_and_store(swap_dir: Path) -> Iterator[tuple[BufferPool, SwapStore]]:
+    """What an NVMe-placed rank's state is made over: an 8 MiB pool and a 64 MiB swap store on its own libaio
+    engine (256 KiB blocks, queue depth 8)."""
+    from tiermem.engine.pool import BufferPool
+    from tiermem.engine.swap.engine_libaio import LibaioEngine
+    from tiermem.engine.swap.store import SwapStore
+
+    engine = LibaioEngine(block_size=256 * 1024, queue_depth=8)
+    pool = BufferPool.create(8 << 20, arena_size=8 << 20, mlock=False)
+    store = SwapStore.open([swap_dir], "rank", engine, 64 << 20)
+    yield pool, store
+    store.close(remove=True)
+    pool.close()
     engine.close()
 
 

@@ -9,17 +9,12 @@ reading them and the consumed grads without writing them back.
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tiermem.core.units import MiB
 from tiermem.engine.pool import BufferPool
-from tiermem.engine.swap.engine_libaio import LibaioEngine
 from tiermem.engine.swap.store import SwapStore
 from tiermem.engine.tiers.sizing import plan_cache
 from tiermemd.nvme import NvmeStateChunks, chunk_nbytes
@@ -27,18 +22,6 @@ from tiermemd.state import PAGED_KEYS, STAGED_KEYS
 
 CHUNK_NUMEL = 16384  # a whole number of pages for every part
 NCHUNKS = 12
-
-
-@pytest.fixture
-def parts() -> Iterator[tuple[BufferPool, SwapStore]]:
-    engine = LibaioEngine(block_size=256 * 1024, queue_depth=8)
-    pool = BufferPool.create(8 * MiB, arena_size=8 * MiB, mlock=False)
-    with tempfile.TemporaryDirectory(prefix="tiermem-parts-", dir="/var/tmp") as d:
-        store = SwapStore.open([Path(d)], "rank", engine, 64 * MiB)
-        yield pool, store
-        store.close(remove=True)
-    pool.close()
-    engine.close()
 
 
 class IoLog:
@@ -69,9 +52,9 @@ class IoLog:
     ("keys", "dtype"), [(PAGED_KEYS, torch.bfloat16), (STAGED_KEYS, torch.float32)], ids=["bf16", "fp32"]
 )
 def test_fetches_read_the_params_only_and_an_update_moves_each_state_byte_once(
-    parts: tuple[BufferPool, SwapStore], keys: tuple[str, ...], dtype: torch.dtype
+    pool_and_store: tuple[BufferPool, SwapStore], keys: tuple[str, ...], dtype: torch.dtype
 ) -> None:
-    pool, store = parts
+    pool, store = pool_and_store
     per_chunk = chunk_nbytes(CHUNK_NUMEL, keys, dtype)
     plan = plan_cache(None, chunk_nbytes=per_chunk, nchunks=NCHUNKS, memory_nbytes=4 * per_chunk)
     state = NvmeStateChunks(pool, store, NCHUNKS * CHUNK_NUMEL, CHUNK_NUMEL, plan.cache_nbytes, keys, param_dtype=dtype)

@@ -32,22 +32,10 @@ def disk_dir() -> Iterator[Path]:
         yield Path(d)
 
 
-@pytest.fixture
-def parts() -> Iterator[tuple[BufferPool, SwapStore]]:
-    engine = LibaioEngine(block_size=256 * 1024, queue_depth=8)
-    pool = BufferPool.create(8 * MiB, arena_size=8 * MiB, mlock=False)
-    with tempfile.TemporaryDirectory(prefix="tiermem-sizing-", dir="/var/tmp") as d:
-        store = SwapStore.open([Path(d)], "rank", engine, 64 * MiB)
-        yield pool, store
-        store.close(remove=True)
-    pool.close()
-    engine.close()
-
-
 def test_the_plan_sizes_the_pipeline_and_a_slow_update_deepens_the_prefetch(
-    parts: tuple[BufferPool, SwapStore],
+    pool_and_store: tuple[BufferPool, SwapStore],
 ) -> None:
-    pool, store = parts
+    pool, store = pool_and_store
     # a disk whose reads take ~4 ms per chunk and 200 ms of latency: an update slower than 8 ms is compute-bound
     probe = DiskProbe(64 * 1024, (DiskPoint(1, 50e6, 50e6),), latency_s=0.2)
     chunk_nbytes = CHUNK_NUMEL * 12

@@ -22,6 +22,7 @@ __all__ = [
     "STAGED_KEYS",
     "chunk_parts",
     "key_nbytes",
+    "part_element_nbytes",
     "state_keys_for",
 ]
 
@@ -53,6 +54,11 @@ def state_keys_for(
 def key_nbytes(key: str, dtype: str) -> int:
     """Bytes one element of ``key`` takes for a rank of working dtype ``dtype``."""
     return dtypes.by_name(dtype).torch.itemsize if key == "param" else 4
+
+
+def part_element_nbytes(keys: Sequence[str], dtype: str) -> dict[str, int]:
+    """Bytes one element takes in each part of a chunk (``chunk_parts``) of a rank of working dtype ``dtype``."""
+    return {part: sum(key_nbytes(key, dtype) for key in held) for part, held in chunk_parts(keys).items()}
 
 
 def chunk_parts(keys: Sequence[str]) -> dict[str, tuple[str, ...]]:

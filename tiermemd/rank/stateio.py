@@ -161,8 +161,7 @@ class StateIO:
         """Load a piece of ``key``.  The storage params are not touched: a loaded master that the model's
         param does not round to is replaced by the param at the next update (the model is the truth, as
         for ``torch.optim``), so loading the optimizer before or after the model gives the same result."""
-        if msg.key == "param":
-            raise InvalidArgument("'param' is read-only (the params cast from the master); write 'master'")
+        _check_writable(msg.key)
         apply = _accumulate if msg.accumulate else _write
         self._transfer(msg.tensor_id, msg.key, msg.offset, msg.src, apply, dirty=True)
         if msg.key in ("exp_avg", "exp_avg_sq"):
@@ -180,8 +179,7 @@ class StateIO:
         """STATE_WRITE of each span, in order, after every span was checked (a bad one writes nothing)."""
         self._settle()
         for span in msg.spans:
-            if span.key == "param":
-                raise InvalidArgument("'param' is read-only (the params cast from the master); write 'master'")
+            _check_writable(span.key)
             self._state_span(span.tensor_id, span.key, span.offset, span.area.length)
             self._window_f32(span.area)
         for span in msg.spans:
@@ -218,6 +216,11 @@ class StateIO:
             rec.step = 0
         if self.phase.phase is RankPhase.FAILED and len(wanted) == len(self.records):
             self.phase.move(RankPhase.IDLE)
+
+
+def _check_writable(key: str) -> None:
+    if key == "param":
+        raise InvalidArgument("'param' is read-only (the params cast from the master); write 'master'")
 
 
 def _read(staged: torch.Tensor, values: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ import torch
 from tiermem.core.config import AdamConfig, PoolConfig
 from tiermem.core.errors import InvalidArgument
 from tiermem.core.modes import Exchange, Placement, StepMode
-from tiermem.core.statekeys import chunk_parts, key_nbytes, state_keys_for
+from tiermem.core.statekeys import key_nbytes, part_element_nbytes, state_keys_for
 from tiermem.core.units import PAGE_SIZE, MiB, align_up
 from tiermem.engine.pool.pool import arena_sizes
 
@@ -192,7 +192,7 @@ def private_pool_plan(
         # the NVMe tier's chunk cache (6 chunks, tiermemd.nvme) and one chunk more: chunks of unequal size
         # (the last one is short) leave holes between pinned blocks that compaction cannot close; each
         # chunk is one block per part (tiermem.core.statekeys.chunk_parts)
-        parts = [chunk_numel * sum(key_nbytes(key, dtype) for key in held) for held in chunk_parts(keys).values()]
+        parts = [chunk_numel * nbytes for nbytes in part_element_nbytes(keys, dtype).values()]
         blocks += parts * min(len(chunks), 7)
     else:
         blocks += [n * per_element for n in chunks]
