@@ -29,9 +29,16 @@ command line (``gpu_check.json``), a table on stdout:
    params (all-gathers and reduce-scatters on the pager's copy stream), with
    clipping and ``ShardedGradScaler``, against ``GradScaler`` +
    ``clip_grad_norm_`` + ``torch.optim.AdamW``; the pager's peak against its
-   budget.
+   budget;
+7. layers: ``tiermem.distributed.LayerShardedAdam`` (host params only) refuses
+   a model on the GPU at construction, naming the optimizer to use instead.
 
-    python benchmarks/gpu_check.py OUT_DIR [--steps 20]
+    python benchmarks/gpu_check.py OUT_DIR [--steps 20] [--parts parity,paging] [--part-timeout 240]
+
+Each part's figures are written to ``gpu_check.json`` as soon as the part
+ends; a part that raises records its traceback and the others still run; a
+part that hangs past ``--part-timeout`` seconds dumps every thread's stack to
+stderr and ends the process, leaving the parts before it on disk.
 
 Without CUDA it writes ``{"cuda": false}`` and exits 0.
 """
@@ -41,8 +48,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import faulthandler
 import json
+import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,6 +83,7 @@ def batches(n: int, width: int, device: str) -> list[tuple[torch.Tensor, torch.T
     ]
 
 
+@torch.no_grad()
 def max_diff(a: nn.Module, b: nn.Module) -> float:
     return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
@@ -215,12 +226,14 @@ def paging(socket: str, steps: int) -> dict[str, Any]:
     data = [torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=g).cuda() for _ in range(steps)]
     out: dict[str, Any] = {}
     models = {}
-    for name in ("unpaged", "paged"):
+    windows = {"unpaged": None, "paged": None, "paged_16MiB_window": 16 * MiB}
+    for name, window in windows.items():
         torch.manual_seed(0)
         model = GPT(cfg).cuda()
         param_nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        opt = OffloadAdam(model.parameters(), lr=1e-4, exchange="staged", client=connect(socket))
-        pager = offload_params(model, opt, device_budget=param_nbytes // 4) if name == "paged" else None
+        extra = {} if window is None else {"window_nbytes": window}
+        opt = OffloadAdam(model.parameters(), lr=1e-4, exchange="staged", client=connect(socket), **extra)
+        pager = offload_params(model, opt, device_budget=param_nbytes // 4) if name != "unpaged" else None
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -234,13 +247,19 @@ def paging(socket: str, steps: int) -> dict[str, Any]:
             "step_s": (time.perf_counter() - t0) / steps,
             "param_nbytes": param_nbytes,
             "max_allocated_over_start": torch.cuda.max_memory_allocated() - base,
+            "max_allocated": torch.cuda.max_memory_allocated(),
         }
         if pager is not None:
             out[name]["pager"] = pager.stats()
-            out["peak_within_budget"] = pager.peak_nbytes <= pager.budget
+            out[name]["peak_within_budget"] = pager.peak_nbytes <= pager.budget
         models[name] = {k: v.float().cpu() for k, v in model.state_dict().items()}
         opt.close()
-    out["max_param_diff"] = max(float((models["paged"][k] - v).abs().max()) for k, v in models["unpaged"].items())
+    for name in windows:
+        if name != "unpaged":
+            out[name]["max_param_diff"] = max(
+                float((models[name][k] - v).abs().max()) for k, v in models["unpaged"].items()
+            )
+            out[name]["step_over_unpaged"] = out[name]["step_s"] / out["unpaged"]["step_s"]
     return out
 
 
@@ -273,15 +292,16 @@ def sharded_paged(socket: str, steps: int, device: str = "cuda", backend: str = 
         )
         try:
             scaler = ShardedGradScaler(device, init_scale=2.0**10)
-            t0 = time.perf_counter()
+            times = []
             for x, y in data:
+                t0 = time.perf_counter()
                 scaler.scale(F.mse_loss(ours(x), y)).backward()
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
             ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
             ref_scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
             for x, y in data:
@@ -294,16 +314,35 @@ def sharded_paged(socket: str, steps: int, device: str = "cuda", backend: str = 
             state = ours.state_dict()  # gathered from the daemon
             return {
                 "backend": backend,
-                "max_param_diff": max(float((state[k] - v).abs().max()) for k, v in ref.state_dict().items()),
+                "max_param_diff": max(
+                    float((state[k].to(v.device) - v).abs().max()) for k, v in ref.state_dict().items()
+                ),
                 "last_grad_norm": opt.last_grad_norm,
                 "scale": scaler.get_scale(),
                 "ref_scale": ref_scaler.get_scale(),
                 "peak_nbytes": opt.pager.peak_nbytes,
                 "budget": budget,
-                "step_ms": seconds / steps * 1e3,
+                "first_step_ms": times[0] * 1e3,  # the daemon compiles its kernel for a scaled step here
+                "step_ms_median": sorted(times[1:])[len(times[1:]) // 2] * 1e3 if len(times) > 1 else None,
             }
         finally:
             opt.close()
+
+
+def layers(socket: str, steps: int, device: str = "cuda", backend: str = "nccl") -> dict[str, Any]:
+    """``LayerShardedAdam`` gathers each layer into host memory: a model on ``device`` (a GPU) is refused at
+    construction, naming the optimizer for a GPU, before any collective."""
+    from tiermem.client.distributed import LayerShardedAdam
+    from tiermem.core.errors import InvalidArgument
+
+    model = mlp(64, 2).to(device)
+    with one_rank_group(backend):
+        try:
+            opt = LayerShardedAdam(model, lr=1e-3, paged=True, client=connect(socket))
+        except InvalidArgument as exc:
+            return {"refused": True, "message": str(exc)}
+        opt.close()
+        return {"refused": False, "error": f"LayerShardedAdam accepted a model on {device}"}
 
 
 def sharded(socket: str, steps: int, device: str = "cuda", backend: str = "nccl") -> dict[str, Any]:
@@ -343,36 +382,56 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--parts", default="", help="comma-separated parts to run (default: all)")
+    parser.add_argument(
+        "--part-timeout", type=float, default=240.0, help="seconds before a hung part is dumped and ended"
+    )
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    out_file = out_dir / "gpu_check.json"
     result: dict[str, Any] = {"cuda": torch.cuda.is_available(), "torch": torch.__version__}
     if not result["cuda"]:
         print("no CUDA device: nothing to check")
-        (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+        out_file.write_text(json.dumps(result, indent=2) + "\n")
         return
     result["device"] = torch.cuda.get_device_name()
     t0 = time.perf_counter()
     owner = connect(pool_size=4 << 30, settings={"swap.fsync": False})
+    parts: dict[str, Any] = {
+        "parity": lambda: parity(owner.socket_path, args.steps),
+        "bandwidth": lambda: bandwidth(owner.socket_path),
+        "overlap": lambda: overlap(owner.socket_path, args.steps),
+        "paging": lambda: paging(owner.socket_path, args.steps),
+        "sharded": lambda: sharded(owner.socket_path, args.steps),
+        "sharded_paged": lambda: sharded_paged(owner.socket_path, args.steps),
+        "layers": lambda: layers(owner.socket_path, args.steps),
+    }
+    chosen = [p for p in args.parts.split(",") if p] or list(parts)
+    unknown = sorted(set(chosen) - set(parts))
+    if unknown:
+        parser.error(f"unknown parts {unknown}; choose from {sorted(parts)}")
     try:
-        parts: dict[str, Any] = {
-            "parity": lambda: parity(owner.socket_path, args.steps),
-            "bandwidth": lambda: bandwidth(owner.socket_path),
-            "overlap": lambda: overlap(owner.socket_path, args.steps),
-            "paging": lambda: paging(owner.socket_path, args.steps),
-            "sharded": lambda: sharded(owner.socket_path, args.steps),
-            "sharded_paged": lambda: sharded_paged(owner.socket_path, args.steps),
-        }
-        for name, fn in parts.items():
+        for name in chosen:
+            faulthandler.dump_traceback_later(args.part_timeout, exit=True)
+            started = time.perf_counter()
             try:
-                result[name] = fn()
+                result[name] = parts[name]()
             except Exception as exc:  # one failing part must not hide the others' figures
-                result[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"{name}: {json.dumps(result[name], indent=2)}", flush=True)
+                result[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+            if isinstance(result[name], dict):
+                result[name]["part_s"] = time.perf_counter() - started
+            print(f"{name}: {json.dumps(result[name], indent=2, default=str)}", flush=True)
+            out_file.write_text(json.dumps(result, indent=2, default=str) + "\n")
     finally:
         owner.close()
     result["seconds"] = time.perf_counter() - t0
-    (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+    out_file.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    failed = [name for name in chosen if "error" in result.get(name, {})]
+    if failed:
+        print(f"failed parts: {failed}", file=sys.stderr)
 
 
 if __name__ == "__main__":

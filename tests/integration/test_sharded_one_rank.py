@@ -222,6 +222,21 @@ def test_a_model_on_the_meta_device_is_refused_naming_it(one_rank_group):
         ShardedPagedAdam(m, device_budget="1MiB")
 
 
+def test_layer_sharded_refuses_params_off_the_host_naming_the_optimizer_for_a_gpu(one_rank_group):
+    """It gathers each layer into host memory; a model elsewhere failed at its first gather, as a lost rank."""
+    with torch.device("meta"):
+        m = model()
+    with pytest.raises(InvalidArgument, match=r"must be on the CPU; they are on \['meta'\]\. .*ShardedPagedAdam"):
+        LayerShardedAdam(m)
+
+
+def test_the_group_takes_collectives_on_the_host_for_gloo(one_rank_group):
+    """NCCL's groups take device tensors only; gloo's take host tensors (the norm's all-reduce uses this)."""
+    from tiermem.client.distributed.group import collective_device
+
+    assert collective_device(None) == torch.device("cpu")
+
+
 def test_layer_sharded_state_dict_holds_what_the_modules_do_not(daemon, one_rank_group):
     """The modules hold placeholders, so the rank file holds the values too: of the layers (paged: read from
     the daemon) and of a frozen param every rank keeps whole.  A new optimizer over a model of other values

@@ -72,6 +72,15 @@ class NotCopyable:
         raise self._not_copyable()
 
 
+def collective_device(process_group: Any) -> torch.device:
+    """The device a collective of ``process_group`` takes tensors on: the current GPU where the group's only
+    backend is NCCL (which has no host tensors), else the host (gloo, or torch's default pair of a CPU and a
+    CUDA backend)."""
+    if str(dist.get_backend(process_group)).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class RankGroup:
     """See the module docstring.  ``who`` names the optimizer in errors; ``alone_hint`` says what to use
     without ``torch.distributed``."""
@@ -86,6 +95,8 @@ class RankGroup:
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        self.device = collective_device(process_group)
+        """Where this group's collectives take their tensors (``collective_device``)."""
         self.steps = 0
         """Steps completed, applied or skipped (the step a ``RankLost`` names is the next one)."""
         self.job_id = ""
@@ -173,14 +184,15 @@ class RankGroup:
         backward passes, where a clipping norm of one pass does not exist (refused on every rank)."""
         stats = None
         if sumsq is not None:
-            flags = torch.tensor([float(accumulated), sumsq], dtype=torch.float64)
-            self.collective("the norm's all-reduce", dist.all_reduce, flags)
-            if flags[0] > 0:
+            flags = torch.tensor([float(accumulated), sumsq], dtype=torch.float64, device=self.device)
+            self.collective("norm's all-reduce", dist.all_reduce, flags)
+            anyone_accumulated, total = flags.tolist()
+            if anyone_accumulated > 0:
                 raise InvalidState(
                     f"{self.who} clips with the norm of one backward pass; this step accumulated grads over "
                     "several (call step() after each backward, or train without max_grad_norm)"
                 )
-            stats = GradStats.of(float(flags[1]) * inv_scale * inv_scale, False)
+            stats = GradStats.of(total * inv_scale * inv_scale, False)
         return decide(
             stats,
             inv_scale=inv_scale,

@@ -151,6 +151,13 @@ class LayerShardedAdam(Zero3Optimizer):
         self.rank = self.group.rank
         self.world_size = self.group.world_size
         self.units = _deal_units(model, owners, self.world_size)
+        elsewhere = sorted({str(p.device) for unit in self.units for p in unit.params} - {"cpu"})
+        if elsewhere:  # every rank has the same model: every rank raises here, before any collective
+            raise InvalidArgument(
+                f"LayerShardedAdam gathers each layer into host memory, so the model's params must be on the CPU; "
+                f"they are on {elsewhere}. For a model on a GPU use tiermem.distributed.ShardedPagedAdam (ZeRO-3 "
+                "by shard, paged within device_budget) or ShardedOffloadAdam (ZeRO-2)"
+            )
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         defaults = optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw)
         super().__init__([{"params": [p for unit in self.units for p in unit.params]}], defaults)
