@@ -14,6 +14,11 @@ Rows (N = 16M and 64M by default, ``--threads`` threads each):
   job with no arithmetic (p, m, v negated in place, grad copied to the copy).
   It is the reference for "at the speed of memory".
 - ``tiermem``: ``AdamEngine.update`` (one pass, 28 B/param).
+- ``tiermem fp32 scaled`` and ``compiled fp32 scaled``: an fp32 job's update
+  with a grad scale (loss scaling or clipping), fp32 grads, no copy (4 + 12 +
+  12 = 28 B/param): the engine's native path (torch's fused kernel over
+  1 MiB blocks of the scaled grad) against its compiled kernel
+  (``native=False``; the path it takes where ``adam.warmup`` lists float32).
 - ``torch foreach`` / ``torch fused``: ``torch.optim.AdamW(foreach=True)`` and
   ``(fused=True)`` on fp32 params, plus the passes they need around them:
   cast fp16 grads to fp32 ``.grad`` (2 + 4 B) and copy params to fp16 (4 + 2 B):
@@ -73,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     engine = AdamEngine(threads=args.threads, warmup=[(torch.float16, torch.float16)])
     compile_s = time.perf_counter() - t0
+    compiled = AdamEngine(threads=args.threads, native=False, warmup=[(torch.float32, None)])
     probe, probe_compile_s = make_probe(torch, args.threads)
     ds_cls, ds_note = load_deepspeed(args.no_deepspeed)
     print(f"machine: {os.cpu_count()} cpus, threads {args.threads}, torch {torch.__version__}")
@@ -89,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     for n in (parse_count(s) for s in args.sizes.split(",")):
         results["sizes"][str(n)] = run_size(
-            torch, n, args, engine, AdamHyper(lr=1e-3, weight_decay=0.01), probe, ds_cls
+            torch, n, args, engine, AdamHyper(lr=1e-3, weight_decay=0.01), probe, ds_cls, compiled
         )
     engine.close()
+    compiled.close()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -147,7 +154,14 @@ def load_deepspeed(skip: bool) -> tuple[Any, str]:
 
 
 def run_size(
-    torch: Any, n: int, args: argparse.Namespace, engine: Any, hyper: Any, probe: Callable[..., None], ds_cls: Any
+    torch: Any,
+    n: int,
+    args: argparse.Namespace,
+    engine: Any,
+    hyper: Any,
+    probe: Callable[..., None],
+    ds_cls: Any,
+    compiled: Any,
 ) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=gen)
@@ -162,10 +176,24 @@ def run_size(
         step_box[0] += 1
         engine.update(p, m, v, g16, out16, group=hyper, step=step_box[0])
 
+    g32 = torch.randn(n, generator=gen) * 1e-2
+    fp32_ops = {name: (p.clone(), torch.zeros(n), torch.zeros(n)) for name in ("native", "compiled")}
+
+    def fp32_scaled(which: Any, ops: tuple[Any, Any, Any]) -> Callable[[], None]:
+        box = [0]
+
+        def run() -> None:
+            box[0] += 1
+            which.update(*ops, g32, None, group=hyper, step=box[0], grad_scale=0.5)
+
+        return run
+
     rows: dict[str, Callable[[], None]] = {
         "bound: triad": lambda: torch.add(b, c, alpha=0.5, out=a),
         "bound: same-bytes probe": lambda: probe(p, g16, m, v, out16),
         "tiermem": ours,
+        "tiermem fp32 scaled": fp32_scaled(engine, fp32_ops["native"]),
+        "compiled fp32 scaled": fp32_scaled(compiled, fp32_ops["compiled"]),
     }
     pieces = 16  # a model's worth of tensors for the torch optimizers
     for name, kwargs in (("torch foreach", {"foreach": True}), ("torch fused", {"fused": True})):
@@ -206,7 +234,8 @@ def run_size(
             print(f"{name:<26}{med[name] * 1e3:>9.1f}{'':>10}{'':>11}{12:>9}{gbs:>12.1f}{'':>11}")
             out[name] = {"seconds": med[name], "gb_s": gbs, "bytes_per_element": 12}
             continue
-        moved = JOB_BYTES if name in ("tiermem", "bound: same-bytes probe") else PEER_BYTES
+        ours_bytes = ("tiermem", "bound: same-bytes probe", "tiermem fp32 scaled", "compiled fp32 scaled")
+        moved = JOB_BYTES if name in ours_bytes else PEER_BYTES
         ratio = rate["tiermem"] / rate[name]
         print(
             f"{name:<26}{med[name] * 1e3:>9.1f}{rate[name] / 1e9:>10.3f}{rate[name] * JOB_BYTES / 1e9:>11.1f}"
@@ -226,6 +255,9 @@ def run_size(
         ("torch fused", "torch fused", 1.3),
         ("deepspeed", "deepspeed", 1.1),
     ]
+    print(
+        f"fp32 scaled, native path / compiled kernel: {rate['tiermem fp32 scaled'] / rate['compiled fp32 scaled']:.2f}x"
+    )
     for label, row, goal in goals:
         if row in rate:
             got = rate["tiermem"] / rate[row]

@@ -19,16 +19,25 @@ at least ``min_piece_numel`` elements each) that run on the engine's pool; the
 compiled kernels release the GIL, so an event loop in the same process keeps
 running.  With ``threads=1`` the update runs in the calling thread.
 
-The native path: an fp32 update with no output and no grad scaling (fp32
-params that are their own master, nothing to unscale or clip) runs torch's own
-fused CPU kernel (``torch._fused_adamw_`` / ``torch._fused_adam_``) over the
-whole range in the calling thread, parallel over torch's intra-op threads.
-It moves the same 28 bytes per param as the compiled kernel, costs a few
-microseconds per call instead of a compiled graph's guard checks, and needs
-no compiler in the process (the daemon of an fp32 job never imports inductor
-or runs a C++ compiler: about 250 MB less at peak).  With a grad scale the
-compiled kernel runs instead, because torch's fused kernel writes the
-unscaled grad back into ``.grad``.  ``native=False`` turns the path off.
+The native path: an fp32 update with no output (fp32 params that are their
+own master) runs torch's own fused CPU kernel (``torch._fused_adamw_`` /
+``torch._fused_adam_``) over the whole range in the calling thread, parallel
+over torch's intra-op threads.  It moves the same 28 bytes per param as the
+compiled kernel, costs a few microseconds per call instead of a compiled
+graph's guard checks, and needs no compiler in the process (the daemon of an
+fp32 job never imports inductor or runs a C++ compiler: about 250 MB less at
+peak).  A grad scale (loss scaling, clipping) is applied block by block: each
+1 MiB block of ``grad * grad_scale`` goes to a scratch block that the fused
+kernel reads back from cache (torch's own ``grad_scale`` argument divides,
+and writes the unscaled grad back into ``grad``, which may be the trainer's
+``.grad``).  That costs about 1.2x the compiled kernel's time, measured by
+``bench_cpu_adam``, but compiles nothing: the compiled kernel's first scaled
+step would pay its compile on the hot path (measured: 7 s on a 2-core host,
+55 s on a 16-core GPU node with a cold cache).  Where the fp32 kernel was
+built at warm-up (tiermemd: ``float32`` in ``adam.warmup``), scaled fp32
+updates run it instead; which path runs thus depends on the configuration
+only, never on timing, so a run's bits are reproducible.  ``native=False``
+turns the path off.
 
 Overflow and clipping: ``grad_stats`` is one cheap read of a gradient piece,
 run per bucket as buckets arrive; once all are in, ``combine_grad_stats`` and
@@ -220,12 +229,23 @@ class AdamEngine:
         if not 0 <= start <= stop <= numel:
             raise InvalidArgument(f"range [{start}, {stop}) is not within [0, {numel}]")
         hyper = AdamHyper.of(group)
-        if self.native and out is None and grad.dtype == torch.float32 and grad_scale == 1.0:
+        if (
+            self.native
+            and out is None
+            and grad.dtype == torch.float32
+            and (grad_scale == 1.0 or not self._kernels.built(_FP32_KEY))
+        ):
             native: Future[None] = Future()
             try:
                 if stop > start:
                     _run_native(
-                        master[start:stop], grad[start:stop], exp_avg[start:stop], exp_avg_sq[start:stop], hyper, step
+                        master[start:stop],
+                        grad[start:stop],
+                        exp_avg[start:stop],
+                        exp_avg_sq[start:stop],
+                        hyper,
+                        step,
+                        grad_scale,
                     )
                 native.set_result(None)
             except Exception as exc:
@@ -281,9 +301,35 @@ def _run_piece(rec: KernelRecord, piece: _Piece, scalars: AdamScalars, coef: tor
     run_eager(p, g, m, v, out, scalars)
 
 
+_FP32_KEY = KernelKey(torch.float32, None)
+NATIVE_SCALE_BLOCK_NUMEL = 1 << 18
+"""Elements of grad scaled per block on the native path (1 MiB of fp32: the scratch stays in cache)."""
+
+
 def _run_native(
-    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hyper: AdamHyper, step: int
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    hyper: AdamHyper,
+    step: int,
+    grad_scale: float = 1.0,
 ) -> None:
+    """torch's fused CPU AdamW/Adam over ``p`` in place; with ``grad_scale`` != 1, block by block over
+    ``g * grad_scale`` (one fp32 product per element, the compiled kernel's) written to a scratch block, so
+    ``g`` is never written and the scratch is read back from cache."""
+    if grad_scale == 1.0:
+        _fused(p, g, m, v, hyper, step)
+        return
+    n = p.numel()
+    scratch = torch.empty(min(n, NATIVE_SCALE_BLOCK_NUMEL), dtype=torch.float32)
+    for a in range(0, n, NATIVE_SCALE_BLOCK_NUMEL):
+        b = min(a + NATIVE_SCALE_BLOCK_NUMEL, n)
+        scaled = torch.mul(g[a:b], grad_scale, out=scratch[: b - a])
+        _fused(p[a:b], scaled, m[a:b], v[a:b], hyper, step)
+
+
+def _fused(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hyper: AdamHyper, step: int) -> None:
     fused = torch._fused_adamw_ if hyper.adamw else torch._fused_adam_
     fused(
         [p],

@@ -160,6 +160,11 @@ class KernelSet:
     def records(self) -> list[KernelRecord]:
         return list(self._records.values())
 
+    def built(self, key: KernelKey) -> bool:
+        """Whether ``key``'s kernel is compiled (never compiles)."""
+        rec = self._records.get(key)
+        return rec is not None and rec.fn is not None
+
     def get(self, key: KernelKey, *, hot: bool = False) -> KernelRecord:
         """The record for ``key``, compiling it first if needed; ``hot`` marks a request from the update path."""
         rec = self._records.get(key)
