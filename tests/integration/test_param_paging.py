@@ -592,3 +592,103 @@ def test_a_window_too_small_for_a_submodule_is_named_with_the_knob(
     with caplog.at_level(logging.WARNING, logger="tiermem.client.offload.paging"):
         tiermem.offload_params(roomy, opt, device_budget=param_nbytes(roomy))
     assert "staging window" not in caplog.text
+
+
+def wide_mlp(seed: int = 0) -> nn.Sequential:
+    """Two Linear(512, 512) without bias: 1 MiB of fp32 params each, so two slots of one want a 2 MiB window."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(512, 512, bias=False), nn.Tanh(), nn.Linear(512, 512, bias=False))
+
+
+def train_wide(model: nn.Module, opt: Any, steps: int = 3) -> None:
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        model(torch.randn(4, 512, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_window_left_to_the_daemon_grows_for_the_largest_submodule(caplog: pytest.LogCaptureFixture) -> None:
+    """``offload_params`` re-registers an optimizer that has not stepped with a window of two slots of the
+    largest submodule's fp32 params; the training is bitwise that of a window chosen so by hand, and a
+    fetch of that submodule is one request."""
+    with offload_daemon(settings={"jobs.window_size": 64 << 10}) as daemon:
+        grown_model, chosen_model = wide_mlp(), wide_mlp()
+        grown = daemon.make(grown_model.parameters(), offload="cpu", exchange="staged", **HYPER)
+        assert grown.client.window.numel() == 64 << 10
+        with caplog.at_level(logging.INFO, logger="tiermem.client.offload.paging"):
+            pager = tiermem.offload_params(grown_model, grown, device_budget="2MiB")
+        assert grown.client.window.numel() == 2 << 20
+        assert "staging window grown from 64KiB to 2MiB" in caplog.text
+        assert "smaller than two slots" not in caplog.text
+        chosen = daemon.make(
+            chosen_model.parameters(), offload="cpu", exchange="staged", window_nbytes=2 << 20, **HYPER
+        )
+        tiermem.offload_params(chosen_model, chosen, device_budget="2MiB")
+        train_wide(grown_model, grown)
+        train_wide(chosen_model, chosen)
+        for a, b in zip(grown.state_dict()["state"].values(), chosen.state_dict()["state"].values(), strict=True):
+            assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+        before = pager.transfer.requests
+        grown_model(torch.zeros(1, 512))  # each Linear fetched, in one request each
+        assert pager.transfer.requests - before == 2
+
+
+def test_a_window_the_daemon_refuses_to_grow_stays_and_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    """Where ``jobs.window_budget`` has no room for the larger window, the old one comes back (the job
+    trains as before) and the warning names the size to pass."""
+    settings = {"jobs.window_size": 64 << 10, "jobs.window_budget": 1 << 20}
+    with offload_daemon(settings=settings) as daemon:
+        model, ref = wide_mlp(), wide_mlp()
+        opt = daemon.make(model.parameters(), offload="cpu", exchange="staged", **HYPER)
+        with caplog.at_level(logging.WARNING):
+            tiermem.offload_params(model, opt, device_budget="2MiB")
+        assert opt.client.window.numel() == 64 << 10
+        assert "staging window was refused" in caplog.text and "window_nbytes=2097152" in caplog.text
+        ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **HYPER)
+        train_wide(model, opt)
+        train_wide(ref, ref_opt)
+        state = opt.state_dict()["state"]
+        ref_state = ref_opt.state_dict()["state"]
+        for i in ref_state:
+            assert torch.equal(state[i]["exp_avg"], ref_state[i]["exp_avg"])
+
+
+def test_a_window_grows_only_before_the_first_step_and_where_left_to_the_daemon(offload: OffloadDaemon) -> None:
+    model = wide_mlp()
+    opt = offload.make(model.parameters(), offload="cpu", exchange="staged", window_nbytes=64 << 10, **HYPER)
+    assert opt.grow_window(2 << 20) is False and opt.client.window.numel() == 64 << 10
+    other = wide_mlp()
+    stepped = offload.make(other.parameters(), offload="cpu", exchange="staged", **HYPER)
+    train_wide(other, stepped, steps=1)
+    window = stepped.client.window.numel()
+    assert stepped.grow_window(window * 4) is False and stepped.client.window.numel() == window
+    # a resumed optimizer (state loaded, no step of its own yet) keeps its registration and its state
+    resumed_model = wide_mlp()
+    resumed = offload.make(resumed_model.parameters(), offload="cpu", exchange="staged", **HYPER)
+    resumed.load_state_dict(stepped.state_dict())
+    assert resumed.grow_window(window * 4) is False and resumed.client.window.numel() == window
+    for a, b in zip(resumed.state_dict()["state"].values(), stepped.state_dict()["state"].values(), strict=True):
+        assert torch.equal(a["exp_avg"], b["exp_avg"])
+
+
+def test_a_model_made_on_the_meta_device_trains_the_same_in_a_grown_window() -> None:
+    """The growth re-registers params that have no values yet; ``init`` then gives them theirs."""
+    finals = []
+    for window in (None, 2 << 20):
+        with offload_daemon(settings={"jobs.window_size": 64 << 10}) as daemon:
+            with torch.device("meta"):
+                model = wide_mlp()
+            extra = {} if window is None else {"window_nbytes": window}
+            opt = daemon.make(model.parameters(), offload="cpu", exchange="staged", **extra, **HYPER)
+
+            def init(m: nn.Module) -> None:
+                if isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, std=0.02, generator=torch.Generator().manual_seed(7))
+
+            tiermem.offload_params(model, opt, device_budget="2MiB", init=init)
+            assert opt.client.window.numel() == 2 << 20
+            train_wide(model, opt)
+            finals.append([v["exp_avg_sq"] for v in opt.state_dict()["state"].values()])
+    for a, b in zip(*finals, strict=True):
+        assert torch.equal(a, b)

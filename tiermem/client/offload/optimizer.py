@@ -87,11 +87,18 @@ from tiermem.client.offload.state_view import StateView
 from tiermem.client.offload.stats import OptimizerStats
 from tiermem.client.offload.transfer import StateTransfer, packed_groups
 from tiermem.core import dtypes
-from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState, ProtocolError, TiermemError
+from tiermem.core.errors import (
+    AdmissionError,
+    DTypeError,
+    InvalidArgument,
+    InvalidState,
+    ProtocolError,
+    TiermemError,
+)
 from tiermem.core.modes import Exchange, Placement, StepMode
 from tiermem.core.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
 from tiermem.core.step_rules import StepDecision
-from tiermem.core.units import MiB
+from tiermem.core.units import MiB, format_size
 
 __all__ = ["OffloadAdam"]
 
@@ -220,6 +227,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         self._skipped = 0
         """The rank's skip count, as the daemon's last reply gave it."""
         self._pin_asked = pin_window
+        self.window_asked = window_nbytes
+        """The ``window_nbytes`` given (None: the daemon's default, which ``offload_params`` may grow)."""
         self._register(client, window_nbytes)
         self.state = StateView(self)  # type: ignore[assignment]
 
@@ -265,24 +274,72 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 f"OffloadAdam needs one working dtype for all params, got {sorted(str(d) for d in kinds)}; "
                 "use one OffloadAdam per dtype"
             )
+        window = self.client.window.numel()
+        self._reregister(window, fallback=None, carry_state=True)
+
+    def grow_window(self, nbytes: int) -> bool:
+        """Re-register with a staging window of ``nbytes`` (``offload_params`` asks, before the first step, when
+        the window would split a submodule's transfers); True when the window is that size now.
+
+        Only an optimizer whose window the user left to the daemon, that has not stepped, and whose job is its
+        own (not a rank of a sharded optimizer) grows; where the daemon refuses the size (its
+        ``jobs.window_budget``), the old window comes back and the refusal is logged."""
+        if nbytes <= self.client.window.numel():
+            return True
+        if self.window_asked is not None or self._steps_sent or not self._own_feed:
+            return False
+        if self._create_job or self.world_size > 1 or self._has_state():
+            return False
+        return self._reregister(nbytes, fallback=self.client.window.numel(), carry_state=False)
+
+    def _has_state(self) -> bool:
+        """Whether any tensor has Adam state (a step count above 0: stepped, or loaded from a state dict);
+        zero-length reads, a request per ``MAX_SPANS`` tensors."""
+        self.flush()
+        steps = self.transfer.pull_many_into([(i, "exp_avg", torch.empty(0)) for i in range(len(self.tensors))])
+        return any(steps)
+
+    def _reregister(self, window: int, *, fallback: int | None, carry_state: bool) -> bool:
+        """Detach and register every tensor again in a fresh rank with a ``window``-byte staging window (a
+        private daemon is started again, sized for it), from the params as they are now; with
+        ``carry_state`` the Adam state and step counts come along (read whole first: a state dict's worth of
+        memory), else there must be none.  Where the attach is refused and ``fallback`` is given, registers
+        with a window of ``fallback`` bytes instead and returns False."""
         self.flush()
         if self._open is not None:
             self._abort_open()
-        saved = self.state_dict()["state"]
-        steps, skipped, window = self._steps_sent, self._skipped, self.client.window.numel()
+        saved = self.state_dict()["state"] if carry_state else {}
+        steps, skipped = self._steps_sent, self._skipped
         self.feed.retire(send_edits=False)  # the new registration takes every param as it is now
         client = self.client
+        if getattr(self, "_pinned", False):
+            from tiermem.engine.pool.pinning import default_pinner
+
+            default_pinner().unregister(client.window.data_ptr())  # before the window is unmapped
+            self._pinned = False
         client.detach(keep_state=False)
         if self._own_client:
-            client.close()  # a private daemon sized for the old tensors: the next is sized for all of them
+            client.close()  # a private daemon sized for the old registration: the next is sized for this one
         self._client = None
         self._registered = False
         self._own_feed = True
         self._token = None  # a new job: its own token
         self._expected_step = None
-        self._register(None if self._own_client else client, window)
+        grown = True
+        try:
+            self._register(None if self._own_client else client, window)
+        except AdmissionError as exc:
+            if fallback is None:
+                raise
+            log.warning(
+                "a %s staging window was refused (%s); keeping %s", format_size(window), exc, format_size(fallback)
+            )
+            self._register(None if self._own_client else client, fallback)
+            grown = False
         self._steps_sent, self._skipped = steps, skipped
-        self.load_state_dict({"state": saved, "param_groups": packed_groups(self.param_groups)})
+        if carry_state:
+            self.load_state_dict({"state": saved, "param_groups": packed_groups(self.param_groups)})
+        return grown
 
     def _register(self, client: Client | None, window_nbytes: int | None) -> None:
         params = [p for g in self.param_groups for p in g["params"]]

@@ -102,6 +102,10 @@ __all__ = ["PagedParam", "ParamPager", "Residency", "offload_params"]
 
 log = logging.getLogger(__name__)
 
+AUTO_WINDOW_MAX = 64 * MiB
+"""The largest staging window ``offload_params`` grows an optimizer's to by itself: the 2B-param demo GPT's
+paged step met its disk bound with it (0.98x, 1,017 requests a step; its largest submodule, 105 MiB as fp32,
+takes a few).  A window is memory the daemon keeps locked, so the growth stays bounded."""
 LOG_EVENTS = 100_000
 """Events kept in ``ParamPager.events`` (the oldest are dropped)."""
 
@@ -242,7 +246,8 @@ class ParamPager(PagedState):
                 f"{format_size(sum(e.nbytes for e in own))}); raise it or split that module"
             )
         if largest is not None:
-            self._check_window(largest[0], sum(e.shape.numel() for e in largest[1]))
+            self._fit_window(largest[0], sum(e.shape.numel() for e in largest[1]))
+            self.transfer = optimizer.transfer  # a grown window came with a new registration
         # the feed interface OffloadAdam uses
         self.accumulated = False
         self.changed_after_landing = False
@@ -428,27 +433,43 @@ class ParamPager(PagedState):
                 room -= e.nbytes
             self._start_fetches(wanted, event="prefetch")
 
-    def _check_window(self, module: nn.Module, numel: int) -> None:
-        """Say so when the staging window is too small for a submodule's params to move in one request.
+    def _fit_window(self, module: nn.Module, numel: int) -> None:
+        """Grow the optimizer's staging window to two slots of the largest submodule's params staged as fp32,
+        so that a submodule's fetch or grad push is about one request; say so where it cannot grow.
 
-        A transfer costs a request per window slot filled (two slots, params and grads staged as fp32),
-        and each request about a millisecond here: with the default 2 MiB window a 2B-param step sent
-        23,055 requests and waited 31 s of its 60 for fetches; with 64 MiB, 1,017 requests and 13 s
-        (``benchmarks/README.md``, bench_scale)."""
-        window = self.transfer.client.window.numel()
+        A transfer costs a request per window slot filled, and each request about a millisecond here: with
+        the default 2 MiB window a 2B-param step sent 23,055 requests and waited 31 s of its 60 for fetches;
+        with 64 MiB, 1,017 requests and 13 s (``benchmarks/README.md``, bench_scale).  Where the user left
+        its size to the daemon, the window grows (a new registration before the first step:
+        ``OffloadAdam.grow_window``), to at most ``AUTO_WINDOW_MAX``; where it stays smaller than that (a
+        size the user chose, or one the daemon's ``jobs.window_budget`` refuses), a warning names the size
+        to pass."""
+        optimizer = self.optimizer
+        window = optimizer.client.window.numel()
         want = -(-2 * 4 * numel // MiB) * MiB
-        if window < want:
-            log.warning(
-                "the staging window (%s) is smaller than two slots of the largest submodule's params staged as "
-                "fp32 (%s, %s): each of its fetches and grad pushes takes several requests; pass "
-                "OffloadAdam(..., window_nbytes=%d) (%s; or raise the daemon's jobs.window_size) for about one "
-                "request per submodule",
+        target = min(want, AUTO_WINDOW_MAX)
+        if window < target and optimizer.grow_window(target):
+            log.info(
+                "staging window grown from %s to %s for the largest submodule's params (%s, %s as fp32)",
                 format_size(window),
+                format_size(target),
                 type(module).__name__,
                 format_size(4 * numel),
-                want,
-                format_size(want),
             )
+            window = target
+        if window >= target:
+            return
+        log.warning(
+            "the staging window (%s) is smaller than two slots of the largest submodule's params staged as "
+            "fp32 (%s, %s): each of its fetches and grad pushes takes several requests; pass "
+            "OffloadAdam(..., window_nbytes=%d) (%s; or raise the daemon's jobs.window_size) for about one "
+            "request per submodule",
+            format_size(window),
+            type(module).__name__,
+            format_size(4 * numel),
+            want,
+            format_size(want),
+        )
 
     # ----------------------------------------------------------------- residency
 
@@ -712,5 +733,9 @@ def offload_params(
 
     ``device_budget``: most bytes of params materialized at once (a size: "4GiB"), at least the params of
     the largest submodule.  ``prefetch``: uses fetched ahead of compute (0: none).  ``init``: for a model
-    made on the meta device, called on each submodule owning params, after its ``reset_parameters()``."""
+    made on the meta device, called on each submodule owning params, after its ``reset_parameters()``.
+
+    Before the first step, an optimizer whose staging window was left to the daemon is registered again
+    with a window of two slots of the largest submodule's fp32 params (at most ``AUTO_WINDOW_MAX``), so
+    that a submodule's fetch is about one request; see ``ParamPager._fit_window``."""
     return ParamPager(model, optimizer, device_budget=device_budget, prefetch=prefetch, init=init)
