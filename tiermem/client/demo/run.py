@@ -101,7 +101,6 @@ def run_demo(args: argparse.Namespace) -> int:
         daemon = EmbeddedDaemon(
             pool_size=pool,
             swap_dir=args.swap_dir,
-            settings={"adam.chunk_numel": max(1 << 16, numel // 8)},
         )
     try:
         factories = _factories(args, daemon.socket if daemon else None)
