@@ -635,9 +635,9 @@ def test_a_window_left_to_the_daemon_grows_for_the_largest_submodule(caplog: pyt
 
 
 def test_a_window_the_daemon_refuses_to_grow_stays_and_is_named(caplog: pytest.LogCaptureFixture) -> None:
-    """Where ``jobs.window_budget`` has no room for the larger window, the old one comes back (the job
+    """Where the daemon refuses the larger window (here ``jobs.max_window``), the old one comes back (the job
     trains as before) and the warning names the size to pass."""
-    settings = {"jobs.window_size": 64 << 10, "jobs.window_budget": 1 << 20}
+    settings = {"jobs.window_size": 64 << 10, "jobs.max_window": 1 << 20}
     with offload_daemon(settings=settings) as daemon:
         model, ref = wide_mlp(), wide_mlp()
         opt = daemon.make(model.parameters(), offload="cpu", exchange="staged", **HYPER)
@@ -652,6 +652,24 @@ def test_a_window_the_daemon_refuses_to_grow_stays_and_is_named(caplog: pytest.L
         ref_state = ref_opt.state_dict()["state"]
         for i in ref_state:
             assert torch.equal(state[i]["exp_avg"], ref_state[i]["exp_avg"])
+
+
+def test_paged_jobs_take_at_most_half_of_the_free_window_budget(caplog: pytest.LogCaptureFixture) -> None:
+    """So that jobs attaching later still find a window: with a 5 MiB budget the first paged job grows to
+    2 MiB (half of what is free, its own window counted), the second to 1 MiB, and says the budget held it."""
+    settings = {"jobs.window_size": 64 << 10, "jobs.window_budget": 5 << 20}
+    with offload_daemon(settings=settings) as daemon:
+        first, second = wide_mlp(), wide_mlp()
+        opt1 = daemon.make(first.parameters(), offload="cpu", exchange="staged", **HYPER)
+        opt2 = daemon.make(second.parameters(), offload="cpu", exchange="staged", **HYPER)
+        tiermem.offload_params(first, opt1, device_budget="2MiB")
+        assert opt1.client.window.numel() == 2 << 20
+        with caplog.at_level(logging.WARNING):
+            tiermem.offload_params(second, opt2, device_budget="2MiB")
+        assert opt2.client.window.numel() == 1 << 20
+        assert "a paged job takes at most half of the daemon's free window budget" in caplog.text
+        third = daemon.make(wide_mlp().parameters(), offload="cpu", exchange="staged", **HYPER)
+        assert third.client.window.numel() == 64 << 10  # a later job still attaches
 
 
 def test_a_window_grows_only_before_the_first_step_and_where_left_to_the_daemon(offload: OffloadDaemon) -> None:

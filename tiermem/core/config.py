@@ -186,8 +186,8 @@ class JobLimits:
     window_budget: int = _size(0)
     """Total bytes of staging windows (each one locked in memory) all jobs together may hold; 0 means
     ``max_jobs`` windows of ``window_size``.  Checked with the pool against the memory the daemon may use at
-    start-up.  ``offload_params`` asks for up to 64 MiB for a paged job (one request per submodule); where the
-    budget refuses it, the job keeps its window and warns, so size it for the paged jobs a node runs."""
+    start-up.  ``offload_params`` grows a paged job's window to up to 64 MiB (one request per submodule), at
+    most half of the budget then free, so later jobs still find room; size it for the paged jobs a node runs."""
     storage_budget: int = _size(0)
     """Total bytes of shared tensor storage (the trainers' params and grads, which live in shared memory
     the daemon updates in place) all jobs together may hold; 0 means the node's physical memory."""

@@ -441,23 +441,35 @@ class ParamPager(PagedState):
         the default 2 MiB window a 2B-param step sent 23,055 requests and waited 31 s of its 60 for fetches;
         with 64 MiB, 1,017 requests and 13 s (``benchmarks/README.md``, bench_scale).  Where the user left
         its size to the daemon, the window grows (a new registration before the first step:
-        ``OffloadAdam.grow_window``), to at most ``AUTO_WINDOW_MAX``; where it stays smaller than that (a
-        size the user chose, or one the daemon's ``jobs.window_budget`` refuses), a warning names the size
-        to pass."""
+        ``OffloadAdam.grow_window``), to at most ``AUTO_WINDOW_MAX`` and at most half of the daemon's free
+        window budget (``_window_share``); where it stays smaller than that cap (a size the user chose, a
+        budget too small, or a size the daemon refuses), a warning names the size to pass."""
         optimizer = self.optimizer
         window = optimizer.client.window.numel()
         want = -(-2 * 4 * numel // MiB) * MiB
-        target = min(want, AUTO_WINDOW_MAX)
-        if window < target and optimizer.grow_window(target):
+        cap = min(want, AUTO_WINDOW_MAX)
+        if window >= cap:
+            return
+        goal = min(cap, self._window_share(window))
+        if window < goal and optimizer.grow_window(goal):
             log.info(
                 "staging window grown from %s to %s for the largest submodule's params (%s, %s as fp32)",
                 format_size(window),
-                format_size(target),
+                format_size(goal),
                 type(module).__name__,
                 format_size(4 * numel),
             )
-            window = target
-        if window >= target:
+            window = goal
+        if window >= cap:
+            return
+        if window >= goal:
+            log.warning(
+                "the staging window is %s, not %s: a paged job takes at most half of the daemon's free window "
+                "budget (raise jobs.window_budget, or pass OffloadAdam(..., window_nbytes=%d))",
+                format_size(window),
+                format_size(cap),
+                cap,
+            )
             return
         log.warning(
             "the staging window (%s) is smaller than two slots of the largest submodule's params staged as "
@@ -470,6 +482,17 @@ class ParamPager(PagedState):
             want,
             format_size(want),
         )
+
+    def _window_share(self, window: int) -> int:
+        """The largest window this job may grow to: half of the daemon's free window budget, counting the
+        window it holds now, in whole MiB, so that paged jobs never take the whole budget from jobs that
+        attach later (each takes half of what is left)."""
+        reply = self.optimizer.client.stats()
+        budget = {b.resource: b for b in reply.node.budgets}.get("window")
+        if budget is None:
+            return window
+        free = max(0, budget.capacity_nbytes - budget.held_nbytes) + window
+        return max(window, free // 2 // MiB * MiB)
 
     # ----------------------------------------------------------------- residency
 
