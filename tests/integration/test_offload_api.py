@@ -391,3 +391,23 @@ def test_a_model_100x_the_window_trains_like_adamw(offload: OffloadDaemon, tier:
     train(m_ref, ref, batches, loss)
     assert_params_close(m_off, m_ref)
     assert opt.stats().rank.window_nbytes <= WINDOW_NBYTES
+
+
+def test_state_dict_reads_only_the_state_of_params_that_stepped(offload: OffloadDaemon, tier: str) -> None:
+    """As in torch, a param that never stepped has no state; its state is not read either (a model's
+    ``state_dict()`` before the first step, or with frozen layers, costs a step count per param, not 12
+    B/param of reads and memory): with a 4 KiB window a 16K-element param would take 48 requests."""
+    big, small = nn.Linear(128, 128, bias=False), nn.Linear(4, 1, bias=False)
+    opt = offload.make(
+        [*big.parameters(), *small.parameters()], offload=tier, exchange="staged", window_nbytes=4096, lr=1e-2
+    )
+    before = opt.transfer.requests
+    assert opt.state_dict()["state"] == {}
+    assert opt.transfer.requests - before == 1  # the step counts, one request for both params
+    small(torch.ones(1, 4)).sum().backward()  # only the small param has a grad
+    opt.step()
+    before = opt.transfer.requests
+    state = opt.state_dict()["state"]
+    assert list(state) == [1] and float(state[1]["step"]) == 1.0
+    assert opt.transfer.requests - before <= 2
+    opt.close()

@@ -68,15 +68,24 @@ class OptimizerState:
         values, _ = self.transfer.pull(index, key, p.numel())
         return values.view(p.shape)
 
+    def step_counts(self) -> list[int]:
+        """Each tensor's Adam step count (0: no state, as in torch): zero-length reads, a request per
+        ``MAX_SPANS`` tensors."""
+        return self.transfer.pull_many_into([(i, "exp_avg", torch.empty(0)) for i in range(len(self.tensors))])
+
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW``'s format (plus ``master`` for low-precision params)."""
         self.flush()
         if self._open is not None:
             raise InvalidState("state_dict() during an overlapped backward; call it after step()")
-        # one pipelined transfer for everything (a param that never stepped has no state in torch: dropped)
+        # a param that never stepped has no state in torch: the step counts first (zero-length reads), then one
+        # pipelined transfer of the state of those that have some, so no memory is taken for the others
+        counts = self.step_counts()
         keys = ("exp_avg", "exp_avg_sq", "master")
         reads: list[tuple[int, str, torch.Tensor]] = []
         for index, p in enumerate(self.tensors):
+            if counts[index] == 0:
+                continue
             for key in keys if p.dtype != torch.float32 else keys[:2]:
                 reads.append((index, key, torch.empty(p.shape, dtype=torch.float32)))
         steps = self.transfer.pull_many_into(reads)

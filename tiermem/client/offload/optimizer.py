@@ -296,8 +296,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         """Whether any tensor has Adam state (a step count above 0: stepped, or loaded from a state dict);
         zero-length reads, a request per ``MAX_SPANS`` tensors."""
         self.flush()
-        steps = self.transfer.pull_many_into([(i, "exp_avg", torch.empty(0)) for i in range(len(self.tensors))])
-        return any(steps)
+        return any(self.step_counts())
 
     def _reregister(self, window: int, *, fallback: int | None, carry_state: bool) -> bool:
         """Detach and register every tensor again in a fresh rank with a ``window``-byte staging window (a
