@@ -257,12 +257,17 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             raise
 
     def _check_regroupable(self) -> None:
+        why = self._not_reregistrable()
+        if why is not None:
+            raise InvalidState(f"add_param_group {why}")
+
+    def _not_reregistrable(self) -> str | None:
+        """Why this optimizer cannot register its tensors again in a fresh rank of its own, or None."""
         if not self._own_feed:
-            raise InvalidState("add_param_group after offload_params: page the model with every param group given")
+            return "after offload_params: page the model with every param group given"
         if self._create_job or self.world_size > 1:
-            raise InvalidState(
-                "add_param_group on a rank of a sharded optimizer: give the sharded optimizer every param group"
-            )
+            return "on a rank of a sharded optimizer: give the sharded optimizer every param group"
+        return None
 
     def _register_again(self) -> None:
         """Register every tensor (the old ones and the new group's) in a fresh rank; the old tensors' state
@@ -286,17 +291,11 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         ``jobs.window_budget``), the old window comes back and the refusal is logged."""
         if nbytes <= self.client.window.numel():
             return True
-        if self.window_asked is not None or self._steps_sent or not self._own_feed:
+        if self.window_asked is not None or self._steps_sent or self._not_reregistrable() is not None:
             return False
-        if self._create_job or self.world_size > 1 or self._has_state():
+        if any(self.step_counts()):  # state loaded from a state dict: a fresh rank would start without it
             return False
         return self._reregister(nbytes, fallback=self.client.window.numel(), carry_state=False)
-
-    def _has_state(self) -> bool:
-        """Whether any tensor has Adam state (a step count above 0: stepped, or loaded from a state dict);
-        zero-length reads, a request per ``MAX_SPANS`` tensors."""
-        self.flush()
-        return any(self.step_counts())
 
     def _reregister(self, window: int, *, fallback: int | None, carry_state: bool) -> bool:
         """Detach and register every tensor again in a fresh rank with a ``window``-byte staging window (a
