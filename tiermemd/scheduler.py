@@ -198,7 +198,8 @@ class CpuScheduler:
             busy = end - start
             self._tasks += 1
             self._busy_s += busy
-            if not any(t.queue for t in self._tenants.values()):
+            queued = any(t.queue for t in self._tenants.values())
+            if not queued:
                 self._periods += 1
                 self._period_s += end - (self._period_start if self._period_start is not None else start)
                 self._period_start = None
@@ -207,7 +208,10 @@ class CpuScheduler:
                 state.busy_s += busy
                 state.tasks += 1
             self._running = None
-            self._cond.notify_all()  # the executor, if a task was queued meanwhile
+            if queued:
+                # the executor, waiting for this task to end (nothing else waits on the condition); not woken
+                # for nothing after each task that ran here: that wake costs the other core a context switch
+                self._cond.notify_all()
 
     def _next(self) -> tuple[str, Callable[[], Any], Future[Any]] | None:
         with self._cond:

@@ -43,13 +43,16 @@ def plan_pieces(
 ) -> list[Piece]:
     """The pieces of one update of ``ids`` (sorted, unique), with each tensor's next step count."""
     runs: list[tuple[int, int, int, int]] = []
+    start = stop = group = step = -1
     for tid in ids:
         rec = records[tid]
-        key = (rec.spec.group, rec.step + 1)
-        if runs and runs[-1][1] == rec.start and runs[-1][2:] == key:
-            runs[-1] = (runs[-1][0], rec.stop, *key)
+        g, s = rec.spec.group, rec.step + 1
+        if runs and stop == rec.start and group == g and step == s:
+            stop = rec.stop
+            runs[-1] = (start, stop, g, s)
         elif rec.stop > rec.start:
-            runs.append((rec.start, rec.stop, *key))
+            start, stop, group, step = rec.start, rec.stop, g, s
+            runs.append((start, stop, g, s))
     return [
         Piece(chunk, lo, hi, groups[group], step)
         for start, stop, group, step in runs

@@ -584,7 +584,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         if decision is not None:  # the strategy took the scaler's hand-over into its decision
             grad_scale, found_inf = False, decision.skip
         scaled = grad_scale is not False
-        changed = self.feed.changed_after_landing
+        # only the overlap mode refuses grads changed after they landed (its early updates saw them before)
+        changed = self.policy.mode is StepMode.OVERLAP and self.feed.changed_after_landing
         ids = self.feed.check()
         open_attempt = self._open
         try:
@@ -631,7 +632,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             loss_scale=loss_scale,
             max_grad_norm=self.max_grad_norm if decision is None else None,
             clip_coef=None if decision is None or decision.grad_norm is None else decision.clip_coef,
-            tensor_ids=tuple(ids),
+            # none: every registered tensor (the usual step), which the daemon need not read and check one by one
+            tensor_ids=() if len(ids) == len(self.tensors) else tuple(ids),
             delayed=delayed,
             grad_buffer=self.feed.buffer,
         )

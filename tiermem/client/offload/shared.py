@@ -53,6 +53,22 @@ class TensorEntry:
     landed_version: int = -1
     """Its grad view's version counter when its grad last landed (each grad view has a storage, and so a
     version counter, of its own)."""
+    ptr: int = field(init=False)
+    """``view``'s address: a param whose data is still at it, with the view's dtype and shape, is bound."""
+    grad_ptrs: tuple[int, ...] = field(init=False)
+    """Each grad view's address: a grad already there has landed."""
+
+    def __post_init__(self) -> None:
+        # the hooks and ``check`` compare these once per param and step, instead of reading dtype, device
+        # and shape of both tensors (a few microseconds a param, on the critical path of every backward)
+        self.ptr = self.view.data_ptr()
+        self.grad_ptrs = tuple(g.data_ptr() for g in self.grad_views)
+
+    def bound(self) -> bool:
+        """The param is still the storage's view (its data at ``ptr``, with the view's dtype and shape; data
+        at that address is in the storage's mapping, so on the CPU)."""
+        p = self.param
+        return p.data_ptr() == self.ptr and p.dtype is self.view.dtype and p.shape == self.view.shape
 
     def describe(self) -> str:
         return f"param {self.index} (shape {tuple(self.view.shape)}, {self.view.dtype})"
@@ -144,8 +160,9 @@ class SharedFeed:
 
     def _land(self, entry: TensorEntry, grad: torch.Tensor) -> None:
         """Bring ``grad`` into the grad buffer (unless it is the buffer) and point ``p.grad`` at it."""
-        self._check_param(entry)
-        if grad.is_sparse or grad.layout is not torch.strided:
+        if not entry.bound():
+            self._check_param(entry)
+        if grad.layout is not torch.strided:  # sparse layouts included
             raise InvalidArgument(
                 f"{entry.describe()} got a sparse gradient; OffloadAdam, like torch.optim.AdamW, takes dense "
                 "gradients only (use sparse=False in the embedding, or torch.optim.SparseAdam for those params)"
@@ -159,7 +176,7 @@ class SharedFeed:
             entry.param.grad = None
             return
         target = entry.grad_views[self.buffer]
-        if grad.data_ptr() != target.data_ptr() or grad.shape != target.shape:
+        if grad.data_ptr() != entry.grad_ptrs[self.buffer] or grad.shape != target.shape:
             self._copy_in(target, grad, accumulate=entry.landed and self.release_grads)
         if entry.landed:
             self.accumulated = True
@@ -178,20 +195,24 @@ class SharedFeed:
     @staticmethod
     def _copy_in(target: torch.Tensor, grad: torch.Tensor, *, accumulate: bool) -> None:
         """The one copy of the grad path: a fresh grad into the shared grad buffer."""
-        with torch.no_grad():
-            if accumulate:
-                target.add_(grad)
-            else:
-                target.copy_(grad)
+        if grad.requires_grad:  # a grad of a graph (backward with create_graph=True): record nothing
+            with torch.no_grad():
+                SharedFeed._copy_in(target, grad.detach(), accumulate=accumulate)
+            return
+        if accumulate:
+            target.add_(grad)
+        else:
+            target.copy_(grad)
 
     def check(self) -> list[int]:
         """At ``step()``: bind replaced params again, land grads the hooks did not see; ids with a grad."""
         ids = []
         for e in self.entries:
-            self._check_param(e)
+            if not e.bound():
+                self._check_param(e)
             grad = e.param.grad
             if grad is not None:
-                if not (e.landed and grad.data_ptr() == e.grad_views[self.buffer].data_ptr()):
+                if not (e.landed and grad.data_ptr() == e.grad_ptrs[self.buffer]):
                     self._land(e, grad)
                 ids.append(e.index)
             elif e.landed:

@@ -209,7 +209,7 @@ class TierManager:
             self._counts["acquires"] += 1
             self._counts["hits"] += 0 if waited else 1
             self._counts["wait_s"] += self._clock() - start if waited else 0.0
-            self._kick_locked()  # the position moved: prefetch what comes next
+            self._nudge_locked()  # the position moved: prefetch what comes next
         self._pool.pin(block)
         return self._pool.tensor(block, record.dtype, record.shape)
 
@@ -251,7 +251,7 @@ class TierManager:
                 else:
                     block = None
                     record.move(T.CPU)
-                self._kick_locked()
+                self._nudge_locked()  # a victim for a waiting page-in, perhaps
             else:
                 block = None
         if block is not None:
@@ -486,6 +486,14 @@ class TierManager:
     def _kick_locked(self) -> None:
         self._kicked = True
         self._cond.notify_all()
+
+    def _nudge_locked(self) -> None:
+        """``_kick_locked`` after a use, when the pager has something to page in (``_wanted``; it plans
+        nothing else: page-outs only make room for those).  With every tensor of the window resident, as
+        on a state that fits its cache, each acquire and release would otherwise wake the pager for
+        nothing: a thread switch, and the GIL, per chunk part, taken from the update and the trainer."""
+        if self._wanted():
+            self._kick_locked()
 
     def _victims(self, nbytes: int, protect: set[str], sooner_than: float | None) -> list[Candidate]:
         candidates = [
