@@ -1,0 +1,302 @@
+"""Compressed Adam moments (``state_dtype``): their formats and one update over them, in plain torch.  Pure.
+
+``fp32`` keeps ``exp_avg`` and ``exp_avg_sq`` as they are (exact AdamW).  The two
+compressed forms keep the fp32 master where the model's dtype is lower, and
+store only the moments smaller:
+
+- ``bf16``: each moment in bfloat16, 2 bytes an element (8 bytes of state a
+  param with the master, against 12).
+- ``int8``: block-wise 8-bit codes, the scheme of 8-bit Adam (Dettmers et al.,
+  "8-bit Optimizers via Block-wise Quantization", ICLR 2022): each block of
+  ``BLOCK`` (256, torchao's ``AdamW8bit`` default) elements is normalised by
+  its largest magnitude, kept in fp32 beside the codes, so an outlier costs
+  only its own block; the codes are non-linear, so that small values keep
+  their relative precision instead of rounding to zero (the zero-point
+  problem of the second moment, Li et al., "Memory Efficient Optimizers with
+  4-bit States", NeurIPS 2023).  Here a code is a minifloat relative to the
+  block's largest: the top bits of the normalised value's fp32 form, its
+  exponent and 3 mantissa bits (eight codes an octave, 6.25-12.5% apart),
+  counted down from the largest, 0 standing for zero.  ``exp_avg`` has 127
+  magnitudes and a sign (int8 -127..127), a range of 2**-15.7 below its
+  block's largest; ``exp_avg_sq`` 255 (uint8), 2**-31.7.  Both directions are
+  integer operations on the fp32 bits (no logarithms).  1 + 1 + 8/256 bytes an
+  element: 6.03 bytes of state a param with the master.
+
+Rounding is stochastic and unbiased in the stored value (a value between two
+neighbouring codes takes the upper one with the probability of its linear
+distance from the lower), as in low-precision training since Gupta et al.,
+"Deep Learning with Limited Numerical Precision" (ICML 2015).  Why: the
+second moment moves by ``1 - beta2`` = 0.1% a step, far below either format's
+step (0.4% for bf16, 9% for the codes); rounded to the nearest, it would stop
+moving after the first few dozen steps and the bias correction would then
+grow every update; rounded stochastically its expectation is the exact EMA.
+The random bits are a 32-bit hash of the element's index in its tensor's
+state and its step count (the low half rounds ``exp_avg``, the high half
+``exp_avg_sq``), so a run is reproducible bit for bit, and an element's
+rounding does not depend on how the state is cut into chunks.
+
+A step with ``v`` exactly zero after the update moves its element by the
+weight decay only: in exact arithmetic ``m`` is then zero too, but a
+compressed ``v`` may round to zero while ``m`` does not, and ``m / eps``
+would throw the element away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiermem.core.adam_math import AdamScalars, adam_update
+from tiermem.core.errors import InvalidArgument
+
+__all__ = [
+    "BLOCK",
+    "PER_OCTAVE",
+    "STATE_DTYPES",
+    "LowbitMoments",
+    "dequantize_signed",
+    "dequantize_unsigned",
+    "hash32",
+    "lowbit_update",
+    "moment_nbytes",
+    "quantize_signed",
+    "quantize_unsigned",
+    "random_halves",
+    "round_bf16",
+]
+
+STATE_DTYPES = ("fp32", "bf16", "int8")
+BLOCK = 256
+"""Elements per quantization block of ``int8`` (one fp32 scale each)."""
+PER_OCTAVE = 8
+"""Codes per factor of two (3 mantissa bits)."""
+SIGNED_LEVELS = 127
+"""Magnitude codes of ``exp_avg`` (the sign makes it int8)."""
+UNSIGNED_LEVELS = 255
+"""Codes of ``exp_avg_sq`` (uint8)."""
+_SHIFT = 20
+"""fp32 mantissa bits below a code's 3."""
+_ONE = 127 << 3
+"""The top 12 bits (exponent and 3 mantissa bits) of fp32 1.0: the code of a block's largest plus its base."""
+_MASK32 = 0xFFFFFFFF
+
+
+def moment_nbytes(state_dtype: str) -> float:
+    """Bytes one element of one moment takes (codes and their share of the block scales)."""
+    if state_dtype == "fp32":
+        return 4.0
+    if state_dtype == "bf16":
+        return 2.0
+    if state_dtype == "int8":
+        return 1.0 + 4.0 / BLOCK
+    raise InvalidArgument(f"state_dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
+
+
+def blocks_of(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+def hash32(index: torch.Tensor, step: int) -> torch.Tensor:
+    """A 32-bit integer hash (int64 values in [0, 2**32)) of int64 ``index`` and the step count:
+    multiply-xorshift rounds.  Products wrap modulo 2**64; only their low 32 bits are kept, which the wrap
+    does not change."""
+    h = (index * 0x9E3779B1 + ((step * 0x85EBCA77 + 0x3C6EF372) & _MASK32)) & _MASK32
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * 0x846CA68B) & _MASK32
+    return h ^ (h >> 16)
+
+
+def random_halves(index: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two independent 16-bit random integers per index (int64): ``exp_avg``'s and ``exp_avg_sq``'s."""
+    h = hash32(index, step)
+    return h & 0xFFFF, h >> 16
+
+
+def round_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) rounded to bfloat16 stochastically: up with the probability of its distance from the
+    value below, given uniform 16-bit integers ``r16``; exact values stay exact, inf and NaN stay."""
+    bits = x.view(torch.int32).to(torch.int64) & _MASK32
+    rounded = (bits + r16) & 0xFFFF0000  # a carry out of the low half (P = low / 2**16) rounds the magnitude up
+    # the magnitude rounds (sign-magnitude): a carry into the exponent is the next binade, as it should be
+    special = ~torch.isfinite(x)
+    out = (rounded & _MASK32).to(torch.int32).view(torch.float32)
+    out = torch.where(special, x, out)
+    return out.to(torch.bfloat16)
+
+
+def _base(levels: int) -> int:
+    return _ONE - levels
+
+
+def _code_value(code: torch.Tensor, levels: int) -> torch.Tensor:
+    """The normalised value of codes ``code`` (integers >= 0): 0 for 0, else the fp32 number whose top 12
+    bits are ``code + base``."""
+    top = code.to(torch.int32) + _base(levels)
+    return torch.where(code > 0, (top << _SHIFT).view(torch.float32), 0.0)
+
+
+def _quantize_magnitude(n: torch.Tensor, r16: torch.Tensor, levels: int) -> torch.Tensor:
+    """Codes 0..levels (int32) of normalised magnitudes ``n`` in [0, 1], rounded stochastically (unbiased in
+    ``n``) with uniform 16-bit integers ``r16``."""
+    bits = n.view(torch.int32)
+    code = ((bits + (r16.to(torch.int32) << (_SHIFT - 16))) >> _SHIFT) - _base(levels)
+    smallest = float((torch.tensor(_base(levels) + 1, dtype=torch.int32) << _SHIFT).view(torch.float32))
+    # below the smallest code: zero or the smallest, with P = n / smallest
+    below = (r16.to(torch.float32) * (smallest / 65536.0) < n).to(torch.int32)
+    return torch.where(n < smallest, below, code.clamp(max=levels))
+
+
+def _blocked(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (flat) as [blocks, BLOCK], zero-padded at the end."""
+    n = x.numel()
+    pad = blocks_of(n) * BLOCK - n
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.view(-1, BLOCK)
+
+
+def quantize_signed(x: torch.Tensor, r16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp_avg``'s form of flat fp32 ``x``: int8 codes (``x.numel()``) and fp32 block scales (the blocks'
+    largest magnitude).  Non-finite values are refused by the caller: a NaN scale would poison a block."""
+    n = x.numel()
+    blocks = _blocked(x)
+    scale = blocks.abs().amax(dim=1)
+    safe = torch.where(scale > 0, scale, 1.0)
+    mag = _quantize_magnitude((blocks.abs() / safe[:, None]).reshape(-1)[:n], r16, SIGNED_LEVELS)
+    codes = torch.where(x < 0, -mag, mag).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_signed(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n = codes.numel()
+    mag = _code_value(codes.to(torch.int32).abs(), SIGNED_LEVELS)
+    values = torch.where(codes < 0, -mag, mag)
+    return (_blocked(values) * scale[:, None]).reshape(-1)[:n]
+
+
+def quantize_unsigned(x: torch.Tensor, r16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp_avg_sq``'s form of flat fp32 ``x`` >= 0: uint8 codes and fp32 block scales (the blocks' max)."""
+    n = x.numel()
+    blocks = _blocked(x)
+    scale = blocks.amax(dim=1)
+    safe = torch.where(scale > 0, scale, 1.0)
+    codes = _quantize_magnitude((blocks / safe[:, None]).reshape(-1)[:n], r16, UNSIGNED_LEVELS)
+    return codes.to(torch.uint8), scale
+
+
+def dequantize_unsigned(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n = codes.numel()
+    values = _code_value(codes.to(torch.int32), UNSIGNED_LEVELS)
+    return (_blocked(values) * scale[:, None]).reshape(-1)[:n]
+
+
+@dataclass
+class LowbitMoments:
+    """The moments of ``numel`` elements in one ``state_dtype`` (flat tensors; ``int8`` with block scales).
+
+    ``start``: the first element's index in its tensor's (or rank's) state, what the rounding hashes."""
+
+    state_dtype: str
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    exp_avg_scale: torch.Tensor | None = None
+    exp_avg_sq_scale: torch.Tensor | None = None
+    start: int = 0
+
+    @classmethod
+    def zeros(cls, numel: int, state_dtype: str, *, start: int = 0) -> LowbitMoments:
+        moment_nbytes(state_dtype)  # refuses an unknown one
+        if state_dtype == "fp32":
+            return cls(state_dtype, torch.zeros(numel), torch.zeros(numel), start=start)
+        if state_dtype == "bf16":
+            return cls(
+                state_dtype,
+                torch.zeros(numel, dtype=torch.bfloat16),
+                torch.zeros(numel, dtype=torch.bfloat16),
+                start=start,
+            )
+        nb = blocks_of(numel)
+        return cls(
+            state_dtype,
+            torch.zeros(numel, dtype=torch.int8),
+            torch.zeros(numel, dtype=torch.uint8),
+            torch.zeros(nb),
+            torch.zeros(nb),
+            start=start,
+        )
+
+    @property
+    def numel(self) -> int:
+        return self.exp_avg.numel()
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.exp_avg, self.exp_avg_sq, self.exp_avg_scale, self.exp_avg_sq_scale)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 copies of (exp_avg, exp_avg_sq): AdamW's form, what ``state_dict`` exports."""
+        if self.state_dtype == "int8":
+            assert self.exp_avg_scale is not None and self.exp_avg_sq_scale is not None
+            return (
+                dequantize_signed(self.exp_avg, self.exp_avg_scale),
+                dequantize_unsigned(self.exp_avg_sq, self.exp_avg_sq_scale),
+            )
+        return self.exp_avg.to(torch.float32), self.exp_avg_sq.to(torch.float32)
+
+    def store(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int) -> None:
+        """Keep fp32 ``exp_avg`` and ``exp_avg_sq`` (an update's result, or a loaded checkpoint's), rounded
+        with the numbers of ``step``."""
+        if exp_avg.numel() != self.numel or exp_avg_sq.numel() != self.numel:
+            raise InvalidArgument(
+                f"moments of {exp_avg.numel()} and {exp_avg_sq.numel()} elements for a state of {self.numel}"
+            )
+        if self.state_dtype == "fp32":
+            self.exp_avg.copy_(exp_avg)
+            self.exp_avg_sq.copy_(exp_avg_sq)
+            return
+        r_m, r_v = random_halves(torch.arange(self.start, self.start + self.numel, dtype=torch.int64), step)
+        if self.state_dtype == "bf16":
+            self.exp_avg.copy_(round_bf16(exp_avg, r_m))
+            self.exp_avg_sq.copy_(round_bf16(exp_avg_sq, r_v))
+            return
+        assert self.exp_avg_scale is not None and self.exp_avg_sq_scale is not None
+        codes, scale = quantize_signed(exp_avg, r_m)
+        self.exp_avg.copy_(codes)
+        self.exp_avg_scale.copy_(scale)
+        codes, scale = quantize_unsigned(exp_avg_sq, r_v)
+        self.exp_avg_sq.copy_(codes)
+        self.exp_avg_sq_scale.copy_(scale)
+
+
+def lowbit_update(
+    param: torch.Tensor, grad: torch.Tensor, moments: LowbitMoments, s: AdamScalars, *, step: int
+) -> torch.Tensor:
+    """One Adam/AdamW step of fp32 ``param`` (flat, updated in place) over ``moments``: dequantize, update
+    with ``adam_math.adam_update`` (float scalars: torch's op sequence, so ``fp32`` moments give AdamW's bits),
+    round the new moments back.  The reference the fused kernel is held to; returns ``param``."""
+    if moments.numel != param.numel() or grad.numel() != param.numel():
+        raise InvalidArgument(
+            f"param of {param.numel()}, grad of {grad.numel()} and moments of {moments.numel} elements differ"
+        )
+    m, v = moments.dequantize()
+    p, m, v = adam_update(param, grad, m, v, s)
+    if moments.state_dtype != "fp32":
+        if not (bool(torch.isfinite(m).all()) and bool(torch.isfinite(v).all())):
+            raise InvalidArgument(
+                "non-finite moments: the step's grads hold inf or NaN (skip such a step, as a GradScaler does)"
+            )
+        # see the module note: a v rounded to zero must not throw m / eps at the element
+        p = torch.where(v > 0, p, param * s.decay)
+    param.copy_(p)
+    moments.store(m, v, step=step)
+    return param
+
+
+def relative_step() -> float:
+    """The largest gap between neighbouring ``int8`` codes relative to the lower one (1/8, at an octave's
+    start)."""
+    return 1.0 / PER_OCTAVE
