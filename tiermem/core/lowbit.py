@@ -43,7 +43,7 @@ would throw the element away.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -143,7 +143,7 @@ def _quantize_magnitude(n: torch.Tensor, r16: torch.Tensor, levels: int) -> torc
     ``n``) with uniform 16-bit integers ``r16``."""
     bits = n.view(torch.int32)
     code = ((bits + (r16.to(torch.int32) << (_SHIFT - 16))) >> _SHIFT) - _base(levels)
-    smallest = float((torch.tensor(_base(levels) + 1, dtype=torch.int32) << _SHIFT).view(torch.float32))
+    smallest = float(_code_value(torch.ones(1, dtype=torch.int32), levels))
     # below the smallest code: zero or the smallest, with P = n / smallest
     below = (r16.to(torch.float32) * (smallest / 65536.0) < n).to(torch.int32)
     return torch.where(n < smallest, below, code.clamp(max=levels))
@@ -202,8 +202,9 @@ class LowbitMoments:
     state_dtype: str
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    exp_avg_scale: torch.Tensor | None = None
-    exp_avg_sq_scale: torch.Tensor | None = None
+    exp_avg_scale: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    """The blocks' largest ``exp_avg`` magnitudes (``int8``; empty otherwise)."""
+    exp_avg_sq_scale: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     start: int = 0
 
     @classmethod
@@ -235,12 +236,11 @@ class LowbitMoments:
     @property
     def nbytes(self) -> int:
         tensors = (self.exp_avg, self.exp_avg_sq, self.exp_avg_scale, self.exp_avg_sq_scale)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 copies of (exp_avg, exp_avg_sq): AdamW's form, what ``state_dict`` exports."""
         if self.state_dtype == "int8":
-            assert self.exp_avg_scale is not None and self.exp_avg_sq_scale is not None
             return (
                 dequantize_signed(self.exp_avg, self.exp_avg_scale),
                 dequantize_unsigned(self.exp_avg_sq, self.exp_avg_sq_scale),
@@ -263,7 +263,6 @@ class LowbitMoments:
             self.exp_avg.copy_(round_bf16(exp_avg, r_m))
             self.exp_avg_sq.copy_(round_bf16(exp_avg_sq, r_v))
             return
-        assert self.exp_avg_scale is not None and self.exp_avg_sq_scale is not None
         codes, scale = quantize_signed(exp_avg, r_m)
         self.exp_avg.copy_(codes)
         self.exp_avg_scale.copy_(scale)
@@ -294,9 +293,3 @@ def lowbit_update(
     param.copy_(p)
     moments.store(m, v, step=step)
     return param
-
-
-def relative_step() -> float:
-    """The largest gap between neighbouring ``int8`` codes relative to the lower one (1/8, at an octave's
-    start)."""
-    return 1.0 / PER_OCTAVE

@@ -195,10 +195,8 @@ class SharedFeed:
     @staticmethod
     def _copy_in(target: torch.Tensor, grad: torch.Tensor, *, accumulate: bool) -> None:
         """The one copy of the grad path: a fresh grad into the shared grad buffer."""
-        if grad.requires_grad:  # a grad of a graph (backward with create_graph=True): record nothing
-            with torch.no_grad():
-                SharedFeed._copy_in(target, grad.detach(), accumulate=accumulate)
-            return
+        if grad.requires_grad:
+            grad = grad.detach()  # a grad of a graph (backward with create_graph=True): the copy records nothing
         if accumulate:
             target.add_(grad)
         else:
