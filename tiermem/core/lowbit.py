@@ -35,6 +35,10 @@ state and its step count (the low half rounds ``exp_avg``, the high half
 ``exp_avg_sq``), so a run is reproducible bit for bit, and an element's
 rounding does not depend on how the state is cut into chunks.
 
+Non-finite moments (a step's grads held inf or NaN and nothing skipped it)
+poison what they touch, as they poison AdamW's state: a bf16 moment keeps the
+inf or NaN; an int8 block holding one reads back as NaN in every element.
+
 A step with ``v`` exactly zero after the update moves its element by the
 weight decay only: in exact arithmetic ``m`` is then zero too, but a
 compressed ``v`` may round to zero while ``m`` does not, and ``m / eps``
@@ -158,16 +162,34 @@ def _blocked(x: torch.Tensor) -> torch.Tensor:
     return x.view(-1, BLOCK)
 
 
+def _normalised(magnitudes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``magnitudes`` ([blocks, BLOCK], >= 0) over their block's ``scale``, flat: a product with the scale's
+    fp32 reciprocal (one division a block, not one an element), and exactly 1 for the block's largest."""
+    inverse = 1.0 / torch.where(scale > 0, scale, 1.0)
+    n = magnitudes * inverse[:, None]
+    return torch.where(magnitudes == scale[:, None], 1.0, n).reshape(-1)
+
+
+def _poison(blocks: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block holding inf or NaN reads back as NaN everywhere (scale NaN, codes 0), as AdamW's state would
+    be poisoned by the same step."""
+    bad = ~torch.isfinite(blocks).all(dim=1)
+    if not bool(bad.any()):
+        return codes, scale
+    n = codes.numel()
+    codes = torch.where(_blocked(torch.ones(n, dtype=torch.bool)) & bad[:, None], 0, _blocked(codes))
+    return codes.reshape(-1)[:n], torch.where(bad, torch.nan, scale)
+
+
 def quantize_signed(x: torch.Tensor, r16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``exp_avg``'s form of flat fp32 ``x``: int8 codes (``x.numel()``) and fp32 block scales (the blocks'
-    largest magnitude).  Non-finite values are refused by the caller: a NaN scale would poison a block."""
+    largest magnitude; NaN for a block holding inf or NaN)."""
     n = x.numel()
     blocks = _blocked(x)
     scale = blocks.abs().amax(dim=1)
-    safe = torch.where(scale > 0, scale, 1.0)
-    mag = _quantize_magnitude((blocks.abs() / safe[:, None]).reshape(-1)[:n], r16, SIGNED_LEVELS)
-    codes = torch.where(x < 0, -mag, mag).to(torch.int8)
-    return codes, scale
+    mag = _quantize_magnitude(_normalised(blocks.abs(), scale)[:n], r16, SIGNED_LEVELS)
+    codes, scale = _poison(blocks, scale, torch.where(x < 0, -mag, mag))
+    return codes.to(torch.int8), scale
 
 
 def dequantize_signed(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -178,12 +200,13 @@ def dequantize_signed(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_unsigned(x: torch.Tensor, r16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``exp_avg_sq``'s form of flat fp32 ``x`` >= 0: uint8 codes and fp32 block scales (the blocks' max)."""
+    """``exp_avg_sq``'s form of flat fp32 ``x`` >= 0: uint8 codes and fp32 block scales (the blocks' max;
+    NaN for a block holding inf or NaN)."""
     n = x.numel()
     blocks = _blocked(x)
     scale = blocks.amax(dim=1)
-    safe = torch.where(scale > 0, scale, 1.0)
-    codes = _quantize_magnitude((blocks / safe[:, None]).reshape(-1)[:n], r16, UNSIGNED_LEVELS)
+    codes = _quantize_magnitude(_normalised(blocks, scale)[:n], r16, UNSIGNED_LEVELS)
+    codes, scale = _poison(blocks, scale, codes)
     return codes.to(torch.uint8), scale
 
 
@@ -238,6 +261,26 @@ class LowbitMoments:
         tensors = (self.exp_avg, self.exp_avg_sq, self.exp_avg_scale, self.exp_avg_sq_scale)
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def piece(self, start: int, stop: int) -> LowbitMoments:
+        """Elements [start, stop) as moments of their own (views; ``int8``: ``start`` on a block)."""
+        if not 0 <= start <= stop <= self.numel:
+            raise InvalidArgument(f"piece [{start}, {stop}) is not within [0, {self.numel}]")
+        if self.state_dtype != "int8":
+            return LowbitMoments(
+                self.state_dtype, self.exp_avg[start:stop], self.exp_avg_sq[start:stop], start=self.start + start
+            )
+        if start % BLOCK:
+            raise InvalidArgument(f"a piece of int8 moments must start on a block ({BLOCK} elements), got {start}")
+        blocks = slice(start // BLOCK, start // BLOCK + blocks_of(stop - start))
+        return LowbitMoments(
+            self.state_dtype,
+            self.exp_avg[start:stop],
+            self.exp_avg_sq[start:stop],
+            self.exp_avg_scale[blocks],
+            self.exp_avg_sq_scale[blocks],
+            start=self.start + start,
+        )
+
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 copies of (exp_avg, exp_avg_sq): AdamW's form, what ``state_dict`` exports."""
         if self.state_dtype == "int8":
@@ -284,10 +327,6 @@ def lowbit_update(
     m, v = moments.dequantize()
     p, m, v = adam_update(param, grad, m, v, s)
     if moments.state_dtype != "fp32":
-        if not (bool(torch.isfinite(m).all()) and bool(torch.isfinite(v).all())):
-            raise InvalidArgument(
-                "non-finite moments: the step's grads hold inf or NaN (skip such a step, as a GradScaler does)"
-            )
         # see the module note: a v rounded to zero must not throw m / eps at the element
         p = torch.where(v > 0, p, param * s.decay)
     param.copy_(p)

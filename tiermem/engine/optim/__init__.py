@@ -7,6 +7,8 @@
   semantics), the one home of those rules.
 - ``kernels``: that arithmetic compiled into one pass over memory per chunk
   (torch.compile, inductor C++), with an eager fallback.
+- ``lowbit_native``: the fused update over compressed moments (bf16, int8),
+  a C kernel built on the host, loaded with ctypes.
 - ``engine``: ``AdamEngine``, checked multi-threaded chunked updates over
   flat fp32 buffers; what the daemon drives.
 - ``optimizer``: ``CPUAdam``, a ``torch.optim.Optimizer`` on the same engine.

@@ -1,0 +1,33 @@
+/* The same-bytes probe of bench_lowbit_adam.py: one pass that reads and writes exactly the bytes of a
+ * compressed-moment Adam step (fp32 master, fp16 grad in, fp16 copy out, the moments and their scales) and
+ * does no arithmetic: what "at the speed of memory" means for that job.  Built with the kernel's flags. */
+#include <stdint.h>
+
+#define BLOCK 256
+
+/* state_kind 1: bf16 moments (2 + 2 bytes); 2: int8 codes (1 + 1 bytes) and fp32 scales per block */
+void tm_probe(int64_t n, float *restrict p, const uint16_t *restrict g, uint16_t *restrict out, int state_kind,
+              void *restrict m, void *restrict v, float *restrict ms, float *restrict vs) {
+    for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {
+        const int64_t end = n - b0 < BLOCK ? n : b0 + BLOCK;
+        if (state_kind == 1) {
+            uint16_t *restrict a = m, *restrict b = v;
+            for (int64_t i = b0; i < end; i++) {
+                p[i] = -p[i];
+                out[i] = g[i];
+                a[i] ^= 0x8000u;
+                b[i] ^= 0x8000u;
+            }
+        } else {
+            uint8_t *restrict a = m, *restrict b = v;
+            for (int64_t i = b0; i < end; i++) {
+                p[i] = -p[i];
+                out[i] = g[i];
+                a[i] ^= 0x80u;
+                b[i] ^= 0x80u;
+            }
+            ms[b0 / BLOCK] = -ms[b0 / BLOCK];
+            vs[b0 / BLOCK] = -vs[b0 / BLOCK];
+        }
+    }
+}
