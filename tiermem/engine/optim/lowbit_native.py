@@ -24,10 +24,11 @@ the source, the flags, the compiler's version and the CPU's feature flags:
 a node image shared by different CPUs never loads a binary built for
 another.  The directory (``adam.cache_dir``, else ``~/.cache/tiermem``) must
 belong to this user and not be writable by others, since loading a library
-runs its code; when it cannot be used, the build goes to a private temporary
-directory instead.  Without a compiler, or when the build fails, the same
-update runs through the plain-torch reference (the same bits, several times
-slower), and the reason is logged once and kept in ``LowbitKernel.error``.
+runs its code; when it cannot be used, the build goes to this user's private
+directory under the temporary directory instead.  Without a compiler, or
+when the build fails, the same update runs through the plain-torch reference
+(the same bits, several times slower), and the reason is logged once and
+kept in ``LowbitKernel.error``.
 """
 
 from __future__ import annotations
@@ -243,16 +244,19 @@ def build_library(source_path: Path, prefix: str, cache_dir: str | None = None) 
 
 
 def _cache_directory(cache_dir: str | None) -> str:
-    """``cache_dir`` (else ``~/.cache/tiermem``) when it is ours and private, else a new private temporary one."""
+    """``cache_dir`` (else ``~/.cache/tiermem``) when it is ours and private; else this user's private
+    directory in the temporary directory; else (someone else made that one) a new private temporary one."""
     wanted = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "tiermem")
-    try:
-        os.makedirs(wanted, mode=0o700, exist_ok=True)
-        if _private_dir(wanted):
-            return wanted
-        log.warning("%s is not a directory of this user closed to others; building the kernel elsewhere", wanted)
-    except OSError as exc:
-        log.warning("cannot use %s for the kernel (%s); building it elsewhere", wanted, exc)
-    return tempfile.mkdtemp(prefix="tiermem-kernel-")
+    fallback = os.path.join(tempfile.gettempdir(), f"tiermem-kernels-{os.getuid()}")
+    for candidate in (wanted, fallback):
+        try:
+            os.makedirs(candidate, mode=0o700, exist_ok=True)
+            if _private_dir(candidate):
+                return candidate
+            log.warning("%s is not a directory of this user closed to others; not building the kernel there", candidate)
+        except OSError as exc:
+            log.warning("cannot build the kernel in %s (%s)", candidate, exc)
+    return tempfile.mkdtemp(prefix="tiermem-kernels-")
 
 
 def _private_dir(path: str) -> bool:
