@@ -153,6 +153,21 @@ def load_deepspeed(skip: bool) -> tuple[Any, str]:
     return DeepSpeedCPUAdam, f"DeepSpeedCPUAdam from deepspeed {ds.__version__}"
 
 
+def time_rows(rows: dict[str, Callable[[], None]], repeats: int, steps: int) -> dict[str, list[float]]:
+    """Seconds a step of each row, ``repeats`` rounds of ``steps`` steps, round-robin so that every row sees
+    the same machine state; each row runs once first (touching its buffers, building its state)."""
+    for fn in rows.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(repeats):
+        for name, fn in rows.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            times[name].append((time.perf_counter() - t0) / steps)
+    return times
+
+
 def run_size(
     torch: Any,
     n: int,
@@ -209,15 +224,7 @@ def run_size(
         rows["deepspeed"] = torch_peer(
             torch, p.clone(), g16, out16, pieces, lambda ps: ds_cls(ps, lr=1e-3, weight_decay=0.01, adamw_mode=True)
         )
-    for fn in rows.values():  # touch every buffer, build every state
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in rows}
-    for _ in range(args.repeats):
-        for name, fn in rows.items():
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                fn()
-            times[name].append((time.perf_counter() - t0) / args.steps)
+    times = time_rows(rows, args.repeats, args.steps)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     rate = {name: n / t for name, t in med.items()}
 

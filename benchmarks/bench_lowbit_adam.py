@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_cpu_adam import parse_count
+from bench_cpu_adam import parse_count, time_rows
 
 BYTES = {"fp32": 28.0, "bf16": 20.0, "int8": 16.0 + 16.0 / 256}
 
@@ -146,15 +146,7 @@ def run_size(
     for name, (cls, _) in peers.items():
         if cls is not None:
             rows[name] = peer_row(torch, cls, p0.clone(), g16, out16)
-    for fn in rows.values():  # touch every buffer, build every state
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in rows}
-    for _ in range(args.repeats):
-        for name, fn in rows.items():
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                fn()
-            times[name].append((time.perf_counter() - t0) / args.steps)
+    times = time_rows(rows, args.repeats, args.steps)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     rate = {name: n / t for name, t in med.items()}
     print(f"\nN = {n / (1 << 20):.0f}M params, fp16 grads in, fp16 params out; medians of {args.repeats}x{args.steps}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
 
 import pytest
 import torch
@@ -165,8 +166,10 @@ def test_a_missing_compiler_is_named_and_the_reference_runs(
 
 
 def test_the_build_is_cached_and_a_directory_others_may_write_is_not_used(
-    cache: str, tmp_path: pathlib.Path, engine: AdamEngine
+    cache: str, tmp_path: pathlib.Path, engine: AdamEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the build goes instead
+    (tmp_path / "tmp").mkdir()
     path = build_library(SOURCE, "lowbit", cache)
     assert os.path.dirname(path) == cache
     before = os.stat(path).st_mtime_ns

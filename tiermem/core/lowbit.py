@@ -59,6 +59,7 @@ __all__ = [
     "PER_OCTAVE",
     "STATE_DTYPES",
     "LowbitMoments",
+    "blocks_of",
     "dequantize_signed",
     "dequantize_unsigned",
     "hash32",
@@ -177,7 +178,7 @@ def _poison(blocks: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor) -> t
     if not bool(bad.any()):
         return codes, scale
     n = codes.numel()
-    codes = torch.where(_blocked(torch.ones(n, dtype=torch.bool)) & bad[:, None], 0, _blocked(codes))
+    codes = torch.where(bad[:, None], 0, _blocked(codes))
     return codes.reshape(-1)[:n], torch.where(bad, torch.nan, scale)
 
 

@@ -53,9 +53,10 @@ run per bucket as buckets arrive; once all are in, ``combine_grad_stats`` and
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -64,7 +65,7 @@ import torch
 from tiermem.core.adam_math import AdamHyper, AdamScalars, step_scalars
 from tiermem.core.config import AdamConfig
 from tiermem.core.errors import DTypeError, InvalidArgument
-from tiermem.core.lowbit import BLOCK, LowbitMoments
+from tiermem.core.lowbit import BLOCK, LowbitMoments, blocks_of
 from tiermem.core.step_rules import GradStats, grad_stats
 from tiermem.engine.optim.kernels import (
     GRAD_DTYPES,
@@ -138,7 +139,6 @@ class AdamEngine:
         self.min_piece_numel = min_piece_numel
         self.native = native and hasattr(torch, "_fused_adamw_")
         self._kernels = KernelSet(compile=compile, cache_dir=cache_dir or None)
-        self._cache_dir = cache_dir or None
         self._lowbit: LowbitKernel | None = None
         self._pool = started_pool(self.threads, "tiermem-adam") if self.threads > 1 else None
         self.warm_up(warmup)
@@ -269,16 +269,21 @@ class AdamEngine:
             (master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], None if out is None else out[a:b])
             for a, b in itertools.pairwise(cuts)
         ]
-        # Without a pool everything runs here; else the caller's thread takes the
-        # first piece itself when it is going to wait anyway.
-        n_inline = len(pieces) if self._pool is None else int(inline_first and bool(pieces))
+        return self._launch(
+            [functools.partial(_run_piece, rec, piece, scalars, coef) for piece in pieces], inline_first
+        )
+
+    def _launch(self, calls: Sequence[Callable[[], None]], inline_first: bool) -> PendingUpdate:
+        """Run the pieces' ``calls``: without a pool all here; else on the pool, the caller's thread taking the
+        first itself when it is going to wait anyway (``inline_first``)."""
+        n_inline = len(calls) if self._pool is None else int(inline_first and bool(calls))
         futures: list[Future[None]] = []
         if self._pool is not None:
-            futures = [self._pool.submit(_run_piece, rec, piece, scalars, coef) for piece in pieces[n_inline:]]
-        for piece in pieces[:n_inline]:
+            futures = [self._pool.submit(call) for call in calls[n_inline:]]
+        for call in calls[:n_inline]:
             done: Future[None] = Future()
             try:
-                _run_piece(rec, piece, scalars, coef)
+                call()
                 done.set_result(None)
             except Exception as exc:
                 done.set_exception(exc)
@@ -300,7 +305,7 @@ class AdamEngine:
     def lowbit_kernel(self) -> LowbitKernel:
         """The fused kernel of compressed moments (built on the first call: about 1.5 s with a cold cache)."""
         if self._lowbit is None:
-            self._lowbit = LowbitKernel.load(self._cache_dir, build=self._kernels.compile)
+            self._lowbit = LowbitKernel.load(self._kernels.cache_dir, build=self._kernels.compile)
         return self._lowbit
 
     def update_lowbit(
@@ -320,9 +325,8 @@ class AdamEngine:
 
         ``start`` must begin a block of int8 moments (a multiple of ``lowbit.BLOCK``); the rounding of
         element ``i`` hashes ``moments.start + i`` and ``step``."""
-        self.submit_lowbit(
-            master, moments, grad, out, group=group, step=step, grad_scale=grad_scale, start=start, stop=stop
-        ).wait()
+        operands = (master, moments, grad, out)
+        self._dispatch_lowbit(*operands, group, step, grad_scale, start, stop, inline_first=True).wait()
 
     def submit_lowbit(
         self,
@@ -338,34 +342,36 @@ class AdamEngine:
         stop: int | None = None,
     ) -> PendingUpdate:
         """``update_lowbit`` without waiting: the pieces are queued on the engine's threads."""
+        operands = (master, moments, grad, out)
+        return self._dispatch_lowbit(*operands, group, step, grad_scale, start, stop, inline_first=False)
+
+    def _dispatch_lowbit(
+        self,
+        master: torch.Tensor,
+        moments: LowbitMoments,
+        grad: torch.Tensor,
+        out: torch.Tensor | None,
+        group: Any,
+        step: int,
+        grad_scale: float,
+        start: int,
+        stop: int | None,
+        *,
+        inline_first: bool,
+    ) -> PendingUpdate:
         numel = _check_lowbit_operands(master, moments, grad, out)
         stop = numel if stop is None else stop
         if not 0 <= start <= stop <= numel:
             raise InvalidArgument(f"range [{start}, {stop}) is not within [0, {numel}]")
-        if moments.state_dtype == "int8" and start % BLOCK:
-            raise InvalidArgument(f"an update of int8 moments must start on a block ({BLOCK} elements), got {start}")
+        moments.piece(start, stop)  # refuses an int8 start off a block before any piece runs
         scalars = step_scalars(AdamHyper.of(group), step, grad_scale)
         coef = torch.tensor(scalars, dtype=torch.float32)
         kernel = self.lowbit_kernel()
-        cuts = self._cuts(start, stop, compiled=kernel.native, align=BLOCK)
-
-        def run(a: int, b: int) -> None:
-            kernel.update(master, grad, moments, out, scalars, coef, step=step, start=a, stop=b)
-
-        futures: list[Future[None]] = []
-        ranges = list(itertools.pairwise(cuts))
-        if self._pool is not None:
-            futures = [self._pool.submit(run, a, b) for a, b in ranges[1:]]
-            ranges = ranges[:1]
-        for a, b in ranges:
-            done: Future[None] = Future()
-            try:
-                run(a, b)
-                done.set_result(None)
-            except Exception as exc:
-                done.set_exception(exc)
-            futures.append(done)
-        return PendingUpdate(futures)
+        calls = [
+            functools.partial(kernel.update, master, grad, moments, out, scalars, coef, step=step, start=a, stop=b)
+            for a, b in itertools.pairwise(self._cuts(start, stop, compiled=kernel.native, align=BLOCK))
+        ]
+        return self._launch(calls, inline_first)
 
 
 def _run_piece(rec: KernelRecord, piece: _Piece, scalars: AdamScalars, coef: torch.Tensor) -> None:
@@ -467,8 +473,13 @@ def _check_operands(
         ("exp_avg_sq", exp_avg_sq, fp32),
         ("grad", grad, GRAD_DTYPES),
     ]
+    return _check_against_master(numel, named, out)
+
+
+def _check_against_master(numel: int, named: list[tuple[str, Any, tuple[torch.dtype, ...]]], out: Any) -> int:
+    """Each of ``named`` (and ``out`` where given) a flat CPU tensor of its dtypes with ``numel`` elements."""
     if out is not None:
-        named.append(("out", out, OUT_DTYPES))
+        named = [*named, ("out", out, OUT_DTYPES)]
     for name, t, dtypes in named:
         n = _check_tensor(name, t, dtypes)
         if n != numel:
@@ -493,14 +504,9 @@ def _check_lowbit_operands(
         ("exp_avg_sq", moments.exp_avg_sq, (v_dtype,)),
         ("grad", grad, GRAD_DTYPES),
     ]
-    if out is not None:
-        named.append(("out", out, OUT_DTYPES))
-    for name, t, dtypes in named:
-        n = _check_tensor(name, t, dtypes)
-        if n != numel:
-            raise InvalidArgument(f"{name} has {n} elements but master has {numel}; every operand must match")
+    _check_against_master(numel, named, out)
     if moments.state_dtype == "int8":
-        blocks = -(-numel // BLOCK)
+        blocks = blocks_of(numel)
         for name, t in (("exp_avg_scale", moments.exp_avg_scale), ("exp_avg_sq_scale", moments.exp_avg_sq_scale)):
             if _check_tensor(name, t, (torch.float32,)) != blocks:
                 raise InvalidArgument(f"{name} has {t.numel()} block scales; {numel} elements need {blocks}")

@@ -49,7 +49,7 @@ import torch
 
 from tiermem.core.adam_math import AdamScalars
 from tiermem.core.errors import InvalidArgument
-from tiermem.core.lowbit import BLOCK, LowbitMoments, lowbit_update
+from tiermem.core.lowbit import LowbitMoments, lowbit_update
 
 __all__ = ["FLAGS", "LowbitKernel", "build_library", "step_term"]
 
@@ -153,54 +153,35 @@ class LowbitKernel:
     ) -> None:
         """Elements [start, stop) of one chunk's operands (``start`` on a block of ``moments``); ``coef`` is
         ``scalars`` as an fp32 tensor.  The caller has checked dtypes and lengths."""
-        if moments.state_dtype == "int8" and start % BLOCK:
-            raise InvalidArgument(f"a piece of int8 moments must start on a block ({BLOCK} elements), got {start}")
+        piece = moments.piece(start, stop)  # checks the range and the block
         if stop <= start:
             return
+        p, g = master[start:stop], grad[start:stop]
+        o = None if out is None else out[start:stop]
         if self._fn is None:
-            self._reference(master, grad, moments, out, scalars, step=step, start=start, stop=stop)
+            lowbit_update(p, g, piece, scalars, step=step)
+            if o is not None:
+                o.copy_(p)
             return
-        kind = _STATE_KINDS[moments.state_dtype]
-        m, v = moments.exp_avg, moments.exp_avg_sq
-        blk = start // BLOCK
-        m_scale = moments.exp_avg_scale.data_ptr() + 4 * blk if kind == 2 else 0
-        v_scale = moments.exp_avg_sq_scale.data_ptr() + 4 * blk if kind == 2 else 0
+        int8 = piece.state_dtype == "int8"
         rc = self._fn(
             stop - start,
-            (moments.start + start) & _MASK32,
+            piece.start & _MASK32,
             step_term(step),
-            master.data_ptr() + 4 * start,
-            grad.data_ptr() + grad.element_size() * start,
-            _GRAD_KINDS[grad.dtype],
-            0 if out is None else out.data_ptr() + out.element_size() * start,
-            _OUT_KINDS[None if out is None else out.dtype],
-            kind,
-            m.data_ptr() + m.element_size() * start,
-            v.data_ptr() + v.element_size() * start,
-            m_scale,
-            v_scale,
+            p.data_ptr(),
+            g.data_ptr(),
+            _GRAD_KINDS[g.dtype],
+            0 if o is None else o.data_ptr(),
+            _OUT_KINDS[None if o is None else o.dtype],
+            _STATE_KINDS[piece.state_dtype],
+            piece.exp_avg.data_ptr(),
+            piece.exp_avg_sq.data_ptr(),
+            piece.exp_avg_scale.data_ptr() if int8 else 0,
+            piece.exp_avg_sq_scale.data_ptr() if int8 else 0,
             coef.data_ptr(),
         )
         if rc != 0:
             raise InvalidArgument(f"the compressed-moment Adam kernel refused its arguments (code {rc})")
-
-    @staticmethod
-    def _reference(
-        master: torch.Tensor,
-        grad: torch.Tensor,
-        moments: LowbitMoments,
-        out: torch.Tensor | None,
-        scalars: AdamScalars,
-        *,
-        step: int,
-        start: int,
-        stop: int,
-    ) -> None:
-        piece = moments.piece(start, stop)
-        p = master[start:stop]
-        lowbit_update(p, grad[start:stop], piece, scalars, step=step)
-        if out is not None:
-            out[start:stop].copy_(p)
 
 
 def _built_library(cache_dir: str | None) -> str:
@@ -270,11 +251,10 @@ def _private_file(path: str) -> bool:
 
 
 def _cpu_flags() -> str:
-    try:
+    """The CPU's feature flags (x86 ``flags``, Arm ``Features``); the architecture alone where /proc has none."""
+    if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
                     return line
-    except OSError:
-        pass
     return os.uname().machine
