@@ -50,6 +50,7 @@ from tiermem.core.protocol import (
     Stats,
     Step,
 )
+from tiermem.core.statekeys import StateFormat
 from tiermem.core.units import PAGE_SIZE, align_up
 from tiermem.engine.pool import Arena
 from tiermemd.jobs import Job, JobTable
@@ -265,7 +266,10 @@ class Handlers:
             placement = "cpu"
         else:
             keys = state_keys_for(dtype, "cpu", msg.grad_buffers, msg.exchange, msg.grads_in_state)
-            placement = "cpu" if numel * 4 * len(keys) <= self.ledger.available(Resource.POOL) else "nvme"
+            fmt = StateFormat(keys, dtype, msg.state_dtype)
+            chunk_numel = fmt.chunk_numel(self.service.config.adam.chunk_numel)
+            fits = fmt.nbytes(numel, chunk_numel) <= self.ledger.available(Resource.POOL)
+            placement = "cpu" if fits else "nvme"
         restored = rank.restored
         registration = rank.register(
             msg.tensors,
@@ -276,17 +280,19 @@ class Handlers:
             lambda nbytes: self._make_storage(job, rank, nbytes),
             msg.exchange,
             msg.grads_in_state,
+            msg.state_dtype,
         )
         if restored is not None:
             self.service.durability.reopened(job, rank, restored)
         storage = registration.storage
         log.info(
-            "job %r rank %d registered %d tensors, %d elements, state %s on %s, storage %d bytes",
+            "job %r rank %d registered %d tensors, %d elements, state %s (moments %s) on %s, storage %d bytes",
             job.job_id,
             rank.rank,
             len(msg.tensors),
             numel,
             "+".join(registration.state_keys),
+            msg.state_dtype,
             placement,
             storage.nbytes if storage is not None else 0,
         )
@@ -296,6 +302,7 @@ class Handlers:
                 placement=registration.placement,
                 state_keys=registration.state_keys,
                 storage_nbytes=storage.nbytes if storage is not None else 0,
+                state_dtype=msg.state_dtype,
             ),
             fds=(storage.fd,) if storage is not None else (),
         )

@@ -3,7 +3,9 @@
 The engine writes fp16/bf16 params in the same pass as the update; a job whose
 working precision is fp32 gets its params by a copy of the updated master
 (the engine's low-precision output has no fp32 form: an fp32 "copy" is the
-master itself).
+master itself).  fp32 moments take the engine's AdamW kernels; compressed
+ones (bf16, int8) its fused pass over them (``AdamEngine.update_lowbit``),
+built when the first such rank registers (``prepare``), not at its first step.
 
 Kernels are compiled lazily, on the first update of each (grad dtype, param
 dtype) pair, and kept in inductor's on-disk cache, so the daemon is ready as
@@ -33,11 +35,21 @@ class EngineKernel:
         return stats.sq_norm, stats.found_inf
 
     def update(self, ops: AdamSlices, *, group: ParamGroup, step: int, grad_scale: float) -> None:
-        master, exp_avg, exp_avg_sq, grad, out = ops
+        master, moments, grad, out = ops
         low = out if out is not None and out.dtype != torch.float32 else None
-        self.engine.update(master, exp_avg, exp_avg_sq, grad, low, group=group, step=step, grad_scale=grad_scale)
+        if moments.state_dtype == "fp32":
+            m, v = moments.exp_avg, moments.exp_avg_sq
+            self.engine.update(master, m, v, grad, low, group=group, step=step, grad_scale=grad_scale)
+        else:
+            self.engine.update_lowbit(master, moments, grad, low, group=group, step=step, grad_scale=grad_scale)
         if out is not None and low is None:
             out.copy_(master)
+
+    def prepare(self, state_dtype: str) -> None:
+        """Build what updates of moments in ``state_dtype`` run (the compressed pass's kernel: a compile of
+        about a second the first time on a node, then a load from its cache)."""
+        if state_dtype != "fp32":
+            self.engine.lowbit_kernel()
 
     def close(self) -> None:
         self.engine.close()

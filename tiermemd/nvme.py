@@ -58,7 +58,7 @@ import torch
 from tiermem.core import dtypes
 from tiermem.core.config import MAX_QUEUE_DEPTH, SwapConfig
 from tiermem.core.errors import DataLostError, InvalidArgument, TiermemError
-from tiermem.core.statekeys import part_element_nbytes
+from tiermem.core.statekeys import StateFormat
 from tiermem.core.units import align_up
 from tiermem.engine.swap.engine import IOEngine
 from tiermem.engine.swap.probe import DiskProbe, probe_disk
@@ -66,7 +66,7 @@ from tiermem.engine.swap.store import SwapStore
 from tiermem.engine.tiers import PoolShares, TierManager
 from tiermem.engine.tiers.sizing import CachePlan, choose_queue_depth, plan_cache, with_overrides
 from tiermemd.ledger import Resource
-from tiermemd.state import ALL_KEYS, UPDATE_KEYS, ChunkTensors, StateStats, chunk_parts
+from tiermemd.state import ALL_KEYS, UPDATE_KEYS, ChunkTensors, StateStats
 
 if TYPE_CHECKING:
     from tiermemd.jobs import Job
@@ -135,28 +135,22 @@ class SwapDevice:
             return probe
 
 
-def part_dtype(part: str, keys: Sequence[str], param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a part's values: the working dtype for a ``param`` part that holds ``param``, else fp32."""
-    return param_dtype if part == "param" and "param" in keys else torch.float32
-
-
-def part_nbytes(numel: int, keys: Sequence[str], param_dtype: torch.dtype = torch.float32) -> list[int]:
+def part_nbytes(numel: int, fmt: StateFormat) -> list[int]:
     """Pool (and swap) bytes of each part of a chunk of ``numel`` elements, in whole pages (each part is its
     own block)."""
-    per_element = part_element_nbytes(keys, dtypes.by_torch(param_dtype).name)
-    return [align_up(numel * nbytes) for nbytes in per_element.values()]
+    return [align_up(fmt.part_nbytes(part, numel)) for part in fmt.parts]
 
 
-def chunk_nbytes(numel: int, keys: Sequence[str], param_dtype: torch.dtype = torch.float32) -> int:
+def chunk_nbytes(numel: int, fmt: StateFormat) -> int:
     """Pool (and swap) bytes one chunk of ``numel`` elements takes: all of its parts."""
-    return sum(part_nbytes(numel, keys, param_dtype))
+    return sum(part_nbytes(numel, fmt))
 
 
-def state_nbytes(numel: int, chunk_numel: int, keys: Sequence[str], param_dtype: torch.dtype = torch.float32) -> int:
+def state_nbytes(numel: int, chunk_numel: int, fmt: StateFormat) -> int:
     """Pool bytes of all of a rank's chunks (what a cache that holds all of its state takes)."""
     full, rest = divmod(numel, chunk_numel)
-    last = chunk_nbytes(rest, keys, param_dtype) if rest else 0
-    return full * chunk_nbytes(chunk_numel, keys, param_dtype) + last
+    last = chunk_nbytes(rest, fmt) if rest else 0
+    return full * chunk_nbytes(chunk_numel, fmt) + last
 
 
 def plan_rank(
@@ -164,8 +158,7 @@ def plan_rank(
     job: Job,
     numel: int,
     chunk_numel: int,
-    keys: Sequence[str] = ALL_KEYS,
-    param_dtype: torch.dtype = torch.float32,
+    fmt: StateFormat,
 ) -> CachePlan:
     """The sizing of one rank's chunk cache: measured, within the job's room in the pool budget (each cached
     chunk counted in whole pages per part, as ``make_nvme_state`` reserves it), overridden by what the
@@ -175,14 +168,14 @@ def plan_rank(
     # parts of different sizes are placed among pinned blocks (those being updated or paged): a cache that
     # would fill the pool to its last byte could find its free room cut in holes smaller than a part, so one
     # part's worth of the pool is left to the allocator
-    room = service.ledger.available(Resource.POOL) - max(part_nbytes(chunk_numel, keys, param_dtype))
+    room = service.ledger.available(Resource.POOL) - max(part_nbytes(chunk_numel, fmt))
     quota = service.ledger.quota(job.key, Resource.POOL)
     if quota is not None:
         room = min(room, quota - service.ledger.held(Resource.POOL, job.key))
     probe = service.swap_device.probe()
     plan = plan_cache(
         probe,
-        chunk_nbytes=chunk_nbytes(chunk_numel, keys, param_dtype),
+        chunk_nbytes=chunk_nbytes(chunk_numel, fmt),
         nchunks=nchunks,
         memory_nbytes=room,
         queue_depth=service.swap_device.queue_depth,
@@ -216,6 +209,7 @@ class NvmeStateChunks:
         keys: tuple[str, ...] = ALL_KEYS,
         *,
         param_dtype: torch.dtype = torch.float32,
+        state_dtype: str = "fp32",
         require_stored: bool = False,
         ceiling_nbytes: int | None = None,
         shares: PoolShares | None = None,
@@ -229,14 +223,16 @@ class NvmeStateChunks:
         the guaranteed cache; with ``shares`` the manager borrows free pool memory up to ``ceiling_nbytes``
         and gives it back when the node needs it (registered as ``tenant``).  ``plan`` sizes the pipeline
         (default: the unmeasured minimum); with ``replan`` its prefetch is planned again from ``probe`` and
-        the measured update time after each pass."""
+        the measured update time after each pass.  ``chunk_numel`` is rounded up to a whole number of the
+        format's blocks (``StateFormat.chunk_numel``)."""
         if "master" not in keys:
             raise InvalidArgument(f"NVMe-placed state keeps the fp32 master, got keys {keys}")
         self.keys = keys
-        self._part_keys = chunk_parts(keys)
+        self.format = StateFormat(keys, dtypes.by_torch(param_dtype).name, state_dtype)
+        self._part_keys = self.format.parts
         self.parts = tuple(self._part_keys)
         self.numel = numel
-        self.chunk_numel = chunk_numel
+        self.chunk_numel = self.format.chunk_numel(chunk_numel)
         self.store = store
         if require_stored:
             missing = [
@@ -256,11 +252,11 @@ class NvmeStateChunks:
         try:
             for c in range(self.nchunks):
                 for part in self.parts:
-                    shape = (len(self._part_keys[part]) * self._chunk_len(c),)
-                    self.tiers.register(_key(c, part), part_dtype(part, keys, param_dtype), shape)
+                    shape = (self.format.part_nbytes(part, self._chunk_len(c)),)
+                    self.tiers.register(_key(c, part), torch.uint8, shape)
             self.plan = plan or plan_cache(
                 None,
-                chunk_nbytes=chunk_nbytes(chunk_numel, keys, param_dtype),
+                chunk_nbytes=chunk_nbytes(self.chunk_numel, self.format),
                 nchunks=self.nchunks,
                 memory_nbytes=cache_nbytes,
             )
@@ -311,10 +307,9 @@ class NvmeStateChunks:
         try:
             for part in parts:
                 fresh = whole.issuperset(self._part_keys[part])
-                flat = self.tiers.acquire(_key(chunk, part), advance=advance, overwrite=fresh)
+                raw = self.tiers.acquire(_key(chunk, part), advance=advance, overwrite=fresh)
                 taken.append(part)
-                keys_of_part = self._part_keys[part]
-                sections.update({key: flat[i * n : (i + 1) * n] for i, key in enumerate(keys_of_part)})
+                sections.update(self.format.split(part, raw, n))
         except BaseException:
             for part in taken:
                 self.tiers.release(_key(chunk, part), dirty=False)
@@ -424,20 +419,19 @@ def make_nvme_state(
     job: Job,
     rank: int,
     numel: int,
-    keys: tuple[str, ...] = ALL_KEYS,
+    fmt: StateFormat,
     *,
-    param_dtype: torch.dtype = torch.float32,
     require_stored: bool = False,
 ) -> NvmeStateChunks:
-    """Reserve cache and swap for ``numel`` elements of ``job``'s ``rank`` and open its store (``param_dtype``:
-    the rank's working dtype, that of its ``param`` key where it keeps one)."""
-    chunk_numel = service.config.adam.chunk_numel
-    plan = plan_rank(service, job, numel, chunk_numel, keys, param_dtype)
+    """Reserve cache and swap for ``numel`` elements of ``job``'s ``rank`` and open its store (``fmt``: its
+    keys, working dtype and state dtype)."""
+    chunk_numel = fmt.chunk_numel(service.config.adam.chunk_numel)
+    plan = plan_rank(service, job, numel, chunk_numel, fmt)
     log.info(
         "job %r rank %d: NVMe state of %d chunk(s): %s", job.job_id, rank, -(-numel // chunk_numel), plan.describe()
     )
-    resident_nbytes = state_nbytes(numel, chunk_numel, keys, param_dtype)
-    cache_nbytes = min(resident_nbytes, plan.cache_chunks * chunk_nbytes(chunk_numel, keys, param_dtype))
+    resident_nbytes = state_nbytes(numel, chunk_numel, fmt)
+    cache_nbytes = min(resident_nbytes, plan.cache_chunks * chunk_nbytes(chunk_numel, fmt))
     # out-of-place writes keep the committed version until the next commit: room for two copies of the state
     # and the chunks being written
     swap_nbytes = 2 * resident_nbytes + cache_nbytes
@@ -469,8 +463,9 @@ def make_nvme_state(
                 numel,
                 chunk_numel,
                 cache_nbytes,
-                keys,
-                param_dtype=param_dtype,
+                fmt.keys,
+                param_dtype=dtypes.by_name(fmt.dtype).torch,
+                state_dtype=fmt.state_dtype,
                 require_stored=require_stored,
                 ceiling_nbytes=ceiling_nbytes,
                 shares=service.shares,

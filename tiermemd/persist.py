@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tiermem.core.errors import ProtocolError
+from tiermem.core.lowbit import STATE_DTYPES
 from tiermem.core.protocol import ParamGroup, TensorSpec
 
 __all__ = [
@@ -98,6 +99,8 @@ class RankRecord:
     """Steps skipped (``GradScaler`` overflows) up to ``last_step``: the rank's skip count survives a restart."""
     exchange: str = "shared"
     grads_in_state: bool = False
+    state_dtype: str = "fp32"
+    """How the moments are stored (``tiermem.core.lowbit``): a reopened rank reads its chunks with it."""
     generation: int = 0
     """The swap manifest generation ``steps``, ``last_step`` and ``failed_step`` describe."""
     previous: StepCounts | None = None
@@ -153,6 +156,7 @@ class RankRecord:
             "skipped_steps": self.skipped_steps,
             "exchange": self.exchange,
             "grads_in_state": self.grads_in_state,
+            "state_dtype": self.state_dtype,
             "generation": self.generation,
             "previous": self.previous.to_json() if self.previous is not None else None,
         }
@@ -165,6 +169,9 @@ class RankRecord:
         for counts in (steps, previous.steps if previous else steps):
             if len(counts) != len(specs):
                 raise ValueError(f"{len(counts)} step counts for {len(specs)} tensors")
+        state_dtype = str(d.get("state_dtype", "fp32"))
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype {state_dtype!r} is not one of {list(STATE_DTYPES)}")
         return cls(
             rank=int(d["rank"]),
             placement=str(d["placement"]),
@@ -177,6 +184,7 @@ class RankRecord:
             skipped_steps=int(d.get("skipped_steps", 0)),
             exchange=str(d.get("exchange", "shared")),
             grads_in_state=bool(d.get("grads_in_state", False)),
+            state_dtype=state_dtype,
             generation=int(d["generation"]),
             previous=previous,
             clean=clean,

@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from tiermem.core import dtypes
 from tiermem.core.config import DaemonConfig, load_config
 from tiermem.core.errors import ConfigError, TiermemError, UnsafePathError
+from tiermem.core.statekeys import StateFormat
 from tiermem.core.units import format_size
 from tiermem.engine.pool import BufferPool
 from tiermem.engine.swap import open_engine
@@ -237,14 +237,20 @@ class Service:
 
     # ----------------------------------------------------------------- state and reclaim
 
-    def state_factory(self, job: Job, rank: int, placement: str) -> Callable[[int, tuple[str, ...], str], StateChunks]:
-        def make(numel: int, keys: tuple[str, ...], dtype: str) -> StateChunks:
-            nbytes = numel * 4 * len(keys)
+    def state_factory(self, job: Job, rank: int, placement: str) -> Callable[[int, StateFormat], StateChunks]:
+        def make(numel: int, fmt: StateFormat) -> StateChunks:
             if placement == "cpu":
+                chunk_numel = fmt.chunk_numel(self.config.adam.chunk_numel)
+                nbytes = fmt.nbytes(numel, chunk_numel)
                 self.ledger.reserve(job.key, Resource.POOL, nbytes)
                 try:
                     return CpuStateChunks(
-                        self.pool, numel, self.config.adam.chunk_numel, owner=f"{job.job_id}/{rank}", keys=keys
+                        self.pool,
+                        numel,
+                        chunk_numel,
+                        owner=f"{job.job_id}/{rank}",
+                        keys=fmt.keys,
+                        state_dtype=fmt.state_dtype,
                     )
                 except BaseException:
                     self.ledger.release(job.key, Resource.POOL, nbytes)
@@ -254,8 +260,7 @@ class Service:
             reopened = getattr(job.ranks.get(rank), "restored", None) is not None
             if not reopened:
                 self.orphans.forget(store_name(job.job_id, rank, job.owner_uid))
-            param_dtype = dtypes.by_name(dtype).torch
-            return make_nvme_state(self, job, rank, numel, keys, param_dtype=param_dtype, require_stored=reopened)
+            return make_nvme_state(self, job, rank, numel, fmt, require_stored=reopened)
 
         return make
 

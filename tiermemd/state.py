@@ -1,6 +1,6 @@
-"""Where a rank's fp32 Adam state lives: chunks of its state keys, in parts.
+"""Where a rank's Adam state lives: chunks of its state keys, in parts.
 
-A rank's state is one flat fp32 buffer of ``numel`` elements per state key,
+A rank's state is one flat buffer of ``numel`` elements per state key,
 cut into chunks of ``chunk_numel`` elements; chunk ``c`` covers elements
 ``[c * chunk_numel, min((c + 1) * chunk_numel, numel))``.  The keys of a
 chunk are grouped in parts (``chunk_parts``), each the unit a tier moves:
@@ -9,13 +9,18 @@ chunk are grouped in parts (``chunk_parts``), each the unit a tier moves:
   working dtype (``param``, bf16/fp16) where a paged rank keeps them apart
   from the master, else the fp32 ``master`` itself;
 - ``state``: the fp32 master where ``param`` is kept, ``exp_avg`` and
-  ``exp_avg_sq`` (only an update and a checkpoint touch them);
+  ``exp_avg_sq`` in the rank's ``state_dtype`` (fp32, bf16, or int8 codes
+  and their block scales: ``tiermem.core.lowbit``); only an update and a
+  checkpoint touch them;
 - ``grad``: the staged exchange's grads (written as they land, read once by
   the update, then consumed).
 
-Every key is fp32 except ``param``, which is in the rank's working dtype and
+``master`` and ``grad`` are fp32; ``param`` is in the rank's working dtype and
 always equals the master cast to it (the update writes both in one pass; a
-write of the master writes both).
+write of the master writes both).  How a part's bytes hold its keys is
+``tiermem.core.statekeys.StateFormat``: exact bytes, so the pool and the swap
+hold compressed moments compressed.  An int8 rank's chunks are a whole number
+of quantization blocks, so a block never spans two chunks.
 
 Why parts and not one record per chunk: a param fetch then moves the param's
 bytes only, not the moments and the grad beside it; a grad push moves the
@@ -34,7 +39,7 @@ is in use, so the pool may compact around idle state.  The NVMe tier
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, NamedTuple, Protocol
 
@@ -42,7 +47,8 @@ import torch
 
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.figures import Family, gauge
-from tiermem.core.statekeys import ALL_KEYS, MOMENTS, PAGED_KEYS, STAGED_KEYS, chunk_parts
+from tiermem.core.lowbit import LowbitMoments
+from tiermem.core.statekeys import ALL_KEYS, MOMENTS, PAGED_KEYS, STAGED_KEYS, StateFormat, chunk_parts
 from tiermem.engine.pool import Block, BufferPool
 from tiermem.engine.swap.records import SwapStats
 from tiermem.engine.tiers.records import TierStats
@@ -59,11 +65,8 @@ __all__ = [
     "StateStats",
     "chunk_parts",
     "chunk_ranges",
-    "split_chunk",
 ]
 
-STATE_BYTES_PER_ELEMENT = 4 * len(ALL_KEYS)
-"""What a rank with a master keeps per element (fp32 master and both moments)."""
 UPDATE_KEYS = PAGED_KEYS
 """What an update may read and write (a rank acquires the ones it keeps)."""
 
@@ -76,9 +79,14 @@ class ChunkTensors(NamedTuple):
     master: torch.Tensor | None = None
     """None also when the rank keeps no master (its fp32 params in the shared storage are the master)."""
     exp_avg: torch.Tensor | None = None
+    """In the rank's state dtype: fp32, bf16 or int8 codes."""
     exp_avg_sq: torch.Tensor | None = None
+    """fp32, bf16 or uint8 codes."""
     grad: torch.Tensor | None = None
     """The staged exchange's fp32 grads (None: the grads are in the shared storage)."""
+    exp_avg_scale: torch.Tensor | None = None
+    """The int8 codes' block scales (None for fp32 and bf16 moments)."""
+    exp_avg_sq_scale: torch.Tensor | None = None
 
     def need(self, key: str) -> torch.Tensor:
         """The tensor of ``key``, which the caller acquired: None here is a bug, said as such."""
@@ -87,11 +95,18 @@ class ChunkTensors(NamedTuple):
             raise InvalidState(f"state key {key!r} of this chunk was not acquired or is not kept by the rank")
         return value
 
-
-def split_chunk(flat: torch.Tensor, n: int, keys: Sequence[str], wanted: Iterable[str] | None = None) -> ChunkTensors:
-    """The per-key sections of a flat fp32 block of ``len(keys) * n`` elements (only ``wanted`` ones)."""
-    chosen = set(keys if wanted is None else wanted)
-    return ChunkTensors(**{key: flat[i * n : (i + 1) * n] for i, key in enumerate(keys) if key in chosen})
+    def moments(self, state_dtype: str, start: int) -> LowbitMoments:
+        """The chunk's acquired moments as one ``LowbitMoments``; ``start``: the chunk's first element."""
+        if state_dtype != "int8":
+            return LowbitMoments(state_dtype, self.need("exp_avg"), self.need("exp_avg_sq"), start=start)
+        return LowbitMoments(
+            state_dtype,
+            self.need("exp_avg"),
+            self.need("exp_avg_sq"),
+            self.need("exp_avg_scale"),
+            self.need("exp_avg_sq_scale"),
+            start=start,
+        )
 
 
 _PER_TIER = "per tier (cpu: pool bytes, NVMe chunk caches included; nvme: swap bytes)."
@@ -115,6 +130,7 @@ class StateChunks(Protocol):
     numel: int
     chunk_numel: int
     keys: tuple[str, ...]
+    format: StateFormat
 
     @property
     def nchunks(self) -> int: ...
@@ -153,25 +169,34 @@ class CpuStateChunks:
     """Every chunk resident in the pool (the ``cpu`` placement)."""
 
     def __init__(
-        self, pool: BufferPool, numel: int, chunk_numel: int, *, owner: str, keys: tuple[str, ...] = ALL_KEYS
+        self,
+        pool: BufferPool,
+        numel: int,
+        chunk_numel: int,
+        *,
+        owner: str,
+        keys: tuple[str, ...] = ALL_KEYS,
+        state_dtype: str = "fp32",
     ) -> None:
+        """``chunk_numel`` is rounded up to a whole number of the format's blocks (``StateFormat.chunk_numel``)."""
         if numel <= 0 or chunk_numel <= 0:
             raise InvalidArgument(f"state needs numel > 0 and chunk_numel > 0, got {numel} and {chunk_numel}")
         if "param" in keys:
             raise InvalidArgument("the cpu placement keeps no working-dtype params apart from the master")
         self.pool = pool
         self.numel = numel
-        self.chunk_numel = chunk_numel
+        self.format = StateFormat(keys, state_dtype=state_dtype)
+        self.chunk_numel = self.format.chunk_numel(chunk_numel)
         self.keys = keys
         self._blocks: list[Block] = []
-        self._flats: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
-        """Per chunk: where its block was, and the fp32 tensor over it then (a compaction moves unpinned
-        blocks: the tensor serves again only while the block is where it was).  Made once instead of at each
+        self._views: dict[int, tuple[tuple[int, int], dict[str, torch.Tensor]]] = {}
+        """Per chunk: where its block was, and the sections over it then (a compaction moves unpinned
+        blocks: the views serve again only while the block is where it was).  Made once instead of at each
         acquire, which took about 0.1 ms of a step's critical path."""
         self._lock = threading.Lock()
         try:
             for c in range(self.nchunks):
-                block = pool.alloc(self._chunk_len(c) * 4 * len(keys), owner=owner)
+                block = pool.alloc(self.format.chunk_nbytes(self._chunk_len(c)), owner=owner)
                 self._blocks.append(block)
                 with pool.pinned(block) as view:
                     torch.frombuffer(view, dtype=torch.uint8).zero_()
@@ -185,7 +210,7 @@ class CpuStateChunks:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * 4 * len(self.keys)
+        return self.format.nbytes(self.numel, self.chunk_numel)
 
     def _chunk_len(self, chunk: int) -> int:
         return min(self.chunk_numel, self.numel - chunk * self.chunk_numel)
@@ -197,14 +222,26 @@ class CpuStateChunks:
         n = self._chunk_len(chunk)
         self.pool.pin(block)
         place = (block.arena, block.offset)  # pinned: it stays there until the release
-        cached = self._flats.get(chunk)
+        cached = self._views.get(chunk)
         if cached is None or cached[0] != place:
             try:
-                cached = self._flats[chunk] = (place, self.pool.tensor(block, torch.float32, (len(self.keys) * n,)))
+                cached = self._views[chunk] = (place, self._sections(block, n))
             except BaseException:
                 self.pool.unpin(block)
                 raise
-        return split_chunk(cached[1], n, self.keys, keys)
+        wanted = set(keys)
+        return ChunkTensors(**{name: t for name, t in cached[1].items() if name.removesuffix("_scale") in wanted})
+
+    def _sections(self, block: Block, n: int) -> dict[str, torch.Tensor]:
+        """Every section of every part of a chunk's block (the parts in order, one after the other)."""
+        raw = self.pool.tensor(block, torch.uint8, (self.format.chunk_nbytes(n),))
+        out: dict[str, torch.Tensor] = {}
+        offset = 0
+        for part in self.format.parts:
+            size = self.format.part_nbytes(part, n)
+            out.update(self.format.split(part, raw[offset : offset + size], n))
+            offset += size
+        return out
 
     def release(self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, dirty: bool, consumed: bool = False) -> None:
         self.pool.unpin(self._blocks[chunk])
@@ -218,7 +255,7 @@ class CpuStateChunks:
         the NVMe placement's swap files and means nothing here."""
         with self._lock:
             blocks, self._blocks = self._blocks, []
-            self._flats.clear()  # the tensors hold the pool's mapping
+            self._views.clear()  # the tensors hold the pool's mapping
         for block in blocks:
             with self.pool.pinned(block) as view:
                 torch.frombuffer(view, dtype=torch.uint8).zero_()

@@ -17,7 +17,7 @@ import torch
 
 from tiermem.client.link import Client, connect
 from tiermem.client.offload import OffloadAdam
-from tiermem.core.errors import DaemonUnavailable
+from tiermem.core.errors import DaemonUnavailable, InvalidState
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -126,3 +126,40 @@ def test_a_job_file_that_does_not_parse_is_set_aside(tmp_path: Path) -> None:
         assert proc.wait(60) == 0
     assert (jobs / "broken.job.json.bad").exists()
     assert "unreadable" in (tmp_path / "daemon.log").read_text()
+
+
+def test_compressed_nvme_state_is_reopened_as_it_was_stored(tmp_path: Path) -> None:
+    """int8 moments on NVMe survive a restart bit for bit (the job file keeps their format, so the chunks are
+    read as codes and scales); a reattach that asks for another format is refused by name."""
+    torch.manual_seed(1)
+    data = [torch.randn(16, 48), torch.randn(16, 48)]
+    model = _model()
+    proc, client = _start(tmp_path)
+    opt = OffloadAdam(model.parameters(), lr=3e-3, offload="nvme", client=client, job_id="q", state_dtype="int8")
+    _train([(model, opt)], 6, data)
+    before = opt.state_dict()["state"]
+    params = [p.detach().clone() for p in model.parameters()]
+    token = opt.token
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    client.conn.close()
+
+    proc, client = _start(tmp_path)
+    try:
+        with pytest.raises(InvalidState, match="state_dtype 'int8'"):
+            OffloadAdam(_model().parameters(), lr=3e-3, offload="nvme", client=client, job_id="q", token=token)
+        fresh = _model()
+        reopened = OffloadAdam(
+            fresh.parameters(), lr=3e-3, offload="nvme", client=client, job_id="q", token=token, state_dtype="int8"
+        )
+        assert reopened.stats().rank.state_dtype == "int8"
+        for a, b in zip(fresh.parameters(), params, strict=True):
+            assert torch.equal(a, b)
+        after = reopened.state_dict()["state"]
+        for index, entry in before.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(after[index][key], entry[key]), (index, key)
+        reopened.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0

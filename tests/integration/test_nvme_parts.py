@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from tiermem.core import dtypes
+from tiermem.core.statekeys import StateFormat
+from tiermem.core.units import align_up
 from tiermem.engine.pool import BufferPool
 from tiermem.engine.swap.store import SwapStore
 from tiermem.engine.tiers.sizing import plan_cache
@@ -55,7 +58,7 @@ def test_fetches_read_the_params_only_and_an_update_moves_each_state_byte_once(
     pool_and_store: tuple[BufferPool, SwapStore], keys: tuple[str, ...], dtype: torch.dtype
 ) -> None:
     pool, store = pool_and_store
-    per_chunk = chunk_nbytes(CHUNK_NUMEL, keys, dtype)
+    per_chunk = chunk_nbytes(CHUNK_NUMEL, StateFormat(keys, dtypes.by_torch(dtype).name))
     plan = plan_cache(None, chunk_nbytes=per_chunk, nchunks=NCHUNKS, memory_nbytes=4 * per_chunk)
     state = NvmeStateChunks(pool, store, NCHUNKS * CHUNK_NUMEL, CHUNK_NUMEL, plan.cache_nbytes, keys, param_dtype=dtype)
     io = IoLog(store)
@@ -103,5 +106,50 @@ def test_fetches_read_the_params_only_and_an_update_moves_each_state_byte_once(
             {k: written.count(k) for k in written}.items(), key=lambda kv: -kv[1]
         )[:4]
         assert state.tiers.stats().discards == 4 * NCHUNKS
+    finally:
+        state.close()
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_the_state_part_moves_the_compressed_bytes(
+    pool_and_store: tuple[BufferPool, SwapStore], state_dtype: str
+) -> None:
+    """A paged bf16 rank: each page-in and page-out of a chunk's ``state`` part (master and moments) moves
+    that part's bytes in its state dtype: 12, 8 and 6.03 bytes an element, in whole pages; what is written
+    reads back (the int8 codes and their scales both)."""
+    pool, store = pool_and_store
+    fmt = StateFormat(PAGED_KEYS, "bfloat16", state_dtype)
+    per_chunk = chunk_nbytes(CHUNK_NUMEL, fmt)
+    plan = plan_cache(None, chunk_nbytes=per_chunk, nchunks=NCHUNKS, memory_nbytes=4 * per_chunk)
+    state = NvmeStateChunks(
+        pool,
+        store,
+        NCHUNKS * CHUNK_NUMEL,
+        CHUNK_NUMEL,
+        plan.cache_nbytes,
+        PAGED_KEYS,
+        param_dtype=torch.bfloat16,
+        state_dtype=state_dtype,
+    )
+    io = IoLog(store)
+    expected = align_up(fmt.part_nbytes("state", CHUNK_NUMEL))
+    try:
+        for step in range(3):
+            for c in range(NCHUNKS):
+                t = state.acquire(c, overwrite=("param",))
+                moments = t.moments(state_dtype, c * CHUNK_NUMEL)
+                if step:
+                    m, v = moments.dequantize()
+                    assert torch.equal(m, torch.full_like(m, float(step))), (step, c)
+                    assert torch.equal(v, torch.full_like(v, float(2 * step))), (step, c)
+                moments.store(
+                    torch.full((CHUNK_NUMEL,), step + 1.0), torch.full((CHUNK_NUMEL,), 2 * step + 2.0), step=1
+                )
+                state.release(c, dirty=True, consumed=True)
+        reads, writes = io.take()
+        moved = [n for key, n in reads + writes if key.endswith(".state")]
+        assert moved and all(n == expected for n in moved), (set(moved), expected)
+        bound = {"fp32": 12.0, "bf16": 8.0, "int8": 6.2}[state_dtype]
+        assert expected <= align_up(int(bound * CHUNK_NUMEL))
     finally:
         state.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -218,3 +219,24 @@ def test_the_table_and_the_json_carry_the_same_figures():
         "all": False,
     }
     assert data["node"]["gpu_nbytes"] == 80 * 10**9
+
+
+@pytest.mark.parametrize(
+    ("state_dtype", "pool", "swap"), [("fp32", 16, 18), ("bf16", 12, 14), ("int8", 10.03125, 12.03125)]
+)
+def test_compressed_moments_shrink_the_daemons_share_by_their_bytes(state_dtype, pool, swap):
+    """master 4 + grad 4 + the two moments (4, 2 or 1 + a 256th of a 4-byte scale each), and on NVMe the fp16
+    params (2); the GPU's share and the no-offload rows do not change."""
+    shape = RunShape(params=7_000_000_000, gpus=8, state_dtype=state_dtype)
+    base = RunShape(params=7_000_000_000, gpus=8)
+    cpu, nvme = estimate(shape, 3, "cpu"), estimate(shape, 3, "nvme")
+    assert cpu.host_nbytes == math.ceil(pool * shape.shard_numel) + shape.window_nbytes
+    assert nvme.nvme_nbytes == math.ceil(swap * shape.shard_numel)
+    assert cpu.gpu_nbytes == estimate(base, 3, "cpu").gpu_nbytes
+    assert estimate(shape, 2, "none") == dataclasses.replace(estimate(base, 2, "none"), shape=shape)
+    assert to_json(shape, [], NodeCapacity())["state_dtype"] == state_dtype
+
+
+def test_an_unknown_state_dtype_is_refused_by_the_estimator():
+    with pytest.raises(InvalidArgument, match="state_dtype must be one of"):
+        RunShape(params=1, gpus=1, state_dtype="fp8")

@@ -129,7 +129,9 @@ def open_rank(pool: BufferPool, scheduler: CpuScheduler, kernel: AdamKernel, *, 
         GROUPS,
         grad_buffers,
         "cpu",
-        lambda numel, keys, _dtype: CpuStateChunks(pool, numel, CHUNK_NUMEL, owner="job/0", keys=keys),
+        lambda numel, fmt: CpuStateChunks(
+            pool, numel, CHUNK_NUMEL, owner="job/0", keys=fmt.keys, state_dtype=fmt.state_dtype
+        ),
         lambda nbytes: (Arena.create(nbytes, name="rank-test-storage", mlock=False, reserve=False), 2),
     )
     assert reg.storage is not None

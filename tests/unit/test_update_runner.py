@@ -110,6 +110,7 @@ class CountingState:
     def __init__(self, inner: CpuStateChunks, max_acquired: int | None = None) -> None:
         self.inner = inner
         self.numel, self.chunk_numel, self.keys = inner.numel, inner.chunk_numel, inner.keys
+        self.format = inner.format
         if max_acquired is not None:
             self.max_acquired = max_acquired
         self._lock = threading.Lock()
@@ -171,7 +172,8 @@ class RecordingKernel:
         return float(g.square().sum()), not bool(torch.isfinite(g).all())
 
     def update(self, ops: AdamSlices, *, group: ParamGroup, step: int, grad_scale: float) -> None:
-        master, exp_avg, exp_avg_sq, grad, out = ops
+        master, moments, grad, out = ops
+        exp_avg, exp_avg_sq = moments.exp_avg, moments.exp_avg_sq
         lo = (grad.data_ptr() - self.grads.data_ptr()) // self.grads.element_size()
         out_ptr = None if out is None else out.data_ptr()
         self.calls.append(

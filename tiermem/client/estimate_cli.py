@@ -87,6 +87,12 @@ def add_estimate_command(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="one ZeRO stage (default: all four)")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), help="one offload choice (default: all three)")
     p.add_argument(
+        "--state-dtype",
+        choices=("fp32", "bf16", "int8"),
+        default="fp32",
+        help="how the daemon stores the offloaded Adam moments (OffloadAdam's state_dtype; default fp32)",
+    )
+    p.add_argument(
         "--gpu-memory",
         type=_size,
         metavar="SIZE",
@@ -130,6 +136,7 @@ def _run(args: argparse.Namespace) -> int:
             nodes=args.nodes,
             window_nbytes=config.jobs.window_size,
             chunk_numel=config.adam.chunk_numel,
+            state_dtype=args.state_dtype,
         )
     except (TiermemError, ValueError) as exc:
         parser.error(str(exc))

@@ -355,11 +355,13 @@ class Client:
         grad_buffers: int = 1,
         exchange: str = "shared",
         grads_in_state: bool = False,
+        state_dtype: str = "fp32",
     ) -> RegisterOk:
         """Register the tensors; the daemon's plan comes back and, with the shared exchange, its shared storage
-        is mapped as ``storage``."""
+        is mapped as ``storage``.  ``state_dtype``: how the daemon stores the moments (``fp32``, ``bf16``,
+        ``int8``)."""
         reply, fds = self.conn.request_fds(
-            Register(tuple(tensors), tuple(groups), grad_buffers, exchange, grads_in_state)
+            Register(tuple(tensors), tuple(groups), grad_buffers, exchange, grads_in_state, state_dtype)
         )
         want = 1 if exchange == "shared" else 0
         if not isinstance(reply, RegisterOk) or len(fds) != want:

@@ -38,6 +38,11 @@ device's optimizer shard (``tiermem.client.offload.staged``; ``offload.args``'s
   chunk cache (seven chunks of ``adam.chunk_numel`` elements at most) and the
   window.
 
+With compressed moments (``RunShape.state_dtype``, ``tiermem.core.lowbit``)
+the two moments take 2 + 2 B (bf16) or 1 + 1 B and their block scales
+(int8): 12 and 10.03 B in the pool, 14 and 12.03 B on the NVMe tier.  The
+no-offload rows stay the paper's (plain ZeRO keeps AdamW's fp32 state).
+
 A node runs ``gpus / nodes`` ranks and one daemon; the daemon process itself
 (Python, torch, the compiled kernels) was measured at about 0.3 GiB
 (``benchmarks/README.md``, bench_memory).  Activations, temporary buffers and
@@ -49,9 +54,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 
 from tiermem.core.errors import InvalidArgument
+from tiermem.core.lowbit import STATE_DTYPES
+from tiermem.core.statekeys import PAGED_KEYS, STAGED_KEYS, key_nbytes
 from tiermem.core.units import MiB
 
 __all__ = [
@@ -68,9 +76,11 @@ __all__ = [
     "estimate",
     "estimate_all",
     "fit",
+    "daemon_state_bytes",
     "format_count",
     "format_gb",
     "parse_params",
+    "nvme_state_bytes",
     "render_table",
     "to_json",
     "zero_device_nbytes",
@@ -118,6 +128,8 @@ class RunShape:
     """Staging window per rank (the daemon's ``jobs.window_size``)."""
     chunk_numel: int = 1 << 22
     """Elements per Adam chunk (the daemon's ``adam.chunk_numel``): the NVMe cache is counted in chunks."""
+    state_dtype: str = "fp32"
+    """How the daemon stores the moments (``OffloadAdam(state_dtype=...)``): fp32, bf16 or int8."""
 
     def __post_init__(self) -> None:
         for name in ("params", "gpus", "nodes", "chunk_numel"):
@@ -126,6 +138,8 @@ class RunShape:
                 raise InvalidArgument(f"{name} must be an integer, got {value!r}")
             if value <= 0:
                 raise InvalidArgument(f"{name} must be positive, got {value}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise InvalidArgument(f"state_dtype must be one of {list(STATE_DTYPES)}, got {self.state_dtype!r}")
         if self.window_nbytes < 0:
             raise InvalidArgument(f"window_nbytes must be >= 0, got {self.window_nbytes}")
         if self.gpus % self.nodes:
@@ -199,12 +213,24 @@ def estimate(shape: RunShape, stage: int, offload: Offload | str) -> Estimate:
     if offload is Offload.NONE:
         return Estimate(shape, stage, offload, zero_device_nbytes(shape, stage), 0, 0)
     gpu = PARAM_BYTES * params + GRAD_BYTES * grads
-    state = DAEMON_STATE_BYTES * states
     if offload is Offload.CPU:
+        state = math.ceil(daemon_state_bytes(shape.state_dtype) * states)
         return Estimate(shape, stage, offload, gpu, state + shape.window_nbytes, 0)
-    state = NVME_STATE_BYTES * states
-    cache = min(state, NVME_CACHE_CHUNKS * shape.chunk_numel * NVME_STATE_BYTES)
+    per_element = nvme_state_bytes(shape.state_dtype)
+    state = math.ceil(per_element * states)
+    cache = min(state, math.ceil(NVME_CACHE_CHUNKS * shape.chunk_numel * per_element))
     return Estimate(shape, stage, offload, gpu, cache + shape.window_nbytes, state)
+
+
+def daemon_state_bytes(state_dtype: str = "fp32") -> float:
+    """Bytes the daemon keeps per element of an offloaded shard on the CPU tier (``DAEMON_STATE_BYTES`` for
+    fp32 moments)."""
+    return sum(key_nbytes(key, "float16", state_dtype) for key in STAGED_KEYS)
+
+
+def nvme_state_bytes(state_dtype: str = "fp32") -> float:
+    """Bytes per element on the NVMe tier: the CPU tier's and the fp16 params (``NVME_STATE_BYTES``)."""
+    return sum(key_nbytes(key, "float16", state_dtype) for key in PAGED_KEYS)
 
 
 def estimate_all(
@@ -339,6 +365,11 @@ def render_table(shape: RunShape, rows: list[tuple[Estimate, Fit]], node: NodeCa
         f"{format_count(shape.params)} params, {shape.gpus} GPUs on {shape.nodes} node(s) "
         f"({shape.gpus_per_node} ranks per node); mixed-precision Adam, 16 B/param of model states"
     )
+    if shape.state_dtype != "fp32":
+        head += (
+            f"; offloaded moments in {shape.state_dtype}: {daemon_state_bytes(shape.state_dtype):g} B/param in the "
+            f"pool, {nvme_state_bytes(shape.state_dtype):g} on NVMe"
+        )
     columns = ("offload", "stage", "GPU/device", "host/rank", "NVMe/rank", "host/node", "NVMe/node", "fits this node")
     table = [columns]
     for est, f in rows:
@@ -389,6 +420,7 @@ def to_json(shape: RunShape, rows: list[tuple[Estimate, Fit]], node: NodeCapacit
         "gpus_per_node": shape.gpus_per_node,
         "window_nbytes": shape.window_nbytes,
         "chunk_numel": shape.chunk_numel,
+        "state_dtype": shape.state_dtype,
         "daemon_process_nbytes": DAEMON_PROCESS_NBYTES,
         "node": dataclasses.asdict(node),
         "estimates": [

@@ -10,7 +10,9 @@ Given tensors in registration order, ``plan_layout`` assigns:
 - buckets: consecutive runs of tensors of about ``bucket_nbytes`` of gradient,
   in reverse registration order (the daemon plans with one bucket; the client
   groups its own for the overlapped update, ``tiermem.client.offload.policy``);
-- the storage layout (regions 4 KiB aligned, tensors packed densely inside)::
+- the storage layout (regions 4 KiB aligned, tensors packed densely inside,
+  or each starting on a multiple of ``element_align`` elements: a rank with
+  int8 moments starts every tensor on a quantization block)::
 
       +-------------------+-------------------+-------------------+
       | params (working)  | grads, buffer 0   | grads, buffer 1   |
@@ -133,10 +135,15 @@ def group_buckets(nbytes: list[int], bucket_nbytes: int) -> list[list[int]]:
     return groups
 
 
-def plan_layout(specs: list[TensorSpec], *, bucket_nbytes: int, grad_buffers: int = 1) -> Layout:
-    """Lay out ``specs``; all tensors share one working dtype (a job's model precision)."""
+def plan_layout(
+    specs: list[TensorSpec], *, bucket_nbytes: int, grad_buffers: int = 1, element_align: int = 1
+) -> Layout:
+    """Lay out ``specs``; all tensors share one working dtype (a job's model precision).  Each tensor starts
+    on a multiple of ``element_align`` elements of the flat space (the gaps are never written)."""
     if not specs:
         raise InvalidArgument("register at least one tensor")
+    if element_align <= 0:
+        raise InvalidArgument(f"element_align must be > 0, got {element_align}")
     if bucket_nbytes <= 0:
         raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
     if grad_buffers not in (1, 2):
@@ -159,13 +166,12 @@ def plan_layout(specs: list[TensorSpec], *, bucket_nbytes: int, grad_buffers: in
 
     slots: list[TensorSlot] = []
     start = 0
-    offset = 0
     for index, spec in enumerate(specs):
         if any(d < 0 for d in spec.shape):
             raise InvalidArgument(f"tensor {spec.name!r} has a negative dimension: {spec.shape}")
-        slots.append(TensorSlot(spec, index, start, offset, bucket_of[index]))
+        start = _align(start, element_align)
+        slots.append(TensorSlot(spec, index, start, start * itemsize, bucket_of[index]))
         start += spec.numel
-        offset += spec.numel * itemsize
     buckets = []
     for b, members in enumerate(groups):
         first, last = slots[members[0]], slots[members[-1]]
@@ -179,7 +185,7 @@ def plan_layout(specs: list[TensorSpec], *, bucket_nbytes: int, grad_buffers: in
                 last.slot_offset + last.nbytes - first.slot_offset,
             )
         )
-    region = _align(max(offset, 1), _REGION_ALIGN)
+    region = _align(max(start * itemsize, 1), _REGION_ALIGN)
     grad_offsets = tuple(region * (1 + i) for i in range(grad_buffers))
     return Layout(
         slots=tuple(slots),

@@ -53,6 +53,7 @@ import torch
 
 from tiermem.core.adam_math import AdamScalars, adam_update
 from tiermem.core.errors import InvalidArgument
+from tiermem.core.modes import STATE_DTYPES
 
 __all__ = [
     "BLOCK",
@@ -71,7 +72,6 @@ __all__ = [
     "round_bf16",
 ]
 
-STATE_DTYPES = ("fp32", "bf16", "int8")
 BLOCK = 256
 """Elements per quantization block of ``int8`` (one fp32 scale each)."""
 PER_OCTAVE = 8
@@ -284,12 +284,15 @@ class LowbitMoments:
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 copies of (exp_avg, exp_avg_sq): AdamW's form, what ``state_dict`` exports."""
-        if self.state_dtype == "int8":
-            return (
-                dequantize_signed(self.exp_avg, self.exp_avg_scale),
-                dequantize_unsigned(self.exp_avg_sq, self.exp_avg_sq_scale),
-            )
-        return self.exp_avg.to(torch.float32), self.exp_avg_sq.to(torch.float32)
+        return self.dequantize_one("exp_avg"), self.dequantize_one("exp_avg_sq")
+
+    def dequantize_one(self, key: str) -> torch.Tensor:
+        """An fp32 copy of moment ``key`` (``exp_avg`` or ``exp_avg_sq``)."""
+        if self.state_dtype != "int8":
+            return self._codes(key).to(torch.float32)
+        if key == "exp_avg":
+            return dequantize_signed(self.exp_avg, self.exp_avg_scale)
+        return dequantize_unsigned(self.exp_avg_sq, self.exp_avg_sq_scale)
 
     def store(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int) -> None:
         """Keep fp32 ``exp_avg`` and ``exp_avg_sq`` (an update's result, or a loaded checkpoint's), rounded
@@ -298,21 +301,41 @@ class LowbitMoments:
             raise InvalidArgument(
                 f"moments of {exp_avg.numel()} and {exp_avg_sq.numel()} elements for a state of {self.numel}"
             )
+        self.store_one("exp_avg", exp_avg, step=step)
+        self.store_one("exp_avg_sq", exp_avg_sq, step=step)
+
+    def store_one(self, key: str, values: torch.Tensor, *, step: int) -> None:
+        """Keep fp32 ``values`` as moment ``key``, rounded with the numbers of ``step`` (the low half of the
+        element's hash for ``exp_avg``, the high half for ``exp_avg_sq``, as ``store``)."""
+        codes = self._codes(key)
+        if values.numel() != self.numel:
+            raise InvalidArgument(f"{key} of {values.numel()} elements for a state of {self.numel}")
         if self.state_dtype == "fp32":
-            self.exp_avg.copy_(exp_avg)
-            self.exp_avg_sq.copy_(exp_avg_sq)
+            codes.copy_(values)
             return
         r_m, r_v = random_halves(torch.arange(self.start, self.start + self.numel, dtype=torch.int64), step)
         if self.state_dtype == "bf16":
-            self.exp_avg.copy_(round_bf16(exp_avg, r_m))
-            self.exp_avg_sq.copy_(round_bf16(exp_avg_sq, r_v))
-            return
-        codes, scale = quantize_signed(exp_avg, r_m)
-        self.exp_avg.copy_(codes)
-        self.exp_avg_scale.copy_(scale)
-        codes, scale = quantize_unsigned(exp_avg_sq, r_v)
-        self.exp_avg_sq.copy_(codes)
-        self.exp_avg_sq_scale.copy_(scale)
+            codes.copy_(round_bf16(values, r_m if key == "exp_avg" else r_v))
+        elif key == "exp_avg":
+            new, scale = quantize_signed(values, r_m)
+            codes.copy_(new)
+            self.exp_avg_scale.copy_(scale)
+        else:
+            new, scale = quantize_unsigned(values, r_v)
+            codes.copy_(new)
+            self.exp_avg_sq_scale.copy_(scale)
+
+    def zero(self) -> None:
+        """Reset both moments to zero (and an int8 state's scales)."""
+        for t in (self.exp_avg, self.exp_avg_sq, self.exp_avg_scale, self.exp_avg_sq_scale):
+            t.zero_()
+
+    def _codes(self, key: str) -> torch.Tensor:
+        if key == "exp_avg":
+            return self.exp_avg
+        if key == "exp_avg_sq":
+            return self.exp_avg_sq
+        raise InvalidArgument(f"a moment is 'exp_avg' or 'exp_avg_sq', got {key!r}")
 
 
 def lowbit_update(

@@ -12,7 +12,10 @@ from tiermem.core.errors import InvalidArgument
 
 _T = TypeVar("_T", bound="_Named")
 
-__all__ = ["Exchange", "Placement", "StepMode"]
+__all__ = ["STATE_DTYPES", "Exchange", "Placement", "StepMode"]
+
+STATE_DTYPES = ("fp32", "bf16", "int8")
+"""How the daemon may store the Adam moments (``tiermem.core.lowbit`` defines each)."""
 
 
 class _Named(enum.Enum):

@@ -3,7 +3,10 @@
 An update of tensors ``ids`` becomes pieces ``(chunk, lo, hi, group, step)``:
 maximal runs of consecutive tensors that share a param group and a step
 count (so one kernel call serves the run), cut at chunk boundaries (the unit
-the state is stored, paged and scheduled in).  ``step`` is the count after the
+the state is stored, paged and scheduled in).  Where the layout starts each
+tensor on a multiple of ``align`` elements (int8 moments), a run steps over
+the gap between two tensors: its elements are zeros that stay zeros (zero
+grads, moments and master), and the run stays one call.  ``step`` is the count after the
 update (1 for a tensor's first).
 """
 
@@ -39,7 +42,12 @@ def check_ids(ids: Sequence[int], count: int) -> list[int]:
 
 
 def plan_pieces(
-    records: Sequence[TensorRecord], ids: Sequence[int], groups: Sequence[ParamGroup], chunk_numel: int
+    records: Sequence[TensorRecord],
+    ids: Sequence[int],
+    groups: Sequence[ParamGroup],
+    chunk_numel: int,
+    *,
+    align: int = 1,
 ) -> list[Piece]:
     """The pieces of one update of ``ids`` (sorted, unique), with each tensor's next step count."""
     runs: list[tuple[int, int, int, int]] = []
@@ -47,7 +55,7 @@ def plan_pieces(
     for tid in ids:
         rec = records[tid]
         g, s = rec.spec.group, rec.step + 1
-        if runs and stop == rec.start and group == g and step == s:
+        if runs and -(-stop // align) * align == rec.start and group == g and step == s:
             stop = rec.stop
             runs[-1] = (start, stop, g, s)
         elif rec.stop > rec.start:

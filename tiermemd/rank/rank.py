@@ -49,6 +49,7 @@ from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState, StepFailed, TiermemError
 from tiermem.core.layout import Layout, plan_layout
 from tiermem.core.layout import TensorSpec as LayoutSpec
+from tiermem.core.lowbit import BLOCK
 from tiermem.core.protocol import (
     Abort,
     Aborted,
@@ -60,7 +61,7 @@ from tiermem.core.protocol import (
     TensorSlot,
     TensorSpec,
 )
-from tiermem.core.statekeys import state_keys_for
+from tiermem.core.statekeys import StateFormat, state_keys_for
 from tiermem.core.step_rules import GradStats, combine_grad_stats, decide
 from tiermem.engine.pool import Arena
 from tiermemd import health
@@ -75,8 +76,8 @@ from tiermemd.state import StateChunks, StateStats, chunk_ranges
 
 __all__ = ["RankOptimizer", "Registration", "state_keys_for"]
 
-MakeState = Callable[[int, tuple[str, ...], str], StateChunks]
-"""Makes a rank's state: (elements, state keys, working dtype name)."""
+MakeState = Callable[[int, StateFormat], StateChunks]
+"""Makes a rank's state: (elements, its format: keys, working dtype, state dtype)."""
 MakeStorage = Callable[[int], tuple[Arena, int]]
 
 
@@ -146,6 +147,7 @@ class RankOptimizer(StateIO):
         make_storage: MakeStorage,
         exchange: str = "shared",
         grads_in_state: bool = False,
+        state_dtype: str = "fp32",
     ) -> Registration:
         """Plan the storage of ``specs``, create it and their state.
 
@@ -160,6 +162,7 @@ class RankOptimizer(StateIO):
                 or len(self.layout.grad_offsets) != grad_buffers
                 or exchange != self.exchange
                 or grads_in_state != self.grads_in_state
+                or state_dtype != self.state.format.state_dtype  # type: ignore[union-attr]
             ):
                 raise InvalidState(
                     f"rank {self.rank} of job {self.job_id!r} is already registered with other tensors "
@@ -174,10 +177,12 @@ class RankOptimizer(StateIO):
                 or grad_buffers != restored.grad_buffers
                 or exchange != restored.exchange
                 or grads_in_state != restored.grads_in_state
+                or state_dtype != restored.state_dtype
             ):
                 raise InvalidState(
-                    f"rank {self.rank} of job {self.job_id!r} was restored with {len(restored.specs)} tensors and "
-                    f"{restored.grad_buffers} grad buffer(s); register exactly those to continue"
+                    f"rank {self.rank} of job {self.job_id!r} was restored with {len(restored.specs)} tensors, "
+                    f"{restored.grad_buffers} grad buffer(s) and state_dtype {restored.state_dtype!r}; register "
+                    "exactly those to continue"
                 )
             placement = restored.placement
         if not groups:
@@ -185,15 +190,21 @@ class RankOptimizer(StateIO):
         for spec in specs:
             if spec.group >= len(groups):
                 raise InvalidArgument(f"tensor {spec.name!r} names group {spec.group}, but {len(groups)} were given")
+        # int8 moments are quantized in blocks of the flat space: each tensor starts one, so a block never
+        # holds two tensors' elements (which an update of one of them would re-quantize)
         layout = plan_layout(
             [LayoutSpec(s.name, tuple(s.shape), s.dtype, s.group) for s in specs],
             bucket_nbytes=1 << 62,
             grad_buffers=grad_buffers,
+            element_align=BLOCK if state_dtype == "int8" else 1,
         )
         keys = state_keys_for(layout.dtype, placement, grad_buffers, exchange, grads_in_state)
+        fmt = StateFormat(keys, layout.dtype, state_dtype)
         storage, storage_id = make_storage(layout.nbytes) if exchange == "shared" else (None, 0)
         try:
-            state = make_state(layout.numel, keys, layout.dtype)
+            state = make_state(layout.numel, fmt)
+            if state_dtype != "fp32":
+                self.runner.kernel.prepare(state_dtype)
         except BaseException:
             if storage is not None:
                 storage.close()
@@ -333,7 +344,7 @@ class RankOptimizer(StateIO):
     def _advance(self, ids: Sequence[int], groups: Sequence[ParamGroup]) -> list[Piece]:
         """The pieces of an update of ``ids``; from here on they count as stepped."""
         _, state = self._parts()
-        pieces = plan_pieces(self.records, ids, groups, state.chunk_numel)
+        pieces = plan_pieces(self.records, ids, groups, state.chunk_numel, align=state.format.block)
         for tid in ids:
             self.records[tid].step += 1
         return pieces
@@ -572,6 +583,7 @@ class RankOptimizer(StateIO):
             skipped_steps=self.skipped_steps,
             exchange=self.exchange,
             grads_in_state=self.grads_in_state,
+            state_dtype=self.state.format.state_dtype if self.state is not None else "fp32",
         )
 
     def stats(self) -> RankStats:
@@ -580,6 +592,7 @@ class RankOptimizer(StateIO):
             job_id=self.job_id,
             rank=self.rank,
             placement=self.placement,
+            state_dtype=state.format.state_dtype if state is not None else "",
             last_step=self.last_step,
             skipped_steps=self.skipped_steps,
             failed=self.phase.phase is RankPhase.FAILED,

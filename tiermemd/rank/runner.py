@@ -42,6 +42,7 @@ import torch
 
 from tiermem.core.errors import InvalidState
 from tiermem.core.histogram import UPDATE_SECONDS, Histogram
+from tiermem.core.lowbit import LowbitMoments
 from tiermem.core.protocol import ParamGroup
 from tiermemd import health
 from tiermemd.rank.planner import Piece
@@ -74,8 +75,8 @@ class AdamSlices(NamedTuple):
     """The operands of one piece's update: equal-length flat slices."""
 
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    moments: LowbitMoments
+    """``exp_avg`` and ``exp_avg_sq`` in the rank's state dtype (fp32 ones are AdamW's, updated exactly)."""
     grad: torch.Tensor
     out: torch.Tensor | None
     """Receives the updated params cast down (None: no params written in this pass)."""
@@ -90,6 +91,10 @@ class AdamKernel(Protocol):
 
     def update(self, ops: AdamSlices, *, group: ParamGroup, step: int, grad_scale: float) -> None:
         """One Adam/AdamW step over ``ops``, in place."""
+        ...
+
+    def prepare(self, state_dtype: str) -> None:
+        """Make ready what updates of compressed moments (``state_dtype`` bf16 or int8) run."""
         ...
 
 
@@ -278,8 +283,8 @@ class UpdateRunner:
                     grads = tensors.grad[a - c0 : b - c0]
                 else:
                     raise InvalidState("the rank has neither a grad buffer nor staged grads")
-                m, v = tensors.need("exp_avg"), tensors.need("exp_avg_sq")
-                ops = AdamSlices(master, m[a - c0 : b - c0], v[a - c0 : b - c0], grads, out)
+                moments = tensors.moments(state.format.state_dtype, c0).piece(a - c0, b - c0)
+                ops = AdamSlices(master, moments, grads, out)
                 self.kernel.update(ops, group=piece.group, step=piece.step, grad_scale=grad_scale)
                 if cast is not None:
                     cast.copy_(master)

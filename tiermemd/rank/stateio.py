@@ -9,6 +9,13 @@ working dtype, widened to fp32 in the window: what a param fetch reads.  Where
 a paged rank keeps them apart from the master, it reads only their 2 bytes an
 element from the tier; elsewhere it reads the master.  A write of the master
 writes the kept working-dtype params beside it.
+
+Compressed moments (``state_dtype`` bf16 or int8) move as fp32 values all
+the same, so a checkpoint is AdamW's: a read dequantizes, a write quantizes
+(stochastic rounding with the numbers of the step it carries).  An int8 write
+re-quantizes the whole blocks it touches; a block holds one tensor's elements
+only (the layout starts each tensor on a block), so no other tensor's moments
+move.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 
 from tiermem.core.errors import BoundsError, InvalidArgument
 from tiermem.core.layout import Layout
+from tiermem.core.lowbit import LowbitMoments
 from tiermem.core.protocol import (
     STATE_KEYS,
     MemRef,
@@ -34,7 +42,7 @@ from tiermem.core.protocol import (
 from tiermem.engine.pool import Arena
 from tiermemd.rank.planner import check_ids
 from tiermemd.rank.records import PhaseRecord, RankPhase, TensorRecord
-from tiermemd.state import StateChunks, chunk_ranges
+from tiermemd.state import MOMENTS, ChunkTensors, StateChunks, chunk_ranges
 
 __all__ = ["StateIO"]
 
@@ -121,9 +129,11 @@ class StateIO:
         apply: Callable[[torch.Tensor, torch.Tensor], None],
         *,
         dirty: bool,
+        step: int = 0,
     ) -> None:
         """``apply(staged, values)`` over the range of ``key`` that ``ref`` stages, one acquired chunk at a time;
-        ``dirty``: the chunks are released as written."""
+        ``dirty``: the chunks are released as written; ``step``: the step count a written compressed moment is
+        rounded with."""
         self._settle()
         _, state = self._parts()
         lo, hi = self._state_span(tid, key, offset, ref.length)
@@ -135,15 +145,51 @@ class StateIO:
         cast = dirty and key == "master" and "param" in state.keys
         if cast:
             keys = ("master", "param")
+        compressed = key in MOMENTS and state.format.state_dtype != "fp32"
+        if compressed:
+            keys = MOMENTS  # what ``ChunkTensors.moments`` reads (one part: nothing more is paged in)
         for chunk, a, b in chunk_ranges(lo, hi, state.chunk_numel):
             tensors = state.acquire(chunk, keys, advance=False)
             try:
+                if compressed:
+                    self._transfer_moment(tensors, key, chunk, a, b, staged[a - lo : b - lo], apply, dirty, step)
+                    continue
                 values = self._key_view(key, a, b, chunk, tensors)
                 apply(staged[a - lo : b - lo], values)
                 if cast:
                     self._key_view("param", a, b, chunk, tensors).copy_(values)
             finally:
                 state.release(chunk, keys, dirty=dirty)
+
+    def _moments(self, tensors: ChunkTensors, chunk: int, a: int, b: int) -> tuple[LowbitMoments, int]:
+        """The compressed moments of the whole blocks that hold flat ``[a, b)`` of ``chunk``, and where ``a``
+        is in them."""
+        _, state = self._parts()
+        c0 = chunk * state.chunk_numel
+        block = state.format.block
+        first = (a - c0) // block * block
+        last = min(-(-(b - c0) // block) * block, state.chunk_numel, state.numel - c0)
+        return tensors.moments(state.format.state_dtype, c0).piece(first, last), a - c0 - first
+
+    def _transfer_moment(
+        self,
+        tensors: ChunkTensors,
+        key: str,
+        chunk: int,
+        a: int,
+        b: int,
+        staged: torch.Tensor,
+        apply: Callable[[torch.Tensor, torch.Tensor], None],
+        dirty: bool,
+        step: int,
+    ) -> None:
+        """``_transfer`` of compressed moment ``key`` over flat ``[a, b)`` of ``chunk``: through fp32 values of
+        the blocks that hold it, quantized back (with the numbers of ``step``) when written."""
+        moments, at = self._moments(tensors, chunk, a, b)
+        values = moments.dequantize_one(key)
+        apply(staged, values[at : at + b - a])
+        if dirty:
+            moments.store_one(key, values, step=step)
 
     def read_state(self, msg: StateRead) -> StateChunk:
         self._transfer(msg.tensor_id, msg.key, msg.offset, msg.dest, _read, dirty=False)
@@ -163,8 +209,8 @@ class StateIO:
         for ``torch.optim``), so loading the optimizer before or after the model gives the same result."""
         _check_writable(msg.key)
         apply = _accumulate if msg.accumulate else _write
-        self._transfer(msg.tensor_id, msg.key, msg.offset, msg.src, apply, dirty=True)
-        if msg.key in ("exp_avg", "exp_avg_sq"):
+        self._transfer(msg.tensor_id, msg.key, msg.offset, msg.src, apply, dirty=True, step=msg.step)
+        if msg.key in MOMENTS:
             self.records[msg.tensor_id].step = msg.step
 
     def read_many(self, msg: StateReadMany) -> StateSpans:
@@ -184,8 +230,8 @@ class StateIO:
             self._window_f32(span.area)
         for span in msg.spans:
             apply = _accumulate if span.accumulate else _write
-            self._transfer(span.tensor_id, span.key, span.offset, span.area, apply, dirty=True)
-            if span.key in ("exp_avg", "exp_avg_sq"):
+            self._transfer(span.tensor_id, span.key, span.offset, span.area, apply, dirty=True, step=span.step)
+            if span.key in MOMENTS:
                 self.records[span.tensor_id].step = span.step
 
     def reset_state(self, ids: Sequence[int]) -> None:
@@ -205,8 +251,7 @@ class StateIO:
                 c0 = chunk * state.chunk_numel
                 tensors = state.acquire(chunk, advance=False)
                 try:
-                    tensors.need("exp_avg")[a - c0 : b - c0].zero_()
-                    tensors.need("exp_avg_sq")[a - c0 : b - c0].zero_()
+                    self._moments(tensors, chunk, a, b)[0].zero()
                     if tensors.grad is not None:
                         tensors.grad[a - c0 : b - c0].zero_()
                     if tensors.master is not None and params is not None:

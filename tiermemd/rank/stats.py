@@ -83,3 +83,5 @@ class RankStats:
     staleness_steps: Annotated[int, gauge(STALENESS, JOB_STALENESS)]
     """Steps the params in the storage lag behind the state: 1 while a delayed update runs (DPU), else 0."""
     state: StateStats
+    state_dtype: str = ""
+    """How the moments are stored (``fp32``, ``bf16``, ``int8``); empty before REGISTER."""

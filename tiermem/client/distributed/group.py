@@ -32,7 +32,7 @@ sent to its daemon as they landed (the grads are not in the trainer at
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -131,12 +131,12 @@ class RankGroup:
         self.job_id, self.token = agree_identity(self.collective, self.group, self.rank, job_id, token)
         return self.job_id, self.token
 
-    def node_client(self, numel: int, *, offload: str | Placement, **plan: Any) -> Client:
-        """This rank's client of its node's daemon, for an inner optimizer of ``numel`` elements; ``plan``:
-        the inner optimizer's ``dtype``, ``window_nbytes``, ``exchange``, ``mode``, ``release_grads``
-        (``node``, which sizes a private daemon for every rank of the node)."""
+    def node_client(self, numels: Sequence[int], *, offload: str | Placement, **plan: Any) -> Client:
+        """This rank's client of its node's daemon, for an inner optimizer of tensors of ``numels`` elements;
+        ``plan``: the inner optimizer's ``dtype``, ``window_nbytes``, ``exchange``, ``mode``,
+        ``release_grads``, ``state_dtype`` (``node``, which sizes a private daemon for every rank of the node)."""
         placement = Placement.parse(offload, "offload")
-        return node_client(self.collective, self.rank, self.world_size, numel, placement=placement, **plan)
+        return node_client(self.collective, self.rank, self.world_size, numels, placement=placement, **plan)
 
     def inner_optimizer(self, params: list[Any], client: Client | None, **options: Any) -> OffloadAdam:
         """This rank's ``OffloadAdam`` (``options``: its arguments) in the agreed job (``agree_identity``), as

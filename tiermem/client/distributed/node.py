@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from tiermem.client.link import Client, connect
-from tiermem.client.offload.args import private_pool_plan
+from tiermem.client.offload.args import padded_numel, private_pool_plan
 from tiermem.core.errors import DaemonUnavailable, TiermemError
 from tiermem.core.modes import Exchange, Placement, StepMode
 
@@ -38,7 +38,7 @@ def node_client(
     collective: Callable[..., Any],
     rank: int,
     world_size: int,
-    numel: int,
+    numels: Sequence[int],
     *,
     dtype: str,
     placement: Placement,
@@ -46,12 +46,14 @@ def node_client(
     exchange: Exchange = Exchange.SHARED,
     mode: StepMode = StepMode.SYNC,
     release_grads: bool = False,
+    state_dtype: str = "fp32",
 ) -> Client:
     """This rank's client of its node's daemon; ``collective(what, fn, *args)`` runs a collective.
 
     Where the node has no daemon, one rank starts a private one with a pool sized for what every rank of
-    the node will ask: each rank's plan for its optimizer (``exchange``, ``mode`` and ``release_grads``
-    are the inner ``OffloadAdam``'s, so a paged or staged optimizer gets its 16 bytes per element)."""
+    the node will ask: each rank's plan for its optimizer of tensors of ``numels`` elements (``exchange``,
+    ``mode``, ``release_grads`` and ``state_dtype`` are the inner ``OffloadAdam``'s, so a paged or staged
+    optimizer gets its 16 bytes per element, and compressed moments their own size)."""
     found: Client | None = None
     try:
         found = connect(embed=False)
@@ -59,13 +61,14 @@ def node_client(
         found = None
     node = (socket.gethostname(), os.environ.get("TIERMEM_SOCKET_PATH", ""))
     plan = private_pool_plan(
-        max(numel, 1),
+        max(padded_numel(numels, state_dtype), 1),
         dtype=dtype,
         placement=placement,
         mode=mode,
         exchange=exchange,
         release_grads=release_grads,
         window_nbytes=window_nbytes,
+        state_dtype=state_dtype,
     )
     seen: list[Any] = [None] * world_size
     collective("search for the node's daemon", dist.all_gather_object, seen, (node, found is not None, plan))

@@ -90,6 +90,7 @@ from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
     check_hyper,
+    check_state_dtype,
     check_torch_flags,
     closure_loss,
     copy_hyper,
@@ -116,7 +117,8 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
-    """AdamW (``adamw=False``: Adam) sharded ZeRO-2 style across ``process_group``; see the module docstring."""
+    """AdamW (``adamw=False``: Adam) sharded ZeRO-2 style across ``process_group``; see the module docstring.
+    ``state_dtype``: how each rank's daemon stores its shard's moments (``OffloadAdam``'s)."""
 
     _step_supports_amp_scaling = True
 
@@ -149,6 +151,7 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         overlap_comm: bool = False,
         delayed_update: bool = False,
         warmup_steps: int = 10,
+        state_dtype: str = "fp32",
     ) -> None:
         self.group = RankGroup(
             process_group,
@@ -158,6 +161,7 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         check_max_grad_norm(max_grad_norm)
+        self.state_dtype = check_state_dtype(state_dtype)
         if bucket_nbytes <= 0:
             raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
         if warmup_steps < 0:
@@ -206,11 +210,12 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         self.inner: OffloadAdam | None = None
         if client is None:
             client = self.group.node_client(
-                sum(pc.numel for pc in self.pieces),
+                [pc.numel for pc in self.pieces],
                 dtype=self.dtype.name,
                 offload=offload,
                 window_nbytes=window_nbytes,
                 mode=StepMode.DELAYED if delayed_update else StepMode.SYNC,
+                state_dtype=self.state_dtype,
             )
         self._attach(
             client,
@@ -355,6 +360,7 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
             rollback=rollback,
             delayed_update=self._delayed[0],
             warmup_steps=self._delayed[1],
+            state_dtype=self.state_dtype,
         )
 
     def _agree_on_model(self, params: list[torch.nn.Parameter], group_of: list[int]) -> None:

@@ -78,7 +78,7 @@ from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.distributed.reshard import describe_params, is_rank_file
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
 from tiermem.client.link import Client
-from tiermem.client.offload.args import check_hyper, closure_loss, copy_hyper, optimizer_defaults
+from tiermem.client.offload.args import check_hyper, check_state_dtype, closure_loss, copy_hyper, optimizer_defaults
 from tiermem.client.offload.copies import FetchItem, GradItem
 from tiermem.client.offload.paging import ParamPager
 from tiermem.client.offload.stats import OptimizerStats
@@ -238,7 +238,8 @@ class ShardedPagedAdam(Zero3Optimizer):
     docstring.  A ``torch.optim.Optimizer`` over the model's params (LR schedulers and edits of the groups'
     hyper-parameters reach the daemon with the next step), composed of this rank's ``OffloadAdam`` over its
     shards (``inner``), the model's ``ParamPager`` (``pager``; its figures: ``pager.stats()``), the group
-    (``group``) and the checkpoints (``checkpoint``)."""
+    (``group``) and the checkpoints (``checkpoint``).  ``state_dtype``: how the daemons store the shards'
+    moments (``OffloadAdam``'s); checkpoints stay AdamW's fp32 format."""
 
     _step_supports_amp_scaling = True
     """``GradScaler.step`` hands the scale and the found-inf flag over as attributes and always calls
@@ -263,12 +264,14 @@ class ShardedPagedAdam(Zero3Optimizer):
         job_id: str | None = None,
         token: str | None = None,
         param_groups: list[dict[str, Any]] | None = None,
+        state_dtype: str = "fp32",
     ) -> None:
         """``param_groups``: torch's param groups over the model's params (``{"params": [...], "weight_decay":
         0.0}``, ...; every param of the model in exactly one), for hyper-parameters per group; by default one
         group of every param with the keyword arguments' values."""
         self.group = RankGroup(process_group, "ShardedPagedAdam")
         check_max_grad_norm(max_grad_norm)
+        check_state_dtype(state_dtype)
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         groups = _model_groups(model, param_groups)
         params = [p for g in groups for p in g["params"]]
@@ -305,12 +308,13 @@ class ShardedPagedAdam(Zero3Optimizer):
         self.job_id, _ = self.group.agree_identity(job_id, token)
         if client is None:
             client = self.group.node_client(
-                sum(s.numel() for s in shards),
+                [s.numel() for s in shards],
                 dtype=dtypes.by_torch(kinds.pop()).name,
                 offload=offload,
                 window_nbytes=window_nbytes,
                 exchange=Exchange.STAGED,  # the pager's: params and grads through the window, grads in the daemon
                 release_grads=True,
+                state_dtype=state_dtype,
             )
         self.inner = self.group.inner_optimizer(
             shard_groups,
@@ -319,6 +323,7 @@ class ShardedPagedAdam(Zero3Optimizer):
             exchange=Exchange.STAGED,
             window_nbytes=window_nbytes,
             pin_window=device.type == "cuda",  # the shards are host tensors; the copies go to and from the GPU
+            state_dtype=state_dtype,
         )
         self.pager = ParamPager(
             model, self.inner, device_budget=device_budget, prefetch=prefetch, params=params, copies=self.copies

@@ -78,7 +78,14 @@ from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.distributed.reshard import describe_params, is_rank_file
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
 from tiermem.client.link import Client
-from tiermem.client.offload.args import check_hyper, closure_loss, copy_hyper, hyper_of, optimizer_defaults
+from tiermem.client.offload.args import (
+    check_hyper,
+    check_state_dtype,
+    closure_loss,
+    copy_hyper,
+    hyper_of,
+    optimizer_defaults,
+)
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
@@ -105,7 +112,8 @@ class LayerShardedAdam(Zero3Optimizer):
     """See the module docstring.  A ``torch.optim.Optimizer`` over the model's params (one param group: LR
     schedulers and edits of ``param_groups[0]["lr"]`` reach the owners' daemons with the next update);
     ``step()``, ``zero_grad()``, ``close()``.  Composed of the owner's ``OffloadAdam`` over its layers
-    (``inner``; None on a rank that owns none), the group (``group``) and the checkpoints (``checkpoint``)."""
+    (``inner``; None on a rank that owns none), the group (``group``) and the checkpoints (``checkpoint``).
+    ``state_dtype``: how the owners' daemons store the moments (``OffloadAdam``'s)."""
 
     _step_supports_amp_scaling = True
     """``GradScaler.step`` hands the scale and the found-inf flag over as attributes and always calls
@@ -129,9 +137,11 @@ class LayerShardedAdam(Zero3Optimizer):
         trace: bool = False,
         paged: bool = False,
         max_grad_norm: float | None = None,
+        state_dtype: str = "fp32",
     ) -> None:
         self.group = RankGroup(process_group, "LayerShardedAdam")
         check_max_grad_norm(max_grad_norm)
+        check_state_dtype(state_dtype)
         if max_grad_norm is not None and not paged:
             raise InvalidArgument(
                 "max_grad_norm needs paged=True: without it a layer is updated during backward, before the "
@@ -178,12 +188,13 @@ class LayerShardedAdam(Zero3Optimizer):
         self.inner: OffloadAdam | None = None
         if client is None:
             client = self.group.node_client(
-                sum(p.numel() for p in flat_pieces),
+                [p.numel() for p in flat_pieces],
                 dtype=dtypes.by_torch(self.units[0].params[0].dtype).name,
                 offload=offload,
                 exchange=Exchange.STAGED if paged or self.units[0].params[0].device.type != "cpu" else Exchange.SHARED,
                 mode=StepMode.SYNC if paged else StepMode.OVERLAP,
                 release_grads=paged,
+                state_dtype=state_dtype,
             )
         if not flat_pieces:
             client.close()  # this rank owns no layer
@@ -195,6 +206,7 @@ class LayerShardedAdam(Zero3Optimizer):
                 overlap_update=not paged,
                 bucket_nbytes=1,  # one bucket per tensor: each layer's update starts when its grads are in
                 exchange=Exchange.STAGED if paged else Exchange.AUTO,
+                state_dtype=state_dtype,
             )
         store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper, keeps_values=not paged)
         self.checkpoint = Zero3Checkpoint(self._share(model, mine), store, self.group.collective)

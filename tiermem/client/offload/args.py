@@ -26,8 +26,9 @@ import torch
 
 from tiermem.core.config import AdamConfig, PoolConfig
 from tiermem.core.errors import InvalidArgument
+from tiermem.core.lowbit import BLOCK, STATE_DTYPES
 from tiermem.core.modes import Exchange, Placement, StepMode
-from tiermem.core.statekeys import key_nbytes, part_element_nbytes, state_keys_for
+from tiermem.core.statekeys import StateFormat, state_keys_for
 from tiermem.core.units import PAGE_SIZE, MiB, align_up
 from tiermem.engine.pool.pool import arena_sizes
 
@@ -36,8 +37,10 @@ __all__ = [
     "optimizer_defaults",
     "PoolPlan",
     "check_hyper",
+    "check_state_dtype",
     "check_torch_flags",
     "packed_pool_nbytes",
+    "padded_numel",
     "private_pool_plan",
     "step_mode",
 ]
@@ -137,6 +140,16 @@ def check_torch_flags(*, amsgrad: bool, capturable: bool, differentiable: bool) 
             raise InvalidArgument(f"OffloadAdam does not support {name}=True ({why}); leave {name}=False")
 
 
+def check_state_dtype(state_dtype: str) -> str:
+    """``state_dtype`` if it is one the daemon stores moments in, else an error naming the choices."""
+    if state_dtype not in STATE_DTYPES:
+        raise InvalidArgument(
+            f"state_dtype must be one of {', '.join(repr(d) for d in STATE_DTYPES)}, got {state_dtype!r}: "
+            "'fp32' is exact AdamW, 'bf16' and 'int8' store the moments compressed"
+        )
+    return state_dtype
+
+
 def step_mode(
     *, overlap_update: bool, delayed_update: bool, max_grad_norm: float | None, warmup_steps: int
 ) -> StepMode:
@@ -176,30 +189,43 @@ def private_pool_plan(
     exchange: Exchange,
     release_grads: bool,
     window_nbytes: int | None,
+    state_dtype: str = "fp32",
 ) -> PoolPlan:
     """The pool a private daemon needs for one optimizer: its state chunks (or NVMe chunk cache) and its
     staging window, packed as the daemon's allocator will place them (``packed_pool_nbytes``).  The pool is
     allocated and pre-faulted at once, so every byte of slack costs memory for nothing: the arenas are made
-    a whole number of chunk blocks (at most ``pool.arena_size``), so the blocks tile them."""
+    a whole number of chunk blocks (at most ``pool.arena_size``), so the blocks tile them.  The chunks are
+    counted in their exact bytes (``StateFormat``: compressed moments take what they take), and ``numel``
+    includes the gaps an int8 rank's layout leaves (``padded_numel``)."""
     grad_buffers = 2 if mode is StepMode.DELAYED else 1
     released = release_grads and exchange is Exchange.SHARED  # the released grads, in the daemon's grad key
     keys = state_keys_for(dtype, placement.value, grad_buffers, exchange.value, released)
-    per_element = sum(key_nbytes(key, dtype) for key in keys)
-    chunk_numel = AdamConfig().chunk_numel
+    fmt = StateFormat(keys, dtype, state_dtype)
+    chunk_numel = fmt.chunk_numel(AdamConfig().chunk_numel)
     chunks = [min(chunk_numel, numel - start) for start in range(0, numel, chunk_numel)]
     blocks = [window_nbytes or 2 * MiB]
     if placement is Placement.NVME:
         # the NVMe tier's chunk cache (6 chunks, tiermemd.nvme) and one chunk more: chunks of unequal size
         # (the last one is short) leave holes between pinned blocks that compaction cannot close; each
         # chunk is one block per part (tiermem.core.statekeys.chunk_parts)
-        parts = [chunk_numel * nbytes for nbytes in part_element_nbytes(keys, dtype).values()]
+        parts = [fmt.part_nbytes(part, chunk_numel) for part in fmt.parts]
         blocks += parts * min(len(chunks), 7)
     else:
-        blocks += [n * per_element for n in chunks]
+        blocks += [fmt.chunk_nbytes(n) for n in chunks]
     largest = align_up(max(blocks), PAGE_SIZE)
     arena = PoolConfig().arena_size
     arena = max(largest, arena - arena % largest)
     return PoolPlan(packed_pool_nbytes(blocks, arena) + MiB, arena)
+
+
+def padded_numel(numels: Sequence[int], state_dtype: str) -> int:
+    """The elements of a rank's flat space for tensors of ``numels``: an int8 rank's layout starts each
+    tensor on a quantization block (``tiermem.core.layout.plan_layout``)."""
+    align = BLOCK if state_dtype == "int8" else 1
+    total = 0
+    for n in numels:
+        total = -(-total // align) * align + n
+    return total
 
 
 def packed_pool_nbytes(blocks: list[int], arena_size: int, alignment: int = PAGE_SIZE) -> int:

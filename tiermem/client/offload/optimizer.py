@@ -52,6 +52,16 @@ bfloat16).  The staging window is registered with CUDA when the params are on a 
 sharding strategy's shards do).  ``add_param_group`` after construction registers the rank again
 with every tensor (``_register_again``: the state goes through one
 ``state_dict``/``load_state_dict`` round trip).
+
+Compressed state (``state_dtype``): ``"fp32"`` (the default) is exact AdamW;
+``"bf16"`` keeps both moments in bfloat16 (8 bytes of state a param with the
+fp32 master, against 12) and ``"int8"`` in block-wise 8-bit codes with one
+fp32 scale a block of 256 (6.03 bytes a param), the scheme of 8-bit Adam
+(``tiermem.core.lowbit`` says which and why).  The master stays fp32.  The
+daemon's pool and swap hold the compressed bytes, so each step moves fewer;
+``state_dict`` still exports AdamW's fp32 moments (dequantized) and
+``load_state_dict`` quantizes them, so checkpoints load into
+``torch.optim.AdamW`` and back.
 """
 
 from __future__ import annotations
@@ -70,9 +80,11 @@ import torch
 from tiermem.client.link import Client, connect
 from tiermem.client.offload.args import (
     check_hyper,
+    check_state_dtype,
     check_torch_flags,
     closure_loss,
     optimizer_defaults,
+    padded_numel,
     private_pool_plan,
     step_mode,
 )
@@ -166,8 +178,10 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         rollback: bool = False,
         create_job: bool = False,
         pin_window: bool | None = None,
+        state_dtype: str = "fp32",
     ) -> None:
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
+        self.state_dtype = check_state_dtype(state_dtype)
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         mode = step_mode(
             overlap_update=overlap_update,
@@ -350,7 +364,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             TensorSpec(str(i), tuple(p.shape), dtype.name, self.placement.value, group_of[id(p)])
             for i, p in enumerate(params)
         ]
-        numel = sum(p.numel() for p in params)
+        numel = padded_numel([p.numel() for p in params], self.state_dtype)
         if client is None:
             plan = private_pool_plan(
                 numel,
@@ -360,8 +374,10 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 exchange=exchange,
                 release_grads=self.release_grads,
                 window_nbytes=window_nbytes,
+                state_dtype=self.state_dtype,
             )
             client = connect(pool_size=plan.nbytes, settings={"pool.arena_size": plan.arena_size})
+        attached = False
         try:
             info = client.attach(
                 self.job_id,
@@ -372,9 +388,11 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 create=self._create_job,
             )
             self._token = info.token
+            attached = True
             try:
                 check_resume(info, expected_step=self._expected_step, rollback=self.rollback)
             except TiermemError:
+                attached = False
                 client.detach(keep_state=True)  # the state waits, unchanged, for a client that accepts it
                 raise
             self.state_from = info.state_from
@@ -384,6 +402,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 grad_buffers=self.policy.grad_buffers,
                 exchange=exchange.value,
                 grads_in_state=exchange is Exchange.SHARED and self.release_grads,
+                state_dtype=self.state_dtype,
             )
             self.state_keys = reply.state_keys
             self.placement_used = Placement.parse(reply.placement, "placement")
@@ -401,6 +420,13 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         except BaseException:
             if self._own_client:
                 client.close()
+            elif attached:
+                # the caller's connection: leave the job as a reattach finds it (its state waits for the
+                # token), so the connection can attach again, with corrected arguments
+                try:
+                    client.detach(keep_state=True)
+                except TiermemError as exc:
+                    log.warning("could not detach from job %r after a failed registration: %s", self.job_id, exc)
             raise
         self._client = client
         self._registered = True

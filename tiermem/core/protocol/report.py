@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
+from tiermem.core.modes import STATE_DTYPES
 from tiermem.core.protocol.records import ID_PATTERN, MAX_ID, NBYTES, NON_NEGATIVE, PLACEMENTS, STEP_NO
 from tiermem.core.protocol.spec import Choice, Int, List, Opt, Str, Wire, wire
 
@@ -195,6 +196,8 @@ class RankReport(Wire):
     staleness_steps: Annotated[int, Int(0, 1)]
     """1 while a delayed update (DPU) is still running, else 0."""
     nvme: Annotated[NvmeReport | None, Opt(NvmeReport)]
+    state_dtype: Annotated[str, Choice(("", *STATE_DTYPES))] = ""
+    """How the moments are stored (``fp32``, ``bf16``, ``int8``); empty before REGISTER."""
 
 
 @wire

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 from tiermem.core.errors import TiermemError, error_from_wire
+from tiermem.core.modes import STATE_DTYPES
 from tiermem.core.protocol.fields import FieldError
 from tiermem.core.protocol.frame import MsgType
 from tiermem.core.protocol.kinds import Kind, Source
@@ -177,6 +178,9 @@ class Register(Message):
     grads_in_state: bool = False
     """The grads go into the daemon's ``grad`` state key as they land (the client releases them), not into
     the storage's grad buffers: with the NVMe placement they are paged like the rest of the state."""
+    state_dtype: Annotated[str, Choice(STATE_DTYPES)] = "fp32"
+    """How the daemon stores ``exp_avg`` and ``exp_avg_sq`` (``tiermem.core.lowbit``): ``fp32`` (exact AdamW),
+    ``bf16`` or ``int8``; the state keys still read and write fp32 values."""
 
     def validate(self) -> None:
         """Each tensor names one of ``groups``, and no name is used twice."""
@@ -197,9 +201,10 @@ class RegisterOk(Message):
     With the shared exchange the reply carries one fd, the tensors' storage
     (``storage_nbytes`` bytes; the slots' references name it); the staged
     exchange gets no storage, no slots and no fd.  ``placement``: where the
-    Adam state went (``cpu``/``nvme``); ``state_keys``: the fp32 state the
-    daemon keeps per tensor (no ``master`` when the fp32 params in the storage
-    are the master themselves; ``grad`` for the staged exchange).
+    Adam state went (``cpu``/``nvme``); ``state_keys``: the state the daemon
+    keeps per tensor (no ``master`` when the fp32 params in the storage are the
+    master themselves; ``grad`` for the staged exchange); ``state_dtype``: how
+    it stores the moments (what the registration asked).
     """
 
     TYPE: ClassVar[MsgType] = MsgType.REGISTER_OK
@@ -207,6 +212,7 @@ class RegisterOk(Message):
     placement: Annotated[str, Choice(("cpu", "nvme"))] = "cpu"
     state_keys: Annotated[tuple[str, ...], List(STATE_KEY, len(STATE_KEYS))] = STATE_KEYS[:3]
     storage_nbytes: Annotated[int, NBYTES] = 0
+    state_dtype: Annotated[str, Choice(STATE_DTYPES)] = "fp32"
 
 
 @wire
