@@ -233,15 +233,28 @@ MEMORY_ORDER = [
 ]
 
 
+def with_state(mode: str, state_dtype: str | None) -> str:
+    """A mode's label with its state dtype where the moments were compressed (``offload-cpu int8``)."""
+    return mode if state_dtype in (None, "fp32") else f"{mode} {state_dtype}"
+
+
+def memory_order(label: str) -> tuple[int, int]:
+    """Where a mode's label sorts: ``MEMORY_ORDER``'s place of its mode, then fp32, bf16, int8 moments."""
+    mode, _, state = label.partition(" ")
+    place = MEMORY_ORDER.index(mode) if mode in MEMORY_ORDER else len(MEMORY_ORDER)
+    return place, ("", "bf16", "int8").index(state) if state in ("", "bf16", "int8") else 3
+
+
 def newest_memory_runs(files: list[tuple[str, dict[str, Any]]]) -> dict[tuple[str, str, int], dict[str, Any]]:
-    """The newest ``ok`` run of each (mode, dtype, size) across bench_memory's files (by their start date)."""
+    """The newest ``ok`` run of each (mode, dtype, size) across bench_memory's files (by their start date); the
+    mode is labelled with its state dtype where that is not fp32."""
     best: dict[tuple[str, str, int], tuple[str, dict[str, Any]]] = {}
     for name, data in files:
         date = data.get("machine", {}).get("date", "")
         for run in data.get("runs", []):
             if run.get("status") != "ok":
                 continue
-            key = (run["mode"], run["dtype"], int(run["params_target"]))
+            key = (with_state(run["mode"], run.get("state_dtype")), run["dtype"], int(run["params_target"]))
             if key not in best or date >= best[key][0]:
                 best[key] = (date, {**run, "file": name, "date": date})
     return {k: v for k, (_, v) in best.items()}
@@ -251,7 +264,7 @@ def memory(files: list[tuple[str, dict[str, Any]]], plt: Any, out: Path) -> Sect
     runs = newest_memory_runs(files)
     sec = Section("Host memory per parameter, by mode", ", ".join(n for n, _ in files) + " (bench_memory.py)")
     shapes = sorted({(dtype, size) for _, dtype, size in runs}, key=lambda s: (s[1], s[0]))
-    modes = [m for m in MEMORY_ORDER if any(k[0] == m for k in runs)]
+    modes = sorted({k[0] for k in runs}, key=memory_order)
     header = ["mode", *[f"{count(size)} {'fp32' if dt == 'float32' else 'bf16'}" for dt, size in shapes]]
     rows = []
     for mode in modes:
@@ -339,7 +352,7 @@ def scale(name: str, data: Any, plt: Any, out: Path) -> Section:
     by_dtype = any("dtype" in r for r in rows)  # results made before dtypes were measured have one (fp32)
     body = [
         [
-            r["mode"],
+            with_state(r["mode"], r.get("state_dtype")),
             *([r.get("dtype", "fp32")] if by_dtype else []),
             largest(r),
             versus_adamw(r),
@@ -357,7 +370,9 @@ def scale(name: str, data: Any, plt: Any, out: Path) -> Section:
         *table(["mode", *(["dtype"] if by_dtype else []), "largest model", "x adamw", "step s", "x disk bound"], body),
     ]
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [r["mode"] + (f" {r.get('dtype', 'fp32')}" if by_dtype else "") for r in rows]
+    labels = [
+        with_state(r["mode"], r.get("state_dtype")) + (f" {r.get('dtype', 'fp32')}" if by_dtype else "") for r in rows
+    ]
     bars = ax.bar(labels, [r["largest_params"] / 1e6 for r in rows], color="C0")
     ax.bar_label(bars, [largest(r) for r in rows])
     ax.set_yscale("log")

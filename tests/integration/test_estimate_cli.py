@@ -92,6 +92,25 @@ def test_help_lists_estimate_and_its_options(tmp_path):
     assert top.returncode == 0 and "estimate" in top.stdout
     sub = tiermem("estimate", "--help", home=str(tmp_path))
     assert sub.returncode == 0
-    for option in ("--params", "--gpus", "--nodes", "--stage", "--offload", "--json", "--gpu-memory", "--swap-dir"):
+    options = ("--params", "--gpus", "--nodes", "--stage", "--offload", "--state-dtype", "--json", "--gpu-memory")
+    for option in (*options, "--swap-dir"):
         assert option in sub.stdout
     assert "4P + 12P/N" in sub.stdout
+
+
+def test_compressed_moments_are_counted_in_the_pool_and_on_nvme(tmp_path):
+    """``--state-dtype int8``: the daemon's share of a 7B ZeRO-3 run on 8 GPUs at 10.03 B/param in the pool
+    and 12.03 on NVMe, against fp32's 16 and 18; the GPU's share unchanged."""
+    runs = {}
+    for state in ("fp32", "int8"):
+        done = tiermem(
+            "estimate", "--params", "7e9", "--gpus", "8", "--stage", "3", "--state-dtype", state, "--no-daemon",
+            "--json", home=str(tmp_path),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        runs[state] = {e["offload"]: e for e in json.loads(done.stdout)["estimates"]}
+    shard = -(-7 * 10**9 // 8)
+    window = runs["fp32"]["cpu"]["host_nbytes_per_rank"] - 16 * shard
+    assert runs["int8"]["cpu"]["host_nbytes_per_rank"] == -(-10_03125 * shard // 10**5) + window
+    assert runs["int8"]["nvme"]["nvme_nbytes_per_rank"] == -(-12_03125 * shard // 10**5)
+    assert runs["int8"]["cpu"]["gpu_nbytes"] == runs["fp32"]["cpu"]["gpu_nbytes"]
