@@ -14,6 +14,15 @@ Modes, each run alone in a fresh worker process (one model in memory at a time):
   same with ``release_grads=True`` when ``OffloadAdam`` accepts that keyword,
   else reported as ``n/a``.
 
+Every ``offload-*`` mode is run once per state dtype of ``--state-dtypes``
+(comma-separated, of ``fp32``, ``bf16``, ``int8``; default ``fp32``), passed
+as ``OffloadAdam(state_dtype=...)``: how the daemon stores the Adam moments
+(fp32: 4 + 4 bytes a param; bf16: 2 + 2; int8: 1 + 1 and one fp32 scale a
+block of 256 elements).  Such a row is labelled with its state dtype
+(``offload-cpu int8``); the other modes have none and run once.  The private
+daemon's pool is sized for the compressed bytes, so the peak shows what a
+state dtype saves.
+
 The model is the demo GPT (``tiermem.client.demo.model``, ``GPTConfig.for_params``)
 built directly in the measured dtype (no transient fp32 copy of a bf16 model),
 trained for ``--steps`` steps on random tokens, batch ``--batch`` x
@@ -56,14 +65,32 @@ same size and dtype.  Note that ``adamw`` on a bf16 model keeps bf16 state
 floor of what torch does in process, not a mixed-precision peer.  Window bytes
 come from ``OffloadAdam.stats()`` (``rank_window_bytes``), pool bytes from the
 daemon's ``pool_capacity_bytes``: a window or pool that grows with the model
-shows here.  A run that fails (an exception, an OOM kill, ``--timeout-s``) is
-a row with its reason, not the end of the benchmark.
+shows here.  The daemon's state bytes per param, after the last step, are the
+columns ``cpu st B/p`` (``stats().rank.cpu_state_nbytes``: all of the state on
+the CPU tier, the chunk cache on the NVMe tier) and ``nvme st B/p``
+(``nvme_state_nbytes``: the swap bytes, with any older versions not yet
+freed), each over the model's params.  With the fp32 master the state is
+12 (fp32 moments), 8 (bf16) and 6.03 (int8) bytes a param; an fp32 model on
+the CPU tier keeps no master apart from its params (the pool-backed params
+are the master), so there it is 8, 4 and 2.03.  int8 lays each tensor out
+from a block's start, so a model of many small tensors takes a little more.
+On the NVMe tier the chunk cache holds what fits (all of a small model's
+state, which ``cpu st B/p`` then shows whole) and the swap the chunks written
+back so far; a chunk in both counts in both, so there the two columns need
+not add up to the state.
+A run that fails (an exception, an OOM kill, ``--timeout-s``) is a row with
+its reason, not the end of the benchmark.
 
     ./run.sh bench memory --params 100e6,300e6 --dtypes float32,bfloat16 \\
-        [--modes model,adamw,cpuadam,offload-cpu,offload-nvme] [--steps 3] [--release-grads] [--json out.json]
+        [--modes model,adamw,cpuadam,offload-cpu,offload-nvme] [--state-dtypes fp32,bf16,int8] \\
+        [--steps 3] [--release-grads] [--json out.json]
 
-Defaults are a quick run (``--params 20e6 --dtypes float32``); the documented
-run is 100M and 300M in fp32 and bf16.
+Defaults are a quick run (``--params 20e6 --dtypes float32 --state-dtypes fp32``);
+the documented run is 100M and 300M in fp32 and bf16.  The JSON keeps a run's
+``mode`` as above and adds its ``state_dtype`` (null for the modes without
+one), its ``label`` (the table's row name) and ``cpu_state_per_param`` /
+``nvme_state_per_param``; the worker's ``state_dtype``, ``cpu_state_nbytes``
+and ``nvme_state_nbytes`` are the daemon's own figures.
 """
 
 from __future__ import annotations
@@ -256,6 +283,8 @@ class RunSpec:
     batch: int
     seq: int
     msg_fd: int = -1
+    state_dtype: str | None = None
+    """``OffloadAdam(state_dtype=...)`` of an ``offload-*`` mode; None for the others."""
 
 
 @dataclass
@@ -263,6 +292,8 @@ class RunResult:
     mode: str
     dtype: str
     params_target: int
+    state_dtype: str | None = None
+    """The offload modes' ``state_dtype``; None for the others."""
     status: str = "ok"
     """ok, n/a (the mode is not supported by this code), failed, timeout."""
     reason: str = ""
@@ -283,6 +314,16 @@ class RunResult:
     def numel(self) -> int:
         return int(self.worker.get("numel", self.params_target))
 
+    @property
+    def label(self) -> str:
+        """The row's name: the mode, and its state dtype where it has one (``offload-cpu int8``)."""
+        return f"{self.mode} {self.state_dtype}" if self.state_dtype else self.mode
+
+    def state_per_param(self, tier: str) -> float | None:
+        """The daemon's state bytes on ``tier`` (cpu, nvme) after the last step, over the model's params."""
+        nbytes = self.worker.get(f"{tier}_state_nbytes")
+        return nbytes / self.numel if nbytes is not None and self.numel else None
+
 
 def _kill(pids: list[int]) -> None:
     for pid in pids:
@@ -297,10 +338,10 @@ def _cmdline(pid: int) -> str:
 
 
 def run_one(spec: RunSpec, probe: CgroupProbe | PssProbe, *, timeout_s: float, log_dir: Path) -> RunResult:
-    result = RunResult(spec.mode, spec.dtype, spec.params)
+    result = RunResult(spec.mode, spec.dtype, spec.params, spec.state_dtype)
     read_fd, write_fd = os.pipe()
     spec.msg_fd = write_fd
-    log_path = log_dir / f"{spec.mode}-{spec.dtype}-{spec.params}.log"
+    log_path = log_dir / f"{spec.mode}-{spec.state_dtype or 'none'}-{spec.dtype}-{spec.params}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
     # never reach a shared daemon: its memory would not be in the cgroup; OffloadAdam starts a private one
     env["TIERMEM_SOCKET_PATH"] = str(log_dir / "no-such-daemon.sock")
@@ -482,6 +523,8 @@ def _train(spec: RunSpec, send: Any, phase: Any) -> int:
         from tiermem.client.offload import OffloadAdam
 
         kwargs: dict[str, Any] = {"offload": "nvme" if "nvme" in spec.mode else "cpu"}
+        if spec.state_dtype is not None:
+            kwargs["state_dtype"] = spec.state_dtype
         if release:
             kwargs["release_grads"] = True
         opt = OffloadAdam(params, **hyper, **kwargs)
@@ -527,6 +570,9 @@ def _train(spec: RunSpec, send: Any, phase: Any) -> int:
         stats = opt.stats()
         done["daemon_stats"] = {"pool_capacity_bytes": stats.node.pool.capacity_nbytes}
         done["window_nbytes"] = stats.rank.window_nbytes
+        done["state_dtype"] = stats.rank.state_dtype  # as the daemon reports it
+        done["cpu_state_nbytes"] = stats.rank.cpu_state_nbytes
+        done["nvme_state_nbytes"] = stats.rank.nvme_state_nbytes
     send(info=done)
     phase("stats")
     if offload:
@@ -598,15 +644,16 @@ def fmt_bytes(n: int | None) -> str:
 def print_table(results: list[RunResult]) -> None:
     base = {(r.dtype, r.params_target): r.peak_nbytes for r in results if r.mode == "adamw" and r.status == "ok"}
     header = (
-        f"{'mode':<20} {'dtype':<9} {'params':>7} {'peak GiB':>9} {'B/param':>8} {'x adamw':>8} "
-        f"{'anon GiB':>9} {'shmem GiB':>10} {'window':>9} {'pool':>9} {'peak in':>9}  note"
+        f"{'mode':<25} {'dtype':<9} {'params':>7} {'peak GiB':>9} {'B/param':>8} {'x adamw':>8} "
+        f"{'anon GiB':>9} {'shmem GiB':>10} {'window':>9} {'pool':>9} {'cpu st B/p':>10} {'nvme st B/p':>11} "
+        f"{'peak in':>9}  note"
     )
     print(header)
     print("-" * len(header))
     for r in results:
-        head = f"{r.mode:<20} {r.dtype:<9} {fmt_params(r.numel):>7}"
+        head = f"{r.label:<25} {r.dtype:<9} {fmt_params(r.numel):>7}"
         if r.status != "ok":
-            blank = f"{'':>9} {'':>10} {'':>9} {'':>9} {'':>9}"
+            blank = f"{'':>9} {'':>10} {'':>9} {'':>9} {'':>10} {'':>11} {'':>9}"
             print(f"{head} {'n/a':>9} {'n/a':>8} {'n/a':>8} {blank}  {r.status}: {r.reason}")
             continue
         peak = r.peak_nbytes or 0
@@ -615,20 +662,28 @@ def print_table(results: list[RunResult]) -> None:
         sample = r.at_peak_sample
         anon = f"{sample['rss'] / GiB:.2f}" if "rss" in sample else "-"
         shmem = f"{sample['shmem'] / GiB:.2f}" if "shmem" in sample else "-"
-        window = pool = ""
+        window = pool = cpu_state = nvme_state = ""
         if r.mode.startswith("offload"):
             window = fmt_bytes(r.worker.get("window_nbytes"))
             pool_nbytes = r.worker.get("daemon_stats", {}).get("pool_capacity_bytes")
             pool = fmt_bytes(int(pool_nbytes)) if pool_nbytes is not None else "-"
+            cpu_state, nvme_state = (fmt_per_param(r.state_per_param(tier)) for tier in ("cpu", "nvme"))
         note = ""
         if r.mode.startswith("offload") and not any("tiermemd" in c for c in r.processes.values()):
             note = "no tiermemd seen in the cgroup"
         if r.events.get("failcnt"):
             note += f" hit the cgroup limit {r.events['failcnt']} times"
+        reported = r.worker.get("state_dtype")
+        if r.state_dtype and reported and reported != r.state_dtype:
+            note += f" the daemon reports state_dtype {reported}"
         print(
             f"{head} {peak / GiB:>9.2f} {peak / r.numel:>8.1f} {ratio:>8} {anon:>9} {shmem:>10} "
-            f"{window:>9} {pool:>9} {r.peak_phase:>9}  {note}"
+            f"{window:>9} {pool:>9} {cpu_state:>10} {nvme_state:>11} {r.peak_phase:>9}  {note}"
         )
+
+
+def fmt_per_param(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def parse_list(text: str) -> list[str]:
@@ -638,11 +693,18 @@ def parse_list(text: str) -> list[str]:
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         return worker_main(RunSpec(**json.loads(sys.argv[2])))
+    from tiermem.core.modes import STATE_DTYPES  # no torch: the parent stays small
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", default="20e6", help="comma-separated target parameter counts (e.g. 100e6,300e6)")
     ap.add_argument("--dtypes", default="float32", help="comma-separated model dtypes (float32,bfloat16)")
     ap.add_argument("--modes", default=",".join(BASE_MODES), help=f"comma-separated, from {', '.join(ALL_MODES)}")
     ap.add_argument("--release-grads", action="store_true", help="add the OffloadAdam(release_grads=True) rows")
+    ap.add_argument(
+        "--state-dtypes",
+        default="fp32",
+        help=f"comma-separated, of {', '.join(STATE_DTYPES)}: each offload mode once per OffloadAdam(state_dtype=)",
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence (the model's block size)")
@@ -665,6 +727,14 @@ def main() -> int:
     for d in dtypes:
         if d not in ("float32", "bfloat16", "float16"):
             ap.error(f"unknown dtype {d!r}")
+    state_dtypes = parse_list(args.state_dtypes)
+    for sd in state_dtypes:
+        if sd not in STATE_DTYPES:
+            ap.error(f"unknown state dtype {sd!r}; choose from {', '.join(STATE_DTYPES)}")
+    if not state_dtypes:
+        ap.error("--state-dtypes names none")
+    runs = [(m, sd if m.startswith("offload-") else None) for m in modes for sd in state_dtypes]
+    runs = list(dict.fromkeys(runs))  # the modes without a state dtype once
 
     cgroup_parent = None if args.method == "pss" else own_memory_cgroup()
     if args.method == "cgroup" and cgroup_parent is None:
@@ -682,9 +752,9 @@ def main() -> int:
     try:
         for params in sizes:
             for dtype in dtypes:
-                for mode in modes:
+                for mode, state_dtype in runs:
                     counter += 1
-                    spec = RunSpec(mode, dtype, params, args.steps, args.batch, args.seq)
+                    spec = RunSpec(mode, dtype, params, args.steps, args.batch, args.seq, state_dtype=state_dtype)
                     limit = int(args.mem_limit_gib * GiB) if args.mem_limit_gib else max(mem_available() - GiB, GiB)
                     probe: CgroupProbe | PssProbe
                     if cgroup_parent is not None:
@@ -698,7 +768,7 @@ def main() -> int:
                     results.append(r)
                     act = r.worker.get("activation_nbytes")
                     print(
-                        f"  {mode:<20} {dtype:<9} {fmt_params(r.numel):>6}: {r.status:<6} peak "
+                        f"  {r.label:<25} {dtype:<9} {fmt_params(r.numel):>6}: {r.status:<6} peak "
                         f"{fmt_bytes(r.peak_nbytes):>9} in {r.peak_phase or '-'}, saved activations "
                         f"{fmt_bytes(act)}, {r.wall_s:.0f} s {r.reason}",
                         flush=True,
@@ -724,7 +794,16 @@ def main() -> int:
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "machine": machine,
             "source": source_info(results),
-            "runs": [{**asdict(r), "numel": r.numel} for r in results],
+            "runs": [
+                {
+                    **asdict(r),
+                    "numel": r.numel,
+                    "label": r.label,
+                    "cpu_state_per_param": r.state_per_param("cpu"),
+                    "nvme_state_per_param": r.state_per_param("nvme"),
+                }
+                for r in results
+            ],
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=1) + "\n")

@@ -16,7 +16,12 @@ as in ``bench_memory.py``, whose cgroup probe this reuses):
 
 Each mode is searched for each model dtype of ``--dtypes`` (``fp32``,
 ``bf16``: the demo GPT made in that dtype; ``adamw`` in bf16 is torch's AdamW
-on the bf16 model).
+on the bf16 model), and each ``offload-*`` mode for each state dtype of
+``--state-dtypes`` (``fp32``, ``bf16``, ``int8``; default ``fp32``), passed as
+``OffloadAdam(state_dtype=...)``: how the daemon stores the Adam moments
+(4 + 4 bytes a param, 2 + 2, or 1 + 1 and one fp32 scale a block of 256
+elements).  The tables and the JSON rows carry the state dtype (``state``,
+``state_dtype``; none for ``adamw``, which keeps torch's state).
 
 Search by size: from ``--start-params`` the size doubles while trials train
 ``--steps`` steps (batch ``--batch`` x ``--seq`` tokens) without being killed
@@ -24,12 +29,15 @@ Search by size: from ``--start-params`` the size doubles while trials train
 geometric bisections between the last size that trained and the first that
 did not.  ``--max-params`` caps the search (a mode that trains the cap is
 reported as ``>=``); the NVMe modes are also capped by the free space of the
-swap directory.
+swap directory: 45% of it over the swap bytes a param of the rank's keys in
+its state dtype (``swap_nbytes_per_param``; the paged mode on a bf16 model
+18, 14, 12.03 for fp32, bf16, int8 moments; 16, 12, 10.03 on fp32).
 
 The private daemon's pool is ``--pool-size`` (1 GiB, its default); the NVMe
 tier's chunk cache borrows free pool memory up to all of the state, so a
-model whose state (16 B/param) fits in the pool does not touch the disk after
-its first step.  A smaller pool makes a small model page like a large one
+model whose state (16 B/param for the paged mode with fp32 moments, less with
+compressed ones) fits in the pool does not touch the disk after its first
+step.  A smaller pool makes a small model page like a large one
 (the cache plan counts each chunk's parts in whole pages and leaves one
 part's room to the allocator).  ``--window-size`` sets the private daemon's
 staging window: its two slots bound what one request moves, so the pager's
@@ -46,8 +54,25 @@ paged mode also reports what the pager moved (params fetched, grads pushed)
 and how long the trainer waited for fetches.
 
 The NVMe modes' disk traffic against the least a layout could move
-(``LAYOUT_MIN``, the paged mode's figure for its dtype: 34 B/param for a bf16
-model, 40 for fp32), from the same last step:
+(``layout_min``, the paged mode's figure for its dtype and state dtype), from
+the same last step.  A paged step reads the param for forward and for
+backward, the grad back, and the state part, and writes the grad, the state
+part and the new param; an fp32 model's param part is the master itself, read
+once more for the update.  The param and the grad count in the model dtype
+(what the trainer holds: the daemon's fp32 grad part moves more); the state
+part as ``tiermem.core.statekeys.StateFormat`` lays it out (``part_element_nbytes``
+of the rank's keys): the fp32 master where the model is below fp32, and the
+moments in the state dtype.  Per param, read + written:
+
+============  ===================  ===================  =====================
+model dtype   fp32 moments         bf16 moments         int8 moments
+============  ===================  ===================  =====================
+bf16          18 + 16 = 34         14 + 12 = 26         12.03 + 10.03 = 22.06
+fp32          24 + 16 = 40         20 + 12 = 32         18.03 + 10.03 = 28.06
+============  ===================  ===================  =====================
+
+The JSON's ``layout_min_per_param`` names these ``"<mode> <dtype>"`` for fp32
+moments (as before) and ``"<mode> <dtype> <state dtype>"`` for the others.
 
 - bytes per param read and written (the ``/proc`` figures over the model's
   params), their sum over the minimum (``x min``);
@@ -62,10 +87,21 @@ model, 40 for fp32), from the same last step:
   AIO requests; the STATS reply does not count those;
 - the step time over the minimal-bytes disk bound (the minimum's read bytes
   over fio's read bandwidth plus its written bytes over fio's write
-  bandwidth), beside the step time over the bound of the measured bytes.
+  bandwidth), beside the step time over the bound of the measured bytes;
+- the daemon's state bytes per param after the last step (``state B/param``,
+  cpu + nvme; the JSON's ``cpu_state_per_param`` and ``nvme_state_per_param``,
+  from ``OffloadAdam.stats().rank``): ``cpu_state_nbytes`` is the chunk cache,
+  ``nvme_state_nbytes`` the swap's chunks written back so far (with older
+  versions not yet freed); a chunk in both counts in both, and a part held
+  only within a step (the paged mode's grads) may be in neither, so the two
+  need not add up to the state's size.
 
     ./run.sh bench scale [--limit 4GiB] [--modes adamw,offload-cpu,offload-nvme,offload-nvme-paged]
-        [--dtypes fp32,bf16] [--max-params 4e9] [--device-budget 512MiB] [--pool-size 1GiB] [--json out.json]
+        [--dtypes fp32,bf16] [--state-dtypes fp32,bf16,int8] [--max-params 4e9] [--device-budget 512MiB]
+        [--pool-size 1GiB] [--json out.json]
+
+One size, no search: ``--start-params N --max-params N`` (a trial at ``N``
+only; ``--bisect`` is then unused).
 
 The goal (issue 11): the paged mode trains a model >= 10x the largest
 ``adamw`` trains in the same limit, at a step time <= 1.25x its disk bound.
@@ -99,17 +135,59 @@ GiB = 1 << 30
 MiB = 1 << 20
 MODES = ("adamw", "offload-cpu", "offload-nvme", "offload-nvme-paged")
 NVME_MODES = ("offload-nvme", "offload-nvme-paged")
-STATE_BYTES = {"offload-nvme": 12, "offload-nvme-paged": 16}
-"""Swap bytes per param of the NVMe modes (master, moments; the paged mode keeps its grads there too)."""
 DTYPES = ("fp32", "bf16")
-LAYOUT_MIN = {
-    ("offload-nvme-paged", "bf16"): (2 + 2 + 2 + 12, 2 + 12 + 2),
-    ("offload-nvme-paged", "fp32"): (4 + 4 + 4 + 8 + 4, 4 + 8 + 4),
-}
-"""The least disk bytes per param a paged step can move, ``(read, written)``, each byte once: bf16 reads the
-param for forward (2) and backward (2), the grad back (2) and the fp32 master, m and v (12), and writes the
-grad (2), master, m and v (12) and the new bf16 param (2): 34.  fp32 reads the param twice (4 + 4), the grad
-(4), m and v (8) and the param for the update (4), and writes the grad (4), m and v (8) and the param (4): 40."""
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+PAGED = "offload-nvme-paged"
+
+
+def _rank_keys(mode: str, dtype: str) -> tuple[str, ...]:
+    """The state keys the daemon keeps for an NVMe mode's rank (``tiermem.core.statekeys.state_keys_for``)."""
+    from tiermem.core.statekeys import state_keys_for
+
+    return state_keys_for(TORCH_DTYPES[dtype], "nvme", 1, "staged" if mode == PAGED else "shared")
+
+
+def swap_nbytes_per_param(mode: str, dtype: str, state_dtype: str) -> float:
+    """Swap bytes per param of an NVMe mode (master, moments; the paged mode keeps its grads there too, and a
+    bf16 model's params)."""
+    from tiermem.core.statekeys import part_element_nbytes
+
+    return sum(part_element_nbytes(_rank_keys(mode, dtype), TORCH_DTYPES[dtype], state_dtype).values())
+
+
+def layout_min(mode: str, dtype: str, state_dtype: str) -> tuple[float, float] | None:
+    """The least disk bytes per param a paged step can move, ``(read, written)``, each byte once (None for the
+    other modes): the param for forward and backward, the grad back and the state part read; the grad, the
+    state part and the new param written; an fp32 model's param part is its master, read again for the update.
+    Param and grad in the model dtype; the state part as the daemon lays it out (``StateFormat``'s parts of the
+    rank's keys: the master where the model is below fp32, and the moments in ``state_dtype``).  bf16 with fp32
+    moments: 2 + 2 + 2 + 12 read, 2 + 12 + 2 written (34); fp32: 4 + 4 + 4 + 8 + 4 and 4 + 8 + 4 (40)."""
+    if mode != PAGED:
+        return None
+    from tiermem.core import dtypes
+    from tiermem.core.statekeys import part_element_nbytes
+
+    keys = _rank_keys(mode, dtype)
+    parts = part_element_nbytes(keys, TORCH_DTYPES[dtype], state_dtype)
+    working = float(dtypes.by_name(TORCH_DTYPES[dtype]).torch.itemsize)
+    param, state = parts["param"], parts["state"]
+    master_again = 0.0 if "param" in keys else param  # no separate param: the update reads the master
+    return 2 * param + working + state + master_again, working + state + param
+
+
+def layout_min_key(mode: str, dtype: str, state_dtype: str) -> str:
+    """The JSON's name of a minimum: ``"<mode> <dtype>"`` for fp32 moments, the state dtype added otherwise."""
+    return f"{mode} {dtype}" if state_dtype == "fp32" else f"{mode} {dtype} {state_dtype}"
+
+
+def layout_min_json(mode: str, dtype: str, state_dtype: str) -> dict[str, float]:
+    read, written = layout_min(mode, dtype, state_dtype) or (0.0, 0.0)
+    return {"read": read, "written": written}
+
+
+def fmt_nbytes(value: float) -> str:
+    """Bytes per param, without trailing zeros (34, 6.03)."""
+    return f"{value:.2f}".rstrip("0").rstrip(".")
 
 
 def parse_size(text: str) -> int:
@@ -133,6 +211,8 @@ class Trial:
     mode: str
     dtype: str
     params: int
+    state_dtype: str | None = None
+    """``OffloadAdam(state_dtype=...)`` of an offload mode; None for ``adamw``."""
     status: str = "ok"
     """ok, oom, failed, timeout."""
     reason: str = ""
@@ -141,11 +221,14 @@ class Trial:
     worker: dict[str, Any] = field(default_factory=dict)
 
 
-def run_trial(args: argparse.Namespace, mode: str, dtype: str, params: int, parent: Path, log_dir: Path) -> Trial:
-    trial = Trial(mode, dtype, params)
+def run_trial(
+    args: argparse.Namespace, mode: str, dtype: str, state_dtype: str | None, params: int, parent: Path, log_dir: Path
+) -> Trial:
+    trial = Trial(mode, dtype, params, state_dtype)
     spec = {
         "mode": mode,
         "dtype": dtype,
+        "state_dtype": state_dtype,
         "params": params,
         "steps": args.steps,
         "batch": args.batch,
@@ -158,8 +241,9 @@ def run_trial(args: argparse.Namespace, mode: str, dtype: str, params: int, pare
     env["TIERMEM_SOCKET_PATH"] = str(log_dir / "no-such-daemon.sock")  # a private daemon, inside the cgroup
     env["TMPDIR"] = str(args.swap_dir)  # where the private daemon puts its swap files
     env["PYTHONUNBUFFERED"] = "1"
-    log_path = log_dir / f"{mode}-{dtype}-{params}.log"
-    probe = CgroupProbe(parent, f"tiermem-scale-{os.getpid()}-{mode}-{dtype}-{params}", args.limit)
+    name = f"{mode}-{dtype}-{state_dtype or 'torch'}-{params}"
+    log_path = log_dir / f"{name}.log"
+    probe = CgroupProbe(parent, f"tiermem-scale-{os.getpid()}-{name}", args.limit)
     t0 = time.monotonic()
     try:
         with open(log_path, "wb") as log:
@@ -207,21 +291,23 @@ def run_trial(args: argparse.Namespace, mode: str, dtype: str, params: int, pare
 
 
 def search(
-    args: argparse.Namespace, mode: str, dtype: str, parent: Path, log_dir: Path
+    args: argparse.Namespace, mode: str, dtype: str, state_dtype: str | None, parent: Path, log_dir: Path
 ) -> tuple[Trial | None, list[Trial]]:
     """The largest size that trained, and every trial."""
     cap = args.max_params
     if mode in NVME_MODES:
         free = shutil.disk_usage(args.swap_dir).free
-        cap = min(cap, int(free * 0.45 / STATE_BYTES[mode]))  # the store reserves the state and a cache again
+        per_param = swap_nbytes_per_param(mode, dtype, state_dtype or "fp32")
+        cap = min(cap, int(free * 0.45 / per_param))  # the store reserves the state and a cache again
     trials: list[Trial] = []
 
     def attempt(n: int) -> Trial:
-        t = run_trial(args, mode, dtype, n, parent, log_dir)
+        t = run_trial(args, mode, dtype, state_dtype, n, parent, log_dir)
         trials.append(t)
         ok = f"{t.worker['steps'][-1]['step_s']:.2f} s/step" if t.status == "ok" else t.reason
         print(
-            f"  {mode:<20} {dtype} {n / 1e6:>9.1f}M params: {t.status:<7} peak {t.peak_nbytes / GiB:5.2f} GiB  {ok}",
+            f"  {mode:<20} {dtype} {state_dtype or '-':<4} {n / 1e6:>9.1f}M params: {t.status:<7} "
+            f"peak {t.peak_nbytes / GiB:5.2f} GiB  {ok}",
             flush=True,
         )
         return t
@@ -331,11 +417,12 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
         window = {"jobs.window_size": ws, "jobs.window_budget": ws} if ws else {}  # one job, one window
         # the private daemon (no other is reachable)
         client = tiermem.connect(pool_size=spec["pool_size"], settings=window)
+        hyper: dict[str, Any] = {"lr": 1e-4, "state_dtype": spec.get("state_dtype") or "fp32", "client": client}
         if mode == "offload-nvme-paged":
-            opt = tiermem.OffloadAdam(model.parameters(), lr=1e-4, offload="nvme", exchange="staged", client=client)
+            opt = tiermem.OffloadAdam(model.parameters(), offload="nvme", exchange="staged", **hyper)
             pager = tiermem.offload_params(model, opt, device_budget=spec["device_budget"], prefetch=2, init=GPT._init)
         else:
-            opt = tiermem.OffloadAdam(model.parameters(), lr=1e-4, offload=mode.removeprefix("offload-"), client=client)
+            opt = tiermem.OffloadAdam(model.parameters(), offload=mode.removeprefix("offload-"), **hyper)
     numel = cfg.num_params()
     daemon = getattr(getattr(opt, "client", None), "daemon", None)
     daemon_pid = daemon.process.pid if daemon is not None else None
@@ -381,6 +468,13 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
             }
         steps.append(row)
     out = {"numel": numel, "dtype": spec["dtype"], "config": asdict(cfg), "steps": steps}
+    if isinstance(opt, tiermem.OffloadAdam):
+        rank = opt.stats().rank
+        out["state"] = {
+            "state_dtype": rank.state_dtype,  # as the daemon reports it
+            "cpu_state_nbytes": rank.cpu_state_nbytes,
+            "nvme_state_nbytes": rank.nvme_state_nbytes,
+        }
     out["memory"] = {"trainer": _memory(os.getpid())}
     if daemon_pid:
         out["memory"]["daemon"] = _memory(daemon_pid)
@@ -392,10 +486,13 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- report
 
 
-def summarize(mode: str, dtype: str, best: Trial | None, fio_bw: dict[str, float], capped: bool) -> dict[str, Any]:
+def summarize(
+    mode: str, dtype: str, state_dtype: str | None, best: Trial | None, fio_bw: dict[str, float], capped: bool
+) -> dict[str, Any]:
     row: dict[str, Any] = {
         "mode": mode,
         "dtype": dtype,
+        "state_dtype": state_dtype,
         "largest_params": best.worker["numel"] if best else 0,
         "capped": capped,
     }
@@ -421,7 +518,7 @@ def summarize(mode: str, dtype: str, best: Trial | None, fio_bw: dict[str, float
             write_per_param=last["write_nbytes"] / numel,
             moved_per_param=moved / numel,
         )
-    least = LAYOUT_MIN.get((mode, dtype))
+    least = layout_min(mode, dtype, state_dtype or "fp32")
     if least is not None:
         row.update(min_read_per_param=least[0], min_write_per_param=least[1], min_per_param=sum(least))
         row["over_min"] = moved / numel / sum(least)
@@ -434,9 +531,19 @@ def summarize(mode: str, dtype: str, best: Trial | None, fio_bw: dict[str, float
     if "pager" in last:
         row["pager"] = last["pager"]
         row["pager_requests"] = int(last["pager"]["requests"])
+    if "state" in best.worker:
+        state = best.worker["state"]
+        row["state"] = state
+        row["cpu_state_per_param"] = state["cpu_state_nbytes"] / numel
+        row["nvme_state_per_param"] = state["nvme_state_nbytes"] / numel
     if "memory" in best.worker:
         row["memory"] = best.worker["memory"]
     return row
+
+
+def row_name(r: dict[str, Any]) -> str:
+    """``mode dtype`` and the state dtype where there is one, for the lines under the tables."""
+    return f"{r['mode']} {r['dtype']}" + (f" {r['state_dtype']}" if r.get("state_dtype") else "")
 
 
 def _cells(head: list[str], rows: list[list[str]]) -> None:
@@ -449,7 +556,7 @@ def _cells(head: list[str], rows: list[list[str]]) -> None:
 def print_table(rows: list[dict[str, Any]], limit: int) -> None:
     adamw = {r["dtype"]: r["largest_params"] for r in rows if r["mode"] == "adamw" and r["largest_params"]}
     print(f"\nlargest demo GPT trained for the steps in a {limit / GiB:.2f} GiB cgroup (trainer + daemon)")
-    head = ["mode", "dtype", "largest", "x adamw", "peak", "step s", "on disk/step", "NVMe GB/s"]
+    head = ["mode", "dtype", "state", "largest", "x adamw", "peak", "step s", "on disk/step", "NVMe GB/s"]
     head += ["disk bound s", "x bound"]
     body = []
     for r in rows:
@@ -459,6 +566,7 @@ def print_table(rows: list[dict[str, Any]], limit: int) -> None:
             [
                 r["mode"],
                 r["dtype"],
+                r.get("state_dtype") or "",
                 (">=" if r.get("capped") else "") + f"{n / 1e6:.0f}M" if n else "none",
                 f"{n / base:.1f}x" if base and n else "",
                 f"{r['peak_nbytes'] / GiB:.2f} GiB" if "peak_nbytes" in r else "",
@@ -473,22 +581,28 @@ def print_table(rows: list[dict[str, Any]], limit: int) -> None:
     disk = [r for r in rows if "moved_per_param" in r]
     if disk:
         print("\nper step at that size: disk bytes per param (read + written) against the layout's minimum")
-        head = ["mode", "dtype", "params", "B/param read + written", "minimum", "x min", "pager requests"]
-        head += ["disk requests", "step s", "x bound (measured bytes)", "min bound s", "x min bound"]
+        head = ["mode", "dtype", "state", "params", "B/param read + written", "minimum", "x min", "state B/param"]
+        head += ["pager requests", "disk requests", "step s", "x bound (measured bytes)", "min bound s", "x min bound"]
         body = []
         for r in disk:
             moved = f"{r['read_per_param']:.1f} + {r['write_per_param']:.1f} = {r['moved_per_param']:.1f}"
             least = ""
             if "min_per_param" in r:
-                least = f"{r['min_read_per_param']} + {r['min_write_per_param']} = {r['min_per_param']}"
+                least = " + ".join(fmt_nbytes(r[k]) for k in ("min_read_per_param", "min_write_per_param"))
+                least += f" = {fmt_nbytes(r['min_per_param'])}"
+            state = ""
+            if "cpu_state_per_param" in r:
+                state = f"{r['cpu_state_per_param']:.2f} + {r['nvme_state_per_param']:.2f}"
             body.append(
                 [
                     r["mode"],
                     r["dtype"],
+                    r.get("state_dtype") or "",
                     f"{r['largest_params'] / 1e6:.0f}M",
                     moved,
                     least,
                     f"{r['over_min']:.2f}x" if "over_min" in r else "",
+                    state,
                     str(r["pager_requests"]) if "pager_requests" in r else "",
                     str(r["disk_requests"]) if "disk_requests" in r else "",
                     f"{r['step_s']:.2f}",
@@ -498,7 +612,7 @@ def print_table(rows: list[dict[str, Any]], limit: int) -> None:
                 ]
             )
         _cells(head, body)
-        idle = [f"{r['mode']} {r['dtype']}" for r in disk if not r["moved_per_param"]]
+        idle = [row_name(r) for r in disk if not r["moved_per_param"]]
         if idle:
             print(
                 f"{', '.join(idle)}: no disk I/O in the step (the state fit in the daemon's chunk cache, which "
@@ -508,7 +622,7 @@ def print_table(rows: list[dict[str, Any]], limit: int) -> None:
         if "pager" in r:
             p = r["pager"]
             print(
-                f"{r['mode']} {r['dtype']}: pager fetched {p['fetched_nbytes'] / GiB:.2f} GiB "
+                f"{row_name(r)}: pager fetched {p['fetched_nbytes'] / GiB:.2f} GiB "
                 f"({p['fetches']:.0f} fetches, {p['prefetches']:.0f} prefetches) and pushed "
                 f"{p['pushed_nbytes'] / GiB:.2f} GiB of grads per step; the trainer waited "
                 f"{p['fetch_wait_us'] / 1e6:.2f} s for fetches, {p['push_wait_us'] / 1e6:.2f} s for pushes; "
@@ -519,21 +633,28 @@ def print_table(rows: list[dict[str, Any]], limit: int) -> None:
                 f"{who} {m['peak_rss'] / GiB:.2f} GiB (shared memory {m['rss_shmem'] / GiB:.2f} GiB at the end)"
                 for who, m in r["memory"].items()
             ]
-            print(f"{r['mode']} {r['dtype']}: peak resident set: {', '.join(parts)}")
+            print(f"{row_name(r)}: peak resident set: {', '.join(parts)}")
         if "daemon" in r and r["disk_requests"]:
             d = r["daemon"]
             print(
-                f"{r['mode']} {r['dtype']}: the daemon issued {d['swap_reads']} disk reads and "
+                f"{row_name(r)}: the daemon issued {d['swap_reads']} disk reads and "
                 f"{d['swap_writes']} writes ({r['paged_nbytes'] / r['disk_requests'] / MiB:.2f} MiB each on "
                 f"average), {d.get('page_ins', 0)} page-ins and {d.get('page_outs', 0)} page-outs"
             )
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tiermem.core.modes import STATE_DTYPES  # no torch: the parent stays small until it needs the layout
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=parse_size, default=4 * GiB, help="memory cgroup limit (default 4GiB)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"model dtypes, comma-separated, of {', '.join(DTYPES)}")
+    ap.add_argument(
+        "--state-dtypes",
+        default="fp32",
+        help=f"OffloadAdam(state_dtype=) of the offload modes, comma-separated, of {', '.join(STATE_DTYPES)} (fp32)",
+    )
     ap.add_argument("--start-params", type=parse_count, default=16_000_000, help="first size tried (16e6)")
     ap.add_argument("--max-params", type=parse_count, default=4_000_000_000, help="largest size tried (4e9)")
     ap.add_argument("--bisect", type=int, default=2, help="bisections after the doubling search (2)")
@@ -570,6 +691,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(dtypes) - set(DTYPES))
     if unknown or not dtypes:
         ap.error(f"unknown dtype(s) {', '.join(unknown) or '(none given)'}; the dtypes are {', '.join(DTYPES)}")
+    state_dtypes = [d.strip() for d in args.state_dtypes.split(",") if d.strip()]
+    unknown = sorted(set(state_dtypes) - set(STATE_DTYPES))
+    if unknown or not state_dtypes:
+        ap.error(f"unknown state dtype(s) {', '.join(unknown) or '(none given)'}; they are {', '.join(STATE_DTYPES)}")
     parent = own_memory_cgroup()
     if parent is None:
         ap.error("needs a writable cgroup v1 memory controller at /sys/fs/cgroup/memory (run as root)")
@@ -591,10 +716,12 @@ def main(argv: list[str] | None = None) -> int:
         rows, every = [], []
         for mode in modes:
             for dtype in dtypes:
-                best, trials = search(args, mode, dtype, parent, log_dir)
-                every += [asdict(t) for t in trials]
-                capped = best is not None and all(t.status == "ok" for t in trials)
-                rows.append(summarize(mode, dtype, best, fio_bw, capped))
+                variants: list[str | None] = [None] if mode == "adamw" else list(state_dtypes)
+                for state_dtype in variants:
+                    best, trials = search(args, mode, dtype, state_dtype, parent, log_dir)
+                    every += [asdict(t) for t in trials]
+                    capped = best is not None and all(t.status == "ok" for t in trials)
+                    rows.append(summarize(mode, dtype, state_dtype, best, fio_bw, capped))
         print_table(rows, args.limit)
         if args.json:
             report = {
@@ -603,7 +730,9 @@ def main(argv: list[str] | None = None) -> int:
                 "args": {k: str(v) for k, v in vars(args).items() if k != "worker"},
                 "fio_gbps": fio_bw,
                 "layout_min_per_param": {
-                    f"{m} {d}": {"read": r, "written": w} for (m, d), (r, w) in LAYOUT_MIN.items()
+                    layout_min_key(PAGED, d, sd): layout_min_json(PAGED, d, sd)
+                    for d in DTYPES
+                    for sd in dict.fromkeys(("fp32", *state_dtypes))
                 },
                 "results": rows,
                 "trials": every,
