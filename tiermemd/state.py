@@ -95,18 +95,16 @@ class ChunkTensors(NamedTuple):
             raise InvalidState(f"state key {key!r} of this chunk was not acquired or is not kept by the rank")
         return value
 
-    def moments(self, state_dtype: str, start: int) -> LowbitMoments:
-        """The chunk's acquired moments as one ``LowbitMoments``; ``start``: the chunk's first element."""
+    def moments(self, state_dtype: str, start: int, lo: int = 0, hi: int | None = None) -> LowbitMoments:
+        """The acquired moments of the chunk's elements ``[lo, hi)`` (default: all) as one ``LowbitMoments``;
+        ``start``: the chunk's first element.  Made on every piece of an update: fp32 and bf16 moments are
+        sliced straight (an int8 piece goes through ``LowbitMoments.piece``, which checks its block)."""
+        m, v = self.need("exp_avg"), self.need("exp_avg_sq")
+        stop = m.numel() if hi is None else hi
         if state_dtype != "int8":
-            return LowbitMoments(state_dtype, self.need("exp_avg"), self.need("exp_avg_sq"), start=start)
-        return LowbitMoments(
-            state_dtype,
-            self.need("exp_avg"),
-            self.need("exp_avg_sq"),
-            self.need("exp_avg_scale"),
-            self.need("exp_avg_sq_scale"),
-            start=start,
-        )
+            return LowbitMoments(state_dtype, m[lo:stop], v[lo:stop], start=start + lo)
+        whole = LowbitMoments(state_dtype, m, v, self.need("exp_avg_scale"), self.need("exp_avg_sq_scale"), start=start)
+        return whole.piece(lo, stop)
 
 
 _PER_TIER = "per tier (cpu: pool bytes, NVMe chunk caches included; nvme: swap bytes)."

@@ -39,7 +39,16 @@ from math import prod
 
 from tiermem.core.errors import DTypeError, InvalidArgument
 
-__all__ = ["DTYPE_NBYTES", "Bucket", "Layout", "TensorSlot", "TensorSpec", "group_buckets", "plan_layout"]
+__all__ = [
+    "DTYPE_NBYTES",
+    "Bucket",
+    "Layout",
+    "TensorSlot",
+    "TensorSpec",
+    "group_buckets",
+    "plan_layout",
+    "tensor_starts",
+]
 
 DTYPE_NBYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _REGION_ALIGN = 4096
@@ -135,6 +144,17 @@ def group_buckets(nbytes: list[int], bucket_nbytes: int) -> list[list[int]]:
     return groups
 
 
+def tensor_starts(numels: list[int], element_align: int = 1) -> tuple[list[int], int]:
+    """Where each tensor of ``numels`` elements starts in the flat space, each on a multiple of
+    ``element_align``, and the space's size (the end of the last)."""
+    starts, end = [], 0
+    for n in numels:
+        end = _align(end, element_align)
+        starts.append(end)
+        end += n
+    return starts, end
+
+
 def plan_layout(
     specs: list[TensorSpec], *, bucket_nbytes: int, grad_buffers: int = 1, element_align: int = 1
 ) -> Layout:
@@ -164,14 +184,14 @@ def plan_layout(
     groups = group_buckets([s.numel * itemsize for s in specs], bucket_nbytes)
     bucket_of = {i: b for b, members in enumerate(groups) for i in members}
 
-    slots: list[TensorSlot] = []
-    start = 0
-    for index, spec in enumerate(specs):
+    for spec in specs:
         if any(d < 0 for d in spec.shape):
             raise InvalidArgument(f"tensor {spec.name!r} has a negative dimension: {spec.shape}")
-        start = _align(start, element_align)
-        slots.append(TensorSlot(spec, index, start, start * itemsize, bucket_of[index]))
-        start += spec.numel
+    starts, numel = tensor_starts([s.numel for s in specs], element_align)
+    slots = [
+        TensorSlot(spec, index, start, start * itemsize, bucket_of[index])
+        for index, (spec, start) in enumerate(zip(specs, starts, strict=True))
+    ]
     buckets = []
     for b, members in enumerate(groups):
         first, last = slots[members[0]], slots[members[-1]]
@@ -185,12 +205,12 @@ def plan_layout(
                 last.slot_offset + last.nbytes - first.slot_offset,
             )
         )
-    region = _align(max(start * itemsize, 1), _REGION_ALIGN)
+    region = _align(max(numel * itemsize, 1), _REGION_ALIGN)
     grad_offsets = tuple(region * (1 + i) for i in range(grad_buffers))
     return Layout(
         slots=tuple(slots),
         buckets=tuple(buckets),
-        numel=start,
+        numel=numel,
         region_nbytes=region,
         param_offset=0,
         grad_offsets=grad_offsets,

@@ -85,6 +85,8 @@ _SHIFT = 20
 _ONE = 127 << 3
 """The top 12 bits (exponent and 3 mantissa bits) of fp32 1.0: the code of a block's largest plus its base."""
 _MASK32 = 0xFFFFFFFF
+_NO_SCALES = torch.zeros(0)
+"""The scales of fp32 and bf16 moments: none (shared: an empty tensor nothing writes)."""
 
 
 def moment_nbytes(state_dtype: str) -> float:
@@ -226,9 +228,9 @@ class LowbitMoments:
     state_dtype: str
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    exp_avg_scale: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    exp_avg_scale: torch.Tensor = field(default_factory=lambda: _NO_SCALES)
     """The blocks' largest ``exp_avg`` magnitudes (``int8``; empty otherwise)."""
-    exp_avg_sq_scale: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    exp_avg_sq_scale: torch.Tensor = field(default_factory=lambda: _NO_SCALES)
     start: int = 0
 
     @classmethod

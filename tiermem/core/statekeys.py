@@ -35,6 +35,7 @@ __all__ = [
     "Section",
     "StateFormat",
     "chunk_parts",
+    "element_align",
     "key_nbytes",
     "part_element_nbytes",
     "state_keys_for",
@@ -70,6 +71,12 @@ def state_keys_for(
     if dtype == "float32" and placement == "cpu" and grad_buffers == 1:
         return (*MOMENTS, *grad)
     return (*ALL_KEYS, *grad)
+
+
+def element_align(state_dtype: str) -> int:
+    """Elements a rank's tensors start on, its chunks and an update's pieces are a multiple of: int8 moments
+    are quantized in blocks of the flat space, which must not hold two tensors' elements."""
+    return BLOCK if state_dtype == "int8" else 1
 
 
 def key_nbytes(key: str, dtype: str, state_dtype: str = "fp32") -> float:
@@ -127,8 +134,8 @@ class StateFormat:
 
     @property
     def block(self) -> int:
-        """Elements a chunk, a tensor's start and an update's piece must be a multiple of (int8 blocks)."""
-        return BLOCK if self.state_dtype == "int8" else 1
+        """Elements a chunk, a tensor's start and an update's piece must be a multiple of (``element_align``)."""
+        return element_align(self.state_dtype)
 
     @cached_property
     def parts(self) -> dict[str, tuple[str, ...]]:

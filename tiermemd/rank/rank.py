@@ -49,7 +49,6 @@ from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState, StepFailed, TiermemError
 from tiermem.core.layout import Layout, plan_layout
 from tiermem.core.layout import TensorSpec as LayoutSpec
-from tiermem.core.lowbit import BLOCK
 from tiermem.core.protocol import (
     Abort,
     Aborted,
@@ -61,7 +60,7 @@ from tiermem.core.protocol import (
     TensorSlot,
     TensorSpec,
 )
-from tiermem.core.statekeys import StateFormat, state_keys_for
+from tiermem.core.statekeys import StateFormat, element_align, state_keys_for
 from tiermem.core.step_rules import GradStats, combine_grad_stats, decide
 from tiermem.engine.pool import Arena
 from tiermemd import health
@@ -196,7 +195,7 @@ class RankOptimizer(StateIO):
             [LayoutSpec(s.name, tuple(s.shape), s.dtype, s.group) for s in specs],
             bucket_nbytes=1 << 62,
             grad_buffers=grad_buffers,
-            element_align=BLOCK if state_dtype == "int8" else 1,
+            element_align=element_align(state_dtype),
         )
         keys = state_keys_for(layout.dtype, placement, grad_buffers, exchange, grads_in_state)
         fmt = StateFormat(keys, layout.dtype, state_dtype)

@@ -283,7 +283,7 @@ class UpdateRunner:
                     grads = tensors.grad[a - c0 : b - c0]
                 else:
                     raise InvalidState("the rank has neither a grad buffer nor staged grads")
-                moments = tensors.moments(state.format.state_dtype, c0).piece(a - c0, b - c0)
+                moments = tensors.moments(state.format.state_dtype, c0, a - c0, b - c0)
                 ops = AdamSlices(master, moments, grads, out)
                 self.kernel.update(ops, group=piece.group, step=piece.step, grad_scale=grad_scale)
                 if cast is not None:

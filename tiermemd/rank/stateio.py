@@ -169,7 +169,7 @@ class StateIO:
         block = state.format.block
         first = (a - c0) // block * block
         last = min(-(-(b - c0) // block) * block, state.chunk_numel, state.numel - c0)
-        return tensors.moments(state.format.state_dtype, c0).piece(first, last), a - c0 - first
+        return tensors.moments(state.format.state_dtype, c0, first, last), a - c0 - first
 
     def _transfer_moment(
         self,

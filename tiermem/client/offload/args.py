@@ -26,9 +26,10 @@ import torch
 
 from tiermem.core.config import AdamConfig, PoolConfig
 from tiermem.core.errors import InvalidArgument
-from tiermem.core.lowbit import BLOCK, STATE_DTYPES
+from tiermem.core.layout import tensor_starts
+from tiermem.core.lowbit import STATE_DTYPES
 from tiermem.core.modes import Exchange, Placement, StepMode
-from tiermem.core.statekeys import StateFormat, state_keys_for
+from tiermem.core.statekeys import StateFormat, element_align, state_keys_for
 from tiermem.core.units import PAGE_SIZE, MiB, align_up
 from tiermem.engine.pool.pool import arena_sizes
 
@@ -219,13 +220,9 @@ def private_pool_plan(
 
 
 def padded_numel(numels: Sequence[int], state_dtype: str) -> int:
-    """The elements of a rank's flat space for tensors of ``numels``: an int8 rank's layout starts each
-    tensor on a quantization block (``tiermem.core.layout.plan_layout``)."""
-    align = BLOCK if state_dtype == "int8" else 1
-    total = 0
-    for n in numels:
-        total = -(-total // align) * align + n
-    return total
+    """The elements of a rank's flat space for tensors of ``numels`` elements, as the daemon lays them out
+    (``plan_layout``: an int8 rank starts each tensor on a quantization block)."""
+    return tensor_starts(list(numels), element_align(state_dtype))[1]
 
 
 def packed_pool_nbytes(blocks: list[int], arena_size: int, alignment: int = PAGE_SIZE) -> int:
