@@ -19,7 +19,7 @@ def demo(*args: str, cwd) -> subprocess.CompletedProcess[str]:
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:
-    rows = [line.split() for line in stdout.splitlines() if re.match(r"^(adamw|cpuadam|offload)", line)]
+    rows = [line.split() for line in stdout.splitlines() if re.match(r"^(adamw|cpuadam|offload)\S*\s+\d", line)]
     return {row[0]: row for row in rows}
 
 
@@ -40,6 +40,22 @@ def test_demo_quiet_names_an_unwritable_plot_path(tmp_path):
     assert "%|" not in done.stderr  # no progress bar
     assert f"loss curves: not written: cannot write {target}" in done.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_runs_compressed_state_and_says_what_its_rows_mean(tmp_path):
+    done = demo("--runs", "adamw,offload-int8", "--steps", "6", "--params", "1e5", "--quiet", "--no-plot", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = table_rows(done.stdout)
+    assert set(rows) == {"adamw", "offload-int8"}
+    assert float(rows["offload-int8"][1]) == pytest.approx(float(rows["adamw"][1]), rel=0.05)
+    assert "offload-int8 keep the Adam moments compressed" in done.stdout
+    assert "offload-dpu applies" not in done.stdout  # each note only under its own rows
+
+
+def test_demo_refuses_an_unknown_run_naming_the_choices(tmp_path):
+    done = demo("--runs", "adamw,offload-fp8", "--quiet", "--no-plot", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "unknown run(s) ['offload-fp8']" in done.stderr and "offload-int8" in done.stderr
 
 
 def test_no_plot_clears_the_path():

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--runs",
         default="all",
-        help="comma-separated subset of: adamw, cpuadam, offload-cpu, offload-nvme, offload-dpu (default all)",
+        help="comma-separated subset of: adamw, cpuadam, offload-cpu, offload-nvme, offload-dpu, offload-bf16, "
+        "offload-int8 (default all)",
     )
     demo.add_argument("--swap-dir", help="directory for the NVMe tier (default: a temporary directory on disk)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
