@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector
 
 from tiermem import __version__
 from tiermem.core.figures import Family, Kind, declared, rollup, value_at, zero
+from tiermem.core.modes import STATE_DTYPES
 from tiermem.core.protocol import PROTOCOL_VERSION
 from tiermem.engine.pool import PoolStats
 from tiermemd.ledger import Resource
@@ -69,6 +70,11 @@ SWAP_CAPACITY = Family("tiermem_swap_capacity_bytes", "Swap budget: free space o
 JOBS = Family("tiermem_jobs", "Jobs the daemon holds.")
 RANKS = Family("tiermem_ranks", "Ranks holding state in the daemon.")
 JOB_RANKS = Family("tiermem_job_ranks", "Ranks of a job holding state.", per_job=True)
+STATE_DTYPE_RANKS = Family(
+    "tiermem_state_dtype_ranks",
+    "Ranks holding state, by how they store the Adam moments (fp32, bf16, int8).",
+    label="state_dtype",
+)
 
 
 class ServiceCollector(Collector):
@@ -138,6 +144,9 @@ def families(node: NodeStats, *, per_job: bool) -> Iterator[Any]:
     out.figures(ServerStats, [node.server or zero(ServerStats)], per_job=False)
     out.add(JOBS, Kind.GAUGE, len(node.jobs))
     out.add(RANKS, Kind.GAUGE, sum(len(job.ranks) for job in node.jobs))
+    registered = [r.state_dtype for job in node.jobs for r in job.ranks]
+    for state_dtype in STATE_DTYPES:  # every format, zeros too: a dashboard's series exist before the first job
+        out.add(STATE_DTYPE_RANKS, Kind.GAUGE, registered.count(state_dtype), series=state_dtype)
     out.figures(RankStats, node.ranks, per_job=False)
     for job in node.jobs if per_job else ():
         labels = [job.job_id, str(job.owner_uid)]

@@ -163,6 +163,7 @@ def _job_report(job: JobStats) -> JobReport:
         failed_ranks=int(t.failed),  # bools sum to a count
         last_step=max((r.last_step for r in job.ranks), default=0),
         staleness_steps=max((r.staleness_steps for r in job.ranks), default=0),
+        state_dtypes=tuple(sorted({r.state_dtype for r in job.ranks if r.state_dtype})),
     )
 
 

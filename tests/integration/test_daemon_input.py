@@ -111,7 +111,7 @@ def test_a_frame_whose_header_is_unreadable_gets_an_error_then_the_connection_cl
         request_id, kind, message = error_of(conn.request(data))
         assert (request_id, kind) == (expected_id, "ProtocolError")
         if "version" in case:
-            assert "this side supports version(s) 7" in message
+            assert f"this side supports version(s) {PROTOCOL_VERSION}" in message
         assert conn.recv() is None
 
 

@@ -334,11 +334,35 @@ def test_tiermem_status_shows_the_node_and_the_job(metered: tuple[DaemonProcess,
     assert report["node"]["pool"]["capacity_nbytes"] == parse_size(daemon.settings["pool"]["size"])
     (job,) = [j for j in report["jobs"] if j["job_id"] == "status-job"]
     assert job["last_step"] == 2 and job["cpu_state_nbytes"] == 8 * (32 * 32 + 32) and job["ranks"] == 1
+    assert job["state_dtypes"] == ["fp32"]
     assert "status-job" in screen and "Pool" in screen and "Swap" in screen
+    (row,) = [line for line in screen.splitlines() if "status-job" in line]
+    assert row.split()[-3:-1] == ["fp32", "0"], row  # ADAM, then DPU
     adam = report["node"]["adam"]
     assert adam["busy_periods"] >= 2 and adam["busy_period_s"] >= adam["cpu_busy_s"] > 0, adam  # one per update
     assert f"periods {adam['busy_periods']}" in screen, screen
     assert max(len(line) for line in screen.splitlines()) <= 88
+
+
+def test_tiermem_status_shows_how_each_job_keeps_its_moments(metered: tuple[DaemonProcess, int]) -> None:
+    daemon, port = metered
+    model = torch.nn.Linear(32, 32)
+    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id="int8-job", state_dtype="int8")
+    try:
+        model(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+        cmd = [sys.executable, "-m", "tiermem.client.cli", "status", "--socket", daemon.socket_path]
+        shown = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, check=True)
+        screen = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+        report = json.loads(shown.stdout)
+        scraped = scrape(port)
+    finally:
+        opt.close()
+    (job,) = [j for j in report["jobs"] if j["job_id"] == "int8-job"]
+    assert job["state_dtypes"] == ["int8"]
+    (row,) = [line for line in screen.splitlines() if "int8-job" in line]
+    assert row.split()[-3] == "int8", row
+    assert value(scraped, "tiermem_state_dtype_ranks", state_dtype="int8") >= 1
 
 
 def test_tiermem_status_without_a_daemon_says_so(tmp_path: Path) -> None:

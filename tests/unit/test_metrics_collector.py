@@ -21,7 +21,7 @@ from tiermemd.state import StateStats
 from tiermemd.stats import JobStats, NodeStats
 
 
-def _rank(job_id: str, *, updates: int, elements: int, cpu_nbytes: int) -> RankStats:
+def _rank(job_id: str, *, updates: int, elements: int, cpu_nbytes: int, state_dtype: str = "fp32") -> RankStats:
     h = Histogram(UPDATE_SECONDS)
     for _ in range(updates):
         h.observe(0.02)
@@ -30,7 +30,7 @@ def _rank(job_id: str, *, updates: int, elements: int, cpu_nbytes: int) -> RankS
         overlapped_tensors=0, tensors=2, numel=elements, window_nbytes=1 << 21, storage_nbytes=8192,
         state_keys=2, adopted_elements=0, updates=updates, updated_elements=updates * elements,
         update_s=0.02 * updates, update_seconds=h.snapshot(), grad_stats_s=0.0, wait_s=0.0, staleness_steps=0,
-        state=StateStats(cpu_nbytes=cpu_nbytes),
+        state=StateStats(cpu_nbytes=cpu_nbytes), state_dtype=state_dtype,
     )  # fmt: skip
 
 
@@ -40,9 +40,10 @@ def _node(retired: RankStats | None = None) -> NodeStats:
     counters = ServerCounters()
     counters.accepted()
     counters.disconnected(DisconnectReason.CLIENT_EXITED)
+    int8_rank = _rank("secret-job-b", updates=2, elements=5, cpu_nbytes=40, state_dtype="int8")
     jobs = (
         JobStats("secret-job-a", 1000, "active", 1, (_rank("secret-job-a", updates=3, elements=10, cpu_nbytes=80),), 0),
-        JobStats("secret-job-b", 1001, "active", 1, (_rank("secret-job-b", updates=2, elements=5, cpu_nbytes=40),), 0),
+        JobStats("secret-job-b", 1001, "active", 1, (int8_rank,), 0),
     )
     return NodeStats(
         pool=PoolStats(capacity=1 << 30, used=4096, free=(1 << 30) - 4096, largest_free=1 << 29, blocks=1,
@@ -82,6 +83,13 @@ def test_with_job_labels_each_job_has_its_series_under_tiermem_job() -> None:
     assert 'tiermem_job_state_bytes{tier="cpu",tiermem_job="secret-job-a",uid="1000"} 80.0' in text
     assert 'tiermem_job_updated_params_total{tiermem_job="secret-job-b",uid="1001"} 10.0' in text
     assert 'job="' not in text.replace('tiermem_job="', "")  # never Prometheus' own job label
+
+
+def test_ranks_are_counted_by_how_they_store_the_moments() -> None:
+    text = _exposition(_node(), per_job=False)
+    assert 'tiermem_state_dtype_ranks{state_dtype="fp32"} 1.0' in text
+    assert 'tiermem_state_dtype_ranks{state_dtype="int8"} 1.0' in text
+    assert 'tiermem_state_dtype_ranks{state_dtype="bf16"} 0.0' in text  # the series exists before its first rank
 
 
 def test_node_counters_include_ranks_that_ended() -> None:

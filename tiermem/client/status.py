@@ -148,7 +148,9 @@ def render(now: Sample, before: Sample | None = None, *, socket_path: str = "") 
         )
     )
     out.append(rule)
-    out.append(_line(_job_row("JOB", "UID", "STATE", "RANKS", "STEP", "WINDOW", "STORAGE", "CPU", "NVME", "DPU")))
+    out.append(
+        _line(_job_row("JOB", "UID", "STATE", "RANKS", "STEP", "WINDOW", "STORAGE", "CPU", "NVME", "ADAM", "DPU"))
+    )
     for job in now.reply.jobs:
         out.append(_line(_job_cells(job)))
     shown = len(now.reply.jobs)
@@ -161,7 +163,7 @@ def render(now: Sample, before: Sample | None = None, *, socket_path: str = "") 
 
 
 def _job_row(*cells: str) -> str:
-    widths = (14, 5, 8, 5, 7, 8, 8, 8, 8, 3)
+    widths = (12, 5, 8, 5, 6, 7, 8, 8, 8, 4, 3)
     return " ".join(f"{c[:w]:<{w}}" for c, w in zip(cells, widths, strict=True))
 
 
@@ -177,8 +179,17 @@ def _job_cells(job: JobReport) -> str:
         format_size(job.storage_nbytes),
         format_size(job.cpu_state_nbytes),
         format_size(job.nvme_state_nbytes),
+        _moments(job.state_dtypes),
         "1" if job.staleness_steps else "0",
     )
+
+
+def _moments(state_dtypes: tuple[str, ...]) -> str:
+    """How a job keeps its Adam moments: its ranks' one format, ``mix`` where they differ, ``-`` before any
+    registered."""
+    if not state_dtypes:
+        return "-"
+    return state_dtypes[0] if len(state_dtypes) == 1 else "mix"
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -219,3 +219,6 @@ class JobReport(Wire):
     nvme_state_nbytes: Nbytes
     updated_elements: Count
     staleness_steps: Annotated[int, Int(0, 1)]
+    state_dtypes: Annotated[tuple[str, ...], List(Choice(STATE_DTYPES), len(STATE_DTYPES))] = ()
+    """How its ranks store the Adam moments (``fp32``, ``bf16``, ``int8``), each once, sorted: several where
+    ranks differ; empty before any rank registered."""
