@@ -12,7 +12,8 @@ Rows (N = 16M and 64M by default, ``--threads`` threads each):
 
 - ``probe <fmt>``: one C loop built with the kernel's compiler and flags and
   cut into the same pieces on the same threads, reading and writing exactly
-  the bytes of that format's job with no arithmetic.  The bound.
+  the bytes of that format's job with no arithmetic, prefetching two blocks
+  ahead as the kernel does.  The bound.
 - ``tiermem <fmt>``: ``AdamEngine.update_lowbit`` (bf16, int8) and
   ``AdamEngine.update`` (fp32).
 - ``torchao AdamW8bit``: torchao's block-wise 8-bit AdamW on the CPU, fp32

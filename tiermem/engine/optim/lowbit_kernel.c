@@ -21,6 +21,7 @@
 #endif
 
 #define BLOCK 256
+#define AHEAD 2 /* blocks prefetched ahead: 2 measured best of 1, 2, 3, 4 and 8 */
 #define SHIFT 20
 #define ONE (127 << 3)
 #define SIGNED_LEVELS 127
@@ -109,6 +110,21 @@ static inline __attribute__((always_inline)) void run(
     for (int64_t b0 = 0; b0 < numel; b0 += BLOCK) {
         const int len = numel - b0 < BLOCK ? (int)(numel - b0) : BLOCK;
         const int64_t blk = b0 / BLOCK;
+        if (b0 + (AHEAD + 1) * BLOCK <= numel) {
+            /* the lines of the block AHEAD blocks on, so that they arrive while this one computes: the
+             * hardware prefetchers alone leave the pass waiting on memory (measured at 16M params on 2
+             * threads: 1.23 to 1.54 Gparam/s for int8, 1.47 to 1.73 for bf16) */
+            const int64_t a = b0 + AHEAD * BLOCK;
+            const int gsz = gk == G_F32 ? 4 : 2, msz = sk == S_BF16 ? 2 : 1;
+            for (int c = 0; c < BLOCK * 4; c += 64) __builtin_prefetch((const char *)(p + a) + c, 1);
+            for (int c = 0; c < BLOCK * gsz; c += 64) __builtin_prefetch((const char *)grad + a * gsz + c, 0);
+            if (ok != O_NONE)
+                for (int c = 0; c < BLOCK * 2; c += 64) __builtin_prefetch((const char *)out + a * 2 + c, 1);
+            for (int c = 0; c < BLOCK * msz; c += 64) {
+                __builtin_prefetch((const char *)m_store + a * msz + c, 1);
+                __builtin_prefetch((const char *)v_store + a * msz + c, 1);
+            }
+        }
         float *restrict pb = p + b0;
         if (gk == G_F16) {
             f16_to_f32((const uint16_t *)grad + b0, gg, len);
