@@ -23,6 +23,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -319,17 +320,22 @@ def _without_labels(expr: str) -> str:
     return re.sub(r"\{[^}]*\}", "", expr)
 
 
+def status(daemon: DaemonProcess) -> tuple[dict[str, Any], str]:
+    """``tiermem status`` of ``daemon``: its ``--json`` report and its screen."""
+    cmd = [sys.executable, "-m", "tiermem.client.cli", "status", "--socket", daemon.socket_path]
+    shown = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, check=True)
+    screen = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    return json.loads(shown.stdout), screen
+
+
 def test_tiermem_status_shows_the_node_and_the_job(metered: tuple[DaemonProcess, int]) -> None:
     daemon, _ = metered
     model = torch.nn.Linear(32, 32)
     opt = train(daemon, model, "status-job", "cpu", 2)
     try:
-        cmd = [sys.executable, "-m", "tiermem.client.cli", "status", "--socket", daemon.socket_path]
-        shown = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, check=True)
-        screen = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+        report, screen = status(daemon)
     finally:
         opt.close()
-    report = json.loads(shown.stdout)
     assert report["socket"] == daemon.socket_path
     assert report["node"]["pool"]["capacity_nbytes"] == parse_size(daemon.settings["pool"]["size"])
     (job,) = [j for j in report["jobs"] if j["job_id"] == "status-job"]
@@ -351,10 +357,7 @@ def test_tiermem_status_shows_how_each_job_keeps_its_moments(metered: tuple[Daem
     try:
         model(torch.randn(4, 32)).square().mean().backward()
         opt.step()
-        cmd = [sys.executable, "-m", "tiermem.client.cli", "status", "--socket", daemon.socket_path]
-        shown = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, check=True)
-        screen = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
-        report = json.loads(shown.stdout)
+        report, screen = status(daemon)
         scraped = scrape(port)
     finally:
         opt.close()
