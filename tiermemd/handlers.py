@@ -266,10 +266,8 @@ class Handlers:
             placement = "cpu"
         else:
             keys = state_keys_for(dtype, "cpu", msg.grad_buffers, msg.exchange, msg.grads_in_state)
-            fmt = StateFormat(keys, dtype, msg.state_dtype)
-            chunk_numel = fmt.chunk_numel(self.service.config.adam.chunk_numel)
-            fits = fmt.nbytes(numel, chunk_numel) <= self.ledger.available(Resource.POOL)
-            placement = "cpu" if fits else "nvme"
+            state_nbytes = self.service.cpu_state_nbytes(numel, StateFormat(keys, dtype, msg.state_dtype))
+            placement = "cpu" if state_nbytes <= self.ledger.available(Resource.POOL) else "nvme"
         restored = rank.restored
         registration = rank.register(
             msg.tensors,

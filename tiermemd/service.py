@@ -237,17 +237,21 @@ class Service:
 
     # ----------------------------------------------------------------- state and reclaim
 
+    def cpu_state_nbytes(self, numel: int, fmt: StateFormat) -> int:
+        """Pool bytes of a rank's state of ``numel`` elements in ``fmt`` held in the pool (the ``cpu``
+        placement), chunked as this daemon chunks it: what registration weighs and what it reserves."""
+        return fmt.nbytes(numel, fmt.chunk_numel(self.config.adam.chunk_numel))
+
     def state_factory(self, job: Job, rank: int, placement: str) -> Callable[[int, StateFormat], StateChunks]:
         def make(numel: int, fmt: StateFormat) -> StateChunks:
             if placement == "cpu":
-                chunk_numel = fmt.chunk_numel(self.config.adam.chunk_numel)
-                nbytes = fmt.nbytes(numel, chunk_numel)
+                nbytes = self.cpu_state_nbytes(numel, fmt)
                 self.ledger.reserve(job.key, Resource.POOL, nbytes)
                 try:
                     return CpuStateChunks(
                         self.pool,
                         numel,
-                        chunk_numel,
+                        self.config.adam.chunk_numel,
                         owner=f"{job.job_id}/{rank}",
                         keys=fmt.keys,
                         state_dtype=fmt.state_dtype,

@@ -227,8 +227,8 @@ class CpuStateChunks:
             except BaseException:
                 self.pool.unpin(block)
                 raise
-        wanted = set(keys)
-        return ChunkTensors(**{name: t for name, t in cached[1].items() if name.removesuffix("_scale") in wanted})
+        wanted, key_of = set(keys), self.format.section_keys
+        return ChunkTensors(**{name: t for name, t in cached[1].items() if key_of[name] in wanted})
 
     def _sections(self, block: Block, n: int) -> dict[str, torch.Tensor]:
         """Every section of every part of a chunk's block (the parts in order, one after the other)."""

@@ -141,6 +141,11 @@ class StateFormat:
     def parts(self) -> dict[str, tuple[str, ...]]:
         return chunk_parts(self.keys)
 
+    @cached_property
+    def section_keys(self) -> dict[str, str]:
+        """The state key each section of every part belongs to, by section name (what a caller acquires)."""
+        return {sec.name: sec.key for part in self.parts for sec in self.sections(part)}
+
     def key_sections(self, key: str) -> tuple[Section, ...]:
         if key == "param":
             return (Section(key, key, dtypes.by_name(self.dtype).torch),)
