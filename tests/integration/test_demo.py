@@ -10,8 +10,9 @@ import sys
 import pytest
 
 
-def demo(*args: str, cwd) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+def demo(*args: str, cwd, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "GOMP_", "OMP_WAIT_"))}
+    env.update(extra_env or {})
     return subprocess.run(
         [sys.executable, "-m", "tiermem.client.cli", "demo", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False,
@@ -50,6 +51,20 @@ def test_demo_runs_compressed_state_and_says_what_its_rows_mean(tmp_path):
     assert float(rows["offload-int8"][1]) == pytest.approx(float(rows["adamw"][1]), rel=0.05)
     assert "offload-int8 keep the Adam moments compressed" in done.stdout
     assert "offload-dpu applies" not in done.stdout  # each note only under its own rows
+
+
+def test_demo_says_how_its_trainers_openmp_workers_wait(tmp_path):
+    done = demo("--runs", "adamw", "--steps", "6", "--params", "1e5", "--quiet", "--no-plot", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "trainer OpenMP: GOMP_SPINCOUNT=20000 (idle workers spin for 20,000 polls" in done.stderr
+    assert "trainer OpenMP: GOMP_SPINCOUNT=20000" in done.stdout  # under the table too
+    done = demo(
+        "--runs", "adamw", "--steps", "6", "--params", "1e5", "--quiet", "--no-plot", cwd=tmp_path,
+        extra_env={"OMP_WAIT_POLICY": "PASSIVE"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "trainer OpenMP: OMP_WAIT_POLICY=PASSIVE (from the environment)" in done.stdout
+    assert "GOMP_SPINCOUNT" not in done.stdout
 
 
 def test_demo_refuses_an_unknown_run_naming_the_choices(tmp_path):

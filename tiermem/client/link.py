@@ -95,6 +95,10 @@ __all__ = ["DEFAULT_TIMEOUT_S", "AttachInfo", "Client", "EmbeddedDaemon", "clien
 
 log = logging.getLogger(__name__)
 
+_NOT_INHERITED = ("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+"""Environment a private daemon does not take from its trainer: tiermem's own settings, systemd's, and how
+the trainer's OpenMP workers wait (libgomp's ``GOMP_SPINCOUNT`` overrides ``OMP_WAIT_POLICY``, so a trainer
+tuned to spin would make the daemon, which runs passive beside it, spin too)."""
 NODE_SOCKET = "/run/tiermem/tiermemd.sock"
 NODE_SERVICE_USER = "tiermem"
 """The user the shipped unit runs the node daemon as (``User=`` in ``systemd/tiermemd.service``)."""
@@ -157,7 +161,7 @@ class EmbeddedDaemon:
             *config_args,
             *extra_args,
         ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
         env["NOTIFY_SOCKET"] = notify_path
         env["TIERMEM_JOBS_GRACE_PERIOD_S"] = "5"
         env["TIERMEM_SERVER_ACCEPT_PROCESS"] = "false"  # one user in a 0700 directory: nobody to storm it

@@ -96,6 +96,9 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{args.steps} steps of batch {args.batch_size} x {cfg.block_size} tokens",
         file=sys.stderr,
     )
+    openmp = getattr(args, "openmp", "")
+    if openmp:
+        print(openmp, file=sys.stderr)
     offloaded = [r for r in wanted if r.startswith("offload")]
     daemon = None
     if offloaded:
@@ -131,7 +134,7 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         if daemon is not None:
             daemon.stop()
-    _report(results, lr=args.lr)
+    _report(results, lr=args.lr, openmp=openmp)
     if args.plot:
         _plot(results, args.plot, cfg)
     return 0
@@ -152,7 +155,7 @@ def _plot(results: list[RunResult], path: str, cfg: GPTConfig) -> None:
     print(f"loss curves: {written}")
 
 
-def _report(results: list[RunResult], *, lr: float) -> None:
+def _report(results: list[RunResult], *, lr: float, openmp: str = "") -> None:
     if not results:
         return
     base = results[0]
@@ -170,6 +173,8 @@ def _report(results: list[RunResult], *, lr: float) -> None:
         "\nloss: mean of the last 10 steps; step ms: median after 5 warm-up steps; paged: optimizer state moved "
         "between the daemon's pool and its swap files"
     )
+    if openmp:
+        print(f"{openmp}; the runs share one process and this setting")
     if any(r.name == "offload-dpu" for r in results):
         print(
             f"offload-dpu applies each update one step late (ZeRO-Offload's delayed update), here at lr {lr:g}: "
