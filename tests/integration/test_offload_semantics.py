@@ -211,6 +211,23 @@ def test_resume_continues_from_the_checkpoint_in_either_load_order(
     assert_state_close(opt.state_dict(), ref.state_dict())
 
 
+def test_state_dict_is_taken_when_called_and_later_steps_leave_it_alone(offload: OffloadDaemon, tier: str) -> None:
+    """AdamW's ``state_dict()`` hands out its live tensors, so a checkpoint kept in memory moves with later
+    steps; OffloadAdam's state lives in the daemon and its ``state_dict()`` is a copy taken when called."""
+    batches = mlp_batches(5, fixed=False)
+    model = mlp()
+    opt = offload.make(model.parameters(), offload=tier, **HYPER)
+    train(model, opt, batches[:2], mlp_loss)
+    kept = opt.state_dict()
+    frozen = copy.deepcopy(kept)
+    train(model, opt, batches[2:], mlp_loss)
+    assert sorted(kept["state"]) == sorted(frozen["state"])
+    for index, state in kept["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, frozen["state"][index][key]), f"param {index} {key} changed after the call"
+    assert int(opt.state_dict()["state"][0]["step"]) == 5 and int(kept["state"][0]["step"]) == 2
+
+
 def _branch_steps(model: TwoBranches, opt: torch.optim.Optimizer, batches: list[Any], *, use_b: bool) -> None:
     model.heads = "a+b" if use_b else "a"
     for x, y in batches:
