@@ -100,9 +100,11 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return found[0]
 
 
-def train(daemon: DaemonProcess, model: torch.nn.Linear, job_id: str, offload: str, steps: int) -> OffloadAdam:
-    """``steps`` steps of ``model`` under an ``OffloadAdam`` of job ``job_id``, left open."""
-    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id=job_id, offload=offload)
+def train(
+    daemon: DaemonProcess, model: torch.nn.Linear, job_id: str, offload: str, steps: int, **options: Any
+) -> OffloadAdam:
+    """``steps`` steps of ``model`` under an ``OffloadAdam`` of job ``job_id`` (and ``options``), left open."""
+    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id=job_id, offload=offload, **options)
     for _ in range(steps):
         model(torch.randn(4, model.in_features)).square().mean().backward()
         opt.step()
@@ -298,11 +300,8 @@ def test_idle_scrape_connections_are_bounded_and_hold_no_threads(metered: tuple[
 
 def test_every_metric_the_dashboard_queries_exists(metered: tuple[DaemonProcess, int]) -> None:
     daemon, port = metered
-    model = torch.nn.Linear(128, 64)
-    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id="metrics-dash", offload="nvme")
+    opt = train(daemon, torch.nn.Linear(128, 64), "metrics-dash", "nvme", 1)
     try:
-        model(torch.randn(4, 128)).square().mean().backward()
-        opt.step()
         names = set(scrape(port))
     finally:
         opt.close()
@@ -352,11 +351,8 @@ def test_tiermem_status_shows_the_node_and_the_job(metered: tuple[DaemonProcess,
 
 def test_tiermem_status_shows_how_each_job_keeps_its_moments(metered: tuple[DaemonProcess, int]) -> None:
     daemon, port = metered
-    model = torch.nn.Linear(32, 32)
-    opt = OffloadAdam(model.parameters(), lr=1e-3, client=daemon.client(), job_id="int8-job", state_dtype="int8")
+    opt = train(daemon, torch.nn.Linear(32, 32), "int8-job", "cpu", 1, state_dtype="int8")
     try:
-        model(torch.randn(4, 32)).square().mean().backward()
-        opt.step()
         report, screen = status(daemon)
         scraped = scrape(port)
     finally:

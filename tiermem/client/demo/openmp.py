@@ -36,7 +36,7 @@ def choose(environ: Mapping[str, str], *, torch_loaded: bool) -> tuple[dict[str,
         return {}, "trainer OpenMP: libgomp's default spin (torch was loaded before the demo could set it)"
     return (
         {"GOMP_SPINCOUNT": SPINCOUNT},
-        f"trainer OpenMP: GOMP_SPINCOUNT={SPINCOUNT} (idle workers spin for 20,000 polls, not libgomp's 300,000, "
-        "leaving the cores to the daemon's update sooner; GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment "
-        "choose otherwise)",
+        f"trainer OpenMP: GOMP_SPINCOUNT={SPINCOUNT} (idle workers spin for {int(SPINCOUNT):,} polls, not libgomp's "
+        "300,000, leaving the cores to the daemon's update sooner; GOMP_SPINCOUNT or OMP_WAIT_POLICY in the "
+        "environment choose otherwise)",
     )
