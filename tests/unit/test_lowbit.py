@@ -195,3 +195,56 @@ def test_store_refuses_other_sizes() -> None:
     moments = LowbitMoments.zeros(10, "bf16")
     with pytest.raises(InvalidArgument, match="10"):
         moments.store(torch.zeros(9), torch.zeros(9), step=1)
+
+
+def _every_code(signed: bool, blocks: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes covering every value (each block's first its largest, as a quantized block's is) and block
+    scales over the fp32 range whose dequantized values stay normal numbers."""
+    levels = 127 if signed else 255
+    codes = torch.randint(-levels if signed else 0, levels + 1, (blocks, BLOCK), generator=gen)
+    codes[:, 0] = levels
+    codes[: blocks // 2, 1] = -levels if signed else levels  # ties with the largest (and its other sign)
+    top = 80.0 if signed else 60.0  # the smallest code is 2**-15.7 (2**-31.7) of the scale: keep it normal
+    scale = torch.exp2(torch.rand(blocks, generator=gen) * 2 * top - top)
+    return codes.reshape(-1).to(torch.int8 if signed else torch.uint8), scale
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("numbers", ["lowest", "highest", "hashed"])
+def test_int8_quantizes_its_own_values_back_to_the_same_codes_and_scales(signed: bool, numbers: str) -> None:
+    """What a checkpoint does: codes dequantized to fp32, then quantized again, with any random numbers (the
+    extremes of the 16-bit range included), give back every code and scale unchanged."""
+    gen = torch.Generator().manual_seed(8)
+    codes, scale = _every_code(signed, 4000, gen)
+    n = codes.numel()
+    r16 = {
+        "lowest": torch.zeros(n, dtype=torch.int64),
+        "highest": torch.full((n,), 0xFFFF, dtype=torch.int64),
+        "hashed": _u(n, 9),
+    }[numbers]
+    quantize, dequantize = (quantize_signed, dequantize_signed) if signed else (quantize_unsigned, dequantize_unsigned)
+    again, again_scale = quantize(dequantize(codes, scale), r16)
+    assert torch.equal(again_scale, scale)
+    assert int((again != codes).sum()) == 0
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_moments_stored_from_their_own_values_keep_their_bits(state_dtype: str) -> None:
+    """``LowbitMoments.store`` of what ``dequantize`` gave, at any step: the same bytes (a resume is exact)."""
+    gen = torch.Generator().manual_seed(10)
+    n = 40 * BLOCK + 19
+    moments = LowbitMoments.zeros(n, state_dtype, start=3 * BLOCK)
+    p = torch.randn(n, generator=gen)
+    hyper = AdamHyper(lr=1e-3, weight_decay=0.01)
+    for step in range(1, 8):
+        grad = torch.randn(n, generator=gen) * torch.exp2(torch.randn(n, generator=gen) * 4)
+        lowbit_update(p, grad, moments, step_scalars(hyper, step), step=step)
+    for step in (7, 8, 1000):
+        loaded = LowbitMoments.zeros(n, state_dtype, start=3 * BLOCK)
+        loaded.store(*moments.dequantize(), step=step)
+        for mine, theirs in zip(
+            (loaded.exp_avg, loaded.exp_avg_sq, loaded.exp_avg_scale, loaded.exp_avg_sq_scale),
+            (moments.exp_avg, moments.exp_avg_sq, moments.exp_avg_scale, moments.exp_avg_sq_scale),
+            strict=True,
+        ):
+            assert torch.equal(mine, theirs), step

@@ -105,6 +105,23 @@ def test_a_piece_by_piece_update_equals_one_update(engine: AdamEngine) -> None:
     _assert_moments_equal(whole, parts)
 
 
+def test_values_a_few_units_below_a_code_round_as_in_the_reference(engine: AdamEngine) -> None:
+    """Normalised moments 4 units of their fp32 bits below a code: only the half step added before the bits
+    are cut (``lowbit._HALF_STEP``) rounds them up for the hash's zeros, one element in 2**16, so 2**20 of
+    them tell a kernel without it from the reference (beta1 = 0: the new ``exp_avg`` is the grad itself)."""
+    n = 1 << 20
+    gen = torch.Generator().manual_seed(13)
+    top = torch.randint((127 << 3) - 126, (127 << 3) + 1, (n,), generator=gen, dtype=torch.int32)  # exp_avg's codes
+    g = ((top << 20) - 4).view(torch.float32)
+    g[::BLOCK] = 1.0  # each block's largest: its scale is 1, so the normalised value is the grad
+    hyper = AdamHyper(lr=1e-3, beta1=0.0)
+    p, p_ref = torch.zeros(n), torch.zeros(n)
+    ours, ref = LowbitMoments.zeros(n, "int8"), LowbitMoments.zeros(n, "int8")
+    engine.update_lowbit(p, ours, g, group=hyper, step=1)
+    lowbit_update(p_ref, g, ref, step_scalars(hyper, 1), step=1)
+    _assert_moments_equal(ours, ref)
+
+
 def test_a_non_finite_grad_poisons_its_block_as_in_the_reference(engine: AdamEngine) -> None:
     n = 3 * BLOCK
     gen = torch.Generator().manual_seed(5)

@@ -35,6 +35,29 @@ state and its step count (the low half rounds ``exp_avg``, the high half
 ``exp_avg_sq``), so a run is reproducible bit for bit, and an element's
 rounding does not depend on how the state is cut into chunks.
 
+Checkpoints carry the moments as AdamW's fp32 values (``dequantize``), so a
+state dict loads into ``torch.optim.AdamW`` and AdamW's into this; a resume
+is exact because quantizing those values gives back the codes and scales
+they came from, whatever the random numbers:
+
+- a block's largest is its scale times 1, exact, so the scale comes back;
+- any other value, code value times scale, normalised by a product with the
+  scale's reciprocal, misses its code's value by three roundings (a unit of
+  the fp32 bits, measured), and ``_HALF_STEP`` lands anything within 8 units
+  of a code on it;
+- bf16 moments are fp32 values ``round_bf16`` keeps as they are.
+
+The bound: the dequantized values must be normal fp32 numbers (a block's
+largest ``exp_avg`` at least ``2**-110``, ``exp_avg_sq`` ``2**-94``, about
+5e-29); below, fp32 rounds the smallest codes' values themselves.  Carrying
+the raw codes and scales under keys of their own instead was turned down:
+AdamW would ignore them, but a state dict made or changed elsewhere (AdamW's,
+a resharded one, a cast) would then disagree with its own ``exp_avg``, a
+second home for one fact.  An int8 block must be quantized from all of its
+values at once: quantizing part of a block against the part's largest, then
+again with the rest against the whole block's, moves the first part (the
+state transfer cuts moments on blocks: ``tiermem.client.offload.transfer``).
+
 Non-finite moments (a step's grads held inf or NaN and nothing skipped it)
 poison what they touch, as they poison AdamW's state: a bf16 moment keeps the
 inf or NaN; an int8 block holding one reads back as NaN in every element.
@@ -84,6 +107,11 @@ _SHIFT = 20
 """fp32 mantissa bits below a code's 3."""
 _ONE = 127 << 3
 """The top 12 bits (exponent and 3 mantissa bits) of fp32 1.0: the code of a block's largest plus its base."""
+_HALF_STEP = 1 << (_SHIFT - 16 - 1)
+"""Half the step of the random numbers (a 16-bit number moves the fp32 bits in units of ``2**4``), added
+before the bits are cut: the chance of rounding up is the distance to the lower code rounded to the nearest
+``2**-16`` (cut, it was biased down by half a unit), and a value that misses a code by the few units of a
+product's rounding (a dequantized value times the reciprocal of its scale) lands on it."""
 _MASK32 = 0xFFFFFFFF
 _NO_SCALES = torch.zeros(0)
 """The scales of fp32 and bf16 moments: none (shared: an empty tensor nothing writes)."""
@@ -147,9 +175,10 @@ def _code_value(code: torch.Tensor, levels: int) -> torch.Tensor:
 
 def _quantize_magnitude(n: torch.Tensor, r16: torch.Tensor, levels: int) -> torch.Tensor:
     """Codes 0..levels (int32) of normalised magnitudes ``n`` in [0, 1], rounded stochastically (unbiased in
-    ``n``) with uniform 16-bit integers ``r16``."""
+    ``n``) with uniform 16-bit integers ``r16``; ``n`` within ``_HALF_STEP`` units of a code's value takes
+    that code, whatever ``r16`` (see the module note on checkpoints)."""
     bits = n.view(torch.int32)
-    code = ((bits + (r16.to(torch.int32) << (_SHIFT - 16))) >> _SHIFT) - _base(levels)
+    code = ((bits + _HALF_STEP + (r16.to(torch.int32) << (_SHIFT - 16))) >> _SHIFT) - _base(levels)
     smallest = float(_code_value(torch.ones(1, dtype=torch.int32), levels))
     # below the smallest code: zero or the smallest, with P = n / smallest
     below = (r16.to(torch.float32) * (smallest / 65536.0) < n).to(torch.int32)

@@ -24,6 +24,7 @@
 #define AHEAD 2 /* blocks prefetched ahead: 2 measured best of 1, 2, 3, 4 and 8 */
 #define SHIFT 20
 #define ONE (127 << 3)
+#define HALF_STEP (1u << (SHIFT - 16 - 1)) /* lowbit._HALF_STEP: a dequantized value quantizes to its own code */
 #define SIGNED_LEVELS 127
 #define UNSIGNED_LEVELS 255
 
@@ -83,9 +84,10 @@ static inline float code_value(int32_t code, int levels) {
     return code > 0 ? u2f((uint32_t)(code + ONE - levels) << SHIFT) : 0.0f;
 }
 
-/* codes 0..levels of a normalised magnitude n in [0, 1] (lowbit._quantize_magnitude), branch-free */
+/* codes 0..levels of a normalised magnitude n in [0, 1] (lowbit._quantize_magnitude, HALF_STEP included),
+ * branch-free */
 static inline int32_t quantize_magnitude(float n, uint32_t r16, int levels, float smallest, float below_step) {
-    int32_t code = (int32_t)((f2u(n) + (r16 << (SHIFT - 16))) >> SHIFT) - (ONE - levels);
+    int32_t code = (int32_t)((f2u(n) + HALF_STEP + (r16 << (SHIFT - 16))) >> SHIFT) - (ONE - levels);
     code = code > levels ? levels : code;
     const int32_t below = (float)r16 * below_step < n;
     return n < smallest ? below : code;
