@@ -96,6 +96,24 @@ def test_trainer_with_offload_adam_matches_adamw_and_resumes_exactly(offload: Of
     assert int(resumed_opt.state_dict()["state"][0]["step"]) == int(opt.state_dict()["state"][0]["step"]) == STEPS
 
 
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_trainer_resumes_compressed_moments_exactly(offload: OffloadDaemon, tmp_path: Path, state_dtype: str) -> None:
+    """Compressed moments go through Trainer's ``optimizer.pt`` as AdamW's fp32 values and come back as the
+    bits they were, also through the smallest window (its 512-element slots cut GPT-2's int8 blocks unless
+    the transfer cuts on blocks)."""
+    options: dict[str, Any] = {"offload": "cpu", "lr": LR, "weight_decay": 0.0, "state_dtype": state_dtype}
+    model = _model()
+    opt = offload.make(model.parameters(), window_nbytes=4096, **options)
+    _trainer(model, opt, tmp_path / "full").train()
+    resumed = _model()
+    resumed_opt = offload.make(resumed.parameters(), window_nbytes=4096, **options)
+    _trainer(resumed, resumed_opt, tmp_path / "full").train(
+        resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3")
+    )
+    for key, value in resumed.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key]), key
+
+
 def test_trainer_with_paged_params_clips_in_the_optimizer_and_resumes_exactly(
     offload: OffloadDaemon, tmp_path: Path
 ) -> None:

@@ -49,3 +49,27 @@ def test_empty_items_alone_are_one_request() -> None:
 def test_a_slot_without_room_is_refused() -> None:
     with pytest.raises(InvalidArgument, match="room for an element"):
         list(pack_spans([1], 0))
+
+
+@pytest.mark.parametrize("slot", [256, 300, 512, 1000])
+def test_an_aligned_item_is_cut_only_on_its_blocks(slot: int) -> None:
+    """A moment continued in the next slot is cut at a multiple of its block from its start, wherever in a
+    slot it began: the daemon then quantizes every block from one request."""
+    numels = [3, 1000, 37, 777, 256, 5, 0, 513]
+    aligns = [256, 256, 1, 256, 256, 256, 256, 256]
+    batches = list(pack_spans(numels, slot, aligns=aligns))
+    check_cover(numels, batches, slot, 1024)
+    for span in (span for batch in batches for span in batch):
+        if aligns[span.item] > 1:
+            assert span.start % 256 == 0, span
+            assert (span.start + span.numel) % 256 == 0 or span.start + span.numel == numels[span.item], span
+    # the unaligned item still fills what is left of a slot
+    unaligned = [span for batch in batches for span in batch if span.item == 2]
+    assert sum(span.numel for span in unaligned) == 37
+
+
+def test_aligns_are_checked_against_the_items_and_the_slot() -> None:
+    with pytest.raises(InvalidArgument, match="2 aligns for 1 items"):
+        list(pack_spans([10], 512, aligns=[1, 1]))
+    with pytest.raises(InvalidArgument, match="item 0 is cut at multiples of 256 elements; a slot holds 100"):
+        list(pack_spans([1000], 100, aligns=[256]))

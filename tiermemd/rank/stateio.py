@@ -15,7 +15,11 @@ the same, so a checkpoint is AdamW's: a read dequantizes, a write quantizes
 (stochastic rounding with the numbers of the step it carries).  An int8 write
 re-quantizes the whole blocks it touches; a block holds one tensor's elements
 only (the layout starts each tensor on a block), so no other tensor's moments
-move.
+move.  Values a read gave quantize back to the same codes and scales
+(``tiermem.core.lowbit``), so a checkpoint written back is exact when each
+block comes in one write: one that covers part of a block quantizes it
+against that part's largest, and the rest, written later, moves it again.
+``StateTransfer`` cuts moments on blocks for this.
 """
 
 from __future__ import annotations

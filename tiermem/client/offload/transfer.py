@@ -7,6 +7,15 @@ spans several), and each slot filled is one STATE_READ_MANY /
 STATE_WRITE_MANY request, pipelined (``StateTransfer``).  ``state_dict`` and
 ``load_state_dict`` build ``torch.optim.AdamW``'s format on top of this.
 ``StateTransfer.requests`` counts the requests sent (one per slot filled).
+
+A moment written in pieces is cut only at multiples of ``lowbit.BLOCK``
+elements from its tensor's start, and a slot holds a block at least: the
+daemon quantizes an int8 block from the values of one request, all of them,
+once.  A block cut in two would be quantized against the first piece's
+largest, then again against the whole block's, and the first piece's
+elements would change (a checkpoint would not load back exact).  Every
+format's moments are cut so (the transfer does not know the rank's); what
+that costs is less than a block of room in a slot where a moment continues.
 """
 
 from __future__ import annotations
@@ -20,8 +29,10 @@ import torch
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper
 from tiermem.core.errors import InvalidArgument, InvalidState, ProtocolError
+from tiermem.core.lowbit import BLOCK
 from tiermem.core.protocol import MemRef, Message, StateReadMany, StateSpans, StateWriteMany
 from tiermem.core.protocol.step import MAX_SPANS, StateSpan, WriteSpan
+from tiermem.core.statekeys import MOMENTS
 
 __all__ = ["RING_SLOTS", "PullItem", "PushItem", "Span", "StateTransfer", "pack_spans", "plan_load"]
 
@@ -107,6 +118,8 @@ PullItem = tuple[int, str, torch.Tensor]
 RING_SLOTS = 2
 """Slots the window is cut into: while the daemon copies one, the client fills (or empties) the next."""
 _SLOT_ALIGN = 64
+_SLOT_MIN_NBYTES = BLOCK * 4
+"""A slot holds a quantization block at least (the window is cut in fewer slots where it is smaller)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,22 +133,33 @@ class Span:
     at: int
 
 
-def pack_spans(numels: Sequence[int], slot_numel: int, max_spans: int = MAX_SPANS) -> Iterator[list[Span]]:
+def pack_spans(
+    numels: Sequence[int], slot_numel: int, max_spans: int = MAX_SPANS, *, aligns: Sequence[int] | None = None
+) -> Iterator[list[Span]]:
     """Cut items of ``numels`` elements into batches, each one request: what fits one slot of ``slot_numel``
     elements, at most ``max_spans`` spans.  Consecutive items share a slot; an item larger than the room left
     continues in the next batch.  A zero-length item is a span with no elements (it still reaches the
-    daemon: a read of it answers the tensor's step count, a write of a moment sets it).  Pure."""
+    daemon: a read of it answers the tensor's step count, a write of a moment sets it).  ``aligns`` (one per
+    item, default 1): an item is cut only at a multiple of its align from its start (the room left in a slot
+    that is less is left empty), so that a quantization block of a moment reaches the daemon whole.  Pure."""
     if slot_numel < 1 or max_spans < 1:
         raise InvalidArgument(f"a slot needs room for an element and a span, got {slot_numel} and {max_spans}")
+    if aligns is not None and len(aligns) != len(numels):
+        raise InvalidArgument(f"{len(aligns)} aligns for {len(numels)} items")
     batch: list[Span] = []
     used = 0
     for i, n in enumerate(numels):
+        align = 1 if aligns is None else aligns[i]
+        if not 1 <= align <= slot_numel:
+            raise InvalidArgument(f"item {i} is cut at multiples of {align} elements; a slot holds {slot_numel}")
         start = 0
         while True:
-            if len(batch) == max_spans or (used == slot_numel and n > start):
+            room = slot_numel - used
+            take = n - start if n - start <= room else room // align * align
+            if len(batch) == max_spans or (take == 0 and n > start):
                 yield batch
                 batch, used = [], 0
-            take = min(n - start, slot_numel - used)
+                continue
             batch.append(Span(i, start, take, used))
             used += take
             start += take
@@ -170,7 +194,7 @@ class StateTransfer:
         if info is None:
             raise InvalidState("not attached")
         total = self.client.window.numel()
-        count = self.slots if total >= self.slots * _SLOT_ALIGN else 1
+        count = self.slots if total >= self.slots * _SLOT_MIN_NBYTES else 1
         per = total // count // _SLOT_ALIGN * _SLOT_ALIGN if count > 1 else total // 4 * 4
         if per == 0:
             raise InvalidState("the staging window is empty")
@@ -189,12 +213,16 @@ class StateTransfer:
 
         ``values`` may be of any float dtype and on any device: each piece is converted as it is copied into
         its slot, so no full-size host copy is made.  ``step`` sets the tensor's count when ``key`` is a
-        moment."""
+        moment.  A moment is cut only on its quantization blocks (``BLOCK`` elements from the tensor's start,
+        where the daemon's blocks are): an int8 block is quantized once, from all of its values, whatever
+        the window's size."""
         ring = self._ring()
         chosen = [
             (tid, key, values.detach().reshape(-1), step, accumulate) for tid, key, values, step, accumulate in items
         ]
-        batches = pack_spans([flat.numel() for _, _, flat, _, _ in chosen], ring[0][1].numel())
+        numels = [flat.numel() for _, _, flat, _, _ in chosen]
+        aligns = [BLOCK if key in MOMENTS else 1 for _, key, _, _, _ in chosen]
+        batches = pack_spans(numels, ring[0][1].numel(), aligns=aligns)
 
         def requests() -> Iterator[StateWriteMany]:
             for k, batch in enumerate(batches):
