@@ -12,6 +12,9 @@ What every strategy needs of the group lives here once:
   timed out surfaces as ``RankLost`` naming the phase, this rank and its step
   (``steps``: steps this optimizer completed, applied or skipped), never as a
   low-level error or a hang (the collectives have the group's timeout);
+- ``schedule`` (ZeRO-3, ``start_schedule``): the collectives of the steps, on
+  a group of their own with a short timeout (``schedule.Collectives``); the
+  step's norm all-reduce is one of them;
 - the start: rank 0's initial values broadcast (``broadcast_from_first``), the
   job id and token agreed (``agree_identity``), the node's daemon found or
   started (``node_client``), an action that must succeed on every rank or
@@ -41,6 +44,7 @@ import torch.distributed as dist
 from tiermem.client.distributed.identity import agree_identity
 from tiermem.client.distributed.node import node_client
 from tiermem.client.distributed.scaler import shard_scaler_inputs
+from tiermem.client.distributed.schedule import Collectives, Probe
 from tiermem.client.link import Client
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.core.errors import InvalidArgument, InvalidState, RankLost
@@ -101,6 +105,18 @@ class RankGroup:
         """Steps completed, applied or skipped (the step a ``RankLost`` names is the next one)."""
         self.job_id = ""
         self.token = ""
+        self.schedule: Collectives | None = None
+        """The steps' collectives (ZeRO-3: ``start_schedule``)."""
+
+    def start_schedule(self, timeout_s: float, probe: Probe | None = None) -> Collectives:
+        """The group of the steps' collectives, each bounded by ``timeout_s`` (a collective over the group:
+        every rank calls it once its arguments are checked)."""
+        self.schedule = Collectives(self.group, self.rank, lambda: self.steps, timeout_s=timeout_s, probe=probe)
+        return self.schedule
+
+    def close(self) -> None:
+        if self.schedule is not None:
+            self.schedule.close()
 
     def global_rank(self, rank: int) -> int:
         """The default group's rank of the group's ``rank`` (what torch's ``src``/``dst`` take)."""
@@ -185,7 +201,10 @@ class RankGroup:
         stats = None
         if sumsq is not None:
             flags = torch.tensor([float(accumulated), sumsq], dtype=torch.float64, device=self.device)
-            self.collective("norm's all-reduce", dist.all_reduce, flags)
+            if self.schedule is not None:
+                self.schedule.run("all-reduce", "the grad norm", dist.all_reduce, flags)
+            else:
+                self.collective("norm's all-reduce", dist.all_reduce, flags)
             anyone_accumulated, total = flags.tolist()
             if anyone_accumulated > 0:
                 raise InvalidState(

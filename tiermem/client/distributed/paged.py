@@ -76,10 +76,12 @@ from torch import nn
 from tiermem.client.distributed.group import RankGroup, ShardGrads, check_max_grad_norm
 from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.distributed.reshard import describe_params, is_rank_file
+from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Collectives, Probe, check_timeout
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper, check_state_dtype, closure_loss, copy_hyper, optimizer_defaults
 from tiermem.client.offload.copies import FetchItem, GradItem
+from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.paging import ParamPager
 from tiermem.client.offload.stats import OptimizerStats
 from tiermem.client.offload.transfer import PushItem, StateTransfer, adopt_saved_groups
@@ -113,18 +115,21 @@ class ShardCopies:
     def __init__(
         self,
         numels: list[int],
+        units: list[str],
         rank: int,
         world_size: int,
-        collective: Callable[..., Any],
+        schedule: Collectives,
         grads: ShardGrads,
         device: torch.device | None = None,
     ) -> None:
         self.device = torch.device("cpu") if device is None else device
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self.numels = numels
+        self.units = units
+        """The submodule that owns each param (by tensor id), as a collective names it."""
         self.rank = rank
         self.world_size = world_size
-        self.collective = collective
+        self.schedule = schedule
         self.grads = grads
         """This step's statistics of the reduced shards written to the daemon."""
 
@@ -164,7 +169,7 @@ class ShardCopies:
             transfer.pull_many_into([(tid, "param", m) for (tid, _), m in zip(items, mine, strict=True)])
             for (tid, out), m in zip(items, mine, strict=True):
                 whole = torch.empty(m.numel() * self.world_size, dtype=out.dtype, device=self.device)
-                self.collective("the all-gather of a param", _ALL_GATHER, whole, m)
+                self.schedule.run("all-gather", self.units[tid], _ALL_GATHER, whole, m)
                 out.view(-1).copy_(whole[: self.numels[tid]])  # to a host ``out``: complete when it returns
 
     def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> Any:
@@ -199,7 +204,7 @@ class ShardCopies:
                 whole = torch.zeros(n * self.world_size, dtype=grad.dtype, device=self.device)
                 whole[: self.numels[tid]].copy_(grad.reshape(-1))
                 mine = torch.empty(n, dtype=grad.dtype, device=self.device)
-                self.collective("the reduce-scatter of a grad", _REDUCE_SCATTER, mine, whole)
+                self.schedule.run("reduce-scatter", self.units[tid], _REDUCE_SCATTER, mine, whole)
                 if self.world_size > 1:
                     mine.div_(self.world_size)
                 self.grads.add(tid, mine, accumulate=accumulate)
@@ -231,6 +236,32 @@ def _model_groups(model: nn.Module, param_groups: list[dict[str, Any]] | None) -
             f"{len(foreign)} param(s) not in the model"
         )
     return groups
+
+
+def _device_and_dtype(params: list[nn.Parameter]) -> tuple[torch.device, torch.dtype]:
+    """The one device (the host or a GPU) and the one dtype of ``params``, or ``InvalidArgument``."""
+    if not params:
+        raise InvalidArgument("the model has no params")
+    devices = {p.device for p in params}
+    if len(devices) > 1 or not {d.type for d in devices} <= {"cpu", "cuda"}:
+        raise InvalidArgument(
+            f"ShardedPagedAdam pages the params of one device, the host or a GPU; the model's are on "
+            f"{sorted(map(str, devices))}"
+        )
+    kinds = {p.dtype for p in params}
+    if len(kinds) != 1:
+        raise InvalidArgument(f"ShardedPagedAdam needs one dtype for all params, got {sorted(map(str, kinds))}")
+    return devices.pop(), kinds.pop()
+
+
+def _owners(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
+    """The name of the first submodule (in module order) that owns each of ``params``, as collectives name it."""
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules():
+        for p in module._parameters.values():
+            if p is not None:
+                owner.setdefault(id(p), f"{name or 'the root module'} ({type(module).__name__})")
+    return [owner[id(p)] for p in params]
 
 
 class ShardedPagedAdam(Zero3Optimizer):
@@ -265,28 +296,23 @@ class ShardedPagedAdam(Zero3Optimizer):
         token: str | None = None,
         param_groups: list[dict[str, Any]] | None = None,
         state_dtype: str = "fp32",
+        collective_timeout_s: float = DEFAULT_TIMEOUT_S,
+        probe: Probe | None = None,
     ) -> None:
         """``param_groups``: torch's param groups over the model's params (``{"params": [...], "weight_decay":
         0.0}``, ...; every param of the model in exactly one), for hyper-parameters per group; by default one
-        group of every param with the keyword arguments' values."""
+        group of every param with the keyword arguments' values.  ``collective_timeout_s``: how long a
+        collective of a step waits for the other ranks before it raises ``RankLost`` (``schedule``).
+        ``probe``: told of each fetch, grad, transfer and collective (``schedule.Probe``; tests slow them
+        down through it)."""
         self.group = RankGroup(process_group, "ShardedPagedAdam")
         check_max_grad_norm(max_grad_norm)
         check_state_dtype(state_dtype)
+        check_timeout(collective_timeout_s)
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         groups = _model_groups(model, param_groups)
         params = [p for g in groups for p in g["params"]]
-        if not params:
-            raise InvalidArgument("the model has no params")
-        devices = {p.device for p in params}
-        if len(devices) > 1 or not {d.type for d in devices} <= {"cpu", "cuda"}:
-            raise InvalidArgument(
-                f"ShardedPagedAdam pages the params of one device, the host or a GPU; the model's are on "
-                f"{sorted(map(str, devices))}"
-            )
-        (device,) = devices
-        kinds = {p.dtype for p in params}
-        if len(kinds) != 1:
-            raise InvalidArgument(f"ShardedPagedAdam needs one dtype for all params, got {sorted(map(str, kinds))}")
+        device, dtype = _device_and_dtype(params)
         super().__init__(groups, optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw))
         rank, world = self.group.rank, self.group.world_size
         self.process_group = process_group
@@ -295,8 +321,10 @@ class ShardedPagedAdam(Zero3Optimizer):
         """``max_grad_norm`` over the unsharded model (the daemon gets the coefficient, not the norm)."""
         self.grads = ShardGrads()
         self.group.broadcast_from_first(p.data for p in params)
+        self.schedule = self.group.start_schedule(collective_timeout_s, probe)
+        """The steps' collectives (their counts: ``schedule.last_counts``)."""
         numels = [p.numel() for p in params]
-        self.copies = ShardCopies(numels, rank, world, self.group.collective, self.grads, device)
+        self.copies = ShardCopies(numels, _owners(model, params), rank, world, self.schedule, self.grads, device)
         shards = [
             nn.Parameter(self.copies.mine(i, p.data), requires_grad=p.requires_grad) for i, p in enumerate(params)
         ]
@@ -306,17 +334,46 @@ class ShardedPagedAdam(Zero3Optimizer):
             shard_groups.append({**g, "params": shards[at : at + n]})
             at += n
         self.job_id, _ = self.group.agree_identity(job_id, token)
+        self.inner = self._attach(
+            shard_groups, client, dtype, device, offload=offload, window_nbytes=window_nbytes, state_dtype=state_dtype
+        )
+        self.pager = ParamPager(
+            model,
+            self.inner,
+            device_budget=device_budget,
+            prefetch=prefetch,
+            params=params,
+            copies=self.copies,
+            probe=probe,
+        )
+        for shard in shards:  # the daemon has them as masters now: no copy stays here, only the shape
+            shard.data = torch.full((), float("nan"), dtype=shard.dtype).expand(shard.shape)
+        store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper)
+        self.checkpoint = Zero3Checkpoint(self._share(model, params, device), store, self.group.collective)
+
+    def _attach(
+        self,
+        shard_groups: list[dict[str, Any]],
+        client: Client | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        offload: str | Placement,
+        window_nbytes: int | None,
+        state_dtype: str,
+    ) -> OffloadAdam:
+        """This rank's ``OffloadAdam`` over its shards, in the agreed job (its node's daemon by default)."""
         if client is None:
             client = self.group.node_client(
-                [s.numel() for s in shards],
-                dtype=dtypes.by_torch(kinds.pop()).name,
+                [s.numel() for g in shard_groups for s in g["params"]],
+                dtype=dtypes.by_torch(dtype).name,
                 offload=offload,
                 window_nbytes=window_nbytes,
                 exchange=Exchange.STAGED,  # the pager's: params and grads through the window, grads in the daemon
                 release_grads=True,
                 state_dtype=state_dtype,
             )
-        self.inner = self.group.inner_optimizer(
+        return self.group.inner_optimizer(
             shard_groups,
             client,
             offload=offload,
@@ -325,23 +382,20 @@ class ShardedPagedAdam(Zero3Optimizer):
             pin_window=device.type == "cuda",  # the shards are host tensors; the copies go to and from the GPU
             state_dtype=state_dtype,
         )
-        self.pager = ParamPager(
-            model, self.inner, device_budget=device_budget, prefetch=prefetch, params=params, copies=self.copies
-        )
-        for shard in shards:  # the daemon has them as masters now: no copy stays here, only the shape
-            shard.data = torch.full((), float("nan"), dtype=shard.dtype).expand(shard.shape)
+
+    def _share(self, model: nn.Module, params: list[nn.Parameter], device: torch.device) -> RankShare:
+        """What this rank holds, in the checkpoints' terms: its stretch of every param, by tensor id."""
+        rank, world = self.group.rank, self.group.world_size
         index = {id(p): i for i, p in enumerate(model.parameters())}
         order = tuple(index[id(p)] for p in params)
         slots = []
-        for tid, (param, numel) in enumerate(zip(order, numels, strict=True)):
+        for tid, (param, numel) in enumerate(zip(order, (p.numel() for p in params), strict=True)):
             n = shard_numel(numel, world)
             lo = min(rank * n, numel)
             slots.append(Slot(param, lo, min(lo + n, numel), tid, n))
-        share = RankShare(
+        return RankShare(
             "ShardedPagedAdam", rank, world, tuple(describe_params(model)), order, tuple(slots), (), model, device
         )
-        store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper)
-        self.checkpoint = Zero3Checkpoint(share, store, self.group.collective)
 
     # ----------------------------------------------------------------- what the inner optimizer counts
 
@@ -379,6 +433,7 @@ class ShardedPagedAdam(Zero3Optimizer):
     def close(self, *, keep_state: bool = False) -> None:
         release_job_id(self.job_id)
         self.inner.close(keep_state=keep_state)
+        self.group.close()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "inner"):  # after construction
@@ -454,6 +509,7 @@ class ShardedPagedAdam(Zero3Optimizer):
             self.inner.step(decision=decision)  # a skip: every rank skips (the flag is global)
         finally:
             self.grads.new_step()
+            self.schedule.end_step()
             self.group.steps += 1
         return loss
 

@@ -76,6 +76,7 @@ from tiermem.client.distributed.daemon_grads import DaemonGrads
 from tiermem.client.distributed.group import RankGroup, ShardGrads, check_max_grad_norm
 from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.distributed.reshard import describe_params, is_rank_file
+from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Probe, check_timeout
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
@@ -95,8 +96,10 @@ __all__ = ["LayerShardedAdam"]
 
 
 class _Unit:
-    def __init__(self, index: int, module: torch.nn.Module, owner: int) -> None:
+    def __init__(self, index: int, name: str, module: torch.nn.Module, owner: int) -> None:
         self.index = index
+        self.name = f"{name or 'the root module'} ({type(module).__name__})"
+        """The module, as a collective names it."""
         self.module = module
         self.owner = owner
         self.params = [p for p in module.parameters(recurse=False) if p.requires_grad]
@@ -138,10 +141,16 @@ class LayerShardedAdam(Zero3Optimizer):
         paged: bool = False,
         max_grad_norm: float | None = None,
         state_dtype: str = "fp32",
+        collective_timeout_s: float = DEFAULT_TIMEOUT_S,
+        probe: Probe | None = None,
     ) -> None:
+        """``collective_timeout_s``: how long a collective of a step waits for the other ranks before it
+        raises ``RankLost`` (``schedule``).  ``probe``: told of each gather, grad and collective
+        (``schedule.Probe``; tests slow them down through it)."""
         self.group = RankGroup(process_group, "LayerShardedAdam")
         check_max_grad_norm(max_grad_norm)
         check_state_dtype(state_dtype)
+        check_timeout(collective_timeout_s)
         if max_grad_norm is not None and not paged:
             raise InvalidArgument(
                 "max_grad_norm needs paged=True: without it a layer is updated during backward, before the "
@@ -161,13 +170,6 @@ class LayerShardedAdam(Zero3Optimizer):
         self.rank = self.group.rank
         self.world_size = self.group.world_size
         self.units = _deal_units(model, owners, self.world_size)
-        elsewhere = sorted({str(p.device) for unit in self.units for p in unit.params} - {"cpu"})
-        if elsewhere:  # every rank has the same model: every rank raises here, before any collective
-            raise InvalidArgument(
-                f"LayerShardedAdam gathers each layer into host memory, so the model's params must be on the CPU; "
-                f"they are on {elsewhere}. For a model on a GPU use tiermem.distributed.ShardedPagedAdam (ZeRO-3 "
-                "by shard, paged within device_budget) or ShardedOffloadAdam (ZeRO-2)"
-            )
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         defaults = optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw)
         super().__init__([{"params": [p for unit in self.units for p in unit.params]}], defaults)
@@ -177,47 +179,17 @@ class LayerShardedAdam(Zero3Optimizer):
         self._order: list[int] = []
         self._recording = True
         self.group.broadcast_from_first(p.data for unit in self.units for p in unit.params)
-        mine = [u for u in self.units if u.owner == self.rank]
-        self._pieces = {u.index: [torch.nn.Parameter(p.detach().clone()) for p in u.params] for u in mine}
-        self._entry_of: dict[int, list[int]] = {}
-        flat_pieces: list[torch.nn.Parameter] = []
-        for u in mine:
-            self._entry_of[u.index] = list(range(len(flat_pieces), len(flat_pieces) + len(u.params)))
-            flat_pieces += self._pieces[u.index]
+        self.schedule = self.group.start_schedule(collective_timeout_s, probe)
+        """The steps' collectives (their counts: ``schedule.last_counts``)."""
+        self.probe = probe
         self.job_id, _ = self.group.agree_identity(job_id, token)
-        self.inner: OffloadAdam | None = None
-        if client is None:
-            client = self.group.node_client(
-                [p.numel() for p in flat_pieces],
-                dtype=dtypes.by_torch(self.units[0].params[0].dtype).name,
-                offload=offload,
-                exchange=Exchange.STAGED if paged or self.units[0].params[0].device.type != "cpu" else Exchange.SHARED,
-                mode=StepMode.SYNC if paged else StepMode.OVERLAP,
-                release_grads=paged,
-                state_dtype=state_dtype,
-            )
-        if not flat_pieces:
-            client.close()  # this rank owns no layer
-        else:
-            self.inner = self.group.inner_optimizer(
-                [{"params": flat_pieces, **hyper_of(self.param_groups[0])}],
-                client,
-                offload=offload,
-                overlap_update=not paged,
-                bucket_nbytes=1,  # one bucket per tensor: each layer's update starts when its grads are in
-                exchange=Exchange.STAGED if paged else Exchange.AUTO,
-                state_dtype=state_dtype,
-            )
+        mine = [u for u in self.units if u.owner == self.rank]
+        self.inner = self._attach(mine, client, offload=offload, state_dtype=state_dtype)
         store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper, keeps_values=not paged)
         self.checkpoint = Zero3Checkpoint(self._share(model, mine), store, self.group.collective)
         self._grads: DaemonGrads | None = None
         if paged and self.inner is not None:
-            # the daemon has the values now (the staged exchange wrote them as masters): drop every copy here
-            self._grads = DaemonGrads()
-            self.inner.use_feed(self._grads, send_edits=False)
-            for pieces in self._pieces.values():  # no copy stays here, only the shape (the inner state dicts'
-                for piece in pieces:  # reads and writes are sized by it)
-                    piece.data = torch.full((), float("nan"), dtype=piece.dtype).expand(piece.shape)
+            self._grads = self._page(self.inner)
         for unit in self.units:
             self._release(unit, log=False)
             unit.module.register_forward_pre_hook(self._make_hook(unit, self._before_forward))
@@ -225,6 +197,52 @@ class LayerShardedAdam(Zero3Optimizer):
             unit.module.register_full_backward_pre_hook(self._make_hook(unit, self._before_backward))
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(unit))
+
+    def _page(self, inner: OffloadAdam) -> DaemonGrads:
+        """``paged``: the daemon has the values now (the staged exchange wrote them as masters): every copy here
+        is dropped, and the grads go to the daemon as each layer's reduce lands (the feed only counts them)."""
+        grads = DaemonGrads()
+        inner.use_feed(grads, send_edits=False)
+        for pieces in self._pieces.values():  # no copy stays here, only the shape (the inner state dicts'
+            for piece in pieces:  # reads and writes are sized by it)
+                piece.data = torch.full((), float("nan"), dtype=piece.dtype).expand(piece.shape)
+        return grads
+
+    def _attach(
+        self, mine: list[_Unit], client: Client | None, *, offload: str, state_dtype: str
+    ) -> OffloadAdam | None:
+        """This owner's ``OffloadAdam`` over copies of its layers' params (``_pieces``), in the agreed job; None
+        on a rank that owns no layer."""
+        paged = self.paged
+        self._pieces = {u.index: [torch.nn.Parameter(p.detach().clone()) for p in u.params] for u in mine}
+        self._entry_of: dict[int, list[int]] = {}
+        flat_pieces: list[torch.nn.Parameter] = []
+        for u in mine:
+            self._entry_of[u.index] = list(range(len(flat_pieces), len(flat_pieces) + len(u.params)))
+            flat_pieces += self._pieces[u.index]
+        first = self.units[0].params[0]
+        if client is None:
+            client = self.group.node_client(
+                [p.numel() for p in flat_pieces],
+                dtype=dtypes.by_torch(first.dtype).name,
+                offload=offload,
+                exchange=Exchange.STAGED if paged or first.device.type != "cpu" else Exchange.SHARED,
+                mode=StepMode.SYNC if paged else StepMode.OVERLAP,
+                release_grads=paged,
+                state_dtype=state_dtype,
+            )
+        if not flat_pieces:
+            client.close()  # this rank owns no layer
+            return None
+        return self.group.inner_optimizer(
+            [{"params": flat_pieces, **hyper_of(self.param_groups[0])}],
+            client,
+            offload=offload,
+            overlap_update=not paged,
+            bucket_nbytes=1,  # one bucket per tensor: each layer's update starts when its grads are in
+            exchange=Exchange.STAGED if paged else Exchange.AUTO,
+            state_dtype=state_dtype,
+        )
 
     def _share(self, model: torch.nn.Module, mine: list[_Unit]) -> RankShare:
         """What this rank holds, in the checkpoints' terms: its layers' params whole, by tensor id."""
@@ -252,12 +270,6 @@ class LayerShardedAdam(Zero3Optimizer):
 
     # ----------------------------------------------------------------- collectives
 
-    def _collective(self, during: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn`` (a collective over the group, or a ``Work``'s ``wait``); a failure is ``RankLost``."""
-        if fn is _wait:
-            return self.group.guard(during, fn, *args, **kwargs)
-        return self.group.collective(during, fn, *args, **kwargs)
-
     def _log(self, what: str, unit: _Unit) -> None:
         if self.events is not None:
             self.events.append((what, unit.index))
@@ -278,12 +290,14 @@ class LayerShardedAdam(Zero3Optimizer):
         elif unit.owner == self.rank:
             torch.cat([p.detach().reshape(-1) for p in self._pieces[unit.index]], out=flat)
         src = self.group.global_rank(unit.owner)
-        unit.work = (flat, self._collective("gather", dist.broadcast, flat, src=src, async_op=True))
+        if self.probe is not None:
+            self.probe.at("fetch", unit.name)
+        unit.work = (flat, self.schedule.run("broadcast", unit.name, dist.broadcast, flat, src=src, async_op=True))
 
     def _finish_gather(self, unit: _Unit) -> None:
         self._start_gather(unit)
         flat, work = unit.work
-        self._collective("gather", _wait, work)
+        self.schedule.wait("broadcast", unit.name, work)
         unit.work = None
         unit.flat = flat
         offset = 0
@@ -338,7 +352,9 @@ class LayerShardedAdam(Zero3Optimizer):
             self._start_gather(behind)  # overlaps this unit's backward
 
     def _make_grad_hook(self, unit: _Unit) -> Callable[[torch.Tensor], None]:
-        def hook(_param: torch.Tensor) -> None:
+        def hook(param: torch.Tensor) -> None:
+            if self.probe is not None:
+                self.probe.at("grad", unit.name)
             unit.grads_left -= 1
             if unit.grads_left == 0:
                 self._grads_ready(unit)
@@ -350,7 +366,7 @@ class LayerShardedAdam(Zero3Optimizer):
         update the layer while the backward goes on."""
         flat = torch.cat([p.grad.reshape(-1) for p in unit.params])  # type: ignore[union-attr]
         dst = self.group.global_rank(unit.owner)
-        self._collective("reduce of the grads", dist.reduce, flat, dst=dst)
+        self.schedule.run("reduce", unit.name, dist.reduce, flat, dst=dst)
         self._log("reduce", unit)
         for p in unit.params:
             p.grad = None
@@ -434,6 +450,7 @@ class LayerShardedAdam(Zero3Optimizer):
                 for index in self._entry_of:
                     self.events.append(("update", index))
         finally:
+            self.schedule.end_step()
             self.group.steps += 1
         return loss
 
@@ -489,20 +506,25 @@ class LayerShardedAdam(Zero3Optimizer):
         if self.inner is not None:
             self.inner.close()
             self.inner = None
-
-
-def _wait(work: Any) -> None:
-    work.wait()
+        self.group.close()
 
 
 def _deal_units(model: torch.nn.Module, owners: Iterable[int] | None, world_size: int) -> list[_Unit]:
     """The model's units (the submodules that own params directly), each with its owner rank (``owners``, or
-    unit i to rank ``i * world_size // units``)."""
-    modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    unit i to rank ``i * world_size // units``); their params must be on the host."""
+    modules = [(n, m) for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
     if not modules:
         raise InvalidArgument("the model has no params")
     count = len(modules)
     owner_of = list(owners) if owners is not None else [i * world_size // count for i in range(count)]
     if len(owner_of) != count or not all(0 <= o < world_size for o in owner_of):
         raise InvalidArgument(f"owners must give a rank in [0, {world_size}) for each of the {count} units")
-    return [_Unit(i, m, o) for i, (m, o) in enumerate(zip(modules, owner_of, strict=True))]
+    trained = [p for _, m in modules for p in m.parameters(recurse=False) if p.requires_grad]
+    elsewhere = sorted({str(p.device) for p in trained} - {"cpu"})
+    if elsewhere:  # every rank has the same model: every rank raises here, before any collective
+        raise InvalidArgument(
+            f"LayerShardedAdam gathers each layer into host memory, so the model's params must be on the CPU; "
+            f"they are on {elsewhere}. For a model on a GPU use tiermem.distributed.ShardedPagedAdam (ZeRO-3 "
+            "by shard, paged within device_budget) or ShardedOffloadAdam (ZeRO-2)"
+        )
+    return [_Unit(i, n, m, o) for i, ((n, m), o) in enumerate(zip(modules, owner_of, strict=True))]

@@ -13,7 +13,7 @@ straight into the daemon, so the whole model is never in the trainer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +34,6 @@ class PagedState:
     copies: ParamCopies
     nbytes: int
     peak_nbytes: int
-    _io: ThreadPoolExecutor
     _by_param: dict[int, PagedParam]
     _present: dict[int, PagedParam]
     _loading: dict[int, list[PagedParam]]
@@ -42,6 +41,7 @@ class PagedState:
     if TYPE_CHECKING:
 
         def drain(self) -> None: ...
+        def _submit(self, what: str, fn: Callable[..., Any], *args: Any) -> Future[Any]: ...
         def _materialize(self, group: list[PagedParam], *, event: str) -> None: ...
         def _settle(self, e: PagedParam) -> None: ...
         def _release(self, e: PagedParam) -> None: ...
@@ -53,7 +53,7 @@ class PagedState:
         for e in group:
             if e.data is None:  # pragma: no cover - callers materialize first
                 raise InvalidState(f"{e.describe()} is not on the device")
-            futures.append(self._io.submit(self.copies.write_master, self.transfer, e.index, e.data))
+            futures.append(self._submit(f"master {e.name}", self.copies.write_master, self.transfer, e.index, e.data))
         for future in futures:
             future.result()
 
@@ -74,7 +74,7 @@ class PagedState:
         if e.data is not None and e.residency is Residency.RESIDENT:
             return e.data.detach().to("cpu", copy=True)
         out = torch.empty(e.shape, dtype=e.dtype)
-        self._io.submit(self.copies.read_master, self.transfer, e.index, out).result()
+        self._submit(f"read {e.name}", self.copies.read_master, self.transfer, e.index, out).result()
         return out
 
     def _gather_state(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

@@ -80,7 +80,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -98,7 +98,7 @@ from tiermem.core.units import MiB, format_size, parse_size
 if TYPE_CHECKING:
     from tiermem.client.offload.optimizer import OffloadAdam
 
-__all__ = ["PagedParam", "ParamPager", "Residency", "offload_params"]
+__all__ = ["PagedParam", "ParamPager", "Probe", "Residency", "offload_params"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,24 @@ paged step met its disk bound with it (0.98x, 1,017 requests a step; its largest
 takes a few).  A window is memory the daemon keeps locked, so the growth stays bounded."""
 LOG_EVENTS = 100_000
 """Events kept in ``ParamPager.events`` (the oldest are dropped)."""
+
+
+class Probe(Protocol):
+    """A declared point where a caller watches the pager's schedule, or slows it down (the schedule-fuzzing
+    tests inject random delays through one), called at each ``point``:
+
+    - ``fetch``: the trainer's thread is about to submit a fetch (``what``: the params' names);
+    - ``grad``: a grad landed in its hook (``what``: the param's name);
+    - ``io``: the I/O thread is about to run a transfer (``what``: ``fetch`` or ``push``, and the params);
+    - ``collective``: a collective is about to be issued (``tiermem.distributed``: its kind and submodule)."""
+
+    def at(self, point: str, what: str) -> None: ...
+
+
+def _probed(probe: Probe, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """I/O thread: ``fn(*args)`` after the probe's ``io`` point."""
+    probe.at("io", what)
+    return fn(*args)
 
 
 class _CatchParams(TorchFunctionMode):
@@ -172,10 +190,12 @@ class ParamPager(PagedState):
         init: Callable[[nn.Module], None] | None = None,
         params: list[nn.Parameter] | None = None,
         copies: ParamCopies | None = None,
+        probe: Probe | None = None,
     ) -> None:
         """``params`` and ``copies`` are for a pager whose optimizer's tensors are not the model's params
         (``tiermem.distributed.ShardedPagedAdam``: tensor i is this rank's shard of ``params[i]``, and
-        ``copies`` gathers and reduce-scatters); by default tensor i is the optimizer's param i."""
+        ``copies`` gathers and reduce-scatters); by default tensor i is the optimizer's param i.  ``probe``:
+        told of each fetch, grad and transfer (``Probe``)."""
         from tiermem.client.offload.optimizer import OffloadAdam
 
         if not isinstance(model, nn.Module):
@@ -219,6 +239,7 @@ class ParamPager(PagedState):
         self.device = devices.pop() if devices else torch.device("cpu")
         self.budget = budget
         self.prefetch = prefetch
+        self.probe = probe
         self.model = model
         self.optimizer = optimizer
         self.transfer = optimizer.transfer
@@ -496,6 +517,12 @@ class ParamPager(PagedState):
 
     # ----------------------------------------------------------------- residency
 
+    def _submit(self, what: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """``fn(*args)`` on the I/O thread, after every transfer submitted before it."""
+        if self.probe is None:
+            return self._io.submit(fn, *args)
+        return self._io.submit(_probed, self.probe, what, fn, *args)
+
     def _materialize(self, group: list[PagedParam], *, event: str) -> None:
         need = [e for e in group if e.residency is Residency.ABSENT]
         self._make_room(need, keep=group)
@@ -528,7 +555,10 @@ class ParamPager(PagedState):
         if not entries:
             return
         items = [(e.index, self._buffer_for(e)) for e in entries]
-        future = self._io.submit(self.copies.fetch_many, self.transfer, items)
+        names = ", ".join(e.name for e in entries) if self.probe is not None else ""
+        if self.probe is not None:
+            self.probe.at("fetch", names)
+        future = self._submit(f"fetch {names}", self.copies.fetch_many, self.transfer, items)
         for e in entries:
             e.fetch = future
             e.move(Residency.FETCHING)
@@ -623,12 +653,14 @@ class ParamPager(PagedState):
         e.landed = True
         nbytes = grad.numel() * grad.element_size()
         self._reap(wait_over=self.budget - nbytes)
+        if self.probe is not None:
+            self.probe.at("grad", e.name)
         token = self.copies.grad_token(grad)
         with self._batch_lock:
             batch = self._batch
             if batch is None:  # the I/O thread took the last one (or there was none): a new transfer
                 batch = self._batch = _GradBatch()
-                batch.future = self._io.submit(self._push_batch, batch)
+                batch.future = self._submit("push", self._push_batch, batch)
             batch.items.append((e.index, grad, accumulate, token))
         self._pushes.append((batch.future, nbytes))
         self.grad_nbytes += nbytes
@@ -760,5 +792,7 @@ def offload_params(
 
     Before the first step, an optimizer whose staging window was left to the daemon is registered again
     with a window of two slots of the largest submodule's fp32 params (at most ``AUTO_WINDOW_MAX``), so
-    that a submodule's fetch is about one request; see ``ParamPager._fit_window``."""
+    that a submodule's fetch is about one request; see ``ParamPager._fit_window``.  Frozen params, which
+    an ``OffloadAdam`` leaves unregistered, are registered first: the daemon holds every paged param."""
+    optimizer.register_frozen()
     return ParamPager(model, optimizer, device_budget=device_budget, prefetch=prefetch, init=init)
