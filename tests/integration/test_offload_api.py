@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from offload_helpers import OffloadDaemon, assert_params_close, assert_state_close, offload_and_adamw, train
@@ -34,7 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tiermem import OffloadAdam
-from tiermem.core.errors import DTypeError, InvalidArgument
+from tiermem.core.errors import DTypeError, InvalidArgument, InvalidType
 
 HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
 
@@ -100,6 +101,49 @@ def test_unsupported_torch_kwargs_are_refused_by_name(no_daemon: None, tier: str
 def test_unknown_keyword_is_a_type_error(no_daemon: None, tier: str) -> None:
     with pytest.raises(TypeError):
         OffloadAdam(mlp().parameters(), offload=tier, momentum=0.9)
+
+
+NUMPY_HYPER: dict[str, Any] = {"lr": np.float32(1e-2), "eps": np.float32(1e-8), "weight_decay": np.float64(0.1)}
+
+
+def test_numpy_scalar_hyper_parameters_train_like_adamw_with_them(offload: OffloadDaemon, tier: str) -> None:
+    """``lr=np.float32(1e-2)`` as torch takes it (it was refused with a message about tensors)."""
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, **NUMPY_HYPER)
+    assert opt.defaults["lr"] == float(np.float32(1e-2))
+    batches = mlp_batches(3, fixed=False)
+    train(m_off, opt, batches, mlp_loss)
+    train(m_ref, ref, batches, mlp_loss)
+    assert_params_close(m_off, m_ref)
+
+
+def test_a_string_written_into_a_group_fails_the_step_naming_it_and_training_goes_on_once_fixed(
+    offload: OffloadDaemon, tier: str
+) -> None:
+    """torch's step fails on ``param_groups[0]["lr"] = "0.1"`` with a TypeError, and so does this one, naming
+    the group, the key and the value (the string was float()-converted and trained with); with the lr set
+    right, the same grads step as AdamW's do."""
+    batches = mlp_batches(3, fixed=False)
+    probe_model = mlp()
+    probe = torch.optim.AdamW(probe_model.parameters())
+    mlp_loss(probe_model, batches[0]).backward()
+    probe.param_groups[0]["lr"] = "0.1"
+    with pytest.raises(TypeError):
+        probe.step()
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, **HYPER)
+    train(m_off, opt, batches[:1], mlp_loss)
+    train(m_ref, ref, batches[:1], mlp_loss)
+    mlp_loss(m_off, batches[1]).backward()
+    opt.param_groups[0]["lr"] = "0.1"
+    with pytest.raises(InvalidType) as info:
+        opt.step()
+    assert str(info.value).startswith("param_groups[0]['lr'] is '0.1' of type str, not a number")
+    opt.param_groups[0]["lr"] = ref.param_groups[0]["lr"] = 0.1
+    opt.step()
+    opt.zero_grad()
+    train(m_ref, ref, batches[1:2], mlp_loss)
+    train(m_off, opt, batches[2:], mlp_loss)
+    train(m_ref, ref, batches[2:], mlp_loss)
+    assert_params_close(m_off, m_ref)
 
 
 # ----------------------------------------------------------------------------- Ctrl-C

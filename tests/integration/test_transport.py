@@ -24,7 +24,15 @@ from forked import Forked
 from stats_samples import sample_reply
 
 from tiermem.client.connection import Connection, connect_socket
-from tiermem.core.errors import ConfigError, ConnectionClosed, DaemonUnavailable, PoolExhausted, ProtocolError
+from tiermem.client.link import connect
+from tiermem.core.errors import (
+    ConfigError,
+    ConnectionClosed,
+    DaemonGone,
+    DaemonUnavailable,
+    PoolExhausted,
+    ProtocolError,
+)
 from tiermem.core.protocol import (
     FLAG_FDS,
     Attach,
@@ -502,6 +510,52 @@ def test_daemon_hanging_up_is_daemon_unavailable(pair):
     server.close()
     with pytest.raises(DaemonUnavailable, match="<pair>"):
         conn.request(Ping())
+
+
+def test_a_node_daemon_that_closed_the_connection_is_named_by_its_socket_on_every_later_call(pair):
+    conn, server = pair
+    server.close()
+    for _ in range(2):
+        with pytest.raises(DaemonGone) as info:
+            conn.request(Stats())
+        assert str(info.value).startswith("the node daemon at <pair> closed the connection during STATS")
+        assert (info.value.path, info.value.during, info.value.pid) == ("<pair>", "STATS", None)
+
+
+def test_a_daemon_closing_while_a_reply_is_awaited_is_gone_too(pair):
+    conn, server = pair
+
+    def hang_up() -> None:
+        server.recv()
+        server.close()
+
+    thread = threading.Thread(target=hang_up)
+    thread.start()
+    with pytest.raises(DaemonGone, match=r"^the node daemon at <pair> closed the connection during PING"):
+        conn.request(Ping())
+    thread.join(5)
+
+
+def test_a_killed_private_daemon_is_named_with_its_pid_how_it_died_and_the_state_lost(tmp_path):
+    """Before: "connection lost while sending: peer closed the connection: Broken pipe"."""
+    env = {"XDG_RUNTIME_DIR": str(tmp_path), "TIERMEM_SOCKET_PATH": str(tmp_path / "no-daemon.sock")}
+    client = connect(env=env, pool_size=16 << 20)
+    try:
+        assert client.daemon is not None
+        pid = client.daemon.process.pid
+        client.stats()
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(2):  # and every later call
+            with pytest.raises(DaemonGone) as info:
+                client.stats()
+            assert (info.value.pid, info.value.exit_code, info.value.during) == (pid, -signal.SIGKILL, "STATS")
+            assert str(info.value).startswith(
+                f"the private tiermemd (pid {pid}, killed by SIGKILL, exit code -9) is gone, and with it the "
+                "optimizer state it held"
+            )
+            assert "load the last checkpoint" in str(info.value)
+    finally:
+        client.close()
 
 
 def test_threads_share_one_connection(pair):

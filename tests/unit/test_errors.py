@@ -40,6 +40,8 @@ def test_swap_io_error_names_path_offset_and_errno() -> None:
         UnknownKey("w", "job a"),
         errors.AuthError("uid 1000 is not allowed"),
         errors.UnsafePathError("/tmp/tiermem-1000", "is owned by uid 1001", owner_uid=1001, expected_uids={1000, 0}),
+        errors.DaemonGone("/tmp/tiermemd-x/tiermemd.sock", "STEP", pid=1234, exit_code=-9, ended="killed by SIGKILL"),
+        errors.InvalidType("lr must be a real number, got '0.1'"),
     ],
 )
 def test_errors_survive_the_wire_as_the_same_type(err: TiermemError) -> None:
@@ -60,3 +62,23 @@ def test_malformed_wire_error_still_becomes_an_error() -> None:
     back = error_from_wire({"type": "PoolExhausted", "fields": "nonsense"})
     assert isinstance(back, PoolExhausted)
     assert back.requested is None
+
+
+def test_daemon_gone_of_a_private_daemon_names_pid_status_and_the_lost_state() -> None:
+    err = errors.DaemonGone("/tmp/d/tiermemd.sock", "STEP", pid=1234, exit_code=-9, ended="killed by SIGKILL")
+    assert isinstance(err, errors.DaemonUnavailable)
+    assert (err.path, err.during, err.pid, err.exit_code) == ("/tmp/d/tiermemd.sock", "STEP", 1234, -9)
+    assert str(err).startswith("the private tiermemd (pid 1234, killed by SIGKILL) is gone, and with it the optimizer")
+    assert "neither outlives it" in str(err) and "load the last checkpoint" in str(err)
+    failed = errors.DaemonGone("/tmp/d/tiermemd.sock", "STEP", pid=7, exit_code=3, log_tail="swap directory unusable\n")
+    assert "(pid 7, exit code 3)" in str(failed) and str(failed).endswith("Its log ends: swap directory unusable")
+    alive = errors.DaemonGone("/tmp/d/tiermemd.sock", "STATS", pid=7, log_path="/tmp/d/tiermemd.log")
+    assert "(pid 7, still running) closed the connection during STATS" in str(alive) and "/tmp/d/tiermemd.log" in str(
+        alive
+    )
+
+
+def test_daemon_gone_of_a_node_daemon_names_its_socket_and_what_survives() -> None:
+    err = errors.DaemonGone("/run/tiermem/tiermemd.sock", "STEP")
+    assert str(err).startswith("the node daemon at /run/tiermem/tiermemd.sock closed the connection during STEP")
+    assert "jobs.grace_period_s" in str(err) and "opt.token" in str(err)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import fractions
 import itertools
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiermem.client.offload.args import Hyper, check_hyper, check_torch_flags, step_mode
+from tiermem.client.offload.args import Hyper, check_group_values, check_hyper, check_torch_flags, step_mode
 from tiermem.client.offload.policy import StepPolicy, plan_buckets
 from tiermem.core import dtypes
-from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
+from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState, InvalidType
 from tiermem.core.layout import DTYPE_NBYTES
 from tiermem.core.modes import Exchange, Placement, StepMode
 
@@ -75,10 +78,111 @@ def test_check_hyper_returns_plain_floats_for_int_arguments_torch_accepts() -> N
     assert all(type(v) is float for v in (hyper.lr, *hyper.betas, hyper.eps, hyper.weight_decay))
 
 
-@pytest.mark.parametrize("lr", [True, torch.tensor(1e-3), "1e-3"], ids=["bool", "tensor", "str"])
-def test_check_hyper_refuses_an_lr_that_is_not_a_number(lr: object) -> None:
-    with pytest.raises(InvalidArgument, match="lr must be a float"):
-        check_hyper(lr, (0.9, 0.999), 1e-8, None, adamw=True)  # type: ignore[arg-type]
+NUMBERS = {
+    "numpy float32": np.float32(1e-3),
+    "numpy float64": np.float64(1e-3),
+    "numpy int64": np.int64(1),
+    "numpy 0-d array": np.array(1e-3),
+    "int": 1,
+    "bool": True,
+    "Fraction": fractions.Fraction(1, 1000),
+}
+
+
+@pytest.mark.parametrize("key", ["lr", "eps", "weight_decay"])
+@pytest.mark.parametrize("value", NUMBERS.values(), ids=NUMBERS.keys())
+def test_check_hyper_takes_every_number_torch_takes(key: str, value: object) -> None:
+    """``lr=np.float32(1e-3)`` and the like: torch's AdamW takes any real number for these, so OffloadAdam does."""
+    kwargs: dict[str, object] = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0, key: value}
+    assert torch_error(torch.optim.AdamW, **kwargs) is None
+    hyper = check_hyper(kwargs["lr"], (0.9, 0.999), kwargs["eps"], kwargs["weight_decay"], adamw=True)  # type: ignore[arg-type]
+    assert getattr(hyper, key) == float(value)  # type: ignore[arg-type]
+    assert type(getattr(hyper, key)) is float
+
+
+NOT_NUMBERS = {"str": "1e-3", "None": None, "complex": 1e-3 + 0j}
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        pytest.param(key, value, id=f"{key}-{name}")
+        for key in ("lr", "eps", "weight_decay", "beta")
+        for name, value in NOT_NUMBERS.items()
+        if not (key == "weight_decay" and value is None)  # None: torch's default weight decay
+    ],
+)
+def test_check_hyper_refuses_what_is_no_number_with_a_type_error_as_torch_does(key: str, value: object) -> None:
+    kwargs: dict[str, object] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    if key == "beta":
+        kwargs["betas"] = (value, 0.999)
+    else:
+        kwargs[key] = value
+    with pytest.raises(TypeError):
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidType, match=r"must be a real number .* got") as info:
+        check_hyper(kwargs["lr"], kwargs["betas"], kwargs["eps"], kwargs["weight_decay"], adamw=True)  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError) and isinstance(info.value, InvalidArgument)
+    assert repr(value) in str(info.value)
+
+
+def test_check_hyper_takes_betas_of_the_types_torch_takes() -> None:
+    """torch wants two floats (a float64 numpy scalar is one; a float32 one is not)."""
+    assert check_hyper(1e-3, (np.float64(0.9), 0.999), 1e-8, None, adamw=True).betas == (0.9, 0.999)
+    message = torch_error(torch.optim.AdamW, betas=(np.float32(0.9), 0.999))
+    assert message == "betas must be either both floats or both Tensors"
+    with pytest.raises(InvalidArgument, match=f"^{message}$"):
+        check_hyper(1e-3, (np.float32(0.9), 0.999), 1e-8, None, adamw=True)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", ["lr", "eps", "weight_decay", "betas"])
+def test_check_hyper_refuses_a_tensor_by_name(key: str) -> None:
+    kwargs: dict[str, object] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    kwargs[key] = (torch.tensor(0.9), torch.tensor(0.999)) if key == "betas" else torch.tensor(1e-3)
+    name = "betas[0]" if key == "betas" else key
+    with pytest.raises(InvalidArgument, match=rf"^{re.escape(name)} as a Tensor is not supported by OffloadAdam"):
+        check_hyper(kwargs["lr"], kwargs["betas"], kwargs["eps"], kwargs["weight_decay"], adamw=True)  # type: ignore[arg-type]
+
+
+def adamw_group(**values: object) -> dict[str, object]:
+    return {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, **values}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "label"),
+    [
+        ("lr", "0.1", "param_groups[1]['lr']"),
+        ("eps", None, "param_groups[1]['eps']"),
+        ("weight_decay", b"0", "param_groups[1]['weight_decay']"),
+        ("betas", ("0.9", 0.999), "param_groups[1]['betas'][0]"),
+        ("betas", 0.9, "param_groups[1]['betas']"),
+    ],
+)
+def test_a_value_written_into_a_group_that_is_no_number_fails_naming_group_key_and_value(
+    key: str, value: object, label: str
+) -> None:
+    """torch's step fails with a TypeError on a string lr; the step refuses it before it is sent, saying where."""
+    groups = [adamw_group(), adamw_group(**{key: value})]
+    with pytest.raises(InvalidType) as info:
+        check_group_values(groups[1], groups)
+    assert isinstance(info.value, TypeError)
+    assert str(info.value).startswith(label)
+    shown = value[0] if key == "betas" and isinstance(value, tuple) else value
+    assert repr(shown) in str(info.value)
+
+
+def test_a_group_of_numbers_torch_steps_with_passes() -> None:
+    """numpy scalars and one-element tensors (a scheduler's writes) are numbers the step can send."""
+    group = adamw_group(lr=np.float32(0.1), betas=(np.float32(0.9), 0.999), eps=torch.tensor(1e-8), weight_decay=0)
+    check_group_values(group, [group])
+
+
+def test_a_value_written_into_a_group_out_of_range_fails_with_torchs_message_and_the_group() -> None:
+    group = adamw_group(lr=-0.1)
+    with pytest.raises(InvalidArgument, match=r"^param_groups\[0\]: Invalid learning rate: -0.1$"):
+        check_group_values(group, [group])
+    with pytest.raises(InvalidArgument, match=r"^a param group: Invalid beta parameter at index 1: 1.0$"):
+        check_group_values(adamw_group(betas=(0.9, 1.0)))
 
 
 @pytest.mark.parametrize("betas", [(0.9,), (0.9, 0.99, 0.999), 0.9], ids=["one", "three", "scalar"])

@@ -12,6 +12,11 @@
   long as the daemon makes progress, while a stopped or wedged daemon fails
   the request with ``DaemonTimeout`` after ``timeout_s`` (default
   ``DEFAULT_TIMEOUT_S``).  Frames are ``tiermem.net.frames``'.
+- A daemon that closes the connection mid-session (end of stream, EPIPE,
+  ECONNRESET) fails the request, and every later one, with ``DaemonGone``,
+  built by the connection's ``gone`` (``link.connect`` passes the private
+  daemon's, which names the child's pid and exit status); by default it names
+  the node daemon's socket.
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ from types import TracebackType
 
 from tiermem.core.errors import (
     ConnectionClosed,
+    DaemonGone,
     DaemonTimeout,
     DaemonUnavailable,
     InvalidArgument,
     ProtocolError,
     TiermemError,
     UnsafePathError,
+    error_from_wire,
 )
 from tiermem.core.protocol import (
     DEFAULT_MAX_FRAME,
@@ -137,6 +144,10 @@ def _connect_reason(exc: OSError, timeout_s: float | None) -> str:
     return f"{name}: {reasons.get(exc.errno, exc.strerror)}"
 
 
+_PEER_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN)
+"""What a send or receive fails with once the daemon has closed its end (end of stream aside)."""
+
+
 def _set_recv_timeout(sock: socket.socket, timeout_s: float | None) -> None:
     """A kernel receive timeout (``SO_RCVTIMEO``) on a blocking socket: a late reply fails with EAGAIN.
 
@@ -158,6 +169,8 @@ class Connection:
     and raises ``DaemonUnavailable`` (or ``ProtocolError``); later calls raise
     ``DaemonUnavailable``.  A daemon silent for ``timeout_s`` during a request
     (no reply, no heartbeat) raises ``DaemonTimeout``; ``timeout_s=None`` waits forever.
+    A daemon that closed the connection raises ``gone(request type)``, and so do
+    later calls (default: ``DaemonGone`` naming the node daemon at ``path``).
     """
 
     def __init__(
@@ -167,7 +180,10 @@ class Connection:
         path: str = "",
         max_frame: int = DEFAULT_MAX_FRAME,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        gone: Callable[[str], TiermemError] | None = None,
     ) -> None:
+        """``gone(request)``: the error for a daemon that closed the connection during ``request`` (a
+        message type's name), asked once, when it happens."""
         if timeout_s is not None and not timeout_s > 0:
             raise InvalidArgument(f"timeout_s must be > 0 seconds (or None: wait forever), got {timeout_s!r}")
         self.path = path
@@ -177,6 +193,9 @@ class Connection:
         self._next_id = 1
         self._socket_timeout: float | None = None
         self._closed_why = ""
+        self._gone = gone
+        self._lost: TiermemError | None = None
+        """What the daemon's closing of the connection was reported as (raised again by later calls)."""
         self._abandoned: dict[int, MsgType] = {}
         """Requests whose reply wait was interrupted (KeyboardInterrupt): their replies are still coming."""
         self.late: dict[int, Message | TiermemError] = {}
@@ -266,7 +285,7 @@ class Connection:
                     self.last_request_id = request_id
                     data = encode_message(msg, request_id, max_frame=self._frames.max_frame)
                     self._abandoned[request_id] = msg.TYPE  # until its reply is in hand (see _exchange)
-                    self._send(data)
+                    self._send(data, msg.TYPE)
                     pending.append((sent, request_id, msg))
                     sent += 1
                     continue
@@ -296,7 +315,7 @@ class Connection:
             self._check_open()
             self._drain_abandoned()
             data = encode_message(msg, self._take_id(), FLAG_ONEWAY, max_frame=self._frames.max_frame)
-            self._send(data)
+            self._send(data, msg.TYPE)
 
     def close(self) -> None:
         with self._lock:
@@ -327,7 +346,7 @@ class Connection:
             # counted as abandoned until its reply is in hand: an interrupt (KeyboardInterrupt) anywhere in
             # between leaves the reply to be read (or found missing) before the next request
             self._abandoned[request_id] = msg.TYPE
-            self._send(data)
+            self._send(data, msg.TYPE)
             reply, fds = self._read_reply(msg, request_id, timeout_s if timeout_s is not None else self.timeout_s)
         if isinstance(reply, ErrorReply):
             close_fds(fds)
@@ -371,7 +390,7 @@ class Connection:
             return
         ping_id = self._take_id()
         self._abandoned[ping_id] = MsgType.PING
-        self._send(encode_message(Ping(), ping_id, max_frame=self._frames.max_frame))
+        self._send(encode_message(Ping(), ping_id, max_frame=self._frames.max_frame), MsgType.PING)
         while True:
             raw, fds = self._recv_type(MsgType.PING, self.timeout_s)
             close_fds(fds)
@@ -392,17 +411,27 @@ class Connection:
         return request_id
 
     def _check_open(self) -> None:
+        if self._lost is not None:
+            raise error_from_wire(self._lost.to_wire())  # a new one of the same type: the first keeps its traceback
         if self._closed_why:
             raise DaemonUnavailable(self.path, f"connection is closed ({self._closed_why})")
 
-    def _send(self, data: bytes) -> None:
+    def _send(self, data: bytes, msg_type: MsgType) -> None:
         try:
             self._frames.send(data)
         except (ConnectionClosed, OSError) as exc:
             refusal = self._pending_refusal()
             if refusal is not None:
                 raise self._fail(refusal) from None
+            if isinstance(exc, ConnectionClosed) or exc.errno in _PEER_GONE:
+                raise self._lose(msg_type) from None
             raise self._fail(DaemonUnavailable(self.path, f"connection lost while sending: {exc}")) from None
+
+    def _lose(self, msg_type: MsgType) -> Exception:
+        """The daemon closed the connection during a ``msg_type`` request: close, and return what to raise."""
+        lost = self._gone(msg_type.name) if self._gone is not None else DaemonGone(self.path, msg_type.name)
+        self._lost = lost
+        return self._fail(lost)
 
     def _pending_refusal(self) -> TiermemError | None:
         """The ERROR a daemon sent before closing (a refused peer), if it is waiting to be read."""
@@ -433,12 +462,14 @@ class Connection:
         except (BlockingIOError, TimeoutError):
             raise self._fail(DaemonTimeout(self.path, msg_type.name, timeout_s or 0.0)) from None
         except ConnectionClosed:
-            why = f"the daemon closed the connection during {msg_type.name}"
+            raise self._lose(msg_type) from None
         except ProtocolError as exc:
             raise self._fail(exc) from None
         except OSError as exc:
+            if exc.errno in _PEER_GONE:
+                raise self._lose(msg_type) from None
             why = f"connection lost during {msg_type.name}: {exc.strerror}"
-        raise self._fail(DaemonUnavailable(self.path, why))
+            raise self._fail(DaemonUnavailable(self.path, why)) from None
 
     def _fail(self, exc: Exception) -> Exception:
         """Close after an error that leaves the reply stream out of step; return ``exc`` to raise."""

@@ -18,7 +18,10 @@ allocated, and which is stopped (SIGTERM, then waited for) when the client
 closes or the process exits; the child's ``--exit-with-parent`` stops it if
 this process dies first, and its ``--private-dir`` removes the directory
 then (``tiermem.net.privatedir``: a directory whose processes were all killed is
-removed by the next private daemon's start).
+removed by the next private daemon's start).  A private daemon that dies (or
+closes the connection) fails the next request with ``DaemonGone`` naming its
+pid and exit status, and saying that its state, CPU and NVMe tier alike, went
+with it (``EmbeddedDaemon.gone``).
 
 Every reply wait is bounded by a timeout of the daemon's *silence* (see
 ``tiermem.net.frames``: the daemon sends heartbeats while it works on a
@@ -57,6 +60,7 @@ from tiermem.client.connection import DEFAULT_TIMEOUT_S, Connection, connect_tru
 from tiermem.core.config import default_runtime_dir
 from tiermem.core.errors import (
     ConfigError,
+    DaemonGone,
     DaemonUnavailable,
     InvalidArgument,
     InvalidState,
@@ -102,6 +106,9 @@ tuned to spin would make the daemon, which runs passive beside it, spin too)."""
 NODE_SOCKET = "/run/tiermem/tiermemd.sock"
 NODE_SERVICE_USER = "tiermem"
 """The user the shipped unit runs the node daemon as (``User=`` in ``systemd/tiermemd.service``)."""
+GONE_WAIT_S = 2.0
+"""How long a client that found its private daemon's connection closed waits for the child's exit status (a
+daemon stopping cleanly closes its sessions before it exits)."""
 
 
 @dataclass(frozen=True)
@@ -210,6 +217,23 @@ class EmbeddedDaemon:
             return Path(self.log_path).read_text(errors="replace")[-2000:].strip()
         return ""
 
+    def gone(self, during: str) -> DaemonGone:
+        """The error for a connection this daemon closed during ``during`` (a request): its pid and how it
+        ended, waited for up to ``GONE_WAIT_S``, and the end of its log when it exited with a failure."""
+        try:
+            code: int | None = self.process.wait(GONE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        return DaemonGone(
+            self.socket,
+            during,
+            pid=self.process.pid,
+            exit_code=code,
+            ended=exit_status(code) if code is not None else "",
+            log_path=self.log_path,
+            log_tail=self._tail()[-600:] if code is not None and code > 0 else "",
+        )
+
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM the daemon and wait; returns its exit code."""
         atexit.unregister(self.stop)
@@ -225,6 +249,20 @@ class EmbeddedDaemon:
             os.close(self._lock_fd)
             self._lock_fd = -1
         return self.process.returncode
+
+
+def exit_status(code: int) -> str:
+    """How a child ended, from its ``subprocess`` return code: ``stopped, exit code 0``, ``exit code 3``,
+    ``killed by SIGKILL, exit code -9``."""
+    if code == 0:
+        return "stopped, exit code 0"
+    if code > 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"killed by {name}, exit code {code}"
 
 
 def _settings_toml(settings: Mapping[str, Any]) -> str:
@@ -567,7 +605,7 @@ def connect(
     daemon = EmbeddedDaemon(pool_size=pool_size, swap_dir=swap_dir, settings=settings)
     try:
         sock = connect_trusted(daemon.socket, daemon.trust)
-        conn = Connection(sock, path=daemon.socket, timeout_s=timeout_s)
+        conn = Connection(sock, path=daemon.socket, timeout_s=timeout_s, gone=daemon.gone)
         return Client(conn, socket_path=daemon.socket, daemon=daemon)
     except BaseException:
         daemon.stop()

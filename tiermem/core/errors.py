@@ -25,6 +25,7 @@ __all__ = [
     "ConfigError",
     "ConnectionClosed",
     "CorruptionError",
+    "DaemonGone",
     "DaemonTimeout",
     "DaemonUnavailable",
     "DataLostError",
@@ -32,6 +33,7 @@ __all__ = [
     "HostMemoryError",
     "InvalidArgument",
     "InvalidState",
+    "InvalidType",
     "StepFailed",
     "PoolExhausted",
     "ProtocolError",
@@ -229,6 +231,11 @@ class InvalidArgument(TiermemError, ValueError):
     """An argument has a bad value (a ``ValueError`` too, as torch raises for bad hyper-parameters)."""
 
 
+class InvalidType(InvalidArgument, TypeError):
+    """An argument is not of a type the operation takes (a string where a number goes): a ``TypeError`` too, as
+    torch raises for a string learning rate, and an ``InvalidArgument`` like every refused argument."""
+
+
 class DTypeError(InvalidArgument):
     """A tensor has a dtype the operation does not support."""
 
@@ -345,3 +352,54 @@ class DaemonTimeout(DaemonUnavailable):
             request=request,
             timeout_s=timeout_s,
         )
+
+
+class DaemonGone(DaemonUnavailable):
+    """The daemon closed the connection in the middle of a session: it stopped, crashed or was killed, or it
+    ended this session.
+
+    ``path`` is its socket and ``during`` the request that found it gone.  For a private daemon (the child
+    ``tiermem.client.link.connect`` started when no node daemon answered) ``pid`` is the child and
+    ``exit_code`` how it ended (negative: the signal that killed it, as ``subprocess`` reports it; None: still
+    running), which ``ended`` says in words.  A private daemon's state lives in its memory and its private
+    directory only, NVMe-placed state included, so it is gone with the process; a node daemon keeps a job's
+    state for a reattach (``docs/operating.md``, Restarts and durability).
+    """
+
+    fields: ClassVar[tuple[str, ...]] = ("path", "during", "pid", "exit_code")
+
+    def __init__(
+        self,
+        path: str,
+        during: str,
+        *,
+        pid: int | None = None,
+        exit_code: int | None = None,
+        ended: str = "",
+        log_path: str = "",
+        log_tail: str = "",
+    ) -> None:
+        if pid is None:
+            message = (
+                f"the node daemon at {path} closed the connection during {during}: it stopped, restarted or ended "
+                "this session (its log says which: journalctl -u tiermemd). While it runs, the job's state waits "
+                "jobs.grace_period_s for a new OffloadAdam with the job's token (opt.token); after a stop, "
+                "CPU-tier state is gone and NVMe-placed state comes back at its last commit (a clean stop, or "
+                "every jobs.commit_every steps)"
+            )
+        elif exit_code is None:
+            message = (
+                f"the private tiermemd (pid {pid}, still running) closed the connection during {during}; "
+                f"its log says why: {log_path}"
+            )
+        else:
+            message = (
+                f"the private tiermemd (pid {pid}, {ended or f'exit code {exit_code}'}) is gone, and with it the "
+                f"optimizer state it held ({during} found the connection closed). A private daemon keeps the CPU-tier "
+                "state in its memory and the NVMe tier's in its private directory, and neither outlives it: load "
+                "the last checkpoint (state_dict()) into a new optimizer, which starts a new private daemon, or "
+                "run a node tiermemd, whose state outlives a trainer (docs/operating.md)"
+            )
+            if log_tail.strip():
+                message += f". Its log ends: {log_tail.strip()}"
+        TiermemError.__init__(self, message, path=path, during=during, pid=pid, exit_code=exit_code)

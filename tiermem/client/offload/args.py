@@ -5,7 +5,13 @@ construction is refused here, before any connection is made.
 
 - Hyper-parameters follow ``torch.optim.AdamW`` exactly: the same defaults
   (``weight_decay`` 0.01; ``torch.optim.Adam``'s 0 with ``adamw=False``), the
-  same checks, the same ``ValueError`` messages.
+  same checks, the same ``ValueError`` messages, the same types: ``lr``,
+  ``eps`` and ``weight_decay`` any real number (an int, a numpy scalar),
+  ``betas`` two floats.  A tensor (torch's capturable form) is refused by name;
+  a value that is no number (a string) is a ``TypeError``, as in torch.
+- A param group's values are checked again as each step sends them
+  (``check_group_values``): a string written into ``param_groups`` fails the
+  step naming the group, the key and the value, as torch's step fails on it.
 - torch's implementation switches are accepted where they cannot change the
   result (``foreach``, ``fused``: the daemon's update is always one fused
   pass) and refused by name where they would (``amsgrad=True``,
@@ -18,14 +24,15 @@ construction is refused here, before any connection is made.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tiermem.core.config import AdamConfig, PoolConfig
-from tiermem.core.errors import InvalidArgument
+from tiermem.core.errors import InvalidArgument, InvalidType
+from tiermem.core.estimate import NVME_CACHE_CHUNKS
 from tiermem.core.layout import tensor_starts
 from tiermem.core.lowbit import STATE_DTYPES
 from tiermem.core.modes import Exchange, Placement, StepMode
@@ -37,6 +44,7 @@ __all__ = [
     "Hyper",
     "optimizer_defaults",
     "PoolPlan",
+    "check_group_values",
     "check_hyper",
     "check_state_dtype",
     "check_torch_flags",
@@ -71,8 +79,10 @@ def copy_hyper(
     source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]], pairs: Iterable[tuple[int, int]] | None = None
 ) -> None:
     """The hyper-parameters (``HYPER_KEYS``) of ``source[i]`` into ``target[j]`` for each ``(i, j)`` of ``pairs``
-    (default: group by group); a sharding strategy's groups into its inner optimizer's before each update."""
+    (default: group by group); a sharding strategy's groups into its inner optimizer's before each update.
+    Each source group is checked first (``check_group_values``), so an error names the strategy's own group."""
     for i, j in pairs if pairs is not None else enumerate(range(len(target))):
+        check_group_values(source[i], source)
         for key in HYPER_KEYS:
             target[j][key] = source[i][key]
 
@@ -107,26 +117,104 @@ class Hyper:
 
 
 def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float | None, *, adamw: bool) -> Hyper:
-    """torch.optim.AdamW's checks and messages (``ValueError``); ``weight_decay=None`` takes torch's default."""
+    """torch.optim.AdamW's checks, in its order and with its messages (``ValueError``), on the types it takes:
+    ``lr``, ``eps`` and ``weight_decay`` any real number (``np.float32(1e-3)``, an int), ``betas`` two floats
+    (torch refuses a pair of numpy float32s too).  A tensor is refused (``InvalidArgument``) and a value that is
+    no number is ``InvalidType`` (a ``TypeError``, as torch raises for a string); ``weight_decay=None`` takes
+    torch's default."""
     if weight_decay is None:
         weight_decay = ADAMW_WEIGHT_DECAY if adamw else 0.0
-    if not isinstance(lr, float | int) or isinstance(lr, bool):
-        raise InvalidArgument(f"lr must be a float (a tensor lr is not supported by OffloadAdam), got {lr!r}")
-    if not lr >= 0.0:
+    lr_value = _hyper_number("lr", lr)
+    if not lr_value >= 0.0:
         raise InvalidArgument(f"Invalid learning rate: {lr}")
-    if not eps >= 0.0:
+    eps_value = _hyper_number("eps", eps)
+    if not eps_value >= 0.0:
         raise InvalidArgument(f"Invalid epsilon value: {eps}")
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise InvalidArgument(f"betas must be a pair of floats, got {betas!r}")
+    beta_values = [_hyper_number(f"betas[{i}]", beta) for i, beta in enumerate(betas)]
+    for i, beta in enumerate(beta_values):
+        if not 0.0 <= beta < 1.0:
+            raise InvalidArgument(f"Invalid beta parameter at index {i}: {betas[i]}")
+    weight_decay_value = _hyper_number("weight_decay", weight_decay)
+    if not weight_decay_value >= 0.0:
+        raise InvalidArgument(f"Invalid weight_decay value: {weight_decay}")
     if not all(isinstance(b, float) for b in betas):
         raise InvalidArgument("betas must be either both floats or both Tensors")
-    if not 0.0 <= betas[0] < 1.0:
-        raise InvalidArgument(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise InvalidArgument(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not weight_decay >= 0.0:
-        raise InvalidArgument(f"Invalid weight_decay value: {weight_decay}")
-    return Hyper(float(lr), (float(betas[0]), float(betas[1])), float(eps), float(weight_decay))
+    return Hyper(lr_value, (beta_values[0], beta_values[1]), eps_value, weight_decay_value)
+
+
+def real_number(value: object) -> float | None:
+    """``float(value)`` where ``value`` is one real number (a float, an int, a numpy scalar or 0-d array, a
+    ``Fraction``); None for anything else: a string (``float("0.1")`` would parse it), None, a complex, a
+    sequence, an array of more dimensions, a tensor."""
+    if isinstance(value, str | bytes | bytearray | torch.Tensor) or getattr(value, "ndim", 0) != 0:
+        return None
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _hyper_number(name: str, value: object) -> float:
+    """A constructor's hyper-parameter as a float: a tensor or a value that is no number refused by name."""
+    if isinstance(value, torch.Tensor):
+        raise InvalidArgument(
+            f"{name} as a Tensor is not supported by OffloadAdam (the daemon's update takes numbers; torch's tensor "
+            f"form is for capturable steps, which run on the device); pass float({name}), got {value!r}"
+        )
+    number = real_number(value)
+    if number is None:
+        raise InvalidType(
+            f"{name} must be a real number (a float, an int or a numpy scalar), got {value!r} "
+            f"of type {type(value).__name__}"
+        )
+    return number
+
+
+GROUP_NUMBERS = ("lr", "eps", "weight_decay")
+"""A param group's values a step sends as single numbers (with ``betas``, a pair of them)."""
+
+
+def check_group_values(group: Mapping[str, Any], groups: Sequence[Mapping[str, Any]] = ()) -> None:
+    """A param group's hyper-parameters as a step is about to send them: each of ``lr``, ``eps`` and
+    ``weight_decay`` one real number (a numpy scalar or a one-element tensor too: what torch's step computes
+    with), ``betas`` a pair of them, each in the range the constructor allows.
+
+    Values written into ``param_groups`` after construction (a scheduler, a user, a loaded state dict) are
+    checked here rather than converted with ``float()``: a string fails, as torch's step fails on it, with
+    ``InvalidType`` (a ``TypeError``) naming the group (by its index in ``groups``, the optimizer's
+    ``param_groups``), the key and the value; a value out of range is ``InvalidArgument`` with torch's
+    message."""
+    index = next((i for i, g in enumerate(groups) if g is group), None)
+    where = f"param_groups[{index}]" if index is not None else "a param group"
+    values = {key: _group_number(f"{where}['{key}']", group[key]) for key in GROUP_NUMBERS}
+    betas = group["betas"]
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise InvalidType(f"{where}['betas'] must be a pair of numbers, got {betas!r} of type {type(betas).__name__}")
+    beta_values = [_group_number(f"{where}['betas'][{i}]", beta) for i, beta in enumerate(betas)]
+    problems = [
+        (values["lr"] >= 0.0, f"Invalid learning rate: {group['lr']}"),
+        (values["eps"] >= 0.0, f"Invalid epsilon value: {group['eps']}"),
+        (0.0 <= beta_values[0] < 1.0, f"Invalid beta parameter at index 0: {betas[0]}"),
+        (0.0 <= beta_values[1] < 1.0, f"Invalid beta parameter at index 1: {betas[1]}"),
+        (values["weight_decay"] >= 0.0, f"Invalid weight_decay value: {group['weight_decay']}"),
+    ]
+    for ok, message in problems:
+        if not ok:
+            raise InvalidArgument(f"{where}: {message}")
+
+
+def _group_number(label: str, value: object) -> float:
+    number = real_number(value)
+    if number is None and isinstance(value, torch.Tensor) and value.numel() == 1:
+        number = float(value)
+    if number is None:
+        raise InvalidType(
+            f"{label} is {value!r} of type {type(value).__name__}, not a number: assign a float "
+            f"(torch's step fails on it too)"
+        )
+    return number
 
 
 def check_torch_flags(*, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
@@ -210,7 +298,7 @@ def private_pool_plan(
         # (the last one is short) leave holes between pinned blocks that compaction cannot close; each
         # chunk is one block per part (tiermem.core.statekeys.chunk_parts)
         parts = [fmt.part_nbytes(part, chunk_numel) for part in fmt.parts]
-        blocks += parts * min(len(chunks), 7)
+        blocks += parts * min(len(chunks), NVME_CACHE_CHUNKS)
     else:
         blocks += [fmt.chunk_nbytes(n) for n in chunks]
     largest = align_up(max(blocks), PAGE_SIZE)

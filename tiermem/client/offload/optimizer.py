@@ -79,6 +79,7 @@ import torch
 
 from tiermem.client.link import Client, connect
 from tiermem.client.offload.args import (
+    check_group_values,
     check_hyper,
     check_state_dtype,
     check_torch_flags,
@@ -552,8 +553,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             log.warning("the staging window could not be registered with CUDA (%s); copies will be staged", result)
         return result.registered
 
-    @staticmethod
-    def _wire_group(group: dict[str, Any]) -> ParamGroup:
+    def _wire_group(self, group: dict[str, Any]) -> ParamGroup:
+        check_group_values(group, self.param_groups)  # a string written into a group fails here, named
         return ParamGroup(
             lr=float(group["lr"]),
             betas=(float(group["betas"][0]), float(group["betas"][1])),
