@@ -36,7 +36,8 @@ from the store.  Only ``persist()`` commits (the store is opened with
 ``auto_commit=False``): a manifest committed in the middle of a step would
 name chunks of two different steps.  The swap reserved is therefore two
 copies of the state (the committed one and the one being written) plus the
-cache.  A rank reopened from a job file (``require_stored``) must find every
+cache (``tiermem.core.nvme_budget.nvme_reservation``, which ``tiermem
+estimate`` counts too).  A rank reopened from a job file (``require_stored``) must find every
 chunk in the store; a chunk the manifest does not name is ``DataLostError``,
 never zeros.
 """
@@ -58,8 +59,8 @@ import torch
 from tiermem.core import dtypes
 from tiermem.core.config import MAX_QUEUE_DEPTH, SwapConfig
 from tiermem.core.errors import DataLostError, InvalidArgument, TiermemError
+from tiermem.core.nvme_budget import chunk_nbytes, nvme_reservation, part_nbytes
 from tiermem.core.statekeys import StateFormat
-from tiermem.core.units import align_up
 from tiermem.engine.swap.engine import IOEngine
 from tiermem.engine.swap.probe import DiskProbe, probe_disk
 from tiermem.engine.swap.store import SwapStore
@@ -133,24 +134,6 @@ class SwapDevice:
             )
             self._probe = probe
             return probe
-
-
-def part_nbytes(numel: int, fmt: StateFormat) -> list[int]:
-    """Pool (and swap) bytes of each part of a chunk of ``numel`` elements, in whole pages (each part is its
-    own block)."""
-    return [align_up(fmt.part_nbytes(part, numel)) for part in fmt.parts]
-
-
-def chunk_nbytes(numel: int, fmt: StateFormat) -> int:
-    """Pool (and swap) bytes one chunk of ``numel`` elements takes: all of its parts."""
-    return sum(part_nbytes(numel, fmt))
-
-
-def state_nbytes(numel: int, chunk_numel: int, fmt: StateFormat) -> int:
-    """Pool bytes of all of a rank's chunks (what a cache that holds all of its state takes)."""
-    full, rest = divmod(numel, chunk_numel)
-    last = chunk_nbytes(rest, fmt) if rest else 0
-    return full * chunk_nbytes(chunk_numel, fmt) + last
 
 
 def plan_rank(
@@ -430,11 +413,10 @@ def make_nvme_state(
     log.info(
         "job %r rank %d: NVMe state of %d chunk(s): %s", job.job_id, rank, -(-numel // chunk_numel), plan.describe()
     )
-    resident_nbytes = state_nbytes(numel, chunk_numel, fmt)
-    cache_nbytes = min(resident_nbytes, plan.cache_chunks * chunk_nbytes(chunk_numel, fmt))
     # out-of-place writes keep the committed version until the next commit: room for two copies of the state
     # and the chunks being written
-    swap_nbytes = 2 * resident_nbytes + cache_nbytes
+    reserved = nvme_reservation(numel, chunk_numel, fmt, plan.cache_chunks)
+    resident_nbytes, cache_nbytes, swap_nbytes = reserved.state_nbytes, reserved.cache_nbytes, reserved.swap_nbytes
     ceiling_nbytes = cache_nbytes
     if service.config.swap.borrow:
         ceiling_nbytes = _ceiling(service, job, resident_nbytes, cache_nbytes)

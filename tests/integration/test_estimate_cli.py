@@ -9,6 +9,9 @@ import pytest
 from conftest import run_tiermem_cli
 
 from tiermem.client.capacity import probe_daemon
+from tiermem.core.errors import AdmissionError
+from tiermem.core.estimate import NodeCapacity, RunShape, estimate, fit
+from tiermem.core.protocol import ParamGroup, TensorSpec
 
 
 def tiermem(*args: str, home: str) -> subprocess.CompletedProcess[str]:
@@ -46,8 +49,63 @@ def test_estimate_fits_against_the_daemons_pool(private_daemon, tmp_path):
     assert cpu["fits"]["host"] is False  # 80 MB of state in a 64 MiB pool
     assert "daemon pool: needs" in cpu["reasons"][0]
     nvme = rows[("nvme", 0)]
-    assert nvme["host_nbytes_per_rank"] == 7 * (1 << 18) * 18 + report["window_nbytes"]  # fp16 params kept apart
+    assert report["cache_chunks"] == 6  # read from the daemon's settings (swap.cache_chunks)
+    assert nvme["host_nbytes_per_rank"] == 6 * (1 << 18) * 18 + report["window_nbytes"]  # fp16 params kept apart
     assert nvme["fits"] == {"gpu": True, "host": True, "nvme": True, "all": True}
+
+
+def admit_nvme_rank(daemon, job_id: str, numel: int, state_dtype: str) -> dict[str, int]:
+    """Register one rank of ``numel`` fp16 elements on the NVMe tier as mixed-precision training does (the staged
+    exchange); what the daemon's budget holds for it then, by resource.  Raises what admission raises."""
+    client = daemon.client()
+    try:
+        client.attach(job_id, window_nbytes=1 << 20)
+        spec = TensorSpec(name="w", shape=(numel,), dtype="float16", placement="nvme")
+        client.register([spec], [ParamGroup(lr=1e-3)], exchange="staged", state_dtype=state_dtype)
+        held = {b.resource: b.held_nbytes for b in client.stats().node.budgets}
+        client.detach()
+        return held
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("numel", "state_dtype"), [(1_000_000, "fp32"), (777_777, "int8"), (3_000_001, "bf16")], ids=str
+)
+def test_estimates_nvme_figures_are_what_admission_reserves(private_daemon, tmp_path, numel, state_dtype):
+    """The estimate's swap per rank is the swap the daemon reserves for the same rank on the same disk (two
+    copies of the state, each chunk's parts in whole pages, and the chunk cache), and its pool share less the
+    window is the cache the daemon reserves: to the byte, with the daemon's own settings."""
+    done = tiermem(
+        "estimate", "--params", str(numel), "--gpus", "1", "--stage", "0", "--offload", "nvme",
+        "--state-dtype", state_dtype, "--gpu-memory", "80GB", "--json",
+        "--socket", private_daemon.socket_path, "--config", str(private_daemon.config_path),
+        home=str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    (row,) = report["estimates"]
+    held = admit_nvme_rank(private_daemon, f"sized-{numel}", numel, state_dtype)
+    assert row["nvme_nbytes_per_rank"] == held["swap"]
+    assert row["host_nbytes_per_rank"] - report["window_nbytes"] == held["pool"]
+    assert held["swap"] > 2 * 12 * numel  # two copies of at least 12 B a param (int8), not one of 18
+
+
+def test_a_model_the_estimate_says_does_not_fit_is_refused_and_one_it_says_fits_is_admitted(daemon_factory):
+    """A job's swap quota (``jobs.max_swap``) is the swap it may take: of two models whose 18 B a param fit it,
+    the estimate says the larger does not (two copies and the cache do not), and admission agrees."""
+    quota = 64 << 20
+    daemon = daemon_factory({"server": {"socket_mode": 0o600}, "jobs": {"max_swap": quota}})
+    node = NodeCapacity(gpu_nbytes=80 * 10**9, host_nbytes=10**12, nvme_nbytes=quota, nvme_from="jobs.max_swap")
+    verdicts = {}
+    for numel in (1_000_000, 2_000_000):
+        assert 18 * numel <= quota  # the old count said both fit
+        shape = RunShape(params=numel, gpus=1, chunk_numel=1 << 18, cache_chunks=6)
+        verdicts[numel] = fit(estimate(shape, 0, "nvme"), node).nvme
+    assert verdicts == {1_000_000: True, 2_000_000: False}
+    assert admit_nvme_rank(daemon, "fits", 1_000_000, "fp32")["swap"] <= quota
+    with pytest.raises(AdmissionError, match="swap"):
+        admit_nvme_rank(daemon, "too-big", 2_000_000, "fp32")
 
 
 def test_estimate_without_a_daemon_uses_host_memory_and_prints_the_paper_table(tmp_path):
@@ -100,7 +158,7 @@ def test_help_lists_estimate_and_its_options(tmp_path):
 
 def test_compressed_moments_are_counted_in_the_pool_and_on_nvme(tmp_path):
     """``--state-dtype int8``: the daemon's share of a 7B ZeRO-3 run on 8 GPUs at 10.03 B/param in the pool
-    and 12.03 on NVMe, against fp32's 16 and 18; the GPU's share unchanged."""
+    and twice 12.03 on NVMe, against fp32's 16 and 18; the GPU's share unchanged."""
     runs = {}
     for state in ("fp32", "int8"):
         done = tiermem(
@@ -112,5 +170,8 @@ def test_compressed_moments_are_counted_in_the_pool_and_on_nvme(tmp_path):
     shard = -(-7 * 10**9 // 8)
     window = runs["fp32"]["cpu"]["host_nbytes_per_rank"] - 16 * shard
     assert runs["int8"]["cpu"]["host_nbytes_per_rank"] == -(-10_03125 * shard // 10**5) + window
-    assert runs["int8"]["nvme"]["nvme_nbytes_per_rank"] == -(-12_03125 * shard // 10**5)
+    # on NVMe: two copies of 12.03 B a param (each chunk's parts in whole pages: only the last chunk's round up)
+    nvme = runs["int8"]["nvme"]
+    twice_state = nvme["nvme_nbytes_per_rank"] - (nvme["host_nbytes_per_rank"] - window)
+    assert 2 * -(-12_03125 * shard // 10**5) <= twice_state < 2 * (-(-12_03125 * shard // 10**5) + 3 * 4096)
     assert runs["int8"]["cpu"]["gpu_nbytes"] == runs["fp32"]["cpu"]["gpu_nbytes"]

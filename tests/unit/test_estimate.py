@@ -27,8 +27,16 @@ from tiermem.core.estimate import (
     to_json,
     zero_device_nbytes,
 )
+from tiermem.core.units import PAGE_SIZE, align_up
 
 PAPER = RunShape(params=7_500_000_000, gpus=64)
+
+
+def paged_state_nbytes(numel: int, chunk_numel: int) -> int:
+    """An NVMe-tier rank's fp32-moment state as the daemon stores it: per chunk the fp16 params (2 B), master
+    and moments (12 B) and grads (4 B), each part in whole pages."""
+    full, rest = divmod(numel, chunk_numel)
+    return full * 18 * chunk_numel + (sum(align_up(b * rest) for b in (2, 12, 4)) if rest else 0)
 
 
 @pytest.mark.parametrize(("stage", "gb"), [(0, "120"), (1, "31.4"), (2, "16.6"), (3, "1.9")])
@@ -68,9 +76,12 @@ def test_offload_moves_only_the_optimizer_states_off_the_device(params, gpus, st
     # the daemon's record per element: fp32 master, exp_avg, exp_avg_sq and the grad it receives
     assert cpu.host_nbytes == DAEMON_STATE_BYTES * optimizer_elements + shape.window_nbytes
     assert cpu.nvme_nbytes == 0
-    # on NVMe, the fp16 params too, apart from the master (what a param fetch reads)
-    assert nvme.nvme_nbytes == (DAEMON_STATE_BYTES + 2) * optimizer_elements
-    assert nvme.host_nbytes - shape.window_nbytes <= NVME_CACHE_CHUNKS * shape.chunk_numel * (DAEMON_STATE_BYTES + 2)
+    # on NVMe, the fp16 params too, apart from the master (what a param fetch reads), each part in whole pages;
+    # the swap holds two copies of it (written out of place) and the chunk cache
+    state = paged_state_nbytes(optimizer_elements, shape.chunk_numel)
+    cache = nvme.host_nbytes - shape.window_nbytes
+    assert cache == min(state, NVME_CACHE_CHUNKS * shape.chunk_numel * (DAEMON_STATE_BYTES + 2))
+    assert nvme.nvme_nbytes == 2 * state + cache
 
 
 def test_the_nvme_tier_keeps_a_bounded_cache_in_host_memory():
@@ -78,7 +89,10 @@ def test_the_nvme_tier_keeps_a_bounded_cache_in_host_memory():
     est = estimate(shape, 2, Offload.NVME)
     assert est.host_nbytes == 7 * (1 << 22) * 18 + (2 << 20)  # 504 MiB of chunk cache and the window
     small = estimate(RunShape(params=1000, gpus=1), 0, Offload.NVME)
-    assert small.host_nbytes == 1000 * 18 + small.shape.window_nbytes  # never more cache than state
+    # never more cache than state: its three parts in whole pages (2, 12 and 4 kB: 1 + 3 + 1)
+    assert small.host_nbytes == 5 * PAGE_SIZE + small.shape.window_nbytes
+    fixed = estimate(RunShape(params=10**12, gpus=8, cache_chunks=4), 2, Offload.NVME)
+    assert fixed.host_nbytes == 4 * (1 << 22) * 18 + (2 << 20)  # the daemon's swap.cache_chunks where it sets one
 
 
 def test_node_figures_count_every_rank_and_one_daemon():
@@ -88,7 +102,8 @@ def test_node_figures_count_every_rank_and_one_daemon():
     assert est.node_pool_nbytes == 8 * est.host_nbytes
     assert est.node_host_nbytes == 8 * est.host_nbytes + DAEMON_PROCESS_NBYTES
     nvme = estimate(shape, 3, "nvme")
-    assert nvme.node_nvme_nbytes == 8 * 18 * shape.shard_numel
+    assert nvme.node_nvme_nbytes == 8 * nvme.nvme_nbytes
+    assert nvme.nvme_nbytes > 2 * 18 * shape.shard_numel  # two copies of the state and the cache
 
 
 def test_estimate_all_covers_each_offload_and_stage_once():
@@ -231,7 +246,10 @@ def test_compressed_moments_shrink_the_daemons_share_by_their_bytes(state_dtype,
     base = RunShape(params=7_000_000_000, gpus=8)
     cpu, nvme = estimate(shape, 3, "cpu"), estimate(shape, 3, "nvme")
     assert cpu.host_nbytes == math.ceil(pool * shape.shard_numel) + shape.window_nbytes
-    assert nvme.nvme_nbytes == math.ceil(swap * shape.shard_numel)
+    # two copies of the state on the swap, each chunk's parts in whole pages (only the short last chunk rounds up)
+    twice_state = nvme.nvme_nbytes - (nvme.host_nbytes - shape.window_nbytes)
+    state = math.ceil(swap * shape.shard_numel)
+    assert 2 * state <= twice_state < 2 * (state + 3 * PAGE_SIZE)
     assert cpu.gpu_nbytes == estimate(base, 3, "cpu").gpu_nbytes
     assert estimate(shape, 2, "none") == dataclasses.replace(estimate(base, 2, "none"), shape=shape)
     assert to_json(shape, [], NodeCapacity())["state_dtype"] == state_dtype

@@ -24,9 +24,11 @@ and variance: 16 bytes per parameter) per device under each ZeRO stage (0: 16P;
 1: 4P + 12P/N; 2: 2P + 14P/N; 3: 16P/N, for P parameters on N GPUs) and each offload
 choice (none; cpu: the optimizer states in tiermemd's pool; nvme: on its swap files,
 paged through a chunk cache), with what tiermem then keeps on the host and on NVMe per
-rank and per node, and whether that fits this node: its GPU memory, its available host
-memory (or its memory cgroup's headroom when lower), or the free pool budget of a running tiermemd,
-and the free disk of the swap directories (or the daemon's swap budget). Figures are in
+rank and per node (on NVMe what the daemon reserves: two copies of the state, written
+out of place, and the chunk cache), and whether that fits this node: its GPU memory,
+its available host memory (or its memory cgroup's headroom when lower), or the free pool
+budget of a running tiermemd, and the free disk of the swap directories (or the daemon's
+swap budget). Figures are in
 GB = 1e9 bytes, as the ZeRO paper counts them; activations and temporary buffers are not
 included. Example (the paper's): tiermem estimate --params 7.5e9 --gpus 64 --offload none
 """
@@ -107,7 +109,7 @@ def add_estimate_command(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "--config",
         metavar="PATH",
-        help=f"tiermemd settings to read swap.dirs, jobs.window_size and adam.chunk_numel from "
+        help=f"tiermemd settings to read swap.dirs, swap.cache_chunks, jobs.window_size and adam.chunk_numel from "
         f"(default: $TIERMEM_CONFIG, else {DEFAULT_NODE_CONFIG} when it exists)",
     )
     p.add_argument(
@@ -121,7 +123,16 @@ def add_estimate_command(sub: argparse._SubParsersAction[argparse.ArgumentParser
 def _run(args: argparse.Namespace) -> int:
     from tiermem.client import capacity
     from tiermem.core.config import load_config
-    from tiermem.core.estimate import STAGES, Offload, RunShape, estimate_all, fit, render_table, to_json
+    from tiermem.core.estimate import (
+        NVME_CACHE_CHUNKS,
+        STAGES,
+        Offload,
+        RunShape,
+        estimate_all,
+        fit,
+        render_table,
+        to_json,
+    )
 
     parser: argparse.ArgumentParser = args.parser
     env = os.environ
@@ -137,6 +148,7 @@ def _run(args: argparse.Namespace) -> int:
             window_nbytes=config.jobs.window_size,
             chunk_numel=config.adam.chunk_numel,
             state_dtype=args.state_dtype,
+            cache_chunks=config.swap.cache_chunks or NVME_CACHE_CHUNKS,
         )
     except (TiermemError, ValueError) as exc:
         parser.error(str(exc))

@@ -32,16 +32,21 @@ device's optimizer shard (``tiermem.client.offload.staged``; ``offload.args``'s
 
 - ``cpu``: fp32 master, exp_avg, exp_avg_sq and an fp32 grad accumulator
   (16 B) in the daemon's pool, plus one staging window per rank;
-- ``nvme``: the same 16 B on the swap files and the fp16 params again (2 B,
-  kept apart from the master so a param fetch reads only them:
-  ``tiermem.core.statekeys``), 18 B in all; the pool holds the NVMe tier's
-  chunk cache (seven chunks of ``adam.chunk_numel`` elements at most) and the
-  window.
+- ``nvme``: the same 16 B and the fp16 params again (2 B, kept apart from
+  the master so a param fetch reads only them: ``tiermem.core.statekeys``),
+  18 B of state; the pool holds the NVMe tier's chunk cache
+  (``RunShape.cache_chunks`` chunks of ``adam.chunk_numel`` elements at most)
+  and the window.  The swap holds what the daemon's admission reserves
+  (``tiermem.core.nvme_budget.nvme_reservation``, the same function): two
+  copies of the state, each chunk's parts in whole pages (the store writes
+  out of place and keeps the committed copy until the next commit), and the
+  cache: 36 B a param and the cache, not 18.
 
 With compressed moments (``RunShape.state_dtype``, ``tiermem.core.lowbit``)
 the two moments take 2 + 2 B (bf16) or 1 + 1 B and their block scales
-(int8): 12 and 10.03 B in the pool, 14 and 12.03 B on the NVMe tier.  The
-no-offload rows stay the paper's (plain ZeRO keeps AdamW's fp32 state).
+(int8): 12 and 10.03 B in the pool, 14 and 12.03 B of NVMe-tier state (twice
+that on the swap).  The no-offload rows stay the paper's (plain ZeRO keeps
+AdamW's fp32 state).
 
 A node runs ``gpus / nodes`` ranks and one daemon; the daemon process itself
 (Python, torch, the compiled kernels) was measured at about 0.3 GiB
@@ -59,7 +64,8 @@ from dataclasses import dataclass
 
 from tiermem.core.errors import InvalidArgument
 from tiermem.core.lowbit import STATE_DTYPES
-from tiermem.core.statekeys import PAGED_KEYS, STAGED_KEYS, key_nbytes
+from tiermem.core.nvme_budget import nvme_reservation
+from tiermem.core.statekeys import PAGED_KEYS, STAGED_KEYS, StateFormat, key_nbytes
 from tiermem.core.units import MiB
 
 __all__ = [
@@ -97,7 +103,10 @@ DAEMON_STATE_BYTES = 16
 NVME_STATE_BYTES = DAEMON_STATE_BYTES + PARAM_BYTES
 """On the NVMe tier, the fp16 params too (the ``param`` key, apart from the master)."""
 NVME_CACHE_CHUNKS = 7
-"""Chunks of the NVMe tier's cache in the pool: six in use, one for unequal chunk sizes (``private_pool_plan``)."""
+"""Chunks of a rank's NVMe-tier cache counted where the daemon measures its plan (``swap.cache_chunks = 0``):
+a measured plan for chunks of the default size takes 5 or 6 (2 updating, 2 or more prefetched, 1 or more
+written back: ``tiermem.engine.tiers.sizing``), and a private daemon's pool holds six and one block more for
+unequal chunk sizes (``private_pool_plan``)."""
 DAEMON_PROCESS_NBYTES = 320 * MiB
 """The daemon process itself, measured (bench_memory: about 0.3 GiB beside the state)."""
 STAGES = (0, 1, 2, 3)
@@ -130,9 +139,13 @@ class RunShape:
     """Elements per Adam chunk (the daemon's ``adam.chunk_numel``): the NVMe cache is counted in chunks."""
     state_dtype: str = "fp32"
     """How the daemon stores the moments (``OffloadAdam(state_dtype=...)``): fp32, bf16 or int8."""
+    cache_chunks: int = NVME_CACHE_CHUNKS
+    """Chunks of each rank's NVMe-tier cache: the daemon's ``swap.cache_chunks`` where it sets one (then the
+    figures are what admission reserves, to the byte), else ``NVME_CACHE_CHUNKS``, at least what a measured
+    plan takes."""
 
     def __post_init__(self) -> None:
-        for name in ("params", "gpus", "nodes", "chunk_numel"):
+        for name in ("params", "gpus", "nodes", "chunk_numel", "cache_chunks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidArgument(f"{name} must be an integer, got {value!r}")
@@ -216,10 +229,15 @@ def estimate(shape: RunShape, stage: int, offload: Offload | str) -> Estimate:
     if offload is Offload.CPU:
         state = math.ceil(daemon_state_bytes(shape.state_dtype) * states)
         return Estimate(shape, stage, offload, gpu, state + shape.window_nbytes, 0)
-    per_element = nvme_state_bytes(shape.state_dtype)
-    state = math.ceil(per_element * states)
-    cache = min(state, math.ceil(NVME_CACHE_CHUNKS * shape.chunk_numel * per_element))
-    return Estimate(shape, stage, offload, gpu, cache + shape.window_nbytes, state)
+    reserved = nvme_reservation(states, *_nvme_chunking(shape), shape.cache_chunks)
+    return Estimate(shape, stage, offload, gpu, reserved.cache_nbytes + shape.window_nbytes, reserved.swap_nbytes)
+
+
+def _nvme_chunking(shape: RunShape) -> tuple[int, StateFormat]:
+    """The chunk size and the format of an NVMe-placed rank of mixed-precision training: fp16 params kept
+    apart from the master (the staged exchange), moments in ``shape.state_dtype``."""
+    fmt = StateFormat(PAGED_KEYS, "float16", shape.state_dtype)
+    return fmt.chunk_numel(shape.chunk_numel), fmt
 
 
 def daemon_state_bytes(state_dtype: str = "fp32") -> float:
@@ -229,7 +247,8 @@ def daemon_state_bytes(state_dtype: str = "fp32") -> float:
 
 
 def nvme_state_bytes(state_dtype: str = "fp32") -> float:
-    """Bytes per element on the NVMe tier: the CPU tier's and the fp16 params (``NVME_STATE_BYTES``)."""
+    """Bytes of state per element on the NVMe tier: the CPU tier's and the fp16 params (``NVME_STATE_BYTES``);
+    the swap holds two copies of it, and the cache (``estimate``)."""
     return sum(key_nbytes(key, "float16", state_dtype) for key in PAGED_KEYS)
 
 
@@ -368,7 +387,7 @@ def render_table(shape: RunShape, rows: list[tuple[Estimate, Fit]], node: NodeCa
     if shape.state_dtype != "fp32":
         head += (
             f"; offloaded moments in {shape.state_dtype}: {daemon_state_bytes(shape.state_dtype):g} B/param in the "
-            f"pool, {nvme_state_bytes(shape.state_dtype):g} on NVMe"
+            f"pool, {nvme_state_bytes(shape.state_dtype):g} of NVMe-tier state"
         )
     columns = ("offload", "stage", "GPU/device", "host/rank", "NVMe/rank", "host/node", "NVMe/node", "fits this node")
     table = [columns]
@@ -400,7 +419,8 @@ def render_table(shape: RunShape, rows: list[tuple[Estimate, Fit]], node: NodeCa
         "",
         "GB = 1e9 bytes, as in the ZeRO paper. Model states only: activations and temporary buffers come on top.",
         "host/node: every rank's share of the daemon's pool (fp32 state, or the NVMe chunk cache, and a staging",
-        f"window) and the daemon process ({format_gb(DAEMON_PROCESS_NBYTES)}). This node:",
+        f"window) and the daemon process ({format_gb(DAEMON_PROCESS_NBYTES)}). NVMe: the swap the daemon reserves,",
+        f"two copies of the state (written out of place) and a cache of {shape.cache_chunks} chunks. This node:",
         f"  GPU   {have(node.gpu_nbytes, node.gpu_from)}",
     ]
     if node.pool_nbytes is not None:
@@ -420,6 +440,7 @@ def to_json(shape: RunShape, rows: list[tuple[Estimate, Fit]], node: NodeCapacit
         "gpus_per_node": shape.gpus_per_node,
         "window_nbytes": shape.window_nbytes,
         "chunk_numel": shape.chunk_numel,
+        "cache_chunks": shape.cache_chunks,
         "state_dtype": shape.state_dtype,
         "daemon_process_nbytes": DAEMON_PROCESS_NBYTES,
         "node": dataclasses.asdict(node),
