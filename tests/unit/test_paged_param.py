@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tiermem.client.offload.pagedparam import BufferCache, PagedParam, Residency
+from tiermem.client.offload.pagedparam import BufferCache, GradUnits, PagedParam, Residency
 from tiermem.core.errors import InvalidState
 
 
@@ -63,3 +63,41 @@ def test_dropping_frees_the_oldest_first() -> None:
     assert cache.drop_oldest() and cache.nbytes == 32
     assert cache.take(4, torch.float32) is None and cache.take(8, torch.float32) is not None
     assert not cache.drop_oldest()
+
+
+def entries(*names: str, frozen: tuple[str, ...] = ()) -> dict[str, PagedParam]:
+    out = {}
+    for i, name in enumerate(names):
+        p = nn.Parameter(torch.zeros(2), requires_grad=name not in frozen)
+        out[name] = PagedParam(i, p, name, p.shape, p.dtype, torch.full((), float("nan")).expand(p.shape))
+    return out
+
+
+def test_a_submodules_grads_go_together_in_its_params_order_whatever_order_they_land_in() -> None:
+    e = entries("a.w", "a.b", "b.w")
+    units: GradUnits[str] = GradUnits([[e["a.w"], e["a.b"]], [e["b.w"]]])
+    assert units.land(e["a.b"], "grad a.b") == []
+    assert units.land(e["b.w"], "grad b.w") == [["grad b.w"]]
+    assert units.land(e["a.w"], "grad a.w") == [["grad a.w", "grad a.b"]]
+    assert units.rest() == [] and not units.pending
+
+
+def test_params_without_grads_leave_their_submodule_to_the_end_in_module_order() -> None:
+    e = entries("a.w", "a.b", "b.w", "b.b", "c.w", frozen=("c.w",))
+    units: GradUnits[str] = GradUnits([[e["a.w"], e["a.b"]], [e["b.w"], e["b.b"]], [e["c.w"]]])
+    assert units.land(e["b.b"], "b.b") == []  # b.w is unused in this pass
+    assert units.land(e["a.w"], "a.w") == []  # a.b too
+    assert units.rest() == [["a.w"], ["b.b"]]  # module order, not landing order
+    assert units.rest() == []
+
+
+def test_a_param_owned_twice_goes_with_its_first_submodule_and_a_second_landing_pushes_the_first() -> None:
+    e = entries("wte", "head.b")
+    units: GradUnits[str] = GradUnits([[e["wte"]], [e["wte"], e["head.b"]]])  # a tied weight
+    assert units.units == [[e["wte"]], [e["head.b"]]]
+    assert units.land(e["wte"], "1") == [["1"]]
+    e2 = entries("x", "y")
+    pair: GradUnits[str] = GradUnits([[e2["x"], e2["y"]]])
+    assert pair.land(e2["x"], "x1") == []
+    assert pair.land(e2["x"], "x2") == [["x1"]]  # landed again before its submodule went
+    assert pair.land(e2["y"], "y") == [["x2", "y"]]

@@ -11,12 +11,15 @@ uses: the model is paged by ``offload_params``' pager (``ParamPager``: hooks
 on the submodules that own params, saved-tensor hooks, prefetch along the
 recorded order, a ``device_budget``), whose copies are collective here:
 
-- fetch: the rank reads its shard of the param from its daemon through the
-  staging window, and ``all_gather_into_tensor`` makes the whole param on
-  every rank, just before the submodule's forward (and again in backward);
-- grad: once a param's grad is complete, ``reduce_scatter_tensor`` sums it
-  across the ranks, each rank divides its shard by the world size (DDP's
-  mean) and writes it to its daemon's ``grad`` key (adding to it from a
+- fetch: the rank reads its shards of a submodule's params from its daemon
+  through the staging window into one flat buffer, and one
+  ``all_gather_into_tensor`` of it makes the whole params on every rank, just
+  before the submodule's forward (and again in backward, for the params its
+  backward needs);
+- grad: once every grad of a submodule is complete (or the backward pass
+  ends), one ``reduce_scatter_tensor`` of a flat buffer of them sums them
+  across the ranks, each rank divides its shards by the world size (DDP's
+  mean) and writes them to its daemon's ``grad`` key (adding to them from a
   second backward pass: gradient accumulation);
 - ``model.state_dict()`` gathers each param the same way (a collective: every
   rank calls it), ``model.load_state_dict()`` writes each rank's shard.
@@ -34,9 +37,12 @@ stays this rank's shard in AdamW's format over the shards, which only the
 same world size loads.
 
 The collectives run on the pager's one I/O thread, in the order the trainer
-asks for them; that order is the same on every rank because every rank runs
-the same model with the same budget (the pager's decisions depend on sizes
-and the recorded order only), which is what ``torch.distributed`` needs.
+submitted them; that order is the same on every rank because every rank runs
+the same model with the same budget: the pager's fetches depend on sizes and
+the recorded order only, and a submodule's grads go when the last of them
+lands (``GradUnits``), never batched by when the I/O thread happens to be
+free.  Each collective waits at most ``collective_timeout_s``, then raises
+``RankLost`` naming itself (``schedule``).
 
 ``step()``: with ``max_grad_norm`` the norm is global: each rank's sum of
 squares of its reduced shards (taken when they were written) is all-reduced,
@@ -66,7 +72,7 @@ broadcast from rank 0).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -84,7 +90,7 @@ from tiermem.client.offload.copies import FetchItem, GradItem
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.paging import ParamPager
 from tiermem.client.offload.stats import OptimizerStats
-from tiermem.client.offload.transfer import PushItem, StateTransfer, adopt_saved_groups
+from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement
@@ -162,15 +168,24 @@ class ShardCopies:
         grad.record_stream(self.stream)  # the copy stream reads it: its memory is not handed out before
         return event
 
+    def _label(self, tids: Iterable[int]) -> str:
+        """The submodule(s) a collective over these params serves."""
+        return ", ".join(dict.fromkeys(self.units[tid] for tid in tids))
+
     def _gather(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> None:
-        """This rank's shards of ``items`` in one transfer, then each param all-gathered into its ``out``."""
+        """This rank's shards of ``items`` (a submodule's params) in one transfer into one flat buffer, and one
+        all-gather of it (rank r's shards after rank r-1's); then each param's stretches into its ``out``."""
+        sizes = [self._shard(tid) for tid, _ in items]
+        dtype = items[0][1].dtype
         with self._on_copy_stream():
-            mine = [torch.empty(self._shard(tid), dtype=out.dtype, device=self.device) for tid, out in items]
-            transfer.pull_many_into([(tid, "param", m) for (tid, _), m in zip(items, mine, strict=True)])
-            for (tid, out), m in zip(items, mine, strict=True):
-                whole = torch.empty(m.numel() * self.world_size, dtype=out.dtype, device=self.device)
-                self.schedule.run("all-gather", self.units[tid], _ALL_GATHER, whole, m)
-                out.view(-1).copy_(whole[: self.numels[tid]])  # to a host ``out``: complete when it returns
+            mine = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+            transfer.pull_many_into([(tid, "param", m) for (tid, _), m in zip(items, mine.split(sizes), strict=True)])
+            whole = torch.empty(self.world_size, mine.numel(), dtype=dtype, device=self.device)
+            self.schedule.run("all-gather", self._label(tid for tid, _ in items), _ALL_GATHER, whole.view(-1), mine)
+            at = 0
+            for (_, out), n in zip(items, sizes, strict=True):
+                _from_rows(whole[:, at : at + n], out.view(-1))  # to a host ``out``: complete when it returns
+                at += n
 
     def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> Any:
         self._gather(transfer, items)
@@ -194,23 +209,47 @@ class ShardCopies:
         transfer.push(tid, "master", self.mine(tid, values), step=0)
 
     def push_many(self, transfer: StateTransfer, items: Sequence[GradItem]) -> None:
-        """Each grad reduce-scattered to this rank's shard, then the shards written in one transfer."""
-        shards: list[PushItem] = []
-        for tid, grad, accumulate, token in items:
-            n = self._shard(tid)
+        """A submodule's grads in one flat buffer (rank r's stretch of each after rank r-1's), one
+        reduce-scatter of it, and this rank's reduced shards written in one transfer."""
+        sizes = [self._shard(tid) for tid, _, _, _ in items]
+        dtype = items[0][1].dtype
+        for _, _, _, token in items:
             if token is not None and self.stream is not None:
                 self.stream.wait_event(token)
-            with self._on_copy_stream():
-                whole = torch.zeros(n * self.world_size, dtype=grad.dtype, device=self.device)
-                whole[: self.numels[tid]].copy_(grad.reshape(-1))
-                mine = torch.empty(n, dtype=grad.dtype, device=self.device)
-                self.schedule.run("reduce-scatter", self.units[tid], _REDUCE_SCATTER, mine, whole)
-                if self.world_size > 1:
-                    mine.div_(self.world_size)
-                self.grads.add(tid, mine, accumulate=accumulate)
-            shards.append((tid, "grad", mine, 0, accumulate))
         with self._on_copy_stream():
-            transfer.push_many(shards)
+            whole = torch.zeros(self.world_size, sum(sizes), dtype=dtype, device=self.device)
+            at = 0
+            for (_, grad, _, _), n in zip(items, sizes, strict=True):
+                _into_rows(grad.reshape(-1), whole[:, at : at + n])
+                at += n
+            mine = torch.empty(whole.shape[1], dtype=dtype, device=self.device)
+            tids = tuple(tid for tid, _, _, _ in items)
+            self.schedule.run("reduce-scatter", self._label(tids), _REDUCE_SCATTER, mine, whole.view(-1))
+            if self.world_size > 1:
+                mine.div_(self.world_size)
+            self.grads.add(tids, mine, accumulate=any(accumulate for _, _, accumulate, _ in items))
+            shards = mine.split(sizes)
+            transfer.push_many(
+                [(tid, "grad", m, 0, accumulate) for (tid, _, accumulate, _), m in zip(items, shards, strict=True)]
+            )
+
+
+def _from_rows(rows: torch.Tensor, flat: torch.Tensor) -> None:
+    """``flat`` (a param's ``numel`` values) from ``rows`` (one stretch of ``n`` per rank, the last padded)."""
+    n = rows.shape[1]
+    full, rest = divmod(flat.numel(), n)
+    flat[: full * n].view(full, n).copy_(rows[:full])
+    if rest:
+        flat[full * n :].copy_(rows[full, :rest])
+
+
+def _into_rows(flat: torch.Tensor, rows: torch.Tensor) -> None:
+    """``flat`` into ``rows`` (zeros), one stretch of ``n`` per rank: ``_from_rows``' inverse."""
+    n = rows.shape[1]
+    full, rest = divmod(flat.numel(), n)
+    rows[:full].copy_(flat[: full * n].view(full, n))
+    if rest:
+        rows[full, :rest].copy_(flat[full * n :])
 
 
 def _model_groups(model: nn.Module, param_groups: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""The records of param paging: one ``PagedParam`` per param, its ``Residency``, reused device buffers.
+"""The records of param paging: one ``PagedParam`` per param, its ``Residency``, reused device buffers, and
+which grads are pushed together (``GradUnits``).
 
 Pure bookkeeping (no transfers): a ``PagedParam`` moves between residencies
 only through ``move``, which refuses illegal transitions::
@@ -6,16 +7,18 @@ only through ``move``, which refuses illegal transitions::
     ABSENT --fetch starts--> FETCHING --fetch done--> RESIDENT --released--> ABSENT
 
 ``BufferCache`` keeps released device buffers for the next fetch of the same
-size and dtype (ZeRO-R's constant, reused buffers).
+size and dtype (ZeRO-R's constant, reused buffers).  ``GradUnits`` groups the
+landed grads by submodule: one push per submodule, in an order the model fixes.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -23,7 +26,9 @@ from torch import nn
 from tiermem.core.errors import InvalidState
 from tiermem.core.units import format_size
 
-__all__ = ["BufferCache", "PagedParam", "Residency", "SavedParam"]
+__all__ = ["BufferCache", "GradUnits", "PagedParam", "Residency", "SavedParam"]
+
+T = TypeVar("T")
 
 
 class Residency(enum.Enum):
@@ -131,3 +136,42 @@ class BufferCache:
     def clear(self) -> None:
         self.free.clear()
         self.nbytes = 0
+
+
+class GradUnits(Generic[T]):
+    """Which grads go to the daemon together, so that a push (and at ZeRO-3 its reduce-scatter) depends on
+    the model and the autograd order alone, never on when the I/O thread is free.
+
+    Each param belongs to the first submodule (in module order) that owns it.  ``land`` keeps a landed
+    grad's item with its submodule's and returns the submodule's items, in the order of its params, once
+    every param of it that takes a grad has landed; ``rest`` returns the submodules still incomplete
+    (params unused in this backward pass, grads set by hand), in module order.  Landing a param twice
+    before its submodule went (accumulation over two passes) first returns what it had."""
+
+    def __init__(self, units: Iterable[Sequence[PagedParam]]) -> None:
+        self.units: list[list[PagedParam]] = []
+        self.unit_of: dict[int, int] = {}
+        for own in units:
+            mine = [e for e in own if e.index not in self.unit_of]
+            if mine:
+                self.unit_of.update((e.index, len(self.units)) for e in mine)
+                self.units.append(mine)
+        self.pending: dict[int, dict[int, T]] = {}
+
+    def land(self, e: PagedParam, item: T) -> list[list[T]]:
+        """The pushes ready now that ``e``'s grad (``item``) landed: none, its submodule's, or two."""
+        unit = self.unit_of[e.index]
+        ready = [self._take(unit)] if e.index in self.pending.get(unit, {}) else []
+        got = self.pending.setdefault(unit, {})
+        got[e.index] = item
+        if all(x.index in got for x in self.units[unit] if x.param.requires_grad):
+            ready.append(self._take(unit))
+        return ready
+
+    def rest(self) -> list[list[T]]:
+        """Every incomplete submodule's items, in module order."""
+        return [self._take(unit) for unit in sorted(self.pending)]
+
+    def _take(self, unit: int) -> list[T]:
+        got = self.pending.pop(unit)
+        return [got[e.index] for e in self.units[unit] if e.index in got]

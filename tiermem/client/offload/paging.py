@@ -16,8 +16,8 @@ exchange (a fetch reads the ``param`` key, a load writes ``master``), so they
 live where the rest of the rank's state lives, the pool or NVMe; on NVMe in
 their own dtype and apart from the moments and grads, so a fetch reads only
 the param's bytes (``tiermemd.state``).  A submodule's params are fetched in
-one transfer, and the grads that land while the I/O thread is busy are pushed
-in one (they share the staging window's slots).
+one transfer, and its grads in one once all of them have landed (they share
+the staging window's slots).
 
 What the model holds: each param's data is a placeholder (one NaN element
 expanded to the param's shape, so shapes and ``numel`` stay true and a stray
@@ -52,9 +52,15 @@ When params are on the device:
   trainer computes, and keep a released param that is about to be used
   again, within the budget.
 
-Every transfer runs on the pager's one I/O thread; the trainer's thread only
-waits.  ``step()`` and every other optimizer call first wait for the I/O
-thread (``drain``), so the connection is never used by two threads at once.
+Every transfer runs on the pager's one I/O thread, in the order the
+trainer's thread submitted them; the trainer's thread only waits.  That
+order is fixed by the model, never by timing: a fetch is submitted when a use
+needs it or a recorded use ahead is prefetched, a submodule's grads when the
+last of them lands (``GradUnits``), those a backward pass left incomplete at
+its end, in module order; so ZeRO-3's collectives (which run inside these
+transfers) come in the same order on every rank.  ``step()`` and every other
+optimizer call first wait for the I/O thread (``drain``), so the connection
+is never used by two threads at once.
 All materialized params are dropped at ``step()`` (the update changes them);
 nothing is cached across steps.
 
@@ -75,7 +81,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -88,7 +93,7 @@ from torch.overrides import TorchFunctionMode
 
 from tiermem.client.offload.copies import GradItem, ParamCopies, copies_for
 from tiermem.client.offload.feeds import hook_grads, remove_hooks
-from tiermem.client.offload.pagedparam import BufferCache, PagedParam, Residency, SavedParam
+from tiermem.client.offload.pagedparam import BufferCache, GradUnits, PagedParam, Residency, SavedParam
 from tiermem.client.offload.pagestate import PagedState
 from tiermem.client.offload.trace import FetchTrace
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
@@ -169,12 +174,63 @@ class _Frame:
     contexts: list[Any] = field(default_factory=list)
 
 
-@dataclass(eq=False)
-class _GradBatch:
-    """Grads that landed while the I/O thread was busy: pushed together, one future for all."""
+def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """What the model holds of an absent param: one NaN element expanded to its shape."""
+    return torch.full((), float("nan"), dtype=p.dtype, device=device).expand(p.shape)
 
-    items: list[GradItem] = field(default_factory=list)
-    future: Future[None] = field(default_factory=Future)
+
+def _check_optimizer(model: nn.Module, optimizer: OffloadAdam) -> None:
+    """``offload_params``' refusals of a model or an optimizer it cannot page."""
+    from tiermem.client.offload.optimizer import OffloadAdam
+
+    if not isinstance(model, nn.Module):
+        raise InvalidArgument(f"offload_params pages an nn.Module's params, got {type(model).__name__}")
+    if not isinstance(optimizer, OffloadAdam):
+        raise InvalidArgument(f"offload_params needs the model's OffloadAdam, got {type(optimizer).__name__}")
+    if optimizer.paged:
+        raise InvalidState("this optimizer's params are already paged (offload_params was called on it)")
+    if optimizer.exchange is not Exchange.STAGED:
+        raise InvalidArgument(
+            "offload_params needs an OffloadAdam made with exchange='staged' (the daemon keeps each param as "
+            f"its master state key); this one uses exchange={optimizer.exchange.value!r}"
+        )
+    if optimizer.policy.mode is not StepMode.SYNC:
+        raise InvalidArgument(
+            f"offload_params needs the synchronous step; this OffloadAdam uses {optimizer.policy.mode.value} "
+            "(overlap_update and delayed_update need the params resident)"
+        )
+
+
+def _check_budget(device_budget: int | str, prefetch: int) -> int:
+    """``device_budget`` in bytes, checked with ``prefetch``."""
+    try:
+        budget = parse_size(device_budget)
+    except ValueError as exc:
+        raise InvalidArgument(f"device_budget: {exc}") from None
+    if budget <= 0:
+        raise InvalidArgument(f"device_budget must be > 0, got {device_budget!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise InvalidArgument(f"prefetch must be an int >= 0 (uses fetched ahead), got {prefetch!r}")
+    return budget
+
+
+def _paged_tensors(
+    model: nn.Module, optimizer: OffloadAdam, params: list[nn.Parameter] | None
+) -> tuple[list[nn.Parameter], dict[int, str]]:
+    """The params to page (tensor i: the optimizer's tensor i), and the model's names of its params by id:
+    every param of the model, each in the optimizer."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors = list(optimizer.tensors) if params is None else list(params)
+    if len(tensors) != len(optimizer.tensors):
+        raise InvalidArgument(f"{len(tensors)} params for an optimizer of {len(optimizer.tensors)} tensors")
+    by_id = {id(p) for p in tensors}
+    for p_id, name in names.items():
+        if p_id not in by_id:
+            raise InvalidArgument(f"param {name!r} of the model is not in the optimizer; give it every param")
+    for i, p in enumerate(tensors):
+        if id(p) not in names:
+            raise InvalidArgument(f"optimizer param {i} (shape {tuple(p.shape)}) is not in the model")
+    return tensors, names
 
 
 class ParamPager(PagedState):
@@ -196,43 +252,9 @@ class ParamPager(PagedState):
         (``tiermem.distributed.ShardedPagedAdam``: tensor i is this rank's shard of ``params[i]``, and
         ``copies`` gathers and reduce-scatters); by default tensor i is the optimizer's param i.  ``probe``:
         told of each fetch, grad and transfer (``Probe``)."""
-        from tiermem.client.offload.optimizer import OffloadAdam
-
-        if not isinstance(model, nn.Module):
-            raise InvalidArgument(f"offload_params pages an nn.Module's params, got {type(model).__name__}")
-        if not isinstance(optimizer, OffloadAdam):
-            raise InvalidArgument(f"offload_params needs the model's OffloadAdam, got {type(optimizer).__name__}")
-        if optimizer.paged:
-            raise InvalidState("this optimizer's params are already paged (offload_params was called on it)")
-        if optimizer.exchange is not Exchange.STAGED:
-            raise InvalidArgument(
-                "offload_params needs an OffloadAdam made with exchange='staged' (the daemon keeps each param as "
-                f"its master state key); this one uses exchange={optimizer.exchange.value!r}"
-            )
-        if optimizer.policy.mode is not StepMode.SYNC:
-            raise InvalidArgument(
-                f"offload_params needs the synchronous step; this OffloadAdam uses {optimizer.policy.mode.value} "
-                "(overlap_update and delayed_update need the params resident)"
-            )
-        try:
-            budget = parse_size(device_budget)
-        except ValueError as exc:
-            raise InvalidArgument(f"device_budget: {exc}") from None
-        if budget <= 0:
-            raise InvalidArgument(f"device_budget must be > 0, got {device_budget!r}")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise InvalidArgument(f"prefetch must be an int >= 0 (uses fetched ahead), got {prefetch!r}")
-        names = {id(p): n for n, p in model.named_parameters()}
-        tensors = list(optimizer.tensors) if params is None else list(params)
-        if len(tensors) != len(optimizer.tensors):
-            raise InvalidArgument(f"{len(tensors)} params for an optimizer of {len(optimizer.tensors)} tensors")
-        by_id = {id(p) for p in tensors}
-        for p_id, name in names.items():
-            if p_id not in by_id:
-                raise InvalidArgument(f"param {name!r} of the model is not in the optimizer; give it every param")
-        for i, p in enumerate(tensors):
-            if id(p) not in names:
-                raise InvalidArgument(f"optimizer param {i} (shape {tuple(p.shape)}) is not in the model")
+        _check_optimizer(model, optimizer)
+        budget = _check_budget(device_budget, prefetch)
+        tensors, names = _paged_tensors(model, optimizer, params)
         devices = {p.device for p in tensors if p.device.type != "meta"}
         if len(devices) > 1:
             raise InvalidArgument(f"paged params must share one device, got {sorted(map(str, devices))}")
@@ -245,30 +267,13 @@ class ParamPager(PagedState):
         self.transfer = optimizer.transfer
         self.copies: ParamCopies = copies_for(self.device) if copies is None else copies
         fresh = [p for p in tensors if p.is_meta]
+        device = self.device
         self.entries = [
-            PagedParam(
-                i,
-                p,
-                names[id(p)],
-                p.shape,
-                p.dtype,
-                torch.full((), float("nan"), dtype=p.dtype, device=self.device).expand(p.shape),
-            )
-            for i, p in enumerate(tensors)
+            PagedParam(i, p, names[id(p)], p.shape, p.dtype, _placeholder(p, device)) for i, p in enumerate(tensors)
         ]
         self._by_param = {id(e.param): e for e in self.entries}
         self.units = self._units(model)
-        largest = max(self.units.items(), key=lambda kv: sum(e.nbytes for e in kv[1]), default=None)
-        if largest is not None and sum(e.nbytes for e in largest[1]) > budget:
-            module, own = largest
-            raise InvalidArgument(
-                f"device_budget {format_size(budget)} is smaller than the params of one submodule "
-                f"({type(module).__name__} with {', '.join(e.name for e in own)}: "
-                f"{format_size(sum(e.nbytes for e in own))}); raise it or split that module"
-            )
-        if largest is not None:
-            self._fit_window(largest[0], sum(e.shape.numel() for e in largest[1]))
-            self.transfer = optimizer.transfer  # a grown window came with a new registration
+        self._fit_largest_unit()
         # the feed interface OffloadAdam uses
         self.accumulated = False
         self.changed_after_landing = False
@@ -285,9 +290,8 @@ class ParamPager(PagedState):
         self._requests_at_reset = self.transfer.requests
         self._io = ThreadPoolExecutor(1, thread_name_prefix="tiermem-pager")
         self._pushes: collections.deque[tuple[Future[None], int]] = collections.deque()
-        self._batch: _GradBatch | None = None
-        """Grads landed and not yet taken by the I/O thread: they go in one transfer."""
-        self._batch_lock = threading.Lock()
+        self._grad_units: GradUnits[GradItem] = GradUnits(self.units.values())
+        """Grads landed and not yet pushed: a submodule's go in one transfer, once all of them are in."""
         self._present: dict[int, PagedParam] = {}
         self._by_storage: dict[int, PagedParam] = {}
         self._upcoming: set[int] = set()
@@ -316,6 +320,21 @@ class ParamPager(PagedState):
             if own:
                 units[module] = _dedup(own)
         return units
+
+    def _fit_largest_unit(self) -> None:
+        """Refuse a budget smaller than the largest submodule's params; grow the window for them."""
+        largest = max(self.units.items(), key=lambda kv: sum(e.nbytes for e in kv[1]), default=None)
+        if largest is None:
+            return
+        module, own = largest
+        if sum(e.nbytes for e in own) > self.budget:
+            raise InvalidArgument(
+                f"device_budget {format_size(self.budget)} is smaller than the params of one submodule "
+                f"({type(module).__name__} with {', '.join(e.name for e in own)}: "
+                f"{format_size(sum(e.nbytes for e in own))}); raise it or split that module"
+            )
+        self._fit_window(module, sum(e.shape.numel() for e in own))
+        self.transfer = self.optimizer.transfer  # a grown window came with a new registration
 
     def _install_hooks(self, model: nn.Module) -> None:
         hooked = dict(self.units)
@@ -401,12 +420,9 @@ class ParamPager(PagedState):
                 e.leases += 1
                 frame.leased.append(e)
         if hold:
-            task = int(torch._C._current_graph_task_id())
+            task = self._watch_backward()
             for e in group:
                 e.hold_task = task
-            if task not in self._tasks:
-                self._tasks.add(task)
-                torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._backward_done, task))
         self._look_ahead()
 
     def _unlease(self, e: PagedParam) -> None:
@@ -415,11 +431,7 @@ class ParamPager(PagedState):
             return
         if _in_backward() and torch.is_grad_enabled() and e.param.requires_grad:
             # a recomputation (checkpoint) inside backward: its saved tensors keep the param until its grad lands
-            task = int(torch._C._current_graph_task_id())
-            e.hold_task = task
-            if task not in self._tasks:
-                self._tasks.add(task)
-                torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._backward_done, task))
+            e.hold_task = self._watch_backward()
             return
         self._settle(e)
 
@@ -428,8 +440,19 @@ class ParamPager(PagedState):
         if e.idle and e.index not in self._upcoming:
             self._release(e)
 
+    def _watch_backward(self) -> int:
+        """The running backward pass (its graph task), which calls ``_backward_done`` when it ends."""
+        task = int(torch._C._current_graph_task_id())
+        if task not in self._tasks:
+            self._tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._backward_done, task))
+        return task
+
     def _backward_done(self, task: int) -> None:
+        """A backward pass ended: the grads of submodules it left incomplete go (in module order), and the
+        params it held are settled."""
         self._tasks.discard(task)
+        self._push_rest()
         for e in list(self._present.values()):
             if e.hold_task == task:
                 e.hold_task = -1
@@ -656,25 +679,25 @@ class ParamPager(PagedState):
         if self.probe is not None:
             self.probe.at("grad", e.name)
         token = self.copies.grad_token(grad)
-        with self._batch_lock:
-            batch = self._batch
-            if batch is None:  # the I/O thread took the last one (or there was none): a new transfer
-                batch = self._batch = _GradBatch()
-                batch.future = self._submit("push", self._push_batch, batch)
-            batch.items.append((e.index, grad, accumulate, token))
-        self._pushes.append((batch.future, nbytes))
         self.grad_nbytes += nbytes
         self.peak_grad_nbytes = max(self.peak_grad_nbytes, self.grad_nbytes)
         self.counters["pushed_nbytes"] += nbytes
         self.events.append(("grad", e.name))
+        for items in self._grad_units.land(e, (e.index, grad, accumulate, token)):
+            self._push(items)
+        if _in_backward():
+            self._watch_backward()  # its end pushes what it left incomplete
 
-    def _push_batch(self, batch: _GradBatch) -> None:
-        """I/O thread: push the grads of ``batch``; those landing from now on start another."""
-        with self._batch_lock:
-            if self._batch is batch:
-                self._batch = None
-            items = list(batch.items)
-        self.copies.push_many(self.transfer, items)
+    def _push(self, items: list[GradItem]) -> None:
+        """One submodule's grads to the daemon, in one transfer (after every transfer submitted before)."""
+        nbytes = sum(grad.numel() * grad.element_size() for _, grad, _, _ in items)
+        names = ", ".join(self.entries[tid].name for tid, _, _, _ in items) if self.probe is not None else ""
+        what = f"push {names}"
+        self._pushes.append((self._submit(what, self.copies.push_many, self.transfer, items), nbytes))
+
+    def _push_rest(self) -> None:
+        for items in self._grad_units.rest():
+            self._push(items)
 
     def _reap(self, *, wait_over: int | None) -> None:
         """Forget finished grad pushes; wait for the oldest while more than ``wait_over`` bytes wait (None:
@@ -707,6 +730,7 @@ class ParamPager(PagedState):
             if grad is not None:
                 e.param.grad = None
                 self._land(e, grad.detach())
+        self._push_rest()
         self.drain()
         self._release_all()
         return [e.index for e in self.entries if e.landed]
@@ -726,6 +750,8 @@ class ParamPager(PagedState):
         for e in self.entries:
             e.landed = False
             e.param.grad = None
+        for items in self._grad_units.rest():  # grads not pushed yet are dropped with the others
+            self.grad_nbytes -= sum(grad.numel() * grad.element_size() for _, grad, _, _ in items)
         self.accumulated = False
 
     # the rest of the Feed protocol (tiermem.client.offload.feeds)
