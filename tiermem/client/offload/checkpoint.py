@@ -8,7 +8,8 @@ low-precision params), read from the daemon in one pipelined transfer;
 no state for (as torch does) and never writes the model's params, so the
 order of ``model.load_state_dict`` and ``opt.load_state_dict`` does not
 matter.  The optimizer holds a connection and its state lives in the daemon,
-so ``copy.deepcopy`` and ``pickle`` raise, naming ``state_dict()``.
+so ``copy.deepcopy`` and ``pickle`` raise, naming ``state_dict()``; ``copy.copy`` shares the
+optimizer's one handle.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from tiermem.client.offload.transfer import PushItem, StateTransfer, adopt_saved_groups, packed_groups, plan_load
-from tiermem.core.errors import InvalidState
+from tiermem.core.errors import InvalidArgument, InvalidState
 
 if TYPE_CHECKING:
     from tiermem.client.link import Client
@@ -37,6 +38,7 @@ class OptimizerState:
 
     if TYPE_CHECKING:
         tensors: list[torch.nn.Parameter]
+        frozen: list[torch.nn.Parameter]
         _index: dict[int, int]
         _open: Any
         feed: Feed
@@ -50,6 +52,9 @@ class OptimizerState:
         def _settle(self) -> None: ...
         def _abort_open(self) -> None: ...
         def _new_step(self) -> None: ...
+        def _reregister(
+            self, window: int, *, fallback: int | None, carry_state: bool, include: set[int] | None = None
+        ) -> bool: ...
 
     # ----------------------------------------------------------------- state
 
@@ -68,13 +73,48 @@ class OptimizerState:
         values, _ = self.transfer.pull(index, key, p.numel())
         return values.view(p.shape)
 
+    def _in_groups(self, param: torch.Tensor) -> bool:
+        return self._index_of(param) is not None or any(p is param for p in self.frozen)
+
+    def _write_state(self, index: int, values: dict[str, Any]) -> None:
+        """Write AdamW-format state keys of registered tensor ``index`` (``opt.state[p][key] = value``); a
+        ``step`` alone sets the count (the moments written back with it)."""
+        self.flush()
+        if self._open is not None:
+            raise InvalidState("opt.state cannot be written during an overlapped backward; write it after step()")
+        p = self.tensors[index]
+        allowed = ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ())
+        writes: dict[str, torch.Tensor] = {}
+        for key, value in values.items():
+            if key == "step":
+                continue
+            if key not in allowed:
+                raise InvalidArgument(
+                    f"OffloadAdam's state of a {p.dtype} param has keys step, {', '.join(allowed)}; got {key!r}"
+                )
+            if not isinstance(value, torch.Tensor) or value.numel() != p.numel():
+                raise InvalidArgument(
+                    f"state {key} of a param of shape {tuple(p.shape)} must be a tensor of {p.numel()} elements, "
+                    f"got {tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
+                )
+            writes[key] = value.detach().to("cpu", torch.float32).reshape(-1)
+        now = self.transfer.step_of(index)
+        step = now if values.get("step") is None else int(float(values["step"]))
+        if step != now and not {"exp_avg", "exp_avg_sq"} & writes.keys():
+            writes["exp_avg"] = self.transfer.pull(index, "exp_avg", p.numel())[0]  # carries the new count
+        self.transfer.push_many([(index, key, value, step, False) for key, value in writes.items()])
+
     def step_counts(self) -> list[int]:
         """Each tensor's Adam step count (0: no state, as in torch): zero-length reads, a request per
         ``MAX_SPANS`` tensors."""
         return self.transfer.pull_many_into([(i, "exp_avg", torch.empty(0)) for i in range(len(self.tensors))])
 
-    def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.AdamW``'s format (plus ``master`` for low-precision params)."""
+    def _flat_params(self) -> list[torch.nn.Parameter]:
+        """Every param of the groups, in torch's state-dict order (frozen ones included)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _state_entries(self) -> dict[int, dict[str, Any]]:
+        """The state of each registered tensor that has stepped, by tensor id, in AdamW's format."""
         self.flush()
         if self._open is not None:
             raise InvalidState("state_dict() during an overlapped backward; call it after step()")
@@ -95,25 +135,45 @@ class OptimizerState:
                 continue
             entry = state.setdefault(index, {"step": torch.tensor(float(step))})
             entry[key] = values
+        return state
+
+    def _state_by_param(self) -> dict[torch.nn.Parameter, dict[str, Any]]:
+        return {self.tensors[t]: entry for t, entry in self._state_entries().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.AdamW``'s format (plus ``master`` for low-precision params): the state keyed by each
+        param's position in the groups, frozen params included, as torch numbers them."""
+        by_param = self._state_by_param()
+        state = {i: by_param[p] for i, p in enumerate(self._flat_params()) if p in by_param}
         return {"state": state, "param_groups": packed_groups(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by ``OffloadAdam`` or ``torch.optim.Adam``/``AdamW``.
 
         Everything is checked before anything changes.  Params that have no state in it start afresh
-        (step 0), as in torch; the model's params are not touched."""
-        loads = plan_load(state_dict, self.param_groups, [p.numel() for p in self.tensors])
+        (step 0), as in torch; the model's params are not touched.  A frozen param with state in it joins
+        the registration first (it holds state now, as it would in torch)."""
+        flat = self._flat_params()
+        loads = plan_load(state_dict, self.param_groups, [p.numel() for p in flat])
         groups: list[dict[str, Any]] = state_dict["param_groups"]  # checked by plan_load
         # checked: now change things
         self.flush()
         self._abort_open()
         self._new_step()
         adopt_saved_groups(self.param_groups, groups)
+        holders = {id(flat[t]) for t, _, _ in loads}
+        if any(id(p) in holders for p in self.frozen):
+            self._reregister(self.client.window.numel(), fallback=None, carry_state=False, include=holders)
         self.client.reset_state()
-        keep_master = "master" in self.state_keys
         self.feed.send_params()  # the model is the truth
+        self._load_entries({self._index[id(flat[t])]: entry for t, entry, _ in loads})
+
+    def _load_entries(self, entries: dict[int, dict[str, Any]]) -> None:
+        """Write AdamW-format state entries (with their ``step``) into the registered tensors of these ids."""
+        keep_master = "master" in self.state_keys
         writes: list[PushItem] = []
-        for t, entry, step in loads:
+        for t, entry in entries.items():
+            step = int(float(entry["step"]))
             writes.append((t, "exp_avg", entry["exp_avg"], step, False))
             writes.append((t, "exp_avg_sq", entry["exp_avg_sq"], step, False))
             if keep_master and "master" in entry and self.tensors[t].dtype != torch.float32:
@@ -121,6 +181,13 @@ class OptimizerState:
         self.transfer.push_many(writes)
 
     # ----------------------------------------------------------------- copying
+
+    def __copy__(self) -> Any:
+        """A shallow copy shares the one handle (``tiermem.client.offload.handle``), as a torch optimizer's
+        shallow copy shares its state: closing or dropping it closes nothing the original uses."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         raise TypeError(_COPY_ERROR)

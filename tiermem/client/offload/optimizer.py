@@ -66,7 +66,6 @@ daemon's pool and swap hold the compressed bytes, so each step moves fewer;
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import socket
@@ -92,13 +91,14 @@ from tiermem.client.offload.args import (
 from tiermem.client.offload.checkpoint import OptimizerState
 from tiermem.client.offload.eager import eager_under_compile
 from tiermem.client.offload.feeds import Feed
+from tiermem.client.offload.handle import InHandle, OffloadHandle, weak_method
 from tiermem.client.offload.policy import StepPolicy, plan_buckets
 from tiermem.client.offload.resume import check_resume
 from tiermem.client.offload.shared import SharedFeed, TensorEntry
 from tiermem.client.offload.staged import StagedEntry, StagedFeed
 from tiermem.client.offload.state_view import StateView
 from tiermem.client.offload.stats import OptimizerStats
-from tiermem.client.offload.transfer import StateTransfer, packed_groups
+from tiermem.client.offload.transfer import StateTransfer
 from tiermem.core import dtypes
 from tiermem.core.errors import (
     AdmissionError,
@@ -145,6 +145,39 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
     """Adam/AdamW with its state in tiermemd; see the module docstring."""
 
     _step_supports_amp_scaling = True
+    _h: OffloadHandle
+
+    # what changes after construction lives in the one handle (``tiermem.client.offload.handle``)
+    _client = InHandle()
+    _own_client = InHandle()
+    _registered = InHandle()
+    _token = InHandle()
+    _expected_step = InHandle()
+    tensors = InHandle()
+    _index = InHandle()
+    frozen = InHandle()
+    feed = InHandle()
+    shared_feed = InHandle()
+    _own_feed = InHandle()
+    transfer = InHandle()
+    exchange = InHandle()
+    placement_used = InHandle()
+    state_keys = InHandle()
+    state_from = InHandle()
+    _pinned = InHandle()
+    _steps_sent = InHandle()
+    _skipped = InHandle()
+    _attempts = InHandle()
+    _sent = InHandle()
+    _open = InHandle()
+    _inflight = InHandle()
+    last_grad_norm = InHandle()
+    """The global norm of the last step's (unscaled) grads; None when that step computed none (no clipping,
+    or a skipped step)."""
+    last_found_inf = InHandle()
+    """Whether the last step found an inf/nan grad (the scaler's check, or the daemon's when it clipped)."""
+    last_skipped = InHandle()
+    """Whether the last step was skipped (a ``GradScaler`` overflow): nothing changed but the skip count."""
 
     def __init__(
         self,
@@ -197,50 +230,19 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         if bucket_nbytes <= 0:
             raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
         defaults = optimizer_defaults(hyper, foreach=foreach, maximize=maximize, fused=fused, adamw=adamw)
-        self._registered = False
+        self.__dict__["_h"] = OffloadHandle(token=token, expected_step=expected_step, own_client=client is None)
         super().__init__(params, defaults)
         self.placement = placement
         self.policy = StepPolicy(mode, warmup_steps)
         self.max_grad_norm = max_grad_norm
         self.release_grads = release_grads
         self.bucket_nbytes = bucket_nbytes
-        self.job_id = job_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.job_id = job_id or _fresh_job_id()
+        self._job_id_given = job_id is not None
         self.rank = 0 if rank is None else rank
         self.world_size = 1 if world_size is None else world_size
-        self.last_grad_norm: float | None = None
-        """The global norm of the last step's (unscaled) grads; None when that step computed none (no clipping,
-        or a skipped step)."""
-        self.last_found_inf = False
-        """Whether the last step found an inf/nan grad (the scaler's check, or the daemon's when it clipped)."""
-        self.last_skipped = False
-        """Whether the last step was skipped (a ``GradScaler`` overflow): nothing changed but the skip count."""
-        self._token = token
         self._create_job = create_job
-        self._expected_step = expected_step
         self.rollback = rollback
-        self.state_from = "new"
-        """Where the state came from at attach: ``new``, ``live``, ``shutdown`` or ``commit`` (``ATTACH_OK``)."""
-        self._client: Client | None = None
-        self._own_client = client is None
-        self.tensors: list[torch.nn.Parameter] = []
-        """The registered tensors, in tensor-id order (the daemon's ids are their indices)."""
-        self._index: dict[int, int] = {}
-        """``id(tensor)`` -> tensor id."""
-        self.shared_feed: SharedFeed | None = None
-        """The feed of the shared exchange (its records are the params' and grads' views in the storage);
-        None with the staged exchange."""
-        self.feed: Feed
-        """Where grads come from and params go back (``tiermem.client.offload.feeds``): the exchange's own
-        feed, or the one given to ``use_feed`` (``offload_params``' pager)."""
-        self._own_feed = True
-        self._steps_sent = 0
-        self._attempts = itertools.count(1)
-        self._sent: _SentStep | None = None
-        self._open: _OpenAttempt | None = None
-        self._inflight: list[int] = []
-        """Tensors of a delayed update whose params are not installed yet."""
-        self._skipped = 0
-        """The rank's skip count, as the daemon's last reply gave it."""
         self._pin_asked = pin_window
         self.window_asked = window_nbytes
         """The ``window_nbytes`` given (None: the daemon's default, which ``offload_params`` may grow)."""
@@ -312,51 +314,91 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             return False
         return self._reregister(nbytes, fallback=self.client.window.numel(), carry_state=False)
 
-    def _reregister(self, window: int, *, fallback: int | None, carry_state: bool) -> bool:
-        """Detach and register every tensor again in a fresh rank with a ``window``-byte staging window (a
-        private daemon is started again, sized for it), from the params as they are now; with
-        ``carry_state`` the Adam state and step counts come along (read whole first: a state dict's worth of
-        memory), else there must be none.  Where the attach is refused and ``fallback`` is given, registers
-        with a window of ``fallback`` bytes instead and returns False."""
+    def _reregister(
+        self, window: int, *, fallback: int | None, carry_state: bool, include: set[int] | None = None
+    ) -> bool:
+        """Register every tensor again in a fresh rank with a ``window``-byte staging window (a private daemon
+        is started again, sized for it), from the params as they are now, then drop the old registration;
+        with ``carry_state`` the Adam state and step counts come along (read whole first: a state dict's
+        worth of memory), else there must be none.  Where the attach is refused and ``fallback`` is given,
+        registers with a window of ``fallback`` bytes instead and returns False.
+
+        New before old: on this optimizer's own connection the new rank is made beside the old one (a new
+        private daemon, or a new job on the node's), so a refusal leaves the optimizer exactly as it was,
+        state included.  On a caller's connection, which holds one job at a time, the old rank goes first.
+        ``include``: ids of frozen params to register too (they are to hold state)."""
         self.flush()
         if self._open is not None:
             self._abort_open()
-        saved = self.state_dict()["state"] if carry_state else {}
+        saved = self._state_by_param() if carry_state else {}
         steps, skipped = self._steps_sent, self._skipped
-        self.feed.retire(send_edits=False)  # the new registration takes every param as it is now
-        client = self.client
-        if getattr(self, "_pinned", False):
-            from tiermem.engine.pool.pinning import default_pinner
-
-            default_pinner().unregister(client.window.data_ptr())  # before the window is unmapped
-            self._pinned = False
-        client.detach(keep_state=False)
-        if self._own_client:
-            client.close()  # a private daemon sized for the old registration: the next is sized for this one
-        self._client = None
-        self._registered = False
-        self._own_feed = True
-        self._token = None  # a new job: its own token
-        self._expected_step = None
+        keep = set(self._index) | (include or set())  # these hold state: they stay registered
+        self._choose_exchange(self._split_frozen(keep)[0])  # refused before anything changes, on any connection
+        old = _Registration.take(self._h)
+        beside = self._own_client and (old.client.daemon is not None or not self._job_id_given)
+        old.feed.retire(send_edits=False)  # the new registration takes every param as it is now
+        if not beside:
+            old.drop()
+        job_id = self.job_id
+        if beside and old.client.daemon is None:
+            self.job_id = _fresh_job_id()  # the old job stays attached on the node's daemon until the new one is
         grown = True
         try:
-            self._register(None if self._own_client else client, window)
-        except AdmissionError as exc:
-            if fallback is None:
-                raise
-            log.warning(
-                "a %s staging window was refused (%s); keeping %s", format_size(window), exc, format_size(fallback)
-            )
-            self._register(None if self._own_client else client, fallback)
-            grown = False
+            try:
+                self._register(None if self._own_client else old.client, window, keep=keep)
+            except AdmissionError as exc:
+                if fallback is None:
+                    raise
+                log.warning(
+                    "a %s staging window was refused (%s); keeping %s", format_size(window), exc, format_size(fallback)
+                )
+                self._register(None if self._own_client else old.client, fallback, keep=keep)
+                grown = False
+        except BaseException:
+            if beside:
+                self.job_id = job_id
+                old.restore(self._h)
+            raise
+        if beside:
+            old.drop()
         self._steps_sent, self._skipped = steps, skipped
-        if carry_state:
-            self.load_state_dict({"state": saved, "param_groups": packed_groups(self.param_groups)})
+        if saved:
+            self._load_entries({self._index[id(p)]: entry for p, entry in saved.items() if id(p) in self._index})
         return grown
 
-    def _register(self, client: Client | None, window_nbytes: int | None) -> None:
-        params = [p for g in self.param_groups for p in g["params"]]
+    def _split_frozen(self, keep: set[int]) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        """The params to register and the frozen ones: a param that wants no grad (``requires_grad=False``) and
+        has no state here costs nothing, as in torch, until it gets a grad (then the rank registers again).
+        Only where a fresh registration is possible later (not under ``offload_params`` or a sharded
+        optimizer, which register every tensor they are given); and never all of them.  ``keep``: ids of
+        params registered whatever their ``requires_grad`` (they hold state)."""
+        every = [p for g in self.param_groups for p in g["params"]]
+        if self._not_reregistrable() is not None:
+            return every, []
+        registered = [p for p in every if p.requires_grad or id(p) in keep]
+        if not registered:
+            return every, []
+        ids = {id(p) for p in registered}
+        return registered, [p for p in every if id(p) not in ids]
+
+    def register_frozen(self) -> None:
+        """Register the frozen params too (``offload_params`` pages every param of the model, so the daemon
+        holds them all); their state starts afresh when they first get a grad."""
+        if self.frozen:
+            self._reregister(
+                self.client.window.numel(), fallback=None, carry_state=True, include={id(p) for p in self.frozen}
+            )
+
+    def _unfreeze(self) -> None:
+        """Frozen params that got a grad since the last step join the registration (their state starts
+        afresh, the others' comes along)."""
+        if any(p.grad is not None for p in self.frozen):
+            self._reregister(self.client.window.numel(), fallback=None, carry_state=True)
+
+    def _register(self, client: Client | None, window_nbytes: int | None, *, keep: set[int] | None = None) -> None:
+        params, frozen = self._split_frozen(keep or set())
         self.tensors = params
+        self.frozen = frozen
         self._index = {id(p): i for i, p in enumerate(params)}
         dtype, exchange = self._choose_exchange(params)
         self.exchange = exchange
@@ -429,7 +471,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 except TiermemError as exc:
                     log.warning("could not detach from job %r after a failed registration: %s", self.job_id, exc)
             raise
-        self._client = client
+        self._h.adopt(client, own=self._own_client)
         self._registered = True
 
     def _choose_exchange(self, params: list[torch.nn.Parameter]) -> tuple[dtypes.WorkingDType, Exchange]:
@@ -478,7 +520,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             self.transfer,
             buckets,
             release_grads=self.release_grads,
-            on_bucket=self._on_bucket if self.policy.mode is StepMode.OVERLAP else None,
+            on_bucket=weak_method(self._on_bucket) if self.policy.mode is StepMode.OVERLAP else None,
         )
         feed.early = self._grads_early()
         feed.hook()
@@ -518,7 +560,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             entries,
             buckets,
             release_grads=self.release_grads,
-            on_bucket=self._on_bucket,
+            on_bucket=weak_method(self._on_bucket),
             push=push if self.release_grads else None,
         )
         feed.buffer = self._next_buffer()
@@ -607,6 +649,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         inverse scale and clip coefficient replace the scaler's hand-over and ``max_grad_norm``)."""
         loss = closure_loss(closure)
         self._settle()
+        if self.frozen:
+            self._unfreeze()
         grad_scale, found_inf = self._scaler_inputs()
         if decision is not None:  # the strategy took the scaler's hand-over into its decision
             grad_scale, found_inf = False, decision.skip
@@ -805,7 +849,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         except Exception as exc:  # closing must not mask the caller's own error
             log.warning("detaching from tiermemd failed: %s", exc)
         finally:
-            self._client = None
+            self._h.release()
             client.close()
 
     def stats(self) -> OptimizerStats:
@@ -821,14 +865,63 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             client_skipped_steps=self._skipped,
             staleness_steps=1 if self._inflight else 0,
             last_grad_norm=self.last_grad_norm,
+            frozen_params=len(self.frozen),
+            frozen_numel=sum(p.numel() for p in self.frozen),
         )
 
-    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
-        try:
-            if self._client is not None and self._client.daemon is not None:
-                self._client.close()
-        except Exception:  # noqa: S110 - never raise from a finalizer
-            pass
+
+def _fresh_job_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class _Registration:
+    """A registration taken out of the handle while a new one is made: put back if that fails, else
+    dropped (detached and, when it is the optimizer's own, its connection closed)."""
+
+    fields: dict[str, Any]
+
+    _NAMES = (
+        "client", "own_client", "registered", "token", "expected_step", "tensors", "index", "frozen", "feed",
+        "shared_feed", "own_feed", "transfer", "exchange", "placement_used", "state_keys", "state_from", "pinned",
+    )  # fmt: skip
+
+    @classmethod
+    def take(cls, handle: OffloadHandle) -> _Registration:
+        taken = cls({name: getattr(handle, name) for name in cls._NAMES})
+        handle.release()
+        handle.own_feed = True
+        handle.token = None  # a new job: its own token
+        handle.expected_step = None
+        handle.pinned = False
+        return taken
+
+    @property
+    def client(self) -> Client:
+        client: Client = self.fields["client"]
+        return client
+
+    @property
+    def feed(self) -> Feed:
+        feed: Feed = self.fields["feed"]
+        return feed
+
+    def restore(self, handle: OffloadHandle) -> None:
+        for name, value in self.fields.items():
+            setattr(handle, name, value)
+        handle.adopt(self.client, own=self.fields["own_client"])
+        self.feed.hook()
+
+    def drop(self) -> None:
+        client = self.client
+        if self.fields["pinned"]:
+            from tiermem.engine.pool.pinning import default_pinner
+
+            default_pinner().unregister(client.window.data_ptr())  # before the window is unmapped
+            self.fields["pinned"] = False
+        client.detach(keep_state=False)
+        if self.fields["own_client"]:
+            client.close()  # a private daemon sized for the old registration: the next is sized for this one
 
 
 def _rank_report(client: Client) -> RankReport:

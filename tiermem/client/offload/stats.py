@@ -26,3 +26,9 @@ class OptimizerStats:
     staleness_steps: int
     """1 while a delayed update (``delayed_update=True``) is in flight, else 0."""
     last_grad_norm: float | None
+    """The last step's global grad norm (when one was computed)."""
+    frozen_params: int = 0
+    """Params of the groups that are not registered (``requires_grad=False`` and no state): no state, no
+    shared storage, no bytes in the daemon until they get a grad."""
+    frozen_numel: int = 0
+    """Their elements."""
