@@ -300,3 +300,21 @@ def test_identical_runs_stay_bitwise_equal_with_frozen_params() -> None:
         runs.append(model)
         opt.close()
     assert_params_equal(*runs)
+
+
+def test_an_options_record_builds_the_optimizer_its_keywords_build() -> None:
+    from tiermem import OffloadOptions
+
+    base = mlp()
+    m_kw, m_opts = replicas(base, 2)
+    by_keywords = OffloadAdam(m_kw.parameters(), **HYPER, offload="nvme", max_grad_norm=0.5)
+    by_options = OffloadAdam(m_opts.parameters(), **HYPER, options=OffloadOptions(offload="nvme", max_grad_norm=0.5))
+    assert by_options.options == by_keywords.options
+    batches = mlp_batches(3, fixed=False)
+    train(m_kw, by_keywords, batches, mlp_loss)
+    train(m_opts, by_options, batches, mlp_loss)
+    assert_params_equal(m_kw, m_opts)
+    with pytest.raises(TypeError, match="'offlaod'"):
+        OffloadAdam(mlp().parameters(), offlaod="nvme")
+    by_keywords.close()
+    by_options.close()

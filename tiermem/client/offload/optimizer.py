@@ -80,18 +80,17 @@ from tiermem.client.link import Client, connect
 from tiermem.client.offload.args import (
     check_group_values,
     check_hyper,
-    check_state_dtype,
     check_torch_flags,
     closure_loss,
     optimizer_defaults,
     padded_numel,
     private_pool_plan,
-    step_mode,
 )
 from tiermem.client.offload.checkpoint import OptimizerState
 from tiermem.client.offload.eager import eager_under_compile
 from tiermem.client.offload.feeds import Feed
 from tiermem.client.offload.handle import InHandle, OffloadHandle, weak_method
+from tiermem.client.offload.options import OffloadOptions
 from tiermem.client.offload.policy import StepPolicy, plan_buckets
 from tiermem.client.offload.resume import check_resume
 from tiermem.client.offload.shared import SharedFeed, TensorEntry
@@ -111,7 +110,7 @@ from tiermem.core.errors import (
 from tiermem.core.modes import Exchange, Placement, StepMode
 from tiermem.core.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
 from tiermem.core.step_rules import StepDecision
-from tiermem.core.units import MiB, format_size
+from tiermem.core.units import format_size
 
 __all__ = ["OffloadAdam"]
 
@@ -194,59 +193,42 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         adamw: bool = True,
-        offload: str | Placement = "auto",
-        exchange: str | Exchange = "auto",
-        overlap_update: bool = False,
-        delayed_update: bool = False,
-        warmup_steps: int = 10,
-        max_grad_norm: float | None = None,
-        release_grads: bool = False,
-        window_nbytes: int | None = None,
-        bucket_nbytes: int = 32 * MiB,
         client: Client | None = None,
-        job_id: str | None = None,
-        token: str | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        expected_step: int | None = None,
-        rollback: bool = False,
-        create_job: bool = False,
-        pin_window: bool | None = None,
-        state_dtype: str = "fp32",
+        options: OffloadOptions | None = None,
+        **offload_options: Any,
     ) -> None:
+        """torch's arguments as ``torch.optim.AdamW`` takes them; tiermem's in ``options``
+        (``tiermem.client.offload.options.OffloadOptions``), or as its field names given as keywords
+        (``offload="nvme"``, ``state_dtype="int8"``, ...); ``client``: a connection to use (else the node's
+        daemon, or a private one)."""
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
-        self.state_dtype = check_state_dtype(state_dtype)
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
-        mode = step_mode(
-            overlap_update=overlap_update,
-            delayed_update=delayed_update,
-            max_grad_norm=max_grad_norm,
-            warmup_steps=warmup_steps,
-        )
-        placement = Placement.parse(offload, "offload")
-        self._exchange_asked = Exchange.parse(exchange, "exchange")
-        if window_nbytes is not None and window_nbytes <= 0:
-            raise InvalidArgument(f"window_nbytes must be > 0 or None (the daemon's default), got {window_nbytes}")
-        if bucket_nbytes <= 0:
-            raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
+        unknown = sorted(set(offload_options) - OffloadOptions.names())
+        if unknown:
+            raise TypeError(f"OffloadAdam got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+        opts = self.options = OffloadOptions.merge(options, offload_options)
         defaults = optimizer_defaults(hyper, foreach=foreach, maximize=maximize, fused=fused, adamw=adamw)
-        self.__dict__["_h"] = OffloadHandle(token=token, expected_step=expected_step, own_client=client is None)
+        self.__dict__["_h"] = OffloadHandle(
+            token=opts.token, expected_step=opts.expected_step, own_client=client is None
+        )
         super().__init__(params, defaults)
-        self.placement = placement
-        self.policy = StepPolicy(mode, warmup_steps)
-        self.max_grad_norm = max_grad_norm
-        self.release_grads = release_grads
-        self.bucket_nbytes = bucket_nbytes
-        self.job_id = job_id or _fresh_job_id()
-        self._job_id_given = job_id is not None
-        self.rank = 0 if rank is None else rank
-        self.world_size = 1 if world_size is None else world_size
-        self._create_job = create_job
-        self.rollback = rollback
-        self._pin_asked = pin_window
-        self.window_asked = window_nbytes
+        self.state_dtype = opts.state_dtype
+        self.placement = opts.offload
+        self._exchange_asked = opts.exchange
+        self.policy = StepPolicy(opts.mode, opts.warmup_steps)
+        self.max_grad_norm = opts.max_grad_norm
+        self.release_grads = opts.release_grads
+        self.bucket_nbytes = opts.bucket_nbytes
+        self.job_id = opts.job_id or _fresh_job_id()
+        self._job_id_given = opts.job_id is not None
+        self.rank = 0 if opts.rank is None else opts.rank
+        self.world_size = 1 if opts.world_size is None else opts.world_size
+        self._create_job = opts.create_job
+        self.rollback = opts.rollback
+        self._pin_asked = opts.pin_window
+        self.window_asked = opts.window_nbytes
         """The ``window_nbytes`` given (None: the daemon's default, which ``offload_params`` may grow)."""
-        self._register(client, window_nbytes)
+        self._register(client, opts.window_nbytes)
         self.state = StateView(self)  # type: ignore[assignment]
 
     # ----------------------------------------------------------------- construction
