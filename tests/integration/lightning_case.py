@@ -1,0 +1,92 @@
+"""One PyTorch Lightning training case, the same for every optimizer: a small regression model, fixed data,
+``Trainer.fit`` with gradient clipping and a ``ModelCheckpoint``; run in-process by the single-process tests
+and as ``python lightning_case.py OUT_DIR OPTIMIZER STATE_DTYPE`` on each rank of a DDP launch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import tiermem
+
+HYPER = {"lr": 1e-2, "weight_decay": 0.1}
+STEPS = 8
+BATCH = 16
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, optimizer: str, state_dtype: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+        self.optimizer_name = optimizer
+        self.state_dtype = state_dtype
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), **HYPER)
+        return tiermem.OffloadAdam(self.parameters(), state_dtype=self.state_dtype, **HYPER)
+
+
+def data() -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(1)
+    n = STEPS // 2 * BATCH  # two epochs: a resume at step 4 starts the second (Lightning replays no epoch part)
+    x, y = torch.randn(n, 16, generator=g), torch.randn(n, 8, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+
+
+def trainer(out: Path, max_steps: int, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        gradient_clip_val=0.5,
+        callbacks=[ModelCheckpoint(dirpath=out, save_last=True, every_n_train_steps=2)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+        **kwargs,
+    )
+
+
+def fit(out: Path, optimizer: str, state_dtype: str = "fp32", *, steps: int = STEPS, **kwargs: Any) -> Regressor:
+    """Train ``steps`` steps and tear down; returns the module (its params are the trained ones)."""
+    module = Regressor(optimizer, state_dtype)
+    trainer(out, steps, **kwargs).fit(module, data())
+    return module
+
+
+def fit_resumed(out: Path, optimizer: str, state_dtype: str = "fp32", *, stop: int, **kwargs: Any) -> Regressor:
+    """Train to ``stop``, then a new Trainer and module resume from the last checkpoint to ``STEPS``."""
+    fit(out, optimizer, state_dtype, steps=stop, **kwargs)
+    module = Regressor(optimizer, state_dtype)
+    trainer(out, STEPS, **kwargs).fit(module, data(), ckpt_path=str(out / "last.ckpt"))
+    return module
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
+
+
+def main() -> None:
+    out, optimizer, state_dtype = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    module = fit_resumed(out, optimizer, state_dtype, stop=4, devices=2, strategy="ddp")
+    rank = int(os.environ["RANK"])
+    torch.save(flat_params(module), out / f"params-{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
