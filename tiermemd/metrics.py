@@ -8,7 +8,9 @@ ranks that ended) and walks the figures declared on those records' fields
 they are, rank figures rolled up over the node's ranks and, with
 ``metrics.job_labels``, over each job's.  Only what no owner's field carries
 is declared below: the build, fragmentation, budgets per resource, counts of
-jobs and ranks.
+jobs and ranks, and the Adam kernels' build states (``tiermem_kernel_state``:
+one series per kernel and state, 1 for the state it is in, so an alert on
+``state="failed"`` sees a fallback to the slower path).
 
 Names follow Prometheus conventions: base units (``_bytes``, ``_seconds``),
 ``_total`` counters, ``_ratio`` fractions, histograms for latencies
@@ -43,6 +45,7 @@ from tiermem.core.figures import Family, Kind, declared, rollup, value_at, zero
 from tiermem.core.modes import STATE_DTYPES
 from tiermem.core.protocol import PROTOCOL_VERSION
 from tiermem.engine.pool import PoolStats
+from tiermemd.kernel import BuildState, KernelStatus
 from tiermemd.ledger import Resource
 from tiermemd.rank import RankStats
 from tiermemd.scheduler import SchedulerStats
@@ -70,6 +73,11 @@ SWAP_CAPACITY = Family("tiermem_swap_capacity_bytes", "Swap budget: free space o
 JOBS = Family("tiermem_jobs", "Jobs the daemon holds.")
 RANKS = Family("tiermem_ranks", "Ranks holding state in the daemon.")
 JOB_RANKS = Family("tiermem_job_ranks", "Ranks of a job holding state.", per_job=True)
+KERNEL_STATE = Family(
+    "tiermem_kernel_state",
+    "Adam kernels by build state (building, built, failed: the slower fallback runs, off: turned off by "
+    "adam.compile): 1 for the state each kernel is in.",
+)
 STATE_DTYPE_RANKS = Family(
     "tiermem_state_dtype_ranks",
     "Ranks holding state, by how they store the Adam moments (fp32, bf16, int8).",
@@ -152,7 +160,17 @@ def families(node: NodeStats, *, per_job: bool) -> Iterator[Any]:
         labels = [job.job_id, str(job.owner_uid)]
         out.add(JOB_RANKS, Kind.GAUGE, len(job.ranks), labels)
         out.figures(RankStats, job.ranks, labels, per_job=True)
+    out.made[KERNEL_STATE.name] = kernel_states(node.kernels)
     return iter(out.made.values())
+
+
+def kernel_states(kernels: Sequence[KernelStatus]) -> GaugeMetricFamily:
+    """``tiermem_kernel_state{kernel, state}``: every state of every kernel, 1 where it is."""
+    family = GaugeMetricFamily(KERNEL_STATE.name, KERNEL_STATE.help, labels=["kernel", "state"])
+    for kernel in kernels:
+        for state in BuildState:
+            family.add_metric([kernel.name, state.value], 1.0 if kernel.state is state else 0.0)
+    return family
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -1,7 +1,7 @@
 """One snapshot of the node's figures, gathered from the owners, and the STATS reply built from it.
 
 Owns ``NodeStats`` (the owners' typed records taken together: pool, ledger,
-scheduler, server, every job and rank) and ``RetiredRanks`` (what ranks that
+scheduler, server, every job and rank, the Adam kernels' build states) and ``RetiredRanks`` (what ranks that
 ended counted, so that the node's counters never go down when a job is
 reclaimed).  Nothing is counted here: every number comes from the part that
 owns it, read at the moment of a scrape or a STATS request, and every figure
@@ -38,6 +38,7 @@ from tiermem.core.protocol.report import MAX_REPORTED_JOBS
 from tiermem.engine.pool import PoolStats
 from tiermem.engine.swap.records import SwapStats
 from tiermem.engine.tiers.records import TierStats
+from tiermemd.kernel import KernelStatus, kernel_statuses
 from tiermemd.ledger import LedgerStats, Resource
 from tiermemd.rank import RankOptimizer, RankStats
 from tiermemd.scheduler import SchedulerStats
@@ -89,6 +90,8 @@ class NodeStats:
     jobs: tuple[JobStats, ...]
     retired: RankStats
     """What ranks that ended counted (``RetiredRanks.totals``)."""
+    kernels: tuple[KernelStatus, ...] = ()
+    """Where each Adam kernel is: building, built, failed (the fallback runs) or off (``tiermemd.kernel``)."""
 
     @property
     def ranks(self) -> tuple[RankStats, ...]:
@@ -124,6 +127,7 @@ def node_stats(service: Service) -> NodeStats:
         server=server.stats() if server is not None else None,
         jobs=tuple(jobs),
         retired=service.retired.totals(),
+        kernels=kernel_statuses(service.kernel),
     )
 
 

@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 from tiermem.core.figures import ended, zero
 from tiermem.core.histogram import UPDATE_SECONDS, Histogram
 from tiermem.engine.pool import PoolStats
+from tiermemd.kernel import BuildState, KernelStatus
 from tiermemd.ledger import Ledger, Resource
 from tiermemd.metrics import build_info, families
 from tiermemd.rank import RankStats
@@ -53,6 +54,10 @@ def _node(retired: RankStats | None = None) -> NodeStats:
         server=counters.stats(sessions=2),
         jobs=jobs,
         retired=retired or zero(RankStats),
+        kernels=(
+            KernelStatus("lowbit", BuildState.FAILED, "FileNotFoundError: no C compiler 'cc' on PATH"),
+            KernelStatus("adam grad=float16 out=float16", BuildState.BUILT),
+        ),
     )  # fmt: skip
 
 
@@ -90,6 +95,14 @@ def test_ranks_are_counted_by_how_they_store_the_moments() -> None:
     assert 'tiermem_state_dtype_ranks{state_dtype="fp32"} 1.0' in text
     assert 'tiermem_state_dtype_ranks{state_dtype="int8"} 1.0' in text
     assert 'tiermem_state_dtype_ranks{state_dtype="bf16"} 0.0' in text  # the series exists before its first rank
+
+
+def test_each_kernel_shows_the_state_it_is_in_and_a_fallback_is_failed() -> None:
+    text = _exposition(_node(), per_job=False)
+    assert 'tiermem_kernel_state{kernel="lowbit",state="failed"} 1.0' in text
+    assert 'tiermem_kernel_state{kernel="lowbit",state="built"} 0.0' in text
+    assert 'tiermem_kernel_state{kernel="adam grad=float16 out=float16",state="built"} 1.0' in text
+    assert text.count("tiermem_kernel_state{") == 2 * len(BuildState)
 
 
 def test_node_counters_include_ranks_that_ended() -> None:

@@ -51,7 +51,16 @@ from tiermem.core.adam_math import AdamScalars
 from tiermem.core.errors import InvalidArgument
 from tiermem.core.lowbit import LowbitMoments, lowbit_update
 
-__all__ = ["FLAGS", "LowbitKernel", "build_library", "step_term"]
+__all__ = [
+    "FLAGS",
+    "TURNED_OFF",
+    "LowbitKernel",
+    "build_library",
+    "built_lowbit_library",
+    "cache_directories",
+    "library_name",
+    "step_term",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +83,8 @@ _GRAD_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _OUT_KINDS = {None: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATE_KINDS = {"bf16": 1, "int8": 2}
 _MASK32 = 0xFFFFFFFF
+TURNED_OFF = "the native kernel is turned off"
+"""``LowbitKernel.error`` when the configuration chose the reference (``load(build=False)``)."""
 
 
 def step_term(step: int) -> int:
@@ -117,6 +128,11 @@ class LowbitKernel:
         """Whether the compiled kernel runs (else the plain-torch reference)."""
         return self._fn is not None
 
+    @property
+    def turned_off(self) -> bool:
+        """Whether the reference runs by the configuration's choice rather than because the build failed."""
+        return self._fn is None and self.error == TURNED_OFF
+
     @classmethod
     def load(cls, cache_dir: str | None = None, *, build: bool = True) -> LowbitKernel:
         """This process's kernel for ``cache_dir`` (built there on first use); ``build`` False: the reference."""
@@ -124,7 +140,7 @@ class LowbitKernel:
         with cls._lock:
             kernel = cls._loaded.get(key)
             if kernel is None:
-                kernel = cls._build(cache_dir) if build else cls(None, error="the native kernel is turned off")
+                kernel = cls._build(cache_dir) if build else cls(None, error=TURNED_OFF)
                 cls._loaded[key] = kernel
             return kernel
 
@@ -188,19 +204,45 @@ def _built_library(cache_dir: str | None) -> str:
     return build_library(SOURCE, "lowbit", cache_dir)
 
 
-def build_library(source_path: Path, prefix: str, cache_dir: str | None = None) -> str:
-    """The path of ``source_path`` built with ``FLAGS`` into the cache directory (built now unless there)."""
+def library_name(source_path: Path, prefix: str) -> tuple[str, str]:
+    """(the compiler, the file name ``source_path`` builds to on this host): the name is keyed by the source,
+    ``FLAGS``, the compiler's version and the CPU's features.  ``FileNotFoundError`` without a compiler."""
     cc = os.environ.get("CC") or "cc"
     compiler = shutil.which(cc)
     if compiler is None:
         raise FileNotFoundError(f"no C compiler {cc!r} on PATH (set CC, or install gcc)")
     version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-    source = source_path.read_bytes()
     digest = hashlib.sha256()
-    for part in (source, "\0".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (source_path.read_bytes(), "\0".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
-    name = f"{prefix}-{digest.hexdigest()[:24]}.so"
+    return compiler, f"{prefix}-{digest.hexdigest()[:24]}.so"
+
+
+def cache_directories(cache_dir: str | None) -> tuple[str, str]:
+    """Where kernels are built, in order: ``cache_dir`` (else ``~/.cache/tiermem``), then this user's
+    private directory in the temporary directory."""
+    wanted = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "tiermem")
+    return wanted, os.path.join(tempfile.gettempdir(), f"tiermem-kernels-{os.getuid()}")
+
+
+def built_lowbit_library(cache_dir: str | None = None) -> str | None:
+    """The compressed-moment kernel already built for this host in one of ``cache_directories``, or None;
+    never builds, never creates a directory.  ``FileNotFoundError`` without a compiler."""
+    _, name = library_name(SOURCE, "lowbit")
+    for directory in cache_directories(cache_dir):
+        path = os.path.join(directory, name)
+        try:
+            if _private_dir(directory) and _private_file(path):
+                return path
+        except OSError:
+            continue
+    return None
+
+
+def build_library(source_path: Path, prefix: str, cache_dir: str | None = None) -> str:
+    """The path of ``source_path`` built with ``FLAGS`` into the cache directory (built now unless there)."""
+    compiler, name = library_name(source_path, prefix)
     directory = _cache_directory(cache_dir)
     path = os.path.join(directory, name)
     if os.path.exists(path) and _private_file(path):
@@ -216,7 +258,9 @@ def build_library(source_path: Path, prefix: str, cache_dir: str | None = None) 
             timeout=_BUILD_TIMEOUT_S,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(
+                f"{os.path.basename(compiler)} exited with {done.returncode}: {done.stderr.strip()[-2000:]}"
+            )
         os.replace(tmp, path)  # atomic: a concurrent builder's equal file may win, either is complete
     finally:
         if os.path.exists(tmp):
@@ -227,9 +271,7 @@ def build_library(source_path: Path, prefix: str, cache_dir: str | None = None) 
 def _cache_directory(cache_dir: str | None) -> str:
     """``cache_dir`` (else ``~/.cache/tiermem``) when it is ours and private; else this user's private
     directory in the temporary directory; else (someone else made that one) a new private temporary one."""
-    wanted = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "tiermem")
-    fallback = os.path.join(tempfile.gettempdir(), f"tiermem-kernels-{os.getuid()}")
-    for candidate in (wanted, fallback):
+    for candidate in cache_directories(cache_dir):
         try:
             os.makedirs(candidate, mode=0o700, exist_ok=True)
             if _private_dir(candidate):
