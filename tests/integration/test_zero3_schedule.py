@@ -83,3 +83,28 @@ def test_fuzzed_timing_never_reorders_the_collectives(request: pytest.FixtureReq
     slowest = max(runs, key=lambda r: r["seconds"])
     print(f"\n{len(runs)} fuzzed runs at {ranks} ranks, within {max(worst.values()):.1e} of AdamW; "
           f"slowest {slowest['seconds']:.1f} s ({_name(slowest)})")  # fmt: skip
+
+
+UNITS = 5
+"""Submodules of the worker's model that own params: four ``Linear`` and a ``LayerNorm``."""
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_zero3_step_issues_one_collective_per_submodule_each_way(request: pytest.FixtureRequest, ranks: int) -> None:
+    """Paged: one reduce-scatter per submodule's grads; one all-gather per submodule fetched in forward, and
+    per submodule backward needs again (all but the first Linear, whose input takes no grad), fewer where
+    prefetch keeps the last ones on the device from forward to backward.  By layer: a broadcast per layer
+    each way, a reduce per layer."""
+    runs = _runs(request.getfixturevalue({2: "two_ranks", 3: "three_ranks"}[ranks]))
+    for run in runs:
+        for step, counts in enumerate(run["ranks"][0]["counts"]):
+            if run["kind"] != "paged":
+                assert counts == {"broadcast": 2 * UNITS, "reduce": UNITS}, (_name(run), step, counts)
+                continue
+            assert counts["reduce-scatter"] == UNITS, (_name(run), step, counts)
+            gathers = counts["all-gather"]
+            if step == 0 or run["prefetch"] == 0:  # the first step records its uses: nothing is kept ahead
+                assert gathers == 2 * UNITS - 1, (_name(run), step, counts)
+            assert UNITS <= gathers <= 2 * UNITS - 1, (_name(run), step, counts)
+            assert sorted(counts) == ["all-gather", "reduce-scatter"], counts
+        assert all(r["counts"] == run["ranks"][0]["counts"] for r in run["ranks"]), _name(run)

@@ -69,6 +69,8 @@ class PagedParam:
     """The autograd graph task that needs it until its grad lands (-1: none)."""
     landed: bool = False
     """Its grad reached the daemon in this step."""
+    saved: bool = False
+    """Autograd saved it for backward in this step (backward fetches it again)."""
 
     @property
     def nbytes(self) -> int:
@@ -167,6 +169,10 @@ class GradUnits(Generic[T]):
         if all(x.index in got for x in self.units[unit] if x.param.requires_grad):
             ready.append(self._take(unit))
         return ready
+
+    def owner(self, e: PagedParam) -> list[PagedParam]:
+        """The params of the submodule ``e`` belongs to."""
+        return self.units[self.unit_of[e.index]]
 
     def rest(self) -> list[list[T]]:
         """Every incomplete submodule's items, in module order."""

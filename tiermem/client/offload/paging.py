@@ -39,10 +39,11 @@ When params are on the device:
 - saved tensors: autograd would keep the params (views of them) alive until
   backward, so a ``saved_tensors_hooks`` pair packs a saved param view as a
   reference and unpacks it by fetching the param again.  Backward therefore
-  re-fetches exactly the params its nodes need, when they run (a first layer,
-  whose input needs no grad, is not fetched again: as in the seed's
-  pipeline, layer m's backward needs layer m+1's weights), and holds each
-  until its grad has landed or the backward pass ends;
+  re-fetches exactly the params its nodes need, when they run, a
+  submodule's saved params in one fetch (a first layer, whose input needs
+  no grad, is not fetched again: as in the seed's pipeline, layer m's
+  backward needs layer m+1's weights), and holds each until its grad has
+  landed or the backward pass ends;
 - ``torch.utils.checkpoint``: the recomputation runs the forward hooks
   again, inside backward, so its params are fetched then and held until
   their grads land (the checkpoint keeps its recomputed tensors, views of
@@ -388,13 +389,19 @@ class ParamPager(PagedState):
         e = self._by_storage.get(t.untyped_storage().data_ptr())
         if e is None:
             return t
+        e.saved = True
         return SavedParam(e, t.size(), t.stride(), int(t.storage_offset()))
 
     def _unpack(self, saved: Any) -> Any:
+        """A saved param is used again: in backward, with the other params of its submodule saved for it, in
+        one fetch (one all-gather at ZeRO-3), held until their grads land."""
         if not isinstance(saved, SavedParam):
             return saved
         e = saved.entry
-        self._use([e], lease=False, hold=_in_backward())
+        if _in_backward():
+            self._use([x for x in self._grad_units.owner(e) if x is e or x.saved], lease=False, hold=True)
+        else:
+            self._use([e], lease=False)
         if e.data is None:  # pragma: no cover - _use makes it resident
             raise InvalidState(f"{e.describe()} is not on the device after its fetch")
         return e.data.as_strided(saved.size, saved.stride, saved.offset)
@@ -463,18 +470,10 @@ class ParamPager(PagedState):
         self._upcoming = {i for g in upcoming for i in g}
         for e in list(self._present.values()):
             self._settle(e)
-        for g in upcoming:
-            wanted: list[PagedParam] = []
-            room = self.budget - self.nbytes
-            for i in dict.fromkeys(g):
-                e = self.entries[i]
-                if e.residency is not Residency.ABSENT:
-                    continue
-                if e.nbytes > room:
-                    self._start_fetches(wanted, event="prefetch")
-                    return
-                wanted.append(e)
-                room -= e.nbytes
+        for g in upcoming:  # each use whole or not at all: one fetch (one collective) per use
+            wanted = [self.entries[i] for i in dict.fromkeys(g) if self.entries[i].residency is Residency.ABSENT]
+            if sum(e.nbytes for e in wanted) > self.budget - self.nbytes:
+                return
             self._start_fetches(wanted, event="prefetch")
 
     def _fit_window(self, module: nn.Module, numel: int) -> None:
@@ -741,6 +740,7 @@ class ParamPager(PagedState):
         self._release_all()
         for e in self.entries:
             e.landed = False
+            e.saved = False
         self.accumulated = False
         self.trace.end_step()
 
