@@ -223,25 +223,45 @@ class RankGroup:
 
 class ShardGrads:
     """What a ZeRO-3 rank knows of the reduced grads it sent to its daemon this step: their sum of squares
-    (per key: a grad sent again without accumulating replaces its figure), whether one was non-finite,
-    whether one was added to a grad already there (accumulation), and what ``ShardedGradScaler`` asked."""
+    (per key, a submodule's grads: one sent again without accumulating replaces its figure), whether one was
+    non-finite, whether one was added to a grad already there (accumulation), and what ``ShardedGradScaler``
+    asked.
 
-    def __init__(self) -> None:
+    The figures cost a pass over each reduced grad (in fp64) and a wait for it, so they are taken only when
+    something asks for them (``watching``): clipping (``clipping``), or a ``ShardedGradScaler``, which asks
+    at every step; whether one does is known once the first step is decided (not refused), and the steps until
+    then take them either way.  A scaler that first asks at a later step is refused (``check``)."""
+
+    def __init__(self, *, clipping: bool = False) -> None:
+        self.clipping = clipping
+        self.scaled: bool | None = None
+        """Whether a ``ShardedGradScaler`` checks this optimizer's grads (None: not known before the first step
+        ends)."""
         self.sumsq: dict[Hashable, float] = {}
         self.nonfinite = False
         self.accumulated = False
+        self.unchecked = False
+        """A reduced grad of this step went to the daemon without its figures."""
         self.unscaled_by = 1.0
         """The inverse scale ``ShardedGradScaler.unscale_`` gave (applied by the daemon at ``step()``)."""
         self.scale_checked = False
 
+    @property
+    def watching(self) -> bool:
+        """Whether ``add`` takes the figures of the grads."""
+        return self.clipping or self.scaled is not False
+
     def add(self, key: Hashable, grad: torch.Tensor, *, accumulate: bool = False) -> None:
         """A reduced grad went to the daemon (``accumulate``: added to the one there; its square is then no
         figure of one pass, and only marks the step as accumulated)."""
-        sq = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2  # waits for a device's stream
-        self.nonfinite = self.nonfinite or not math.isfinite(sq)
         if accumulate:
             self.accumulated = True
-        else:
+        if not self.watching:
+            self.unchecked = True
+            return
+        sq = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2  # waits for a device's stream
+        self.nonfinite = self.nonfinite or not math.isfinite(sq)
+        if not accumulate:
             self.sumsq[key] = sq
 
     @property
@@ -251,6 +271,12 @@ class ShardGrads:
     def check(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
         """``ShardedGradScaler``'s question: whether this rank's reduced grads overflowed (it all-reduces the
         flag); the inverse scale is applied by the daemon at ``step()``."""
+        if self.unchecked:
+            raise InvalidState(
+                "a ShardedGradScaler asked whether this step's reduced grads overflowed, but they went to the "
+                "daemons unchecked: without max_grad_norm a ZeRO-3 optimizer checks them only if a scaler asked "
+                "at its first step; use the scaler from the first step"
+            )
         self.unscaled_by = float(inv_scale)
         self.scale_checked = True
         if self.nonfinite:
@@ -263,16 +289,20 @@ class ShardGrads:
         """The step every rank applies: the scaler's hand-over on ``optimizer`` (``shard_scaler_inputs``) and,
         with ``max_grad_norm``, the global norm of the shards (``RankGroup.decide``)."""
         inv_scale, skip = shard_scaler_inputs(optimizer, checked=self.scale_checked, unscaled_by=self.unscaled_by)
-        return group.decide(
+        decision = group.decide(
             None if max_grad_norm is None or skip else self.total,
             inv_scale=inv_scale,
             max_grad_norm=max_grad_norm,
             scaler_found_inf=skip,
             accumulated=self.accumulated or accumulated,
         )
+        if self.scaled is None:  # the first step goes on: from now on the figures are taken if a scaler asked
+            self.scaled = self.scale_checked
+        return decision
 
     def new_step(self) -> None:
         self.sumsq.clear()
         self.nonfinite = False
         self.accumulated = False
+        self.unchecked = False
         self.scale_checked = False

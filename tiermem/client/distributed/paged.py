@@ -358,7 +358,7 @@ class ShardedPagedAdam(Zero3Optimizer):
         """The group the params are sharded over (what ``ShardedGradScaler`` all-reduces its flags over)."""
         self.max_grad_norm = max_grad_norm
         """``max_grad_norm`` over the unsharded model (the daemon gets the coefficient, not the norm)."""
-        self.grads = ShardGrads()
+        self.grads = ShardGrads(clipping=max_grad_norm is not None)
         self.group.broadcast_from_first(p.data for p in params)
         self.schedule = self.group.start_schedule(collective_timeout_s, probe)
         """The steps' collectives (their counts: ``schedule.last_counts``)."""

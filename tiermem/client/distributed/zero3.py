@@ -160,7 +160,7 @@ class LayerShardedAdam(Zero3Optimizer):
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
         """The global norm of the last step's reduced grads (with ``max_grad_norm``)."""
-        self.grads = ShardGrads()
+        self.grads = ShardGrads(clipping=max_grad_norm is not None)
         """This step's statistics of the reduced grads of this owner's layers."""
         self._skipped_here = 0
         """Skips of a rank that owns no layer (no inner optimizer, so no daemon rank counts them)."""

@@ -1,0 +1,83 @@
+"""``ShardGrads``: a ZeRO-3 rank takes the figures of its reduced grads only when clipping or a scaler asks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tiermem.client.distributed.group import ShardGrads
+from tiermem.core.errors import InvalidState
+
+
+class OneRank:
+    """The group's half of ``ShardGrads.decide``: what it was asked, as one rank sees it."""
+
+    def __init__(self) -> None:
+        self.sumsq: list[float | None] = []
+
+    def decide(self, sumsq: float | None, **_: Any) -> None:
+        self.sumsq.append(sumsq)
+
+
+class NoScaler:
+    """An optimizer no ``GradScaler`` stepped (``shard_scaler_inputs`` finds no ``grad_scale``)."""
+
+
+def step(grads: ShardGrads, *, max_grad_norm: float | None = None) -> list[float | None]:
+    group = OneRank()
+    grads.decide(group, NoScaler(), max_grad_norm)  # type: ignore[arg-type]
+    grads.new_step()
+    return group.sumsq
+
+
+def test_without_clipping_or_a_scaler_only_the_first_step_takes_the_figures() -> None:
+    grads = ShardGrads()
+    grads.add((0, 1), torch.tensor([3.0, 4.0]))
+    assert grads.total == 25.0
+    step(grads)
+    assert not grads.watching
+    grads.add((0, 1), torch.tensor([float("inf")]))
+    assert grads.total == 0.0 and not grads.nonfinite and grads.unchecked
+    with pytest.raises(InvalidState, match="use the scaler from the first step"):
+        grads.check(torch.tensor(0.5), torch.zeros(()))
+
+
+def test_clipping_takes_the_figures_of_every_step() -> None:
+    grads = ShardGrads(clipping=True)
+    for _ in range(2):
+        grads.add((0,), torch.tensor([3.0, 4.0]))
+        assert step(grads, max_grad_norm=1.0) == [25.0]
+    assert grads.watching
+
+
+def test_a_scaler_at_the_first_step_keeps_the_overflow_check_on() -> None:
+    grads = ShardGrads()
+    grads.add((0,), torch.tensor([1.0]))
+    assert not bool(grads.check(torch.tensor(0.5), torch.zeros(())))
+    step(grads)
+    grads.add((0,), torch.tensor([float("nan")]))
+    assert bool(grads.check(torch.tensor(0.5), torch.zeros(())))
+    assert grads.watching
+
+
+def test_an_accumulated_grad_marks_the_step_and_still_shows_an_overflow() -> None:
+    grads = ShardGrads()
+    grads.add((0,), torch.tensor([1.0]))
+    grads.add((0,), torch.tensor([float("inf")]), accumulate=True)
+    assert grads.accumulated and grads.nonfinite and grads.total == 1.0
+
+
+class Refusing(OneRank):
+    def decide(self, sumsq: float | None, **_: Any) -> None:
+        raise InvalidState("refused")
+
+
+def test_a_refused_first_step_leaves_the_question_open() -> None:
+    grads = ShardGrads()
+    with pytest.raises(InvalidState, match="refused"):
+        grads.decide(Refusing(), NoScaler(), None)  # type: ignore[arg-type]
+    grads.new_step()
+    grads.add((0,), torch.tensor([float("inf")]))
+    assert grads.watching and bool(grads.check(torch.tensor(0.5), torch.zeros(())))
