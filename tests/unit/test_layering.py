@@ -20,7 +20,9 @@ EFFECTFUL |= {"asyncio", "multiprocessing", "libaio", "concurrent"}
 TRAINER_MAY_USE = {
     "tiermem.engine.pool.pinning",  # registering the window with CUDA
     "tiermem.engine.pool.pool",  # the pool's sizing rule, to size a private daemon
-    "tiermem.engine.optim",  # the demo compares with CPUAdam, the in-process engine
+    "tiermem.engine.optim",  # the demo compares with CPUAdam, the in-process engine; doctor finds its kernels
+    "tiermem.engine.swap.engine_select",  # tiermem doctor probes libaio and O_DIRECT as the daemon would
+    "tiermem.engine.swap.engine_libaio",  # and opens a kernel AIO context of the daemon's depth
 }
 """The engines the trainer side must reach, and why."""
 

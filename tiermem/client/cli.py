@@ -7,6 +7,10 @@ Subcommands:
             offload choice, and whether it fits this node
   status    one screen of the node's tiermemd: pool, swap, jobs per tier,
             throughput, errors (--json, --watch)
+  doctor    whether this node can train through tiermem: the daemon a trainer
+            would reach and whether it may attach, memlock, libaio, swap dirs,
+            kernel caches, torch and CUDA, each problem with a fix (--json;
+            exit 0 can train, 1 cannot)
   consolidate
             merge a ZeRO-3 checkpoint's rank files into one model state dict
             and one torch.optim.AdamW state dict
@@ -84,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tiermem.client.status import add_parser as add_status_command
 
     add_status_command(sub)
+
+    from tiermem.client.doctor import add_parser as add_doctor_command
+
+    add_doctor_command(sub)
 
     from tiermem.client.consolidate import add_parser as add_consolidate_command
 

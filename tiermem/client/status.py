@@ -6,8 +6,8 @@ come from two replies and the time between them, so a single shot shows
 totals only.  The daemon lists every job for root and its own uid, else only
 the caller's uid's jobs.
 
-Exit codes: 0 shown; 1 no daemon could be reached (the message says which
-sockets were tried).
+Exit codes: 0 shown; 1 no daemon could be reached (one line says which
+sockets were tried and what stood in the way of each).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from tiermem.core.errors import TiermemError
+from tiermem.core.errors import TiermemError, UnsafePathError
 from tiermem.core.protocol import JobReport, NodeReport, StatsReply
 from tiermem.core.units import format_size
 
@@ -218,6 +218,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     status.set_defaults(func=run_status)
 
 
+def _unreachable(socket_path: str | None) -> str:
+    """Why no daemon answers, in one line: each socket a client tries and what stood in the way."""
+    import os
+
+    from tiermem.client.doctor import unreachable_summary
+    from tiermem.client.doctor_facts import gather_user, probe_sockets
+
+    probes, error = probe_sockets(socket_path, os.environ, gather_user(), timeout_s=5.0)
+    return (error or unreachable_summary(probes)) + "; tiermem doctor says what to change"
+
+
 def run_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from tiermem.client.link import connect  # imports torch: only when the command runs
 
@@ -227,8 +238,11 @@ def run_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     try:
         client = connect(args.socket, embed=False)
-    except TiermemError as exc:
+    except UnsafePathError as exc:
         print(f"tiermem status: no tiermemd to show: {exc}", file=sys.stderr)
+        return 1
+    except TiermemError:
+        print(f"tiermem status: no tiermemd to show: {_unreachable(args.socket)}", file=sys.stderr)
         return 1
     before: Sample | None = None
     try:

@@ -1,0 +1,728 @@
+"""``tiermem doctor``: whether this node can train through tiermem, and what to change where it cannot.
+
+Owns the checks and their report.  Two layers:
+
+- the checks (``check_*``, ``run_checks``): pure functions from ``Facts`` to
+  ``Finding``s, each a status, what was found and a one-line fix;
+- the gathering (``tiermem.client.doctor_facts``): the one part that touches
+  the node (sockets, files, rlimits, the compiler, torch and CUDA), run once.
+
+What is checked, as the user who runs it (an operator, or a trainer's user):
+
+- ``config``: the node's settings file (``--config``, ``$TIERMEM_CONFIG``,
+  ``/etc/tiermem/tiermemd.toml``) is valid;
+- ``daemon``: the daemon a trainer of this user would reach, found as
+  ``tiermem.client.link.connect`` finds it, with its version and protocol;
+- ``attach``: whether this user may attach to it (socket and directory modes,
+  the user's groups, ``server.allowed_uids`` / ``allowed_gids``);
+- ``pool``: the reached daemon's pool, locked or not; ``memlock``:
+  ``RLIMIT_MEMLOCK`` here and the pinned pool it allows a daemon started here;
+- ``libaio``: the ``libaio`` package and a kernel AIO context;
+- ``swap <dir>``: each swap directory writable, O_DIRECT, free space, and
+  writable under the installed unit's ``ReadWritePaths=``;
+- ``kernels``: the compiler, this user's kernel caches (writable; the
+  compressed-moment kernel built), and the node daemon's kernels
+  (``tiermem_kernel_state`` from its metrics endpoint);
+- ``torch``, ``cuda``: torch imports; where a GPU is present,
+  ``cudaHostRegister`` pins a shared-memory window as trainers pin theirs.
+
+Exit codes (a contract for scripts): 0 the node can train (warnings say
+where it runs slower or alone); 1 a check failed: training through tiermem
+would fail here (or, with ``--strict``, a warning was found); 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import os
+import sys
+import textwrap
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TextIO
+
+from tiermem.core.units import GiB, format_size
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "Finding",
+    "Status",
+    "add_parser",
+    "exit_code",
+    "is_under",
+    "read_write_paths",
+    "render",
+    "run_checks",
+    "run_doctor",
+    "to_json",
+    "unreachable_summary",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+LOW_SWAP_NBYTES = 1 * GiB
+"""Free space of a swap directory below which the NVMe tier is too small to be of use."""
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    WARN = "warn"
+    """Training works, slower or alone (a private daemon, buffered I/O, the fallback kernel)."""
+    FAIL = "fail"
+    """Training through tiermem fails here."""
+    SKIP = "skip"
+    """Nothing to check (no GPU, no daemon to ask, a directory only its owner may probe)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    status: Status
+    found: str
+    fix: str = ""
+
+
+# --------------------------------------------------------------------------- facts (filled by doctor_facts)
+
+
+class Reach(enum.Enum):
+    """What became of one socket a trainer would try."""
+
+    ANSWERED = "answered"
+    MISSING = "missing"
+    NO_ACCESS = "no access"
+    """The file system keeps this user out: the directory's search or the socket's write permission."""
+    NOT_LISTENING = "not listening"
+    UNTRUSTED = "untrusted"
+    """Its directory, file or listener is not the expected uid's (``tiermem.net.sockpath``)."""
+    REFUSED = "refused"
+    """The daemon refused this uid (``server.allowed_uids`` / ``allowed_gids``)."""
+    INCOMPATIBLE = "incompatible"
+    BROKEN = "broken"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What ``lstat`` says about a path (``missing``; ``unknown`` when it could not be asked)."""
+
+    path: str
+    mode: int = 0
+    uid: int = -1
+    gid: int = -1
+    missing: bool = False
+    unknown: str = ""
+    owner_name: str = ""
+    group_name: str = ""
+
+
+@dataclass(frozen=True)
+class User:
+    uid: int
+    name: str
+    gids: frozenset[int]
+    group_names: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"uid {self.uid} ({self.name})"
+
+    def group(self, gid: int) -> str:
+        name = self.group_names.get(gid)
+        return f"{gid} ({name})" if name else str(gid)
+
+
+@dataclass(frozen=True)
+class SocketProbe:
+    path: str
+    whose: str
+    """Whose daemon it must be ("the node's tiermemd")."""
+    explicit: bool
+    """Named by ``--socket`` or ``$TIERMEM_SOCKET_PATH``: trainers use it or fail."""
+    reach: Reach
+    detail: str = ""
+    directory: Entry | None = None
+    socket: Entry | None = None
+    version: str = ""
+    pool_nbytes: int = 0
+    locked_nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class ConfigFacts:
+    path: str | None
+    """The settings file read (None: no node settings; a private daemon's defaults)."""
+    error: str = ""
+    socket: str = ""
+    socket_group: str = ""
+    allowed_uids: tuple[int, ...] = ()
+    allowed_gids: tuple[int, ...] = ()
+    pool_nbytes: int = 0
+    """``pool.size`` resolved (0: half of the memory available)."""
+    mlock: bool = True
+    engine: str = "auto"
+    cache_dir: str = ""
+    metrics_port: int = 0
+    metrics_address: str = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class SwapDirFacts:
+    path: str
+    entry: Entry
+    probed: bool
+    """This user could probe it (its owner, or root); else it is the daemon user's to use."""
+    write_error: str = ""
+    direct_io_error: str = ""
+    free_nbytes: int | None = None
+    covered: bool | None = None
+    """Inside the installed unit's ``ReadWritePaths=`` (None: no unit installed)."""
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    compiler: str
+    """The C compiler's path ("": none)."""
+    caches: tuple[tuple[str, str], ...]
+    """This user's kernel cache directories, in the order a build tries them, each with why it cannot be used
+    ("": it can)."""
+    lowbit_built: str
+    """The compressed-moment kernel built for this host in one of them ("": not built)."""
+    inductor_dir: str
+    inductor_error: str
+    daemon: tuple[tuple[str, str], ...] | None = None
+    """(kernel, state) the node daemon's metrics show; None: not asked (``daemon_why``)."""
+    daemon_why: str = ""
+    unit_installed: bool = False
+    cache_covered: bool | None = None
+
+
+@dataclass(frozen=True)
+class TorchFacts:
+    version: str
+    """"": torch does not import (``error``)."""
+    error: str = ""
+    cuda: str = ""
+    """torch's CUDA version ("": a CPU build)."""
+    devices: tuple[str, ...] = ()
+    pin_error: str | None = None
+    """None: not tried (no GPU); "": a window registered with cudaHostRegister and copied to the GPU."""
+
+
+@dataclass(frozen=True)
+class Facts:
+    version: str
+    protocol: int
+    user: User
+    embed: bool
+    """Trainers may start a private daemon (``TIERMEM_NO_EMBED`` unset)."""
+    sockets: tuple[SocketProbe, ...]
+    sockets_error: str
+    config: ConfigFacts
+    swap_dirs: tuple[SwapDirFacts, ...]
+    libaio_error: str
+    aio_context_error: str
+    memlock_nbytes: int | None
+    """This process's soft ``RLIMIT_MEMLOCK`` (None: unlimited)."""
+    cap_ipc_lock: bool
+    available_nbytes: int
+    kernels: KernelFacts
+    torch: TorchFacts
+
+
+# --------------------------------------------------------------------------- pure checks
+
+
+def read_write_paths(unit_text: str) -> tuple[str, ...]:
+    """The paths a unit's ``ReadWritePaths=`` lines leave writable (an empty assignment resets the list; a
+    leading ``-`` or ``+`` is dropped)."""
+    paths: list[str] = []
+    for line in unit_text.splitlines():
+        key, sep, value = line.strip().partition("=")
+        if not sep or key.strip() != "ReadWritePaths":
+            continue
+        if not value.strip():
+            paths.clear()
+        paths += [p.lstrip("-+") for p in value.split()]
+    return tuple(paths)
+
+
+def is_under(path: str, base: str) -> bool:
+    """Whether ``path`` is ``base`` or inside it (both made absolute, not resolved)."""
+    path, base = os.path.abspath(path), os.path.abspath(base)
+    return os.path.commonpath([path, base]) == base
+
+
+def permits(entry: Entry, user: User, bit: int) -> bool:
+    """Whether ``user`` has ``bit`` (0o2 write, 0o1 search) on ``entry`` by its mode (root: always)."""
+    if user.uid == 0:
+        return True
+    if entry.uid == user.uid:
+        return bool(entry.mode & (bit << 6))
+    if entry.gid in user.gids:
+        return bool(entry.mode & (bit << 3))
+    return bool(entry.mode & bit)
+
+
+def describe(entry: Entry, user: User) -> str:
+    """``mode 0660, owner 999 (tiermem), group 999 (tiermem)``."""
+    group = f"{entry.gid} ({entry.group_name})" if entry.group_name else user.group(entry.gid)
+    return f"mode {entry.mode & 0o7777:04o}, owner {_owner(entry)}, group {group}"
+
+
+def _owner(entry: Entry) -> str:
+    return f"{entry.uid} ({entry.owner_name})" if entry.owner_name else str(entry.uid)
+
+
+def unreachable(directory: Entry, sock: Entry, user: User, reason: str) -> tuple[Reach, str]:
+    """Why a socket that connect(2) could not reach is out of reach, from the modes on the way."""
+    if directory.missing:
+        return Reach.MISSING, f"no directory {directory.path}"
+    if not directory.unknown and not permits(directory, user, 0o1):
+        return Reach.NO_ACCESS, f"{directory.path} ({describe(directory, user)}) is not searchable by {user.label}"
+    if sock.missing:
+        return Reach.MISSING, "no socket file"
+    if not sock.unknown and not permits(sock, user, 0o2):
+        return Reach.NO_ACCESS, f"the socket ({describe(sock, user)}) admits neither {user.label} nor its groups"
+    return Reach.NOT_LISTENING, reason
+
+
+_BLOCKED = (Reach.NO_ACCESS, Reach.REFUSED, Reach.UNTRUSTED)
+"""A daemon is there, but not for this user."""
+
+
+def _reached(facts: Facts) -> SocketProbe | None:
+    return next((p for p in facts.sockets if p.reach is Reach.ANSWERED), None)
+
+
+def _fallback(facts: Facts) -> tuple[Status, str]:
+    """What a trainer does without a usable daemon: start a private one (WARN), or fail."""
+    if facts.embed:
+        return Status.WARN, "each training process starts a private daemon of its own"
+    return Status.FAIL, "trainers fail: TIERMEM_NO_EMBED=1 forbids a private daemon"
+
+
+def unreachable_summary(probes: Sequence[SocketProbe]) -> str:
+    """One line on why none of ``probes`` answered: each socket and what stood in the way."""
+    return "nothing answers on " + " or ".join(f"{p.path} ({p.detail or p.reach.value})" for p in probes)
+
+
+def check_config(facts: Facts) -> Finding:
+    c = facts.config
+    if c.path is None:
+        return Finding("config", Status.OK, "no node settings file: a private daemon's defaults apply")
+    if c.error:
+        return Finding(
+            "config",
+            Status.FAIL,
+            f"{c.path}: {c.error} (tiermemd exits 2)",
+            f"tiermemd --check-config --config {c.path}",
+        )
+    return Finding("config", Status.OK, f"{c.path} is valid")
+
+
+def check_daemon(facts: Facts) -> Finding:
+    if facts.sockets_error:
+        return Finding("daemon", Status.FAIL, f"cannot tell which daemon trainers reach: {facts.sockets_error}")
+    reached = _reached(facts)
+    if reached is not None:
+        where = f"tiermemd {reached.version}, protocol {facts.protocol}, at {reached.path} ({reached.whose})"
+        if reached.version != facts.version:
+            return Finding(
+                "daemon",
+                Status.WARN,
+                f"{where}; this client is tiermem {facts.version}",
+                "install the same tiermem for the service and the trainers, then systemctl restart tiermemd",
+            )
+        before = [p for p in facts.sockets[: facts.sockets.index(reached)] if p.reach is not Reach.MISSING]
+        if before:
+            skipped = "; ".join(f"{p.path}: {p.reach.value}" for p in before)
+            return Finding("daemon", Status.WARN, f"{where}, not {skipped}", "see attach below")
+        return Finding("daemon", Status.OK, where)
+    for probe in facts.sockets:
+        if probe.reach is Reach.INCOMPATIBLE:
+            return Finding(
+                "daemon",
+                Status.FAIL,
+                f"{probe.path}: {probe.detail}",
+                "install the same tiermem for the service and the trainers, then systemctl restart tiermemd",
+            )
+    blocked = next((p for p in facts.sockets if p.reach in _BLOCKED), None)
+    if blocked is not None:
+        status, then = (Status.FAIL, "trainers fail") if blocked.explicit else _fallback(facts)
+        return Finding("daemon", status, f"{blocked.path}: {blocked.reach.value} for this user (see attach); {then}")
+    tried = "; ".join(f"{p.path}: {p.detail or p.reach.value}" for p in facts.sockets)
+    explicit = next((p for p in facts.sockets if p.explicit), None)
+    if explicit is not None:
+        return Finding(
+            "daemon",
+            Status.FAIL,
+            f"trainers fail: the named socket is out of reach ({tried})",
+            "start the daemon that listens there, or unset TIERMEM_SOCKET_PATH",
+        )
+    status, then = _fallback(facts)
+    return Finding(
+        "daemon",
+        status,
+        f"no tiermemd answers ({tried}); {then}",
+        "install the node service: docs/operating.md, Installing the service"
+        if facts.embed
+        else "start the node service (systemctl start tiermemd.socket), or unset TIERMEM_NO_EMBED",
+    )
+
+
+def check_attach(facts: Facts) -> Finding:
+    user, config = facts.user, facts.config
+    who = f"{user.label}, groups {', '.join(user.group(g) for g in sorted(user.gids)) or 'none'}"
+    reached = _reached(facts)
+    blocked = next((p for p in facts.sockets if p.reach in _BLOCKED), None)
+    if blocked is None or (reached is not None and facts.sockets.index(reached) < facts.sockets.index(blocked)):
+        if reached is None:
+            return Finding("attach", Status.SKIP, f"{who}: no daemon to attach to")
+        return Finding("attach", Status.OK, f"{who}: admitted by the daemon at {reached.path}")
+    status, then = _fallback(facts)
+    if blocked.explicit:
+        status, then = Status.FAIL, "trainers fail"
+    if blocked.reach is Reach.UNTRUSTED:
+        return Finding(
+            "attach",
+            status,
+            f"{blocked.path}: {blocked.detail}; {then}",
+            "set TIERMEM_DAEMON_USER to the user the service runs as, or remove the impostor's directory",
+        )
+    if blocked.reach is Reach.REFUSED:
+        named = config.path and not config.error and config.socket == blocked.path
+        allowed = (
+            f"server.allowed_uids {list(config.allowed_uids)}, allowed_gids {list(config.allowed_gids)} "
+            f"in {config.path}"
+            if named
+            else "the daemon's server.allowed_uids and allowed_gids"
+        )
+        return Finding(
+            "attach",
+            status,
+            f"the daemon at {blocked.path} refuses {who}: not in {allowed}; {then}",
+            _join_fix(user, blocked.socket, config.allowed_gids if named else None),
+        )
+    sock = blocked.socket
+    if sock is not None and not sock.missing and not sock.unknown and "socket" in blocked.detail:
+        fix = _join_fix(user, sock, config.allowed_gids if config.socket == blocked.path else None)
+    else:
+        fix = "make the directory searchable: one DirectoryMode=/RuntimeDirectoryMode=0755 in both units"
+    return Finding("attach", status, f"{who}: {blocked.path}: {blocked.detail}; {then}", fix)
+
+
+def _join_fix(user: User, sock: Entry | None, allowed_gids: tuple[int, ...] | None) -> str:
+    """How ``user`` joins the trainers of a socket: its group, listed in ``server.allowed_gids``."""
+    if sock is None or sock.missing or sock.unknown or sock.gid == 0:
+        return (
+            'set server.socket_group = "tiermem" and list its gid in server.allowed_gids, add the trainers\' '
+            "users to it (usermod -aG tiermem USER), then restart tiermemd"
+        )
+    group = sock.group_name or str(sock.gid)
+    steps = [] if sock.gid in user.gids else [f"usermod -aG {group} {user.name} (then log in again)"]
+    if allowed_gids is None or sock.gid not in allowed_gids:
+        steps.append(f"list gid {sock.gid} ({group}) in server.allowed_gids, then systemctl reload tiermemd")
+    return "; ".join(steps) or "ask the daemon's operator: it refuses this uid although its group is allowed"
+
+
+def check_pool(facts: Facts) -> Finding:
+    reached = _reached(facts)
+    if reached is None:
+        return Finding("pool", Status.SKIP, "no daemon to ask")
+    pool = f"the daemon's pool {format_size(reached.pool_nbytes)}, {format_size(reached.locked_nbytes)} locked"
+    if reached.locked_nbytes < reached.pool_nbytes:
+        return Finding(
+            "pool",
+            Status.WARN,
+            f"{pool}: the rest may be swapped out",
+            "LimitMEMLOCK=infinity in tiermemd.service (as shipped), or pool.mlock = true",
+        )
+    return Finding("pool", Status.OK, pool)
+
+
+def check_memlock(facts: Facts) -> Finding:
+    c = facts.config
+    pool = c.pool_nbytes or facts.available_nbytes // 2
+    if facts.cap_ipc_lock or facts.memlock_nbytes is None:
+        why = "CAP_IPC_LOCK" if facts.cap_ipc_lock else "RLIMIT_MEMLOCK unlimited"
+        return Finding("memlock", Status.OK, f"{why}: a daemon started here locks all of its pool")
+    limit = facts.memlock_nbytes
+    found = (
+        f"RLIMIT_MEMLOCK {format_size(limit)}: a daemon started here locks at most {format_size(limit)} of its "
+        f"pool ({format_size(pool)} {'configured' if c.pool_nbytes else 'by default: half the available memory'})"
+    )
+    if limit >= pool or not c.mlock:
+        return Finding("memlock", Status.OK, found)
+    if _reached(facts) is not None:
+        return Finding("memlock", Status.OK, f"{found}; the node daemon's limit is its unit's (see pool)")
+    return Finding(
+        "memlock",
+        Status.WARN,
+        found + ": the rest runs unlocked",
+        "run the node service (LimitMEMLOCK=infinity), or raise memlock in /etc/security/limits.d/",
+    )
+
+
+def check_libaio(facts: Facts) -> Finding:
+    problem = facts.libaio_error or facts.aio_context_error
+    if not problem:
+        return Finding("libaio", Status.OK, "libaio loads and a kernel AIO context opens: O_DIRECT swap I/O")
+    status = Status.FAIL if facts.config.engine == "libaio" else Status.WARN
+    then = 'swap.engine = "libaio" cannot start (exit 4)' if status is Status.FAIL else "swap I/O is buffered"
+    fix = (
+        "apt-get install libaio1 (libaio1t64 on newer Debian), pip install libaio"
+        if facts.libaio_error
+        else "raise fs.aio-max-nr (sysctl) or lower swap.queue_depth"
+    )
+    return Finding("libaio", status, f"{problem}; {then} (the thread engine)", fix)
+
+
+def check_swap_dir(d: SwapDirFacts, facts: Facts) -> Finding:
+    where = d.path if facts.config.path else f"{d.path} (a private daemon's swap goes under it)"
+    free = "" if d.free_nbytes is None else f"; {format_size(d.free_nbytes)} free"
+    if d.covered is False:
+        return Finding(
+            "swap",
+            Status.FAIL,
+            f"{where}: outside the unit's ReadWritePaths=, read-only to the daemon under ProtectSystem=strict (exit 4)",
+            f"add {d.path} to ReadWritePaths= in tiermemd.service",
+        )
+    if not d.probed:
+        whose = d.entry.unknown or ("missing" if d.entry.missing else f"owned by uid {_owner(d.entry)}")
+        return Finding("swap", Status.SKIP, f"{where}: {whose}: for its daemon's user to probe{free}")
+    if d.entry.missing:
+        if d.write_error:
+            return Finding("swap", Status.FAIL, f"{where}: missing, and {d.write_error} (exit 4)", f"mkdir -p {d.path}")
+        return Finding("swap", Status.OK, f"{where}: missing, the daemon creates it at start{free}")
+    if d.write_error:
+        return Finding(
+            "swap",
+            Status.FAIL,
+            f"{where}: not writable: {d.write_error} (tiermemd exits 4)",
+            "remount it read-write, or list another directory in swap.dirs",
+        )
+    if d.direct_io_error:
+        status = Status.FAIL if facts.config.engine == "libaio" else Status.WARN
+        return Finding(
+            "swap", status, f"{where}: {d.direct_io_error}: swap I/O is buffered{free}", "use a directory on the NVMe"
+        )
+    if d.free_nbytes is not None and d.free_nbytes < LOW_SWAP_NBYTES:
+        return Finding("swap", Status.WARN, f"{where}: writable, O_DIRECT{free}: little room", "free some space")
+    return Finding("swap", Status.OK, f"{where}: writable, O_DIRECT{free}")
+
+
+def check_kernels(facts: Facts) -> list[Finding]:
+    k = facts.kernels
+    out: list[Finding] = []
+    if not k.compiler:
+        out.append(
+            Finding(
+                "kernels",
+                Status.WARN,
+                "no C compiler: compressed moments (state_dtype bf16/int8) run the plain-torch path, several times "
+                "slower, and fp16/bf16 updates the eager one",
+                "apt-get install gcc",
+            )
+        )
+    else:
+        out.append(_this_users_kernels(k))
+    if k.inductor_error:
+        out.append(
+            Finding(
+                "kernels",
+                Status.WARN,
+                f"inductor's cache {k.inductor_dir}: {k.inductor_error}",
+                "set TORCHINDUCTOR_CACHE_DIR to a directory of this user",
+            )
+        )
+    c = facts.config
+    if c.path and not c.error and k.unit_installed and not c.cache_dir:
+        out.append(
+            Finding(
+                "kernels",
+                Status.WARN,
+                "adam.cache_dir is empty: under the unit's PrivateTmp the node daemon's inductor kernels land in a "
+                "private /tmp, recompiled at every restart",
+                f'adam.cache_dir = "/var/lib/tiermem/kernels" in {c.path}',
+            )
+        )
+    if k.cache_covered is False:
+        out.append(
+            Finding(
+                "kernels",
+                Status.WARN,
+                f"adam.cache_dir {c.cache_dir} is outside the unit's ReadWritePaths=: the node daemon builds in /tmp",
+                f"add {c.cache_dir} to ReadWritePaths=, or put it under /var/lib/tiermem",
+            )
+        )
+    if k.daemon is None:
+        if k.daemon_why:
+            out.append(Finding("kernels", Status.SKIP, f"the node daemon's: {k.daemon_why}"))
+        return out
+    states = ", ".join(f"{name} {state}" for name, state in k.daemon)
+    failed = [name for name, state in k.daemon if state == "failed"]
+    if failed:
+        out.append(
+            Finding(
+                "kernels",
+                Status.WARN,
+                f"the node daemon's: {states}: the slower fallback runs",
+                "journalctl -u tiermemd says why (install gcc; check adam.cache_dir)",
+            )
+        )
+    else:
+        out.append(Finding("kernels", Status.OK, f"the node daemon's: {states or 'none reported'}"))
+    return out
+
+
+def _this_users_kernels(k: KernelFacts) -> Finding:
+    usable = next((d for d, problem in k.caches if not problem), None)
+    skipped = "; ".join(f"{d}: {problem}" for d, problem in k.caches if problem)
+    inductor = f"; inductor's cache {k.inductor_dir}" if k.inductor_dir and not k.inductor_error else ""
+    if usable is None:
+        return Finding(
+            "kernels",
+            Status.WARN,
+            f"no kernel cache this user may use ({skipped}): each process builds anew into a temporary directory",
+            "give this user a home directory, or set adam.cache_dir to a directory of its own, mode 0700",
+        )
+    built = f"built ({k.lowbit_built})" if k.lowbit_built else "not built yet (2-20 s at a daemon's start)"
+    where = f"{usable}, not {skipped}" if skipped else usable
+    return Finding("kernels", Status.OK, f"this user's cache {where}: the compressed-moment kernel {built}{inductor}")
+
+
+def check_torch(facts: Facts) -> list[Finding]:
+    t = facts.torch
+    if not t.version:
+        return [Finding("torch", Status.FAIL, f"torch does not import: {t.error}", "pip install 'torch>=2.3'")]
+    out = [Finding("torch", Status.OK, f"torch {t.version}" + (f", CUDA {t.cuda}" if t.cuda else ", CPU build"))]
+    if not t.devices:
+        out.append(Finding("cuda", Status.SKIP, "no GPU visible: CPU training only"))
+    elif t.pin_error:
+        out.append(
+            Finding(
+                "cuda",
+                Status.WARN,
+                f"{', '.join(t.devices)}: cudaHostRegister of a shared window failed ({t.pin_error}): GPU copies are "
+                "pageable, slower",
+                "check the driver (nvidia-smi) and that the container may pin memory",
+            )
+        )
+    else:
+        out.append(Finding("cuda", Status.OK, f"{', '.join(t.devices)}: a shared window pins (cudaHostRegister)"))
+    return out
+
+
+def run_checks(facts: Facts) -> list[Finding]:
+    """Every finding about ``facts``, in the order the report shows them."""
+    return [
+        check_config(facts),
+        check_daemon(facts),
+        check_attach(facts),
+        check_pool(facts),
+        check_memlock(facts),
+        check_libaio(facts),
+        *(check_swap_dir(d, facts) for d in facts.swap_dirs),
+        *check_kernels(facts),
+        *check_torch(facts),
+    ]
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def exit_code(findings: Sequence[Finding], *, strict: bool = False) -> int:
+    """0 when the node can train (1 with a failure, or with ``strict`` a warning)."""
+    bad = {Status.FAIL, Status.WARN} if strict else {Status.FAIL}
+    return EXIT_FAILED if any(f.status in bad for f in findings) else EXIT_OK
+
+
+def verdict(findings: Sequence[Finding]) -> str:
+    failed = sum(f.status is Status.FAIL for f in findings)
+    warned = sum(f.status is Status.WARN for f in findings)
+    if failed:
+        return f"This node cannot train through tiermem: {failed} check(s) failed, {warned} warning(s)."
+    return f"This node can train through tiermem ({warned} warning(s))."
+
+
+def render(facts: Facts, findings: Sequence[Finding], width: int = 100) -> str:
+    """The report as text: a header, one entry per finding with its fix, the verdict."""
+    user = facts.user
+    groups = ", ".join(user.group(g) for g in sorted(user.gids)) or "none"
+    lines = [f"tiermem doctor {facts.version} (protocol {facts.protocol}) as {user.label}, groups {groups}", ""]
+    for f in findings:
+        head = f"{f.status.value:<5} {f.check:<9} "
+        lines += textwrap.wrap(f.found, width, initial_indent=head, subsequent_indent=" " * 16) or [head]
+        if f.fix:
+            lines += textwrap.wrap(f.fix, width, initial_indent=" " * 16 + "fix: ", subsequent_indent=" " * 21)
+    return "\n".join([*lines, "", verdict(findings)]) + "\n"
+
+
+def to_json(facts: Facts, findings: Sequence[Finding], code: int) -> dict[str, object]:
+    reached = _reached(facts)
+    return {
+        "can_train": not any(f.status is Status.FAIL for f in findings),
+        "exit_code": code,
+        "version": facts.version,
+        "protocol": facts.protocol,
+        "user": {"uid": facts.user.uid, "name": facts.user.name, "gids": sorted(facts.user.gids)},
+        "socket": reached.path if reached is not None else None,
+        "findings": [{**asdict(f), "status": f.status.value} for f in findings],
+    }
+
+
+# --------------------------------------------------------------------------- the command
+
+EPILOG = """\
+exit codes: 0 the node can train through tiermem (warnings say where it runs slower or alone: a private
+daemon, buffered swap I/O, the fallback kernel); 1 a check failed, training through tiermem fails here
+(with --strict: or a warning was found); 2 bad usage.
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    doctor = sub.add_parser(
+        "doctor",
+        help="check that this node can train through tiermem, with a fix for each problem",
+        description=(
+            "Checks, as the user who runs it: the node's settings; the tiermemd a trainer of this user "
+            "would reach (found as trainers find it), its version and protocol, and whether this user may "
+            "attach (uid, groups, allowed_gids, socket and directory modes); the daemon's pool and "
+            "RLIMIT_MEMLOCK; libaio and a kernel AIO context; each swap directory (writable, O_DIRECT, free "
+            "space, inside the unit's ReadWritePaths); the kernel caches and the kernels built; torch, and "
+            "CUDA with cudaHostRegister where a GPU is present. Each problem comes with a one-line fix."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_argument(
+        "--socket", metavar="PATH", help="the daemon's socket (default: $TIERMEM_SOCKET_PATH, the node's, yours)"
+    )
+    doctor.add_argument(
+        "--config",
+        metavar="PATH",
+        help="the node's settings (default: $TIERMEM_CONFIG, else /etc/tiermem/tiermemd.toml when it exists)",
+    )
+    doctor.add_argument("--json", action="store_true", help="print the findings as one JSON object")
+    doctor.add_argument("--strict", action="store_true", help="exit 1 on a warning too")
+    doctor.add_argument(
+        "--timeout", type=float, default=10.0, metavar="SECONDS", help="how long a daemon may take to answer"
+    )
+    doctor.set_defaults(func=run_doctor)
+
+
+def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    from tiermem.client.doctor_facts import gather
+
+    out = sys.stdout if out is None else out
+    facts = gather(socket_path=args.socket, config_path=args.config, timeout_s=args.timeout, env=os.environ)
+    findings = run_checks(facts)
+    code = exit_code(findings, strict=args.strict)
+    if args.json:
+        print(json.dumps(to_json(facts, findings, code), indent=1), file=out)
+    else:
+        print(render(facts, findings), end="", file=out)
+    return code
