@@ -33,7 +33,7 @@ def test_fit_ends_where_adamw_ends(tmp_path: Path, state_dtype: str) -> None:
     ours = flat_params(fit(tmp_path / "ours", "offload", state_dtype))
     ref = flat_params(fit(tmp_path / "ref", "adamw"))
     gap = float((ours - ref).abs().max())
-    # compressed moments follow AdamW within their rounding (int8: 5.2e-3 here), over 8 steps of lr 1e-2
+    # compressed moments follow AdamW within their rounding (int8: 5e-3 to 6e-3 here), over 8 steps of lr 1e-2
     assert gap <= (TOLERANCE if state_dtype == "fp32" else 1e-2), gap
 
 
