@@ -99,7 +99,7 @@ def test_status_without_a_daemon_says_so_in_one_line(tmp_path: Path) -> None:
 
 def _doctor_as_nobody(socket_path: str, config: str) -> dict[str, Any]:
     from tiermem.client.doctor import exit_code, run_checks, to_json
-    from tiermem.client.doctor_facts import gather
+    from tiermem.client.doctor_probe import gather
 
     facts = gather(socket_path=socket_path, config_path=config, timeout_s=10.0, env={"HOME": "/nonexistent"})
     findings = run_checks(facts)
@@ -119,7 +119,7 @@ def open_dir() -> Iterator[Path]:
 def test_doctor_as_a_user_the_daemon_refuses_with_a_read_only_swap_dir(daemon: DaemonProcess, open_dir: Path) -> None:
     import torch  # noqa: F401 - imported before the fork, as the doctor's facts need it
 
-    import tiermem.client.doctor_facts
+    import tiermem.client.doctor_probe
     import tiermem.client.link  # noqa: F401
 
     swap = open_dir / "readonly-swap"

@@ -8,17 +8,8 @@ from typing import Any
 import pytest
 
 from tiermem.client.doctor import (
-    ConfigFacts,
-    Entry,
-    Facts,
     Finding,
-    KernelFacts,
-    Reach,
-    SocketProbe,
     Status,
-    SwapDirFacts,
-    TorchFacts,
-    User,
     check_attach,
     check_daemon,
     check_kernels,
@@ -36,6 +27,17 @@ from tiermem.client.doctor import (
     to_json,
     unreachable,
     unreachable_summary,
+)
+from tiermem.client.doctor_facts import (
+    ConfigFacts,
+    Entry,
+    Facts,
+    KernelFacts,
+    Reach,
+    SocketProbe,
+    SwapDirFacts,
+    TorchFacts,
+    User,
 )
 from tiermem.core.units import GiB, MiB
 

@@ -4,8 +4,9 @@ Owns the checks and their report.  Two layers:
 
 - the checks (``check_*``, ``run_checks``): pure functions from ``Facts`` to
   ``Finding``s, each a status, what was found and a one-line fix;
-- the gathering (``tiermem.client.doctor_facts``): the one part that touches
-  the node (sockets, files, rlimits, the compiler, torch and CUDA), run once.
+- the gathering (``tiermem.client.doctor_probe``): the one part that touches
+  the node (sockets, files, rlimits, the compiler, torch and CUDA), run once,
+  into the records of ``tiermem.client.doctor_facts``.
 
 What is checked, as the user who runs it (an operator, or a trainer's user):
 
@@ -40,9 +41,18 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TextIO
 
+from tiermem.client.doctor_facts import (
+    Entry,
+    Facts,
+    KernelFacts,
+    Reach,
+    SocketProbe,
+    SwapDirFacts,
+    User,
+)
 from tiermem.core.units import GiB, format_size
 
 __all__ = [
@@ -83,153 +93,6 @@ class Finding:
     status: Status
     found: str
     fix: str = ""
-
-
-# --------------------------------------------------------------------------- facts (filled by doctor_facts)
-
-
-class Reach(enum.Enum):
-    """What became of one socket a trainer would try."""
-
-    ANSWERED = "answered"
-    MISSING = "missing"
-    NO_ACCESS = "no access"
-    """The file system keeps this user out: the directory's search or the socket's write permission."""
-    NOT_LISTENING = "not listening"
-    UNTRUSTED = "untrusted"
-    """Its directory, file or listener is not the expected uid's (``tiermem.net.sockpath``)."""
-    REFUSED = "refused"
-    """The daemon refused this uid (``server.allowed_uids`` / ``allowed_gids``)."""
-    INCOMPATIBLE = "incompatible"
-    BROKEN = "broken"
-
-
-@dataclass(frozen=True)
-class Entry:
-    """What ``lstat`` says about a path (``missing``; ``unknown`` when it could not be asked)."""
-
-    path: str
-    mode: int = 0
-    uid: int = -1
-    gid: int = -1
-    missing: bool = False
-    unknown: str = ""
-    owner_name: str = ""
-    group_name: str = ""
-
-
-@dataclass(frozen=True)
-class User:
-    uid: int
-    name: str
-    gids: frozenset[int]
-    group_names: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        return f"uid {self.uid} ({self.name})"
-
-    def group(self, gid: int) -> str:
-        name = self.group_names.get(gid)
-        return f"{gid} ({name})" if name else str(gid)
-
-
-@dataclass(frozen=True)
-class SocketProbe:
-    path: str
-    whose: str
-    """Whose daemon it must be ("the node's tiermemd")."""
-    explicit: bool
-    """Named by ``--socket`` or ``$TIERMEM_SOCKET_PATH``: trainers use it or fail."""
-    reach: Reach
-    detail: str = ""
-    directory: Entry | None = None
-    socket: Entry | None = None
-    version: str = ""
-    pool_nbytes: int = 0
-    locked_nbytes: int = 0
-
-
-@dataclass(frozen=True)
-class ConfigFacts:
-    path: str | None
-    """The settings file read (None: no node settings; a private daemon's defaults)."""
-    error: str = ""
-    socket: str = ""
-    socket_group: str = ""
-    allowed_uids: tuple[int, ...] = ()
-    allowed_gids: tuple[int, ...] = ()
-    pool_nbytes: int = 0
-    """``pool.size`` resolved (0: half of the memory available)."""
-    mlock: bool = True
-    engine: str = "auto"
-    cache_dir: str = ""
-    metrics_port: int = 0
-    metrics_address: str = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class SwapDirFacts:
-    path: str
-    entry: Entry
-    probed: bool
-    """This user could probe it (its owner, or root); else it is the daemon user's to use."""
-    write_error: str = ""
-    direct_io_error: str = ""
-    free_nbytes: int | None = None
-    covered: bool | None = None
-    """Inside the installed unit's ``ReadWritePaths=`` (None: no unit installed)."""
-
-
-@dataclass(frozen=True)
-class KernelFacts:
-    compiler: str
-    """The C compiler's path ("": none)."""
-    caches: tuple[tuple[str, str], ...]
-    """This user's kernel cache directories, in the order a build tries them, each with why it cannot be used
-    ("": it can)."""
-    lowbit_built: str
-    """The compressed-moment kernel built for this host in one of them ("": not built)."""
-    inductor_dir: str
-    inductor_error: str
-    daemon: tuple[tuple[str, str], ...] | None = None
-    """(kernel, state) the node daemon's metrics show; None: not asked (``daemon_why``)."""
-    daemon_why: str = ""
-    unit_installed: bool = False
-    cache_covered: bool | None = None
-
-
-@dataclass(frozen=True)
-class TorchFacts:
-    version: str
-    """"": torch does not import (``error``)."""
-    error: str = ""
-    cuda: str = ""
-    """torch's CUDA version ("": a CPU build)."""
-    devices: tuple[str, ...] = ()
-    pin_error: str | None = None
-    """None: not tried (no GPU); "": a window registered with cudaHostRegister and copied to the GPU."""
-
-
-@dataclass(frozen=True)
-class Facts:
-    version: str
-    protocol: int
-    user: User
-    embed: bool
-    """Trainers may start a private daemon (``TIERMEM_NO_EMBED`` unset)."""
-    sockets: tuple[SocketProbe, ...]
-    sockets_error: str
-    config: ConfigFacts
-    swap_dirs: tuple[SwapDirFacts, ...]
-    libaio_error: str
-    aio_context_error: str
-    memlock_nbytes: int | None
-    """This process's soft ``RLIMIT_MEMLOCK`` (None: unlimited)."""
-    cap_ipc_lock: bool
-    available_nbytes: int
-    kernels: KernelFacts
-    torch: TorchFacts
 
 
 # --------------------------------------------------------------------------- pure checks
@@ -715,7 +578,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from tiermem.client.doctor_facts import gather
+    from tiermem.client.doctor_probe import gather
 
     out = sys.stdout if out is None else out
     facts = gather(socket_path=args.socket, config_path=args.config, timeout_s=args.timeout, env=os.environ)

@@ -223,7 +223,7 @@ def _unreachable(socket_path: str | None) -> str:
     import os
 
     from tiermem.client.doctor import unreachable_summary
-    from tiermem.client.doctor_facts import gather_user, probe_sockets
+    from tiermem.client.doctor_probe import gather_user, probe_sockets
 
     probes, error = probe_sockets(socket_path, os.environ, gather_user(), timeout_s=5.0)
     return (error or unreachable_summary(probes)) + "; tiermem doctor says what to change"
