@@ -77,7 +77,9 @@ def test_doctor_without_a_daemon_says_a_private_one_starts_or_fails_when_none_ma
     assert refused.returncode == 1
     report = json.loads(refused.stdout)
     assert report["can_train"] is False and by_check(report)["daemon"][0]["status"] == "fail"
-    named = run_tiermem_cli("doctor", "--socket", str(tmp_path / "none.sock"), env=isolated(tmp_path))
+    named = run_tiermem_cli(
+        "doctor", "--socket", str(tmp_path / "none.sock"), env=isolated(tmp_path, TIERMEM_NO_EMBED="1")
+    )
     assert named.returncode == 1 and "This node cannot train through tiermem" in named.stdout
     assert "no socket file" in named.stdout
 

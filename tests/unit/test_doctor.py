@@ -155,7 +155,10 @@ def test_no_daemon_means_a_private_one_or_a_failure_when_embedding_is_off() -> N
     assert "no directory /run/tiermem" in found.found and "Installing the service" in found.fix
     assert check_daemon(facts(sockets=none, embed=False)).status is Status.FAIL
     named = (probe(Reach.MISSING, "no socket file", "/tmp/x.sock", explicit=True),)
-    assert check_daemon(facts(sockets=named)).status is Status.FAIL
+    assert check_daemon(facts(sockets=named)).status is Status.WARN  # TIERMEM_SOCKET_PATH: a private daemon
+    impostor = (probe(Reach.UNTRUSTED, "refusing /tmp: writable by others", "/tmp/x.sock", explicit=True),)
+    assert check_daemon(facts(sockets=impostor)).status is Status.FAIL  # a named socket is never passed by
+    assert check_attach(facts(sockets=impostor)).status is Status.FAIL
     assert check_attach(facts(sockets=none)).status is Status.SKIP
     assert check_pool(facts(sockets=none)).status is Status.SKIP
 
@@ -166,17 +169,16 @@ def test_a_daemon_of_another_protocol_fails_naming_both() -> None:
     assert found.status is Status.FAIL and why in found.found
 
 
-def test_a_refused_uid_is_told_to_join_the_socket_group_and_the_group_to_be_allowed() -> None:
+def test_a_refused_uid_fails_and_is_told_to_join_the_socket_group_and_the_group_to_be_allowed() -> None:
     refused = probe(Reach.REFUSED, "uid 1000 is not allowed", socket=SOCKET)
     f = facts(sockets=(refused,), config=dataclasses.replace(facts().config, allowed_gids=()))
     attach = check_attach(f)
-    assert attach.status is Status.WARN and "allowed_gids [] in /etc/tiermem/tiermemd.toml" in attach.found
+    assert attach.status is Status.FAIL and "allowed_gids [] in /etc/tiermem/tiermemd.toml" in attach.found
     assert attach.fix == (
         "usermod -aG tiermem alice (then log in again); list gid 999 (tiermem) in server.allowed_gids, then "
         "systemctl reload tiermemd"
     )
-    assert check_daemon(f).status is Status.WARN
-    assert check_attach(dataclasses.replace(f, embed=False)).status is Status.FAIL
+    assert check_daemon(f).status is Status.FAIL  # connect() stops at a daemon that accepts; ATTACH is refused
     root_group = probe(Reach.REFUSED, "no", socket=dataclasses.replace(SOCKET, gid=0, group_name="root"))
     assert 'server.socket_group = "tiermem"' in check_attach(facts(sockets=(root_group,))).fix
 
@@ -290,9 +292,9 @@ def test_the_report_shows_every_finding_and_fix_within_its_width() -> None:
     for finding in findings:
         assert f"{finding.status.value:<5} {finding.check}" in text
     assert text.count("fix: ") == sum(1 for x in findings if x.fix)
-    assert text.rstrip().endswith("This node can train through tiermem (4 warning(s)).")
+    assert text.rstrip().endswith("This node cannot train through tiermem: 2 check(s) failed, 2 warning(s).")
     payload = to_json(f, findings, exit_code(findings))
-    assert payload["can_train"] is True and payload["socket"] is None
+    assert payload["can_train"] is False and payload["socket"] is None
     assert {"check": "libaio", "status": "warn"}.items() <= payload["findings"][5].items()
 
 

@@ -56,6 +56,7 @@ from tiermem.client.doctor_facts import (
 from tiermem.core.units import GiB, format_size
 
 __all__ = [
+    "CONNECTED",
     "EXIT_FAILED",
     "EXIT_OK",
     "Finding",
@@ -152,16 +153,29 @@ def unreachable(directory: Entry, sock: Entry, user: User, reason: str) -> tuple
     return Reach.NOT_LISTENING, reason
 
 
-_BLOCKED = (Reach.NO_ACCESS, Reach.REFUSED, Reach.UNTRUSTED)
-"""A daemon is there, but not for this user."""
+CONNECTED = (Reach.ANSWERED, Reach.REFUSED, Reach.INCOMPATIBLE, Reach.BROKEN)
+"""A trainer connected there and goes no further: that daemon is the one it uses, or fails with."""
+_SKIPPED = (Reach.NO_ACCESS, Reach.UNTRUSTED)
+"""A daemon is there, but a trainer of this user passes it by (a named socket it does not: see ``_decisive``)."""
+_SAME_TIERMEM = "install the same tiermem for the service and the trainers, then systemctl restart tiermemd"
+
+
+def _decisive(facts: Facts) -> SocketProbe | None:
+    """The socket that decides what a trainer gets: the first it connects to (``connect`` stops there), or a
+    named one it refuses to trust (``UnsafePathError``); None: it starts a private daemon, or fails."""
+    for p in facts.sockets:
+        if p.reach in CONNECTED or (p.explicit and p.reach is Reach.UNTRUSTED):
+            return p
+    return None
 
 
 def _reached(facts: Facts) -> SocketProbe | None:
-    return next((p for p in facts.sockets if p.reach is Reach.ANSWERED), None)
+    p = _decisive(facts)
+    return p if p is not None and p.reach is Reach.ANSWERED else None
 
 
 def _fallback(facts: Facts) -> tuple[Status, str]:
-    """What a trainer does without a usable daemon: start a private one (WARN), or fail."""
+    """What a trainer does when it connects nowhere: start a private daemon (WARN), or fail."""
     if facts.embed:
         return Status.WARN, "each training process starts a private daemon of its own"
     return Status.FAIL, "trainers fail: TIERMEM_NO_EMBED=1 forbids a private daemon"
@@ -189,74 +203,51 @@ def check_config(facts: Facts) -> Finding:
 def check_daemon(facts: Facts) -> Finding:
     if facts.sockets_error:
         return Finding("daemon", Status.FAIL, f"cannot tell which daemon trainers reach: {facts.sockets_error}")
-    reached = _reached(facts)
-    if reached is not None:
-        where = f"tiermemd {reached.version}, protocol {facts.protocol}, at {reached.path} ({reached.whose})"
-        if reached.version != facts.version:
-            return Finding(
-                "daemon",
-                Status.WARN,
-                f"{where}; this client is tiermem {facts.version}",
-                "install the same tiermem for the service and the trainers, then systemctl restart tiermemd",
-            )
-        before = [p for p in facts.sockets[: facts.sockets.index(reached)] if p.reach is not Reach.MISSING]
-        if before:
-            skipped = "; ".join(f"{p.path}: {p.reach.value}" for p in before)
-            return Finding("daemon", Status.WARN, f"{where}, not {skipped}", "see attach below")
-        return Finding("daemon", Status.OK, where)
-    for probe in facts.sockets:
-        if probe.reach is Reach.INCOMPATIBLE:
-            return Finding(
-                "daemon",
-                Status.FAIL,
-                f"{probe.path}: {probe.detail}",
-                "install the same tiermem for the service and the trainers, then systemctl restart tiermemd",
-            )
-    blocked = next((p for p in facts.sockets if p.reach in _BLOCKED), None)
-    if blocked is not None:
-        status, then = (Status.FAIL, "trainers fail") if blocked.explicit else _fallback(facts)
-        return Finding("daemon", status, f"{blocked.path}: {blocked.reach.value} for this user (see attach); {then}")
-    tried = "; ".join(f"{p.path}: {p.detail or p.reach.value}" for p in facts.sockets)
-    explicit = next((p for p in facts.sockets if p.explicit), None)
-    if explicit is not None:
+    decisive = _decisive(facts)
+    if decisive is None:
+        tried = "; ".join(f"{p.path}: {p.detail or p.reach.value}" for p in facts.sockets)
+        status, then = _fallback(facts)
+        if any(p.reach in _SKIPPED for p in facts.sockets):
+            return Finding("daemon", status, f"no tiermemd this user may use ({tried}); {then}", "see attach")
         return Finding(
             "daemon",
-            Status.FAIL,
-            f"trainers fail: the named socket is out of reach ({tried})",
-            "start the daemon that listens there, or unset TIERMEM_SOCKET_PATH",
+            status,
+            f"no tiermemd answers ({tried}); {then}",
+            "install the node service: docs/operating.md, Installing the service"
+            if facts.embed
+            else "start the node service (systemctl start tiermemd.socket), or unset TIERMEM_NO_EMBED",
         )
-    status, then = _fallback(facts)
+    if decisive.reach is Reach.ANSWERED:
+        where = f"tiermemd {decisive.version}, protocol {facts.protocol}, at {decisive.path} ({decisive.whose})"
+        if decisive.version != facts.version:
+            return Finding("daemon", Status.WARN, f"{where}; this client is tiermem {facts.version}", _SAME_TIERMEM)
+        passed = [p for p in facts.sockets[: facts.sockets.index(decisive)] if p.reach in _SKIPPED]
+        if passed:
+            skipped = "; ".join(f"{p.path}: {p.reach.value}" for p in passed)
+            return Finding("daemon", Status.WARN, f"{where}, not {skipped}", "see attach")
+        return Finding("daemon", Status.OK, where)
+    if decisive.reach is Reach.INCOMPATIBLE:
+        return Finding("daemon", Status.FAIL, f"{decisive.path}: {decisive.detail}", _SAME_TIERMEM)
+    if decisive.reach is Reach.REFUSED:
+        return Finding(
+            "daemon", Status.FAIL, f"{decisive.path} refuses this user: trainers fail with AuthError (see attach)"
+        )
+    if decisive.reach is Reach.UNTRUSTED:
+        return Finding("daemon", Status.FAIL, f"trainers raise UnsafePathError (see attach): {decisive.path}")
     return Finding(
         "daemon",
-        status,
-        f"no tiermemd answers ({tried}); {then}",
-        "install the node service: docs/operating.md, Installing the service"
-        if facts.embed
-        else "start the node service (systemctl start tiermemd.socket), or unset TIERMEM_NO_EMBED",
+        Status.FAIL,
+        f"{decisive.path} accepted a connection but did not answer: {decisive.detail}",
+        "journalctl -u tiermemd; systemctl restart tiermemd",
     )
 
 
 def check_attach(facts: Facts) -> Finding:
     user, config = facts.user, facts.config
     who = f"{user.label}, groups {', '.join(user.group(g) for g in sorted(user.gids)) or 'none'}"
-    reached = _reached(facts)
-    blocked = next((p for p in facts.sockets if p.reach in _BLOCKED), None)
-    if blocked is None or (reached is not None and facts.sockets.index(reached) < facts.sockets.index(blocked)):
-        if reached is None:
-            return Finding("attach", Status.SKIP, f"{who}: no daemon to attach to")
-        return Finding("attach", Status.OK, f"{who}: admitted by the daemon at {reached.path}")
-    status, then = _fallback(facts)
-    if blocked.explicit:
-        status, then = Status.FAIL, "trainers fail"
-    if blocked.reach is Reach.UNTRUSTED:
-        return Finding(
-            "attach",
-            status,
-            f"{blocked.path}: {blocked.detail}; {then}",
-            "set TIERMEM_DAEMON_USER to the user the service runs as, or remove the impostor's directory",
-        )
-    if blocked.reach is Reach.REFUSED:
-        named = config.path and not config.error and config.socket == blocked.path
+    decisive = _decisive(facts)
+    if decisive is not None and decisive.reach is Reach.REFUSED:
+        named = bool(config.path) and not config.error and config.socket == decisive.path
         allowed = (
             f"server.allowed_uids {list(config.allowed_uids)}, allowed_gids {list(config.allowed_gids)} "
             f"in {config.path}"
@@ -265,16 +256,37 @@ def check_attach(facts: Facts) -> Finding:
         )
         return Finding(
             "attach",
-            status,
-            f"the daemon at {blocked.path} refuses {who}: not in {allowed}; {then}",
-            _join_fix(user, blocked.socket, config.allowed_gids if named else None),
+            Status.FAIL,
+            f"the daemon at {decisive.path} refuses {who}: not in {allowed}; trainers fail with AuthError",
+            _join_fix(user, decisive.socket, config.allowed_gids if named else None),
         )
-    sock = blocked.socket
-    if sock is not None and not sock.missing and not sock.unknown and "socket" in blocked.detail:
-        fix = _join_fix(user, sock, config.allowed_gids if config.socket == blocked.path else None)
+    if decisive is not None and decisive.reach is Reach.UNTRUSTED:
+        return Finding(
+            "attach",
+            Status.FAIL,
+            f"{decisive.path}: {decisive.detail}",
+            "set TIERMEM_DAEMON_USER to the user the service runs as, or remove the impostor's directory",
+        )
+    end = facts.sockets.index(decisive) if decisive is not None else len(facts.sockets)
+    passed = next((p for p in facts.sockets[:end] if p.reach in _SKIPPED), None)
+    if passed is None:
+        if decisive is None or decisive.reach is not Reach.ANSWERED:
+            return Finding("attach", Status.SKIP, f"{who}: no daemon to attach to")
+        return Finding("attach", Status.OK, f"{who}: admitted by the daemon at {decisive.path}")
+    status, then = (Status.WARN, f"trainers use {decisive.path}") if decisive is not None else _fallback(facts)
+    if passed.reach is Reach.UNTRUSTED:
+        return Finding(
+            "attach",
+            status,
+            f"{passed.path} is passed by: {passed.detail}; {then}",
+            "set TIERMEM_DAEMON_USER to the user the service runs as, or remove the impostor's directory",
+        )
+    sock = passed.socket
+    if sock is not None and not sock.missing and not sock.unknown and "socket" in passed.detail:
+        fix = _join_fix(user, sock, config.allowed_gids if config.socket == passed.path else None)
     else:
         fix = "make the directory searchable: one DirectoryMode=/RuntimeDirectoryMode=0755 in both units"
-    return Finding("attach", status, f"{who}: {blocked.path}: {blocked.detail}; {then}", fix)
+    return Finding("attach", status, f"{who}: {passed.path}: {passed.detail}; {then}", fix)
 
 
 def _join_fix(user: User, sock: Entry | None, allowed_gids: tuple[int, ...] | None) -> str:
@@ -562,7 +574,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     doctor.add_argument(
-        "--socket", metavar="PATH", help="the daemon's socket (default: $TIERMEM_SOCKET_PATH, the node's, yours)"
+        "--socket",
+        metavar="PATH",
+        help="check as if TIERMEM_SOCKET_PATH named PATH (default: $TIERMEM_SOCKET_PATH, else the node's socket, "
+        "then yours)",
     )
     doctor.add_argument(
         "--config",

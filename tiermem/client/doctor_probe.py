@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tiermem import __version__
-from tiermem.client.doctor import is_under, read_write_paths, unreachable
+from tiermem.client.doctor import CONNECTED, is_under, read_write_paths, unreachable
 from tiermem.client.doctor_facts import (
     ConfigFacts,
     Entry,
@@ -164,8 +164,8 @@ def entry_of(path: str) -> Entry:
 def probe_sockets(
     socket_path: str | None, env: Mapping[str, str], user: User, timeout_s: float
 ) -> tuple[tuple[SocketProbe, ...], str]:
-    """Each socket a trainer would try (``tiermem.client.link.connect``'s order), until one answers; or why
-    the sockets cannot be told."""
+    """Each socket a trainer would try (``tiermem.client.link.connect``'s order), up to the first it connects
+    to; or why the sockets cannot be told."""
     try:
         from tiermem.client.link import candidate_sockets
 
@@ -175,7 +175,7 @@ def probe_sockets(
     probes: list[SocketProbe] = []
     for candidate in candidates:
         probes.append(probe_socket(candidate.path, candidate.trust, candidate.explicit, user, timeout_s))
-        if probes[-1].reach is Reach.ANSWERED:
+        if probes[-1].reach in CONNECTED:
             break
     return tuple(probes), ""
 
