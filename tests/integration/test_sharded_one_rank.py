@@ -230,6 +230,24 @@ def test_layer_sharded_refuses_params_off_the_host_naming_the_optimizer_for_a_gp
         LayerShardedAdam(m)
 
 
+def test_a_closed_layer_sharded_optimizer_leaves_no_hook_on_the_model(daemon, one_rank_group):
+    """A closed one would otherwise gather (a collective) on the model's next forward."""
+    m = model()
+    opt = LayerShardedAdam(m, client=connect(daemon.socket_path), collective_timeout_s=5)
+    loss_of(m, 0).backward()
+    opt.step()
+    opt.close()
+    for module in m.modules():
+        assert not module._forward_pre_hooks and not module._forward_hooks and not module._backward_pre_hooks
+    assert not any(p._post_accumulate_grad_hooks for p in m.parameters())
+
+
+def test_a_collective_timeout_must_be_a_positive_number_of_seconds(one_rank_group):
+    for bad in (0, -1.0, float("inf"), "30", True):
+        with pytest.raises(InvalidArgument, match="collective_timeout_s must be a number of seconds > 0"):
+            ShardedPagedAdam(model(), device_budget="1MiB", collective_timeout_s=bad)
+
+
 def test_the_group_takes_collectives_on_the_host_for_gloo(one_rank_group):
     """NCCL's groups take device tensors only; gloo's take host tensors (the norm's all-reduce uses this)."""
     from tiermem.client.distributed.group import collective_device

@@ -190,13 +190,16 @@ class LayerShardedAdam(Zero3Optimizer):
         self._grads: DaemonGrads | None = None
         if paged and self.inner is not None:
             self._grads = self._page(self.inner)
+        self._hooks: list[Any] = []
+        """The handles of the hooks on the model, removed at ``close()``."""
         for unit in self.units:
             self._release(unit, log=False)
-            unit.module.register_forward_pre_hook(self._make_hook(unit, self._before_forward))
-            unit.module.register_forward_hook(self._make_hook(unit, self._after_forward))
-            unit.module.register_full_backward_pre_hook(self._make_hook(unit, self._before_backward))
-            for p in unit.params:
-                p.register_post_accumulate_grad_hook(self._make_grad_hook(unit))
+            self._hooks += [
+                unit.module.register_forward_pre_hook(self._make_hook(unit, self._before_forward)),
+                unit.module.register_forward_hook(self._make_hook(unit, self._after_forward)),
+                unit.module.register_full_backward_pre_hook(self._make_hook(unit, self._before_backward)),
+                *(p.register_post_accumulate_grad_hook(self._make_grad_hook(unit)) for p in unit.params),
+            ]
 
     def _page(self, inner: OffloadAdam) -> DaemonGrads:
         """``paged``: the daemon has the values now (the staged exchange wrote them as masters): every copy here
@@ -502,6 +505,10 @@ class LayerShardedAdam(Zero3Optimizer):
         return out
 
     def close(self) -> None:
+        """Detach from the daemon and take the hooks off the model (a closed optimizer gathers nothing)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
         release_job_id(self.job_id)
         if self.inner is not None:
             self.inner.close()
