@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import typing
 from pathlib import Path
 
@@ -86,3 +88,92 @@ def test_the_check_names_missing_extra_and_repeated_keys() -> None:
 def test_a_document_without_the_table_is_refused() -> None:
     with pytest.raises(AssertionError, match="expected one table"):
         documented_keys("# no table here\n")
+
+
+# --------------------------------------------------------------------------- the example settings file
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "systemd" / "tiermemd.toml"
+MARKERS = ("(Example", "(Node value")
+"""A comment holding one of these marks the keys below it (up to a blank line or another comment) as not the
+default; the file's header says every other value shown is the default."""
+
+
+def unmarked_values(text: str) -> list[tuple[str, str, str]]:
+    """(section, key, TOML value) of every key the example file presents as its default."""
+    out: list[tuple[str, str, str]] = []
+    section, marked, in_comment = "", False, False
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line:
+            marked, in_comment = False, False
+        elif line.startswith("#"):
+            marked = (marked and in_comment) or any(m in line for m in MARKERS)
+            in_comment = True
+        elif line.startswith("["):
+            section, marked, in_comment = line.strip("[]"), False, False
+        else:
+            key, _, value = line.partition("=")
+            in_comment = False
+            if section and not marked:
+                out.append((section, key.strip(), value.strip()))
+    return out
+
+
+def test_every_value_the_example_file_does_not_mark_is_the_default(tmp_path: Path) -> None:
+    from tiermem.core.config import load_config
+
+    env = {"HOME": str(tmp_path)}
+    defaults = load_config(None, env=env)
+    wrong = []
+    for section, key, value in unmarked_values(EXAMPLE.read_text()):
+        one = tmp_path / f"{section}.{key}.toml"
+        one.write_text(f"[{section}]\n{key} = {value}\n")
+        shown = getattr(getattr(load_config(one, env=env), section), key)
+        default = getattr(getattr(defaults, section), key)
+        if shown != default:
+            wrong.append(f"{section}.{key} = {value} is shown as the default, which is {default!r}")
+    assert not wrong, "systemd/tiermemd.toml: " + "; ".join(wrong)
+
+
+def test_the_example_check_sees_marks_and_where_they_end() -> None:
+    text = "[jobs]\n# (Example values.)\nmax_pool = 1\nmax_swap = 2\n\n# plain\nmax_jobs = 3\n"
+    assert unmarked_values(text) == [("jobs", "max_jobs", "3")]
+
+
+# --------------------------------------------------------------------------- tiermem estimate's sample
+
+
+def test_the_estimate_sample_rows_are_what_the_command_prints(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/operating.md's sample of ``tiermem estimate``: every row shown, up to the column that depends on the
+    node it runs on (``fits this node``)."""
+    from tiermem.client.cli import main
+
+    section = OPERATING.read_text().split("## Will a model fit? `tiermem estimate`", 1)[1].split("\n## ", 1)[0]
+    (command,) = [line for line in section.splitlines() if line.startswith("tiermem estimate ")]
+    sample = section.split("```\noffload ", 1)[1].split("```", 1)[0]
+    header, *rows = ("offload " + sample).splitlines()
+    cut = header.index("fits this node")
+    for name in [k for k in os.environ if k.startswith("TIERMEM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr("tiermem.client.estimate_cli.DEFAULT_NODE_CONFIG", "/nonexistent/tiermemd.toml")
+    assert main([*command.split()[1:], "--no-daemon"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert header in printed
+    shown = {line[:cut].rstrip() for line in printed}
+    missing = [row[:cut].rstrip() for row in rows if row != "..." and row[:cut].rstrip() not in shown]
+    assert not missing, f"docs/operating.md shows rows tiermem estimate does not print: {missing}"
+
+
+@pytest.mark.parametrize("command", ["status", "doctor"])
+def test_the_usage_line_in_the_guide_names_every_flag_of_the_command(command: str) -> None:
+    import argparse
+
+    from tiermem.client.cli import build_parser
+
+    (usage,) = [line for line in OPERATING.read_text().splitlines() if line.startswith(f"tiermem {command} [")]
+    documented = set(re.findall(r"\[(--[a-z-]+)", usage))
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {o for a in sub.choices[command]._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+    assert documented == flags
