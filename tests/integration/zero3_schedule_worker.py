@@ -70,7 +70,9 @@ class RandomDelays:
 
 def optimizer(run: dict[str, Any], model: nn.Module, probe: RandomDelays, timeout_s: float) -> Any:
     job = f"fuzz-{run['kind']}-{run['seed']}"  # a job of its own: a failed run's state waits for a relaunch
-    common = {"lr": LR, "weight_decay": 0.01, "collective_timeout_s": timeout_s, "probe": probe, "job_id": job}
+    common: dict[str, Any] = {
+        "lr": LR, "weight_decay": 0.01, "collective_timeout_s": timeout_s, "probe": probe, "job_id": job,
+    }  # fmt: skip
     if run["kind"] == "paged":
         return ShardedPagedAdam(
             model, offload="cpu", device_budget=budget(model, run["budget"]), prefetch=run["prefetch"], **common
