@@ -169,6 +169,16 @@ def test_a_daemon_of_another_protocol_fails_naming_both() -> None:
     assert found.status is Status.FAIL and why in found.found
 
 
+def test_a_directory_that_keeps_the_user_out_is_fixed_by_its_group_or_its_mode() -> None:
+    closed = dataclasses.replace(RUN_DIR, mode=0o40750, group_name="tiermem")
+    hidden = probe(Reach.NO_ACCESS, "/run/tiermem (mode 0750 ...) is not searchable", directory=closed)
+    attach = check_attach(facts(sockets=(hidden, answered(MINE))))
+    assert attach.status is Status.WARN and f"trainers use {MINE}" in attach.found
+    assert attach.fix == (
+        "usermod -aG tiermem alice (then log in again); or make /run/tiermem 0755, as the shipped units do"
+    )
+
+
 def test_a_refused_uid_fails_and_is_told_to_join_the_socket_group_and_the_group_to_be_allowed() -> None:
     refused = probe(Reach.REFUSED, "uid 1000 is not allowed", socket=SOCKET)
     f = facts(sockets=(refused,), config=dataclasses.replace(facts().config, allowed_gids=()))
