@@ -18,7 +18,7 @@ from conftest import DaemonProcess
 
 from tiermem.client.distributed import LayerShardedAdam, ShardedGradScaler, ShardedOffloadAdam, ShardedPagedAdam
 from tiermem.client.link import connect
-from tiermem.core.errors import InvalidArgument, InvalidState
+from tiermem.core.errors import InvalidArgument, InvalidState, RankLost
 
 
 def model() -> torch.nn.Module:
@@ -246,6 +246,32 @@ def test_a_collective_timeout_must_be_a_positive_number_of_seconds(one_rank_grou
     for bad in (0, -1.0, float("inf"), "30", True):
         with pytest.raises(InvalidArgument, match="collective_timeout_s must be a number of seconds > 0"):
             ShardedPagedAdam(model(), device_budget="1MiB", collective_timeout_s=bad)
+
+
+def test_a_failed_collective_is_rank_lost_naming_it_and_its_group_is_not_reused(one_rank_group):
+    from tiermem.client.distributed.schedule import Collectives
+
+    def stuck(*args: object, group: object) -> None:
+        raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
+
+    schedule = Collectives(None, 0, lambda: 4, timeout_s=5)
+    schedule.run("all-gather", "h.0 (Linear)", torch.distributed.all_reduce, torch.zeros(1))
+    with pytest.raises(RankLost) as lost:
+        schedule.run("reduce-scatter", "h.1 (Linear)", stuck)
+    assert str(lost.value).startswith(
+        "rank 0: the reduce-scatter of h.1 (Linear) (the step's collective 2, limit 5 s) of step 5 failed"
+    )
+    assert lost.value.during.startswith("reduce-scatter of h.1") and lost.value.last_step == 4
+    assert schedule.counts == {"all-gather": 1, "reduce-scatter": 1}
+    failed = schedule.group
+    schedule.close()
+    fresh = Collectives(None, 0, lambda: 0, timeout_s=5)
+    assert fresh.group is not failed
+    kept = fresh.group
+    fresh.close()
+    again = Collectives(None, 0, lambda: 0, timeout_s=5)  # a closed schedule's group serves the next one
+    assert again.group is kept
+    again.close()
 
 
 def test_the_group_takes_collectives_on_the_host_for_gloo(one_rank_group):

@@ -137,14 +137,17 @@ class Collectives:
 
     def wait(self, kind: str, unit: str, work: Any) -> None:
         """Wait for the work of an ``async_op`` collective (``run``'s), within the same limit."""
-        self._guard(kind, unit, sum(self.counts.values()), work.wait)
+        self._guard(kind, unit, None, work.wait)
 
-    def _guard(self, kind: str, unit: str, number: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _guard(
+        self, kind: str, unit: str, number: int | None, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
         try:
             return fn(*args, **kwargs)
         except (RuntimeError, dist.DistError) as exc:
             self.failed = True
-            during = f"{kind} of {unit} (the step's collective {number}, limit {self.timeout_s:g} s)"
+            which = "awaited" if number is None else f"the step's collective {number}"
+            during = f"{kind} of {unit} ({which}, limit {self.timeout_s:g} s)"
             raise RankLost(during, self.rank, self.steps(), exc) from exc
 
     def end_step(self) -> None:
