@@ -281,12 +281,12 @@ def check_attach(facts: Facts) -> Finding:
             f"{passed.path} is passed by: {passed.detail}; {then}",
             "set TIERMEM_DAEMON_USER to the user the service runs as, or remove the impostor's directory",
         )
-    allowed = config.allowed_gids if config.socket == passed.path else None
+    gids = config.allowed_gids if config.socket == passed.path else None
     sock, directory = passed.socket, passed.directory
     if sock is not None and not sock.missing and not sock.unknown and "socket" in passed.detail:
-        fix = _join_fix(user, sock, allowed)
+        fix = _join_fix(user, sock, gids)
     elif directory is not None and not directory.missing and not directory.unknown and directory.gid != 0:
-        fix = f"{_join_fix(user, directory, allowed)}; or make {directory.path} 0755, as the shipped units do"
+        fix = f"{_join_fix(user, directory, gids)}; or make {directory.path} 0755, as the shipped units do"
     else:
         fix = f"make {os.path.dirname(passed.path)} searchable: 0755, as the shipped units make /run/tiermem"
     return Finding("attach", status, f"{who}: {passed.path}: {passed.detail}; {then}", fix)
