@@ -318,3 +318,51 @@ def test_an_options_record_builds_the_optimizer_its_keywords_build() -> None:
         OffloadAdam(mlp().parameters(), offlaod="nvme")
     by_keywords.close()
     by_options.close()
+
+
+def test_on_a_callers_connection_a_refused_group_changes_nothing(offload) -> None:  # type: ignore[no-untyped-def]
+    from tiermem.core.errors import AdmissionError
+
+    base = mlp()
+    m_off, m_ref = replicas(base, 2)
+    caller = offload.client()
+    opt = OffloadAdam(m_off.parameters(), client=caller, offload="cpu", **HYPER)  # no spill to NVMe
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    batches = mlp_batches(6, fixed=False)
+    train(m_off, opt, batches[:3], mlp_loss)
+    before = opt.state_dict()
+    huge = nn.Parameter(torch.zeros(16 << 20))  # 64 MiB of params and 192 MiB of state: more than the pool
+    with pytest.raises(AdmissionError):
+        opt.add_param_group({"params": [huge]})
+    assert opt.client is caller
+    after = opt.state_dict()
+    for i, entry in before["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, after["state"][i][key]), (i, key)
+    train(m_off, opt, batches[3:], mlp_loss)
+    train(m_ref, ref, batches, mlp_loss)
+    assert_params_close(m_off, m_ref)
+    opt.close()
+    caller.close()
+
+
+def test_on_a_callers_connection_an_accepted_group_moves_to_a_connection_of_its_own(offload) -> None:  # type: ignore[no-untyped-def]
+    base = mlp()
+    m_off, m_ref = replicas(base, 2)
+    head_off, head_ref = replicas(nn.Linear(8, 8), 2)
+    caller = offload.client()
+    opt = OffloadAdam(m_off.parameters(), client=caller, **HYPER)
+    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    batches = mlp_batches(6, fixed=False)
+    train(m_off, opt, batches[:3], mlp_loss)
+    train(m_ref, ref, batches[:3], mlp_loss)
+    opt.add_param_group({"params": list(head_off.parameters())})
+    ref.add_param_group({"params": list(head_ref.parameters())})
+    assert opt.client is not caller and opt.client.socket_path == caller.socket_path
+    train(m_off, opt, batches[3:], lambda m, b: mlp_loss(nn.Sequential(m, head_off), b))
+    train(m_ref, ref, batches[3:], lambda m, b: mlp_loss(nn.Sequential(m, head_ref), b))
+    assert_params_close(m_off, m_ref)
+    assert_params_close(head_off, head_ref)
+    opt.close()
+    caller.stats()  # the caller's connection is theirs, open and detached
+    caller.close()

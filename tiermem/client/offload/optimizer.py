@@ -305,9 +305,12 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         worth of memory), else there must be none.  Where the attach is refused and ``fallback`` is given,
         registers with a window of ``fallback`` bytes instead and returns False.
 
-        New before old: on this optimizer's own connection the new rank is made beside the old one (a new
-        private daemon, or a new job on the node's), so a refusal leaves the optimizer exactly as it was,
-        state included.  On a caller's connection, which holds one job at a time, the old rank goes first.
+        New before old: the new rank is made beside the old one (a new private daemon, or a new job on the
+        same daemon), so a refusal leaves the optimizer exactly as it was, state included.  On a caller's
+        connection, which holds one job at a time, the new job takes a second connection to the same daemon,
+        which the optimizer owns from then on (the caller's stays theirs, detached).  Only where the job's
+        name was given (two jobs of one name cannot live side by side) or no second connection opens does
+        the old rank go first.
         ``include``: ids of frozen params to register too (they are to hold state)."""
         self.flush()
         if self._open is not None:
@@ -316,25 +319,34 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         steps, skipped = self._steps_sent, self._skipped
         keep = set(self._index) | (include or set())  # these hold state: they stay registered
         self._choose_exchange(self._split_frozen(keep)[0])  # refused before anything changes, on any connection
+        second = None if self._own_client or self._job_id_given else self._second_connection()
         old = _Registration.take(self._h)
-        beside = self._own_client and (old.client.daemon is not None or not self._job_id_given)
+        same_daemon = second is not None or old.client.daemon is None
+        beside = second is not None or (self._own_client and (old.client.daemon is not None or not self._job_id_given))
         old.feed.retire(send_edits=False)  # the new registration takes every param as it is now
         if not beside:
             old.drop()
         job_id = self.job_id
-        if beside and old.client.daemon is None:
-            self.job_id = _fresh_job_id()  # the old job stays attached on the node's daemon until the new one is
+        if beside and same_daemon:
+            self.job_id = _fresh_job_id()  # the old job stays attached on that daemon until the new one is
+        if second is not None:
+            self._own_client = True  # the new rank's connection is this optimizer's own; the caller keeps theirs
+        target = second if second is not None else (None if self._own_client else old.client)
         grown = True
         try:
             try:
-                self._register(None if self._own_client else old.client, window, keep=keep)
+                self._register(target, window, keep=keep)
             except AdmissionError as exc:
                 if fallback is None:
                     raise
                 log.warning(
                     "a %s staging window was refused (%s); keeping %s", format_size(window), exc, format_size(fallback)
                 )
-                self._register(None if self._own_client else old.client, fallback, keep=keep)
+                if second is not None:  # the refused registration closed it
+                    target = second = self._second_connection(old.client)
+                    if target is None:
+                        raise
+                self._register(target, fallback, keep=keep)
                 grown = False
         except BaseException:
             if beside:
@@ -347,6 +359,15 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         if saved:
             self._load_entries({self._index[id(p)]: entry for p, entry in saved.items() if id(p) in self._index})
         return grown
+
+    def _second_connection(self, client: Client | None = None) -> Client | None:
+        """A connection of this optimizer's own to the daemon of the caller's connection, or None (logged)."""
+        path = (client or self.client).socket_path
+        try:
+            return connect(path, embed=False)
+        except TiermemError as exc:
+            log.warning("no second connection to %s (%s): the old rank is detached before the new one", path, exc)
+            return None
 
     def _split_frozen(self, keep: set[int]) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
         """The params to register and the frozen ones: a param that wants no grad (``requires_grad=False``) and
