@@ -1,6 +1,6 @@
 """One PyTorch Lightning training case, the same for every optimizer: a small regression model, fixed data,
 ``Trainer.fit`` with gradient clipping and a ``ModelCheckpoint``; run in-process by the single-process tests
-and as ``python lightning_case.py OUT_DIR OPTIMIZER STATE_DTYPE`` on each rank of a DDP launch.
+and as ``python lightning_case.py OUT_DIR OPTIMIZER STATE_DTYPES`` on each rank of a DDP launch.
 """
 
 from __future__ import annotations
@@ -82,10 +82,14 @@ def flat_params(module: nn.Module) -> torch.Tensor:
 
 
 def main() -> None:
-    out, optimizer, state_dtype = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    module = fit_resumed(out, optimizer, state_dtype, stop=4, devices=2, strategy="ddp")
+    """One DDP launch trains every state dtype named (comma-separated) in turn, each fit resumed from its own
+    checkpoint, and saves each rank's params per dtype."""
+    out, optimizer, state_dtypes = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
     rank = int(os.environ["RANK"])
-    torch.save(flat_params(module), out / f"params-{rank}.pt")
+    for state_dtype in state_dtypes:
+        run = out / state_dtype
+        module = fit_resumed(run, optimizer, state_dtype, stop=4, devices=2, strategy="ddp")
+        torch.save(flat_params(module), out / f"params-{state_dtype}-{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -48,33 +48,32 @@ def test_fit_resumed_from_a_checkpoint_ends_where_the_uninterrupted_fit_ends(tmp
     assert (tmp_path / "resumed" / "last.ckpt").exists()
 
 
-def _ddp(out: Path, optimizer: str, state_dtype: str) -> list[torch.Tensor]:
+def _ddp(out: Path, optimizer: str, state_dtypes: tuple[str, ...]) -> dict[str, list[torch.Tensor]]:
+    """One torchrun launch of 2 ranks: each state dtype's fit, resumed from its checkpoint; params per rank."""
     out.mkdir()
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
+    path = str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc_per_node=2",
         "--standalone",
+        "--nproc_per_node=2",
         str(HERE / "lightning_case.py"),
         str(out),
         optimizer,
-        state_dtype,
+        ",".join(state_dtypes),
     ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
-    return [torch.load(out / f"params-{rank}.pt") for rank in range(2)]
+    return {d: [torch.load(out / f"params-{d}-{rank}.pt") for rank in range(2)] for d in state_dtypes}
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
-def test_ddp_fit_and_resume_at_two_ranks(tmp_path: Path, state_dtype: str) -> None:
-    ours = _ddp(tmp_path / "ours", "offload", state_dtype)
-    assert torch.equal(ours[0], ours[1])  # DDP keeps the replicas equal: each rank's optimizer saw the same grads
-    if state_dtype == "fp32":
-        ref = _ddp(tmp_path / "ref", "adamw", "fp32")
-        assert float((ours[0] - ref[0]).abs().max()) <= TOLERANCE
+def test_ddp_fit_and_resume_at_two_ranks(tmp_path: Path) -> None:
+    ours = _ddp(tmp_path / "ours", "offload", ("fp32", "bf16", "int8"))
+    ref = _ddp(tmp_path / "ref", "adamw", ("fp32",))["fp32"]
+    for state_dtype, ranks in ours.items():
+        # DDP keeps the replicas equal: each rank's optimizer saw the same grads
+        assert torch.equal(ranks[0], ranks[1]), state_dtype
+        gap = float((ranks[0] - ref[0]).abs().max())
+        assert gap <= (TOLERANCE if state_dtype == "fp32" else 1e-2), (state_dtype, gap)
