@@ -9,13 +9,16 @@ writes both final models' largest difference (and its figures) as JSON.
 An overflow is injected at ``--inf-step`` on the last rank: its local loss is
 scaled by inf, so the global loss overflows too and both sides skip that step.
 ``--kill-step``: the last rank dies by SIGKILL inside that step, just before
-its reduce-scatter; the others must get ``RankLost``.
+its reduce-scatter; the others must get ``RankLost``.  ``--state-dtype``: the
+daemon keeps the moments as bf16 or int8; every rank writes a hash of its
+final params, so the test sees that the ranks end equal.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import logging
 import os
 import signal
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sync", action="store_true", help="all but the last micro-batch inside no_sync()")
     ap.add_argument("--late-close", type=float, default=0.0, help="ranks but 0 wait this long before close()")
     ap.add_argument("--delayed", type=int, default=-1, help="delayed_update=True after this many warmup steps")
+    ap.add_argument("--state-dtype", default="fp32", help="how the daemon keeps the moments (fp32, bf16, int8)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rank, world, owned = join_group(outlive_a_killed_peer=args.kill_step >= 0)
@@ -110,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         overlap_comm=args.overlap,
         delayed_update=args.delayed >= 0,
         warmup_steps=max(args.delayed, 0),
+        state_dtype=args.state_dtype,
     )
     sched = schedule(opt)
     start = opt.steps  # a relaunch reattached to the job's state continues where it is
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         last_norm=opt.last_grad_norm,
         sharded_numel=sum(p.numel for p in opt.pieces),
         socket=opt.inner.client.socket_path if opt.inner is not None else None,
+        params_sha256=hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
     )
     full = opt.full_state_dict()
     if args.reload:  # the shard and the full dict, each loaded into a new job's optimizer, give the same state
@@ -159,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 bucket_nbytes=args.bucket_nbytes,
                 broadcast_params=False,
                 job_id=f"{opt.job_id}-reload",
+                state_dtype=args.state_dtype,
             )
             again.load_state_dict(saved)
             back = again.full_state_dict()

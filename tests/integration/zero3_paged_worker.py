@@ -17,6 +17,7 @@ optimizer (a new job), loads the optimizer's state and then the model's, and
 trains on.  ``--scaler``: both sides train under a loss scaler
 (``ShardedGradScaler`` here, torch's ``GradScaler`` in the reference);
 ``--inf-step K`` makes the last rank's loss inf at step K, so both skip it.
+``--state-dtype``: the daemons keep the moments as bf16 or int8.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume-at", type=int, default=-1)
     ap.add_argument("--scaler", action="store_true")
     ap.add_argument("--inf-step", type=int, default=-1)
+    ap.add_argument("--state-dtype", default="fp32", help="how the daemon keeps the moments (fp32, bf16, int8)")
     args = ap.parse_args(argv)
     rank, world, owned = join_group(outlive_a_killed_peer=args.kill_step >= 0)
     model = make_model()
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             device_budget=budget,
             prefetch=1,
             job_id=job_id,
+            state_dtype=args.state_dtype,
         )
 
     opt = optimizer(model)
