@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +32,13 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def assert_state_equal(before: dict[str, Any], after: dict[str, Any]) -> None:
+    """Two state dicts hold the same tensors, bit for bit, for every param ``before`` has state for."""
+    for i, entry in before["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, after["state"][i][key]), (i, key)
 
 
 def _wrap_like_lightning(opt: torch.optim.Optimizer) -> object:
@@ -109,9 +117,7 @@ def test_state_assigned_back_as_lightning_moves_it_changes_nothing() -> None:
             if key != "step":
                 state[key] = value.to("cpu")
     after = opt.state_dict()
-    for i, entry in before["state"].items():
-        for key, value in entry.items():
-            assert torch.equal(value, after["state"][i][key]), (i, key)
+    assert_state_equal(before, after)
     train(m_off, opt, batches[3:], mlp_loss)
     train(m_ref, ref, batches, mlp_loss)
     assert_params_close(m_off, m_ref)
@@ -158,9 +164,7 @@ def test_a_refused_param_group_leaves_the_optimizer_as_it_was() -> None:
     assert len(opt.param_groups) == 1
     after = opt.state_dict()
     assert after["state"].keys() == before["state"].keys()
-    for i, entry in before["state"].items():
-        for key, value in entry.items():
-            assert torch.equal(value, after["state"][i][key]), (i, key)
+    assert_state_equal(before, after)
     train(m_off, opt, batches[3:], mlp_loss)
     train(m_ref, ref, batches, mlp_loss)
     assert_params_close(m_off, m_ref)
@@ -336,9 +340,7 @@ def test_on_a_callers_connection_a_refused_group_changes_nothing(offload) -> Non
         opt.add_param_group({"params": [huge]})
     assert opt.client is caller
     after = opt.state_dict()
-    for i, entry in before["state"].items():
-        for key, value in entry.items():
-            assert torch.equal(value, after["state"][i][key]), (i, key)
+    assert_state_equal(before, after)
     train(m_off, opt, batches[3:], mlp_loss)
     train(m_ref, ref, batches, mlp_loss)
     assert_params_close(m_off, m_ref)

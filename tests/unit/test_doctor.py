@@ -263,6 +263,12 @@ def test_kernels_report_the_cache_used_the_build_and_the_daemons_state() -> None
     assert fallback.status is Status.OK and "/tmp/tiermem-kernels-1000, not /nonexistent" in fallback.found
 
 
+def test_kernel_caches_that_could_not_be_looked_at_say_why() -> None:
+    broken = dataclasses.replace(facts().kernels, caches=(), lowbit_built="", lowbit_error="ImportError: no module")
+    found = check_kernels(facts(kernels=broken))[0]
+    assert found.status is Status.WARN and "ImportError: no module" in found.found and "reinstall" in found.fix
+
+
 def test_a_node_unit_without_a_kernel_cache_dir_recompiles_at_every_restart() -> None:
     f = facts(kernels=dataclasses.replace(facts().kernels, unit_installed=True))
     found = [k for k in check_kernels(f) if k.status is Status.WARN]

@@ -457,6 +457,13 @@ def check_kernels(facts: Facts) -> list[Finding]:
 
 
 def _this_users_kernels(k: KernelFacts) -> Finding:
+    if k.lowbit_error:
+        return Finding(
+            "kernels",
+            Status.WARN,
+            f"the compressed-moment kernel's caches could not be looked at ({k.lowbit_error})",
+            "reinstall tiermem in this environment (pip install -e . or the wheel)",
+        )
     usable = next((d for d, problem in k.caches if not problem), None)
     skipped = "; ".join(f"{d}: {problem}" for d, problem in k.caches if problem)
     inductor = f"; inductor's cache {k.inductor_dir}" if k.inductor_dir and not k.inductor_error else ""

@@ -127,6 +127,8 @@ class KernelFacts:
     """The compressed-moment kernel built for this host in one of them ("": not built)."""
     inductor_dir: str
     inductor_error: str
+    lowbit_error: str = ""
+    """Why the kernel's caches could not be looked at ("": they were)."""
     daemon: tuple[tuple[str, str], ...] | None = None
     """(kernel, state) the node daemon's metrics show; None: not asked (``daemon_why``)."""
     daemon_why: str = ""

@@ -336,13 +336,14 @@ def gather_kernels(
     compiler = shutil.which(env.get("CC") or "cc") or ""
     lowbit_built: str | None = ""
     caches: tuple[str, ...] = ()
+    lowbit_error = ""
     try:
         from tiermem.engine.optim.lowbit_native import built_lowbit_library, cache_directories
 
         caches = cache_directories(None)
         lowbit_built = built_lowbit_library(None) if compiler else ""
-    except (ImportError, OSError):
-        pass
+    except (ImportError, OSError) as exc:
+        lowbit_error = f"{type(exc).__name__}: {exc}"
     inductor_dir = env.get("TORCHINDUCTOR_CACHE_DIR", "")
     if not inductor_dir:
         with contextlib.suppress(Exception):
@@ -362,6 +363,7 @@ def gather_kernels(
         compiler=compiler,
         caches=tuple((d, _dir_problem(d)) for d in caches),
         lowbit_built=lowbit_built or "",
+        lowbit_error=lowbit_error,
         inductor_dir=inductor_dir,
         inductor_error=_dir_problem(inductor_dir) if inductor_dir else "",
         daemon=daemon,

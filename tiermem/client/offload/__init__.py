@@ -1,5 +1,6 @@
-"""``OffloadAdam`` and its parts: arguments and options (``OffloadOptions``), step policy, grad feed, state transfer, the ``opt.state`` view;
-param paging (``offload_params``); ``OptimizerStats``, what ``OffloadAdam.stats()`` returns."""
+"""``OffloadAdam`` and its parts: arguments and options (``OffloadOptions``), step policy, grad feed, state
+transfer, the ``opt.state`` view; param paging (``offload_params``); ``OptimizerStats``, what
+``OffloadAdam.stats()`` returns."""
 
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions

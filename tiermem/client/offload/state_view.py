@@ -123,7 +123,7 @@ class StateView(MutableMapping[torch.Tensor, ParamState]):
         return sum(1 for count in self._opt.step_counts() if count > 0)
 
     def __setitem__(self, param: torch.Tensor, value: Any) -> None:
-        if not isinstance(value, (dict, MutableMapping)) and not hasattr(value, "items"):
+        if not hasattr(value, "items"):
             raise InvalidArgument(
                 f"opt.state[p] takes a dict of AdamW state (step, exp_avg, exp_avg_sq), got {value!r}"
             )
