@@ -62,7 +62,7 @@ import gc
 import json
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -143,9 +143,16 @@ def make_optimizer(mode: str, model: torch.nn.Module, socket_path: str, lr: floa
 class Runner:
     """One mode: its own copy of the model, its optimizer, and the per-step figures it recorded."""
 
-    def __init__(self, mode: str, cfg: GPTConfig, init: dict[str, torch.Tensor], socket_path: str) -> None:
+    def __init__(
+        self,
+        mode: str,
+        cfg: GPTConfig,
+        init: dict[str, torch.Tensor],
+        socket_path: str,
+        make_model: Callable[[], torch.nn.Module] | None = None,
+    ) -> None:
         self.mode = mode
-        self.model = GPT(cfg)
+        self.model = make_model() if make_model is not None else GPT(cfg)
         self.model.load_state_dict(init)
         self.opt = make_optimizer(mode, self.model, socket_path, lr=1e-4)
         self.timer = PhaseTimer()
@@ -207,33 +214,38 @@ def measure(
     block: int,
     sequential: bool,
     batch: int,
+    make_model: Callable[[], torch.nn.Module] | None = None,
+    make_batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Medians per mode.
 
     Interleaved (default): every mode runs blocks of ``block`` steps in turn (in the given order, then the
     reverse, alternately), the first step of each block not counted, so all modes see the same machine
     (a DPU update still running at the end of a turn is waited for outside the figures).  ``sequential``:
-    one mode, then the next, one model in memory at a time (for the largest sizes)."""
+    one mode, then the next, one model in memory at a time (for the largest sizes).  ``make_model`` and
+    ``make_batch`` replace the demo GPT and its random token batches (``bench_busy``'s MLP)."""
     torch.manual_seed(0)
-    init = {k: v.clone() for k, v in GPT(cfg).state_dict().items()}
+    init = {k: v.clone() for k, v in (make_model() if make_model else GPT(cfg)).state_dict().items()}
     g = torch.Generator().manual_seed(1)
     per_block = max(1, block - 1)
     rounds = 1 if sequential else -(-steps // per_block)
     total = warmup + (steps if sequential else rounds * block)
     shape = (batch, cfg.block_size)
-    batches = [
-        (torch.randint(0, cfg.vocab_size, shape, generator=g), torch.randint(0, cfg.vocab_size, shape, generator=g))
-        for _ in range(total)
-    ]
+
+    def tokens(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randint(0, cfg.vocab_size, shape, generator=g)
+        return x, torch.randint(0, cfg.vocab_size, shape, generator=g)
+
+    batches = [(make_batch or tokens)(g) for _ in range(total)]
     out: dict[str, dict[str, float]] = {}
     if sequential:
         for mode in modes:
-            runner = Runner(mode, cfg, init, socket_path)
+            runner = Runner(mode, cfg, init, socket_path, make_model)
             runner.run(batches, record_from=warmup)
             out[mode] = runner.median()
             runner.close()
         return out
-    runners = [Runner(mode, cfg, init, socket_path) for mode in modes]
+    runners = [Runner(mode, cfg, init, socket_path, make_model) for mode in modes]
     for runner in runners:
         runner.run(batches[:warmup], record_from=warmup)
     for r in range(rounds):

@@ -26,6 +26,7 @@ that mode has two buffers, alternating per step.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,11 +195,24 @@ class SharedFeed:
 
     @staticmethod
     def _copy_in(target: torch.Tensor, grad: torch.Tensor, *, accumulate: bool) -> None:
-        """The one copy of the grad path: a fresh grad into the shared grad buffer."""
+        """The one copy of the grad path: a fresh grad into the shared grad buffer.
+
+        A plain copy (same dtype, both contiguous, on the CPU) is one ``memmove`` on the calling thread, not
+        ``target.copy_(grad)``: torch runs a large copy over its OpenMP team, and a team waits at the end
+        of each region for its slowest thread.  Where the node's cores are shared (dataloader workers,
+        another job) one of the team's threads is often descheduled, and backward would add a region per
+        param: beside another training job the CPU tier's forward and backward took 1.35-1.5x AdamW's
+        (``benchmarks/bench_busy.py``, 100M, one neighbour).  One thread copies at about the memory's speed
+        anyway; ``ctypes.memmove`` releases the GIL.
+        """
         if grad.requires_grad:
             grad = grad.detach()  # a grad of a graph (backward with create_graph=True): the copy records nothing
         if accumulate:
             target.add_(grad)
+        elif (
+            grad.dtype is target.dtype and grad.device.type == "cpu" and grad.is_contiguous() and target.is_contiguous()
+        ):
+            ctypes.memmove(target.data_ptr(), grad.data_ptr(), target.numel() * target.element_size())
         else:
             target.copy_(grad)
 
