@@ -581,7 +581,7 @@ def test_a_window_too_small_for_a_submodule_is_named_with_the_knob(
     offload: OffloadDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A fetch costs a request per window slot: a window smaller than two slots of the largest submodule's
-    params (staged as fp32) is said at ``offload_params``, with the size to pass."""
+    params (as staged) is said at ``offload_params``, with the size to pass."""
     model = paging_gpt()
     with caplog.at_level(logging.WARNING, logger="tiermem.client.offload.paging"):
         tiermem.offload_params(model, make_opt(offload, model), device_budget=param_nbytes(model))

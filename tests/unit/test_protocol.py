@@ -27,6 +27,7 @@ from tiermem.core.protocol import (
     Register,
     RegisterOk,
     StateChunk,
+    StateWriteMany,
     StatsReply,
     Step,
     StepDone,
@@ -39,6 +40,7 @@ from tiermem.core.protocol import (
     frame_nbytes,
     peek_request_id,
 )
+from tiermem.core.protocol.step import WriteSpan
 
 
 def header(hexstr: str) -> bytes:
@@ -47,14 +49,14 @@ def header(hexstr: str) -> bytes:
     return data
 
 
-# Golden frames: the exact bytes of protocol version 8.  A change here is a wire change: bump the version.
+# Golden frames: the exact bytes of protocol version 9.  A change here is a wire change: bump the version.
 GOLDEN = [
-    (Ping(), 1, 0, header("544d 08 0a 0000 0000 01000000 00000000"), b""),
+    (Ping(), 1, 0, header("544d 09 0a 0000 0000 01000000 00000000"), b""),
     (
         Attach(job_id="job-7", rank=1, world_size=2, window_nbytes=1 << 30),
         2,
         0,
-        header("544d 08 01 0000 0000 02000000 61000000"),
+        header("544d 09 01 0000 0000 02000000 61000000"),
         b'{"job_id":"job-7","rank":1,"world_size":2,"window_nbytes":1073741824,"token":null,"create":false}',
     ),
     (
@@ -68,7 +70,7 @@ GOLDEN = [
         ),
         3,
         0,
-        header("544d 08 03 0000 0000 03000000 fa000000"),
+        header("544d 09 03 0000 0000 03000000 fa000000"),
         b'{"step":12,"attempt":0,"groups":[{"lr":0.001,"betas":[0.9,0.999],"eps":1e-08,"weight_decay":0.01,'
         b'"adamw":true,"maximize":false}],"loss_scale":1024.0,"max_grad_norm":1.0,"clip_coef":null,"skip":false,'
         b'"tensor_ids":[0,1],'
@@ -78,7 +80,7 @@ GOLDEN = [
         BucketReady(step=12, attempt=3, bucket=0, tensor_ids=(3, 4), groups=(ParamGroup(lr=0.5),)),
         4,
         FLAG_ONEWAY,
-        header("544d 08 04 0100 0000 04000000 ac000000"),
+        header("544d 09 04 0100 0000 04000000 ac000000"),
         b'{"step":12,"attempt":3,"bucket":0,"tensor_ids":[3,4],"grad_buffer":0,"groups":[{"lr":0.5,'
         b'"betas":[0.9,0.999],"eps":1e-08,"weight_decay":0.0,"adamw":true,"maximize":false}]}',
     ),
@@ -86,15 +88,23 @@ GOLDEN = [
         RegisterOk(slots=(TensorSlot(0, MemRef(1, 0, 128), (MemRef(1, 4096, 128),)),), storage_nbytes=8192),
         5,
         0,
-        header("544d 08 82 0000 0000 05000000 94000000"),
+        header("544d 09 82 0000 0000 05000000 94000000"),
         b'{"slots":[[0,[1,0,128],[[1,4096,128]]]],"placement":"cpu","state_keys":["master","exp_avg","exp_avg_sq"],'
         b'"storage_nbytes":8192,"state_dtype":"fp32"}',
+    ),
+    (
+        # a bf16 grad staged as it is: 1024 elements in 2048 bytes of the window, from element 1024 of the state
+        StateWriteMany(spans=(WriteSpan(3, "grad", 4096, MemRef(1, 0, 2048), 0, True, "bfloat16"),)),
+        7,
+        0,
+        header("544d 09 0e 0000 0000 07000000 38000000"),
+        b'{"spans":[[3,"grad",4096,[1,0,2048],0,true,"bfloat16"]]}',
     ),
     (
         ErrorReply.from_exception(BoundsError("reference [0, 8) of window 1 falls outside its 4 bytes")),
         6,
         0,
-        header("544d 08 ff 0000 0000 06000000 65000000"),
+        header("544d 09 ff 0000 0000 06000000 65000000"),
         b'{"type":"BoundsError","message":"reference [0, 8) of window 1 falls outside its 4 bytes","fields":{}}',
     ),
 ]
@@ -138,8 +148,8 @@ def test_bad_magic_is_named():
 
 
 def test_unsupported_version_lists_supported_versions():
-    assert "unsupported protocol version 9; this side supports version(s) 8" in decode_error(
-        PING[:2] + b"\x09" + PING[3:]
+    assert "unsupported protocol version 10; this side supports version(s) 9" in decode_error(
+        PING[:2] + b"\x0a" + PING[3:]
     )
 
 

@@ -180,11 +180,22 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
     MsgType.STATE_CHUNK: state_chunks(),
     MsgType.STATE_WRITE: st.builds(StateWrite, tensor_id, st.sampled_from(STATE_KEYS), u64, memref, step_no),
     MsgType.STATE_READ_MANY: st.lists(
-        st.builds(StateSpan, tensor_id, st.sampled_from(STATE_KEYS), u64, memref), min_size=1, max_size=4
+        st.builds(StateSpan, tensor_id, st.sampled_from(STATE_KEYS), u64, memref, st.sampled_from(DTYPES)),
+        min_size=1,
+        max_size=4,
     ).map(lambda spans: StateReadMany(spans=tuple(spans))),
     MsgType.STATE_SPANS: st.lists(step_no, max_size=4).map(lambda steps: StateSpans(steps=tuple(steps))),
     MsgType.STATE_WRITE_MANY: st.lists(
-        st.builds(WriteSpan, tensor_id, st.sampled_from(STATE_KEYS), u64, memref, step_no, st.booleans()),
+        st.builds(
+            WriteSpan,
+            tensor_id,
+            st.sampled_from(STATE_KEYS),
+            u64,
+            memref,
+            step_no,
+            st.booleans(),
+            st.sampled_from(DTYPES),
+        ),
         min_size=1,
         max_size=4,
     ).map(lambda spans: StateWriteMany(spans=tuple(spans))),

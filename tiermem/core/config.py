@@ -140,7 +140,8 @@ class AdamConfig:
     """The CPU Adam engine."""
 
     threads: int = 0
-    """Threads for the update; 0 uses every core this process may run on."""
+    """Threads for the update; 0 uses the CPUs this process can get: its affinity, capped by its cgroups'
+    CPU quota (systemd's CPUQuota=, a container's CPU limit), rounded down."""
     chunk_numel: int = 1 << 22
     """Elements updated per chunk (the unit of pipelining and of fair sharing between jobs)."""
     compile: bool = True

@@ -5,10 +5,20 @@ window): every reference into the window is bounds-checked, every state range
 is checked against its tensor, and the keys a rank does not keep are refused
 by name.  ``master`` of a rank whose fp32 params are their own master reads
 and writes the storage params.  ``param`` (read-only) is the params in their
-working dtype, widened to fp32 in the window: what a param fetch reads.  Where
-a paged rank keeps them apart from the master, it reads only their 2 bytes an
-element from the tier; elsewhere it reads the master.  A write of the master
-writes the kept working-dtype params beside it.
+working dtype: what a param fetch reads.  Where a paged rank keeps them apart
+from the master, it reads only their 2 bytes an element from the tier;
+elsewhere it reads the master.  A write of the master writes the kept
+working-dtype params beside it.
+
+How a range is staged in the window is the span's ``dtype``: fp32 (4 bytes an
+element), or a working dtype, fp16 or bf16 (2 bytes), in which params and
+grads cross the host/device boundary as the model holds them.  The daemon
+converts where the state is, in the one copy between the window and the
+state: a grad or a master written in bf16 is widened to fp32 there (exactly,
+as a widening on the client would be), a param read in bf16 is the kept
+param, or the master rounded to nearest-even (as the client's copy of fp32
+values into a bf16 tensor rounds).  A state range is named in the state's
+fp32 bytes (``offset``) whatever the staging dtype.
 
 Compressed moments (``state_dtype`` bf16 or int8) move as fp32 values all
 the same, so a checkpoint is AdamW's: a read dequantizes, a write quantizes
@@ -30,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiermem.core import dtypes
 from tiermem.core.errors import BoundsError, InvalidArgument
 from tiermem.core.layout import Layout
 from tiermem.core.lowbit import LowbitMoments
@@ -95,7 +106,9 @@ class StateIO:
             raise BoundsError(f"state range [{offset}, {offset + length}) of tensor {tid} {key} is not 4-byte aligned")
         return rec.start + offset // 4, rec.start + (offset + length) // 4
 
-    def _window_f32(self, ref: MemRef) -> torch.Tensor:
+    def _window_view(self, ref: MemRef, dtype: str = "float32") -> torch.Tensor:
+        """The staging area ``ref`` as a tensor of ``dtype`` (checked: this rank's window, in bounds, aligned
+        to the element size)."""
         if ref.window != self.window_id:
             raise BoundsError(f"window {ref.window} is not this rank's staging window ({self.window_id})")
         if ref.length > self.window.nbytes:
@@ -104,9 +117,17 @@ class StateIO:
                 f"{self.window.nbytes} bytes; move state in pieces of at most that"
             )
         ref.check_bounds(self.window.nbytes)
-        if ref.offset % 4 or ref.length % 4:
-            raise BoundsError(f"fp32 staging area at offset {ref.offset}, length {ref.length} is not 4-byte aligned")
-        return self._window_bytes[ref.offset : ref.offset + ref.length].view(torch.float32)
+        kind = dtypes.by_name(dtype)
+        if ref.offset % kind.itemsize or ref.length % kind.itemsize:
+            raise BoundsError(
+                f"{dtype} staging area at offset {ref.offset}, length {ref.length} is not {kind.itemsize}-byte aligned"
+            )
+        return self._window_bytes[ref.offset : ref.offset + ref.length].view(kind.torch)
+
+    @staticmethod
+    def _fp32_length(ref: MemRef, dtype: str) -> int:
+        """The bytes, as fp32 state, of the elements ``ref`` stages as ``dtype``."""
+        return ref.length // dtypes.by_name(dtype).itemsize * 4
 
     def _source(self, key: str) -> str:
         """The key whose values a read of ``key`` returns: ``param`` is the working-dtype params where the rank
@@ -134,14 +155,15 @@ class StateIO:
         *,
         dirty: bool,
         step: int = 0,
+        dtype: str = "float32",
     ) -> None:
-        """``apply(staged, values)`` over the range of ``key`` that ``ref`` stages, one acquired chunk at a time;
-        ``dirty``: the chunks are released as written; ``step``: the step count a written compressed moment is
-        rounded with."""
+        """``apply(staged, values)`` over the range of ``key`` that ``ref`` stages as ``dtype``, one acquired
+        chunk at a time; ``dirty``: the chunks are released as written; ``step``: the step count a written
+        compressed moment is rounded with."""
         self._settle()
         _, state = self._parts()
-        lo, hi = self._state_span(tid, key, offset, ref.length)
-        staged = self._window_f32(ref)
+        lo, hi = self._state_span(tid, key, offset, self._fp32_length(ref, dtype))
+        staged = self._window_view(ref, dtype)
         self._install([tid])
         key = self._source(key)
         keys: tuple[str, ...] = () if key == "master" and self.master_in_params else (key,)
@@ -221,7 +243,7 @@ class StateIO:
         """STATE_READ of each span, in order; the reply carries each span's tensor's step count."""
         steps = []
         for span in msg.spans:
-            self._transfer(span.tensor_id, span.key, span.offset, span.area, _read, dirty=False)
+            self._transfer(span.tensor_id, span.key, span.offset, span.area, _read, dirty=False, dtype=span.dtype)
             steps.append(self.records[span.tensor_id].step)
         return StateSpans(steps=tuple(steps))
 
@@ -230,11 +252,13 @@ class StateIO:
         self._settle()
         for span in msg.spans:
             _check_writable(span.key)
-            self._state_span(span.tensor_id, span.key, span.offset, span.area.length)
-            self._window_f32(span.area)
+            self._state_span(span.tensor_id, span.key, span.offset, self._fp32_length(span.area, span.dtype))
+            self._window_view(span.area, span.dtype)
         for span in msg.spans:
             apply = _accumulate if span.accumulate else _write
-            self._transfer(span.tensor_id, span.key, span.offset, span.area, apply, dirty=True, step=span.step)
+            self._transfer(
+                span.tensor_id, span.key, span.offset, span.area, apply, dirty=True, step=span.step, dtype=span.dtype
+            )
             if span.key in MOMENTS:
                 self.records[span.tensor_id].step = span.step
 

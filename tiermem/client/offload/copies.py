@@ -5,9 +5,10 @@ bounded staging window, piece by piece); the trainer's thread only waits for
 what it needs.  Two engines share one interface:
 
 - ``HostCopies``: the device is the trainer's memory.  A fetch is a read of
-  the ``param`` state key (the params in their working dtype) into fresh
-  tensors; a grad push is a write of the ``grad`` key (accumulating after the
-  first landing of a step).  Both take several params at once: a submodule's
+  the ``param`` state key (the params in their working dtype, staged in it:
+  2 bytes an element for bf16) into fresh tensors; a grad push is a write of
+  the ``grad`` key (staged in the grads' dtype, widened by the daemon;
+  accumulating after the first landing of a step).  Both take several params at once: a submodule's
   params, the grads that landed while the I/O thread was busy; they share the
   window's slots, so they cost a request per slot filled, not one per param.
 - ``CudaCopies``: the same on a copy stream.  A fetch copies each piece from

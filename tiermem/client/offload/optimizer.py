@@ -857,7 +857,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
 
     def stats(self) -> OptimizerStats:
         """The daemon's figures for this rank and the node, plus the client's: skipped steps, DPU staleness,
-        last norm."""
+        last norm, the bytes that crossed the staging window."""
         reply = self.client.stats()
         if reply.rank is None:
             raise ProtocolError("the daemon sent no figures for this optimizer's rank (the connection is not attached)")
@@ -870,6 +870,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             last_grad_norm=self.last_grad_norm,
             frozen_params=len(self.frozen),
             frozen_numel=sum(p.numel() for p in self.frozen),
+            crossed_nbytes=dict(self.transfer.crossed.nbytes),
+            crossed_numel=dict(self.transfer.crossed.numel),
         )
 
 

@@ -97,6 +97,7 @@ from tiermem.client.offload.feeds import hook_grads, remove_hooks
 from tiermem.client.offload.pagedparam import BufferCache, GradUnits, PagedParam, Residency, SavedParam
 from tiermem.client.offload.pagestate import PagedState
 from tiermem.client.offload.trace import FetchTrace
+from tiermem.client.offload.transfer import staged_dtype
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, StepMode
 from tiermem.core.units import MiB, format_size, parse_size
@@ -110,8 +111,8 @@ log = logging.getLogger(__name__)
 
 AUTO_WINDOW_MAX = 64 * MiB
 """The largest staging window ``offload_params`` grows an optimizer's to by itself: the 2B-param demo GPT's
-paged step met its disk bound with it (0.98x, 1,017 requests a step; its largest submodule, 105 MiB as fp32,
-takes a few).  A window is memory the daemon keeps locked, so the growth stays bounded."""
+paged step met its disk bound with it (0.98x, 1,017 requests a step; its largest submodule, 105 MiB staged as
+fp32, takes a few).  A window is memory the daemon keeps locked, so the growth stays bounded."""
 LOG_EVENTS = 100_000
 """Events kept in ``ParamPager.events`` (the oldest are dropped)."""
 
@@ -289,6 +290,7 @@ class ParamPager(PagedState):
         self.peak_grad_nbytes = 0
         self.counters = collections.Counter[str]()
         self._requests_at_reset = self.transfer.requests
+        self._crossed_at_reset = self.transfer.crossed.snapshot()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="tiermem-pager")
         self._pushes: collections.deque[tuple[Future[None], int]] = collections.deque()
         self._grad_units: GradUnits[GradItem] = GradUnits(self.units.values())
@@ -334,7 +336,7 @@ class ParamPager(PagedState):
                 f"({type(module).__name__} with {', '.join(e.name for e in own)}: "
                 f"{format_size(sum(e.nbytes for e in own))}); raise it or split that module"
             )
-        self._fit_window(module, sum(e.shape.numel() for e in own))
+        self._fit_window(module, sum(e.shape.numel() * staged_dtype(e.dtype).itemsize for e in own))
         self.transfer = self.optimizer.transfer  # a grown window came with a new registration
 
     def _install_hooks(self, model: nn.Module) -> None:
@@ -476,9 +478,10 @@ class ParamPager(PagedState):
                 return
             self._start_fetches(wanted, event="prefetch")
 
-    def _fit_window(self, module: nn.Module, numel: int) -> None:
-        """Grow the optimizer's staging window to two slots of the largest submodule's params staged as fp32,
-        so that a submodule's fetch or grad push is about one request; say so where it cannot grow.
+    def _fit_window(self, module: nn.Module, staged_nbytes: int) -> None:
+        """Grow the optimizer's staging window to two slots of the largest submodule's params as staged
+        (``staged_nbytes``: 2 bytes an element in bf16/fp16, 4 in fp32), so that a submodule's fetch or grad
+        push is about one request; say so where it cannot grow.
 
         A transfer costs a request per window slot filled, and each request about a millisecond here: with
         the default 2 MiB window a 2B-param step sent 23,055 requests and waited 31 s of its 60 for fetches;
@@ -489,18 +492,18 @@ class ParamPager(PagedState):
         budget too small, or a size the daemon refuses), a warning names the size to pass."""
         optimizer = self.optimizer
         window = optimizer.client.window.numel()
-        want = -(-2 * 4 * numel // MiB) * MiB
+        want = -(-2 * staged_nbytes // MiB) * MiB
         cap = min(want, AUTO_WINDOW_MAX)
         if window >= cap:
             return
         goal = min(cap, self._window_share(window))
         if window < goal and optimizer.grow_window(goal):
             log.info(
-                "staging window grown from %s to %s for the largest submodule's params (%s, %s as fp32)",
+                "staging window grown from %s to %s for the largest submodule's params (%s, %s as staged)",
                 format_size(window),
                 format_size(goal),
                 type(module).__name__,
-                format_size(4 * numel),
+                format_size(staged_nbytes),
             )
             window = goal
         if window >= cap:
@@ -515,13 +518,13 @@ class ParamPager(PagedState):
             )
             return
         log.warning(
-            "the staging window (%s) is smaller than two slots of the largest submodule's params staged as "
-            "fp32 (%s, %s): each of its fetches and grad pushes takes several requests; pass "
+            "the staging window (%s) is smaller than two slots of the largest submodule's params as staged "
+            "(%s, %s): each of its fetches and grad pushes takes several requests; pass "
             "OffloadAdam(..., window_nbytes=%d) (%s; or raise the daemon's jobs.window_size) for about one "
             "request per submodule",
             format_size(window),
             type(module).__name__,
-            format_size(4 * numel),
+            format_size(staged_nbytes),
             want,
             format_size(want),
         )
@@ -780,7 +783,10 @@ class ParamPager(PagedState):
     def stats(self) -> dict[str, float]:
         """Peak and current device bytes, bytes fetched and pushed, fetch counts, time spent waiting, and
         ``requests``: the state reads and writes sent to the daemon through the optimizer's transfer (one per
-        staging-window slot filled; the pager's fetches and pushes, and any other use of that transfer)."""
+        staging-window slot filled; the pager's fetches and pushes, and any other use of that transfer), and
+        what that transfer's copies moved through the window (``crossed_nbytes.<direction>.<key>`` and
+        ``crossed_numel.<direction>.<key>``: ``to_device.param`` the params fetched, ``to_host.grad`` the grads
+        pushed; 2 bytes an element for a bf16 model)."""
         out = {k: float(v) for k, v in self.counters.items()}
         out.update(
             requests=float(self.transfer.requests - self._requests_at_reset),
@@ -791,11 +797,15 @@ class ParamPager(PagedState):
             trace_uses=float(len(self.trace.groups)),
             trace_missed=float(self.trace.missed),
         )
+        crossed = self.transfer.crossed.since(self._crossed_at_reset)
+        out.update({f"crossed_nbytes.{name}": float(n) for name, n in crossed.nbytes.items()})
+        out.update({f"crossed_numel.{name}": float(n) for name, n in crossed.numel.items()})
         return out
 
     def reset_stats(self) -> None:
         self.counters.clear()
         self._requests_at_reset = self.transfer.requests
+        self._crossed_at_reset = self.transfer.crossed.snapshot()
         self.peak_nbytes = self.nbytes
         self.peak_grad_nbytes = self.grad_nbytes
         self.events.clear()
@@ -817,8 +827,9 @@ def offload_params(
     made on the meta device, called on each submodule owning params, after its ``reset_parameters()``.
 
     Before the first step, an optimizer whose staging window was left to the daemon is registered again
-    with a window of two slots of the largest submodule's fp32 params (at most ``AUTO_WINDOW_MAX``), so
-    that a submodule's fetch is about one request; see ``ParamPager._fit_window``.  Frozen params, which
+    with a window of two slots of the largest submodule's params as staged (2 bytes an element in bf16/fp16,
+    4 in fp32; at most ``AUTO_WINDOW_MAX``), so that a submodule's fetch is about one request; see
+    ``ParamPager._fit_window``.  Frozen params, which
     an ``OffloadAdam`` leaves unregistered, are registered first: the daemon holds every paged param."""
     optimizer.register_frozen()
     return ParamPager(model, optimizer, device_budget=device_budget, prefetch=prefetch, init=init)

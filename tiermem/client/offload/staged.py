@@ -4,7 +4,10 @@ Params on a device cannot be shared memory, so the daemon keeps each one's
 fp32 master and grad as state keys, and they move piece by piece through the
 staging window's ring of slots (``StateTransfer``, pipelined): grads go in
 (``grad``), the daemon updates, and the new params come back out of the
-master (cast to the param's dtype on the copy).  The window is registered
+master.  Both cross in the params' dtype (a bf16 param and its grad move 2
+bytes an element each way): the daemon widens a grad to fp32 where the update
+reads it, and rounds the master to the params' dtype where it is
+(``tiermem.client.offload.transfer``).  The window is registered
 with CUDA once (``cudaHostRegister``), so these copies are DMA, and it is
 unregistered before it is unmapped.  Host memory per param is the daemon's
 state only; nothing of the model is mirrored.

@@ -6,7 +6,7 @@ Pure data.  ``rank`` and ``node`` are the daemon's STATS reply
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiermem.core.protocol import NodeReport, RankReport
 
@@ -32,3 +32,18 @@ class OptimizerStats:
     shared storage, no bytes in the daemon until they get a grad."""
     frozen_numel: int = 0
     """Their elements."""
+    crossed_nbytes: dict[str, int] = field(default_factory=dict)
+    """Bytes this optimizer's copies moved through the staging window since it registered (across the
+    host/device boundary where the params are on a GPU), keyed ``"<direction>.<state key>"``:
+    ``to_host.grad`` (grads pushed), ``to_host.master`` (params written as their master), ``to_device.param``
+    (params fetched), and the state a checkpoint reads or writes (``tiermem.client.offload.transfer``).  A
+    fp16/bf16 model's params and grads cross as 2 bytes an element, a fp32 model's as 4.  Nothing of the
+    shared exchange's params and grads is here: they never leave the shared storage."""
+    crossed_numel: dict[str, int] = field(default_factory=dict)
+    """The elements of ``crossed_nbytes``, by the same keys."""
+
+    def crossed_bytes_per_element(self, name: str) -> float:
+        """``crossed_nbytes[name] / crossed_numel[name]`` (0.0 where nothing crossed): 2.0 for a bf16 model's
+        ``to_host.grad``."""
+        numel = self.crossed_numel.get(name, 0)
+        return self.crossed_nbytes.get(name, 0) / numel if numel else 0.0

@@ -1,4 +1,4 @@
-"""State transfer: the daemon's fp32 state in and out, piece by piece through the staging window.
+"""State transfer: the daemon's state in and out, piece by piece through the staging window.
 
 The staging window is bounded (``jobs.window_size`` or the client's
 ``window_nbytes``) and cut into a ring of slots; what a transfer moves is
@@ -7,6 +7,17 @@ spans several), and each slot filled is one STATE_READ_MANY /
 STATE_WRITE_MANY request, pipelined (``StateTransfer``).  ``state_dict`` and
 ``load_state_dict`` build ``torch.optim.AdamW``'s format on top of this.
 ``StateTransfer.requests`` counts the requests sent (one per slot filled).
+
+Working dtype across the boundary: a tensor of fp16 or bf16 (a param
+fetched, a grad pushed, a param written as its master) is staged as it is,
+2 bytes an element; anything else as fp32.  The daemon widens or narrows it
+in its one copy between the window and the state, so the copy on this side,
+which is the host/device copy where the tensor is on a GPU, moves the
+working dtype's bytes only, and the values are those a copy through fp32
+gives (a widening is exact; a narrowing rounds to nearest-even on either
+side).  ``StateTransfer.crossed`` counts what the copies of this side moved,
+by direction and state key: the figure a test holds to 2 bytes an element
+for a bf16 model.
 
 A moment written in pieces is cut only at multiples of ``lowbit.BLOCK``
 elements from its tensor's start, and a slot holds a block at least: the
@@ -20,21 +31,33 @@ that costs is less than a block of room in a slot where a moment continues.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper
+from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState, ProtocolError
 from tiermem.core.lowbit import BLOCK
 from tiermem.core.protocol import MemRef, Message, StateReadMany, StateSpans, StateWriteMany
 from tiermem.core.protocol.step import MAX_SPANS, StateSpan, WriteSpan
 from tiermem.core.statekeys import MOMENTS
 
-__all__ = ["RING_SLOTS", "PullItem", "PushItem", "Span", "StateTransfer", "pack_spans", "plan_load"]
+__all__ = [
+    "RING_SLOTS",
+    "Crossings",
+    "PullItem",
+    "PushItem",
+    "Span",
+    "StateTransfer",
+    "pack_spans",
+    "plan_load",
+    "staged_dtype",
+]
 
 
 def packed_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -124,8 +147,8 @@ _SLOT_MIN_NBYTES = BLOCK * 4
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """A piece of item ``item`` (elements ``[start, start + numel)`` of its flat values) staged at element
-    ``at`` of a slot."""
+    """A piece of item ``item`` (elements ``[start, start + numel)`` of its flat values) staged at ``at`` of a
+    slot: a byte offset, a multiple of the item's element size (an element offset where sizes are 1)."""
 
     item: int
     start: int
@@ -134,39 +157,83 @@ class Span:
 
 
 def pack_spans(
-    numels: Sequence[int], slot_numel: int, max_spans: int = MAX_SPANS, *, aligns: Sequence[int] | None = None
+    numels: Sequence[int],
+    slot_nbytes: int,
+    max_spans: int = MAX_SPANS,
+    *,
+    aligns: Sequence[int] | None = None,
+    itemsizes: Sequence[int] | None = None,
 ) -> Iterator[list[Span]]:
-    """Cut items of ``numels`` elements into batches, each one request: what fits one slot of ``slot_numel``
-    elements, at most ``max_spans`` spans.  Consecutive items share a slot; an item larger than the room left
+    """Cut items of ``numels`` elements into batches, each one request: what fits one slot of ``slot_nbytes``
+    bytes, at most ``max_spans`` spans.  Consecutive items share a slot; an item larger than the room left
     continues in the next batch.  A zero-length item is a span with no elements (it still reaches the
     daemon: a read of it answers the tensor's step count, a write of a moment sets it).  ``aligns`` (one per
     item, default 1): an item is cut only at a multiple of its align from its start (the room left in a slot
-    that is less is left empty), so that a quantization block of a moment reaches the daemon whole.  Pure."""
-    if slot_numel < 1 or max_spans < 1:
-        raise InvalidArgument(f"a slot needs room for an element and a span, got {slot_numel} and {max_spans}")
-    if aligns is not None and len(aligns) != len(numels):
-        raise InvalidArgument(f"{len(aligns)} aligns for {len(numels)} items")
+    that is less is left empty), so that a quantization block of a moment reaches the daemon whole.
+    ``itemsizes`` (one per item, default 1: sizes in elements): an item's bytes per element as staged; its
+    spans start at a multiple of it (a fp32 item after an odd number of bf16 elements skips 2 bytes).
+    Pure."""
+    if slot_nbytes < 1 or max_spans < 1:
+        raise InvalidArgument(f"a slot needs room for an element and a span, got {slot_nbytes} and {max_spans}")
+    for name, per_item in (("aligns", aligns), ("itemsizes", itemsizes)):
+        if per_item is not None and len(per_item) != len(numels):
+            raise InvalidArgument(f"{len(per_item)} {name} for {len(numels)} items")
     batch: list[Span] = []
     used = 0
     for i, n in enumerate(numels):
         align = 1 if aligns is None else aligns[i]
-        if not 1 <= align <= slot_numel:
-            raise InvalidArgument(f"item {i} is cut at multiples of {align} elements; a slot holds {slot_numel}")
+        size = 1 if itemsizes is None else itemsizes[i]
+        if size < 1 or not 1 <= align <= slot_nbytes // size:
+            raise InvalidArgument(
+                f"item {i} is cut at multiples of {align} elements; a slot holds {slot_nbytes // max(size, 1)}"
+            )
         start = 0
         while True:
-            room = slot_numel - used
+            at = -(-used // size) * size
+            room = max(0, slot_nbytes - at) // size
             take = n - start if n - start <= room else room // align * align
-            if len(batch) == max_spans or (take == 0 and n > start):
+            if len(batch) == max_spans or at > slot_nbytes or (take == 0 and n > start):
                 yield batch
                 batch, used = [], 0
                 continue
-            batch.append(Span(i, start, take, used))
-            used += take
+            batch.append(Span(i, start, take, at))
+            used = at + take * size
             start += take
             if start >= n:
                 break
     if batch:
         yield batch
+
+
+def staged_dtype(dtype: torch.dtype) -> dtypes.WorkingDType:
+    """How a tensor of ``dtype`` is staged in the window: as it is when a working dtype below fp32 (fp16,
+    bf16: the daemon widens or narrows it), else as fp32."""
+    kind = dtypes.by_torch(dtype) if dtype in (torch.float16, torch.bfloat16) else None
+    return kind if kind is not None else dtypes.by_name("float32")
+
+
+@dataclass
+class Crossings:
+    """What this side's copies moved between its tensors and the staging window (across the host/device
+    boundary, where the tensors are on a GPU), keyed ``"<direction>.<state key>"``: ``to_host`` (into the
+    window: grads, masters, moments written) or ``to_device`` (out of it: params, state read)."""
+
+    nbytes: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Bytes, as staged (2 an element for a fp16/bf16 tensor, else 4)."""
+    numel: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Elements."""
+
+    def add(self, direction: str, key: str, numel: int, itemsize: int) -> None:
+        name = f"{direction}.{key}"
+        self.nbytes[name] += numel * itemsize
+        self.numel[name] += numel
+
+    def since(self, before: Crossings) -> Crossings:
+        """What moved after ``before`` (a ``snapshot``) was taken."""
+        return Crossings(self.nbytes - before.nbytes, self.numel - before.numel)
+
+    def snapshot(self) -> Crossings:
+        return Crossings(collections.Counter(self.nbytes), collections.Counter(self.numel))
 
 
 class StateTransfer:
@@ -188,8 +255,11 @@ class StateTransfer:
         self.slots = slots
         self.requests = 0
         """Requests sent to the daemon (one per slot filled), since this was made."""
+        self.crossed = Crossings()
+        """Bytes and elements this side's copies moved through the window, since this was made."""
 
     def _ring(self) -> list[tuple[MemRef, torch.Tensor]]:
+        """The slots: each one's area of the window, and its bytes."""
         info = self.client.info
         if info is None:
             raise InvalidState("not attached")
@@ -199,20 +269,20 @@ class StateTransfer:
         if per == 0:
             raise InvalidState("the staging window is empty")
         window = self.client.window
-        return [
-            (MemRef(info.window_id, k * per, per), window[k * per : (k + 1) * per].view(torch.float32))
-            for k in range(count)
-        ]
+        return [(MemRef(info.window_id, k * per, per), window[k * per : (k + 1) * per]) for k in range(count)]
 
     @staticmethod
-    def _area(ref: MemRef, span: Span) -> MemRef:
-        return MemRef(ref.window, ref.offset + span.at * 4, span.numel * 4)
+    def _staged(ref: MemRef, buf: torch.Tensor, span: Span, kind: dtypes.WorkingDType) -> tuple[MemRef, torch.Tensor]:
+        """Where ``span`` is staged as ``kind``: its area of the window, and the slot's bytes there as ``kind``."""
+        nbytes = span.numel * kind.itemsize
+        return MemRef(ref.window, ref.offset + span.at, nbytes), buf[span.at : span.at + nbytes].view(kind.torch)
 
     def push_many(self, items: Iterable[PushItem]) -> int:
         """Write several tensors' state, pipelined; returns the number of requests sent.
 
-        ``values`` may be of any float dtype and on any device: each piece is converted as it is copied into
-        its slot, so no full-size host copy is made.  ``step`` sets the tensor's count when ``key`` is a
+        ``values`` may be of any float dtype and on any device: each piece is copied into its slot as it is
+        where it is fp16 or bf16 (``staged_dtype``; the daemon widens it) and converted to fp32 on that copy
+        otherwise, so no full-size host copy is made.  ``step`` sets the tensor's count when ``key`` is a
         moment.  A moment is cut only on its quantization blocks (``BLOCK`` elements from the tensor's start,
         where the daemon's blocks are): an int8 block is quantized once, from all of its values, whatever
         the window's size."""
@@ -220,9 +290,13 @@ class StateTransfer:
         chosen = [
             (tid, key, values.detach().reshape(-1), step, accumulate) for tid, key, values, step, accumulate in items
         ]
-        numels = [flat.numel() for _, _, flat, _, _ in chosen]
-        aligns = [BLOCK if key in MOMENTS else 1 for _, key, _, _, _ in chosen]
-        batches = pack_spans(numels, ring[0][1].numel(), aligns=aligns)
+        kinds = [staged_dtype(flat.dtype) for _, _, flat, _, _ in chosen]
+        batches = pack_spans(
+            [flat.numel() for _, _, flat, _, _ in chosen],
+            ring[0][1].numel(),
+            aligns=[BLOCK if key in MOMENTS else 1 for _, key, _, _, _ in chosen],
+            itemsizes=[kind.itemsize for kind in kinds],
+        )
 
         def requests() -> Iterator[StateWriteMany]:
             for k, batch in enumerate(batches):
@@ -230,51 +304,60 @@ class StateTransfer:
                 spans = []
                 for span in batch:
                     tid, key, flat, step, accumulate = chosen[span.item]
-                    buf[span.at : span.at + span.numel].copy_(flat[span.start : span.start + span.numel])
-                    area = self._area(ref, span)
-                    spans.append(WriteSpan(tid, key, span.start * 4, area, step, accumulate))
+                    kind = kinds[span.item]
+                    area, staged = self._staged(ref, buf, span, kind)
+                    staged.copy_(flat[span.start : span.start + span.numel])
+                    self.crossed.add("to_host", key, span.numel, kind.itemsize)
+                    spans.append(WriteSpan(tid, key, span.start * 4, area, step, accumulate, kind.name))
                 self.requests += 1
                 yield StateWriteMany(spans=tuple(spans))
 
         return self.client.conn.pipeline(requests(), depth=len(ring))
 
     def pull_many_into(self, items: Sequence[PullItem]) -> list[int]:
-        """Read several tensors' state into their destinations (any float dtype, any device: converted
-        piece by piece on the copy out of the slot), pipelined; returns each tensor's step count."""
+        """Read several tensors' state into their destinations (any float dtype, any device: staged as the
+        destination's dtype where it is fp16 or bf16, the daemon narrowing it, else as fp32 converted on the
+        copy out of the slot), pipelined; returns each tensor's step count."""
         ring = self._ring()
         flats = [dest.view(-1) for _, _, dest in items]
+        kinds = [staged_dtype(flat.dtype) for flat in flats]
         steps = [0] * len(items)
-        sent: list[tuple[list[Span], torch.Tensor]] = []
+        sent: list[tuple[list[Span], MemRef, torch.Tensor]] = []
+        batches = pack_spans(
+            [flat.numel() for flat in flats], ring[0][1].numel(), itemsizes=[kind.itemsize for kind in kinds]
+        )
 
         def requests() -> Iterator[StateReadMany]:
-            for k, batch in enumerate(pack_spans([flat.numel() for flat in flats], ring[0][1].numel())):
+            for k, batch in enumerate(batches):
                 ref, buf = ring[k % len(ring)]
-                sent.append((batch, buf))
+                sent.append((batch, ref, buf))
                 spans = []
                 for span in batch:
                     tid, key, _ = items[span.item]
-                    spans.append(
-                        StateSpan(tid, key if span.numel else "exp_avg", span.start * 4, self._area(ref, span))
-                    )
+                    kind = kinds[span.item]
+                    area = self._staged(ref, buf, span, kind)[0]
+                    spans.append(StateSpan(tid, key if span.numel else "exp_avg", span.start * 4, area, kind.name))
                 self.requests += 1
                 yield StateReadMany(spans=tuple(spans))
 
         def on_reply(i: int, reply: Message) -> None:
             if not isinstance(reply, StateSpans):
                 raise ProtocolError(f"expected STATE_SPANS, got {type(reply).__name__}")
-            batch, buf = sent[i]
+            batch, ref, buf = sent[i]
             if len(reply.steps) != len(batch):
                 raise ProtocolError(f"STATE_SPANS carries {len(reply.steps)} step counts for {len(batch)} spans")
             for span, step in zip(batch, reply.steps, strict=True):
                 if span.numel:
-                    flats[span.item][span.start : span.start + span.numel].copy_(buf[span.at : span.at + span.numel])
+                    kind = kinds[span.item]
+                    flats[span.item][span.start : span.start + span.numel].copy_(self._staged(ref, buf, span, kind)[1])
+                    self.crossed.add("to_device", items[span.item][1], span.numel, kind.itemsize)
                 steps[span.item] = step
 
         self.client.conn.pipeline(requests(), depth=len(ring), on_reply=on_reply)
         return steps
 
     def push(self, tid: int, key: str, values: torch.Tensor, *, step: int, accumulate: bool = False) -> None:
-        """Write fp32 state ``key`` of tensor ``tid`` (``step`` sets its count when ``key`` is a moment)."""
+        """Write state ``key`` of tensor ``tid`` (``step`` sets its count when ``key`` is a moment)."""
         self.push_many([(tid, key, values, step, accumulate)])
 
     def pull(self, tid: int, key: str, numel: int) -> tuple[torch.Tensor, int]:
@@ -283,7 +366,8 @@ class StateTransfer:
         return out, self.pull_many_into([(tid, key, out)])[0]
 
     def pull_into(self, tid: int, key: str, dest: torch.Tensor) -> int:
-        """Read fp32 state ``key`` of tensor ``tid`` into ``dest``; returns the tensor's step count."""
+        """Read state ``key`` of tensor ``tid`` into ``dest`` (converted to its dtype); returns the tensor's step
+        count."""
         return self.pull_many_into([(tid, key, dest)])[0]
 
     def step_of(self, tid: int) -> int:

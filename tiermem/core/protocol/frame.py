@@ -67,8 +67,8 @@ __all__ = [
 ]
 
 MAGIC = b"TM"
-PROTOCOL_VERSION = 8
-SUPPORTED_VERSIONS: tuple[int, ...] = (8,)
+PROTOCOL_VERSION = 9
+SUPPORTED_VERSIONS: tuple[int, ...] = (9,)
 HEADER = struct.Struct("<2sBBHHII")
 HEADER_NBYTES = HEADER.size  # 16
 DEFAULT_MAX_FRAME = 1 * MiB

@@ -16,6 +16,7 @@ from typing import Annotated, ClassVar
 from tiermem.core.protocol.fields import FieldError
 from tiermem.core.protocol.frame import MsgType
 from tiermem.core.protocol.records import (
+    DTYPES,
     GRAD_BUFFER,
     MAX_GROUPS,
     MAX_TENSORS,
@@ -31,7 +32,7 @@ from tiermem.core.protocol.records import (
     Message,
     ParamGroup,
 )
-from tiermem.core.protocol.spec import Float, Int, List, Map, Opt, Wire, wire
+from tiermem.core.protocol.spec import Choice, Float, Int, List, Map, Opt, Wire, wire
 
 __all__ = [
     "Abort",
@@ -237,6 +238,8 @@ class StateWrite(_StateRange):
     accumulate: bool = False
 
 
+STAGED_DTYPE = Choice(DTYPES)
+"""How a span's elements are staged in the window: fp32, or a working dtype (2 bytes an element)."""
 MAX_SPANS = 1024
 """Ranges one batched state transfer carries at most (a staging slot's worth of tensors, many of them small)."""
 
@@ -244,13 +247,16 @@ MAX_SPANS = 1024
 @wire(array=True)
 @dataclass(frozen=True, slots=True)
 class StateSpan(Wire):
-    """One range of a batched state transfer: state ``key`` of ``tensor_id`` from byte ``offset``, staged (fp32)
-    at ``area``; ``area.length`` bytes."""
+    """One range of a batched state transfer: state ``key`` of ``tensor_id`` from byte ``offset`` of its fp32
+    values (element ``offset // 4``), staged at ``area`` as ``dtype`` (``area.length`` bytes: ``area.length //
+    itemsize`` elements).  A 2-byte ``dtype`` is the working dtype crossing as it is (a param read, a grad
+    written): the daemon narrows or widens it, where the state is."""
 
     tensor_id: Annotated[int, TENSOR_ID]
     key: Annotated[str, STATE_KEY]
     offset: Annotated[int, NBYTES]
     area: MemRef
+    dtype: Annotated[str, STAGED_DTYPE] = "float32"
 
 
 @wire(array=True)
@@ -264,6 +270,7 @@ class WriteSpan(Wire):
     area: MemRef
     step: Annotated[int, STEP_NO]
     accumulate: bool
+    dtype: Annotated[str, STAGED_DTYPE] = "float32"
 
 
 @wire

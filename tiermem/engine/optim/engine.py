@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -67,6 +66,7 @@ from tiermem.core.config import AdamConfig
 from tiermem.core.errors import DTypeError, InvalidArgument
 from tiermem.core.lowbit import BLOCK, LowbitMoments, blocks_of
 from tiermem.core.step_rules import GradStats, grad_stats
+from tiermem.engine.cpus import usable_cpus
 from tiermem.engine.optim.kernels import (
     GRAD_DTYPES,
     MIN_COMPILED_NUMEL,
@@ -125,7 +125,8 @@ class AdamEngine:
         min_piece_numel: int = 1 << 16,
         native: bool = True,
     ) -> None:
-        """``threads`` 0 uses every core this process may run on; ``compile`` False forces the eager path.
+        """``threads`` 0 uses the CPUs this process can get (``usable_cpus``: its affinity, capped by its
+        cgroups' CPU quota); ``compile`` False forces the eager path.
 
         ``warmup`` lists the (grad dtype, out dtype) combinations compiled now,
         so that their first-compile latency is paid here (see ``kernels()``).
@@ -135,7 +136,7 @@ class AdamEngine:
             raise InvalidArgument(f"threads must be >= 0, got {threads}")
         if min_piece_numel < 1:
             raise InvalidArgument(f"min_piece_numel must be >= 1, got {min_piece_numel}")
-        self.threads = threads or len(os.sched_getaffinity(0))
+        self.threads = threads or usable_cpus()
         self.min_piece_numel = min_piece_numel
         self.native = native and hasattr(torch, "_fused_adamw_")
         self._kernels = KernelSet(compile=compile, cache_dir=cache_dir or None)

@@ -1,0 +1,104 @@
+"""How many CPUs this process can really use: its affinity, capped by its cgroups' CPU quota.
+
+The daemon's Adam update is split over ``adam.threads`` workers, 0 meaning
+"as many as the node gives us".  The affinity mask alone overstates that
+under systemd's ``CPUQuota=``, a container's CPU limit, or a Kubernetes pod's
+``limits.cpu``: the process sees every core but may run only ``quota /
+period`` of them per period.  Workers beyond that do not add speed; they make
+the kernel throttle the whole process for the rest of each period, and the
+update waits at its end for the throttled piece (on a 2-core node with a
+1-CPU quota, two workers finish the update no sooner than one, and its tail
+waits for the throttling to lift).
+
+So the default is the affinity count, capped by the tightest quota of this
+process's cgroup and each of its ancestors (cgroup v2 ``cpu.max``, v1
+``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``), rounded down, at least 1.
+Rounding down is the conservative choice: 2.5 CPUs of quota run two workers
+that are never throttled, where three would be throttled every period.
+
+``cpu_limit`` is pure (it reads through the ``read`` callable), so the tests
+feed it the files of any hierarchy; ``usable_cpus`` binds it to ``/proc`` and
+``/sys/fs/cgroup``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import PurePosixPath
+
+__all__ = ["cpu_limit", "parse_cpu_max", "parse_v1_quota", "usable_cpus"]
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def parse_cpu_max(text: str) -> float | None:
+    """CPUs allowed by a cgroup v2 ``cpu.max`` (``"max 100000"``: none; ``"150000 100000"``: 1.5)."""
+    fields = text.split()
+    if not fields or fields[0] == "max":
+        return None
+    quota = int(fields[0])
+    period = int(fields[1]) if len(fields) > 1 else 100_000
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def parse_v1_quota(quota_text: str, period_text: str) -> float | None:
+    """CPUs allowed by cgroup v1's ``cpu.cfs_quota_us`` (-1: none) over ``cpu.cfs_period_us``."""
+    quota, period = int(quota_text.strip()), int(period_text.strip())
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _ancestors(path: str) -> list[str]:
+    """``/a/b`` -> ``["/a/b", "/a", "/"]``: a parent's quota caps its children's too."""
+    p = PurePosixPath(path if path.startswith("/") else "/" + path)
+    return [str(p), *(str(a) for a in p.parents)]
+
+
+def cpu_limit(proc_cgroup: str, read: Callable[[str], str | None], root: str = CGROUP_ROOT) -> float | None:
+    """The tightest CPU quota over this process's cgroups and their ancestors, in CPUs; None when unlimited.
+
+    ``proc_cgroup`` is the text of ``/proc/self/cgroup``; ``read(path)`` returns a file's text, or None
+    where it cannot be read (no such controller mounted, a path outside this mount namespace)."""
+    limits: list[float] = []
+    for line in proc_cgroup.splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if not hier:
+            continue
+        if hier == "0" and controllers == "":  # cgroup v2's unified hierarchy
+            for p in _ancestors(path):
+                text = read(f"{root}{p.rstrip('/')}/cpu.max" if p != "/" else f"{root}/cpu.max")
+                value = parse_cpu_max(text) if text is not None else None
+                if value is not None:
+                    limits.append(value)
+        elif "cpu" in controllers.split(","):
+            mount = f"{root}/{controllers}"
+            for p in _ancestors(path):
+                base = mount if p == "/" else f"{mount}{p}"
+                quota, period = read(f"{base}/cpu.cfs_quota_us"), read(f"{base}/cpu.cfs_period_us")
+                value = parse_v1_quota(quota, period) if quota is not None and period is not None else None
+                if value is not None:
+                    limits.append(value)
+    return min(limits) if limits else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cpus() -> int:
+    """This process's affinity count, capped by its cgroups' CPU quota (rounded down), at least 1."""
+    cpus = len(os.sched_getaffinity(0))
+    own = _read("/proc/self/cgroup")
+    try:
+        limit = cpu_limit(own, _read) if own is not None else None
+    except ValueError:  # a quota file this parser does not understand: the affinity stands
+        limit = None
+    if limit is not None:
+        cpus = min(cpus, max(1, math.floor(limit)))
+    return max(1, cpus)
