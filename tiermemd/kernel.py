@@ -23,7 +23,11 @@ When kernels are built:
 ``statuses`` says where each kernel is: ``building``, ``built``, ``failed``
 (the slower fallback runs: the plain-torch reference, or the eager update)
 or ``off`` (the configuration chose the fallback: ``adam.compile = false``);
-the Prometheus gauge ``tiermem_kernel_state`` shows it.
+the Prometheus gauge ``tiermem_kernel_state`` shows it.  ``update`` returns
+the path the update ran (``native``: torch's fused fp32 AdamW or the C kernel
+of compressed moments; ``compiled``: an inductor kernel; ``fallback``: the
+eager update or the plain-torch reference): each rank reports its last one, a
+column of ``tiermem status`` and ``tiermem_kernel_path_ranks``.
 """
 
 from __future__ import annotations
@@ -87,16 +91,19 @@ class EngineKernel:
         stats = self.engine.grad_stats(grad, inv_scale)
         return stats.sq_norm, stats.found_inf
 
-    def update(self, ops: AdamSlices, *, group: ParamGroup, step: int, grad_scale: float) -> None:
+    def update(self, ops: AdamSlices, *, group: ParamGroup, step: int, grad_scale: float) -> str:
         master, moments, grad, out = ops
         low = out if out is not None and out.dtype != torch.float32 else None
         if moments.state_dtype == "fp32":
             m, v = moments.exp_avg, moments.exp_avg_sq
             self.engine.update(master, m, v, grad, low, group=group, step=step, grad_scale=grad_scale)
+            path = self.engine.path(grad.dtype, None if low is None else low.dtype, grad_scale)
         else:
             self.engine.update_lowbit(master, moments, grad, low, group=group, step=step, grad_scale=grad_scale)
+            path = "native" if self.engine.lowbit_kernel().native else "fallback"
         if out is not None and low is None:
             out.copy_(master)
+        return path
 
     def prepare(self, state_dtype: str) -> None:
         """Wait, ticking the caller's beacon, for what updates of moments in ``state_dtype`` run: the

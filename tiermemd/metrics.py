@@ -43,7 +43,7 @@ from prometheus_client.registry import Collector
 from tiermem import __version__
 from tiermem.core.figures import Family, Kind, declared, rollup, value_at, zero
 from tiermem.core.modes import STATE_DTYPES
-from tiermem.core.protocol import PROTOCOL_VERSION
+from tiermem.core.protocol import KERNEL_PATHS, PROTOCOL_VERSION
 from tiermem.engine.pool import PoolStats
 from tiermemd.kernel import BuildState, KernelStatus
 from tiermemd.ledger import Resource
@@ -77,6 +77,18 @@ KERNEL_STATE = Family(
     "tiermem_kernel_state",
     "Adam kernels by build state (building, built, failed: the slower fallback runs, off: turned off by "
     "adam.compile): 1 for the state each kernel is in.",
+)
+KERNEL_PATH_RANKS = Family(
+    "tiermem_kernel_path_ranks",
+    "Ranks by the code their last Adam update ran (native, compiled, fallback: the slower eager update or "
+    "plain-torch reference).",
+    label="path",
+)
+JOB_KERNEL_PATH_RANKS = Family(
+    "tiermem_job_kernel_path_ranks",
+    "A job's ranks by the code their last Adam update ran (native, compiled, fallback).",
+    label="path",
+    per_job=True,
 )
 STATE_DTYPE_RANKS = Family(
     "tiermem_state_dtype_ranks",
@@ -155,10 +167,16 @@ def families(node: NodeStats, *, per_job: bool) -> Iterator[Any]:
     registered = [r.state_dtype for job in node.jobs for r in job.ranks]
     for state_dtype in STATE_DTYPES:  # every format, zeros too: a dashboard's series exist before the first job
         out.add(STATE_DTYPE_RANKS, Kind.GAUGE, registered.count(state_dtype), series=state_dtype)
+    paths = [r.kernel_path for job in node.jobs for r in job.ranks]
+    for path in KERNEL_PATHS:  # every path, zeros too: a fallback shows as a series leaving zero
+        out.add(KERNEL_PATH_RANKS, Kind.GAUGE, paths.count(path), series=path)
     out.figures(RankStats, node.ranks, per_job=False)
     for job in node.jobs if per_job else ():
         labels = [job.job_id, str(job.owner_uid)]
         out.add(JOB_RANKS, Kind.GAUGE, len(job.ranks), labels)
+        job_paths = [r.kernel_path for r in job.ranks]
+        for path in KERNEL_PATHS:
+            out.add(JOB_KERNEL_PATH_RANKS, Kind.GAUGE, job_paths.count(path), labels, path)
         out.figures(RankStats, job.ranks, labels, per_job=True)
     out.made[KERNEL_STATE.name] = kernel_states(node.kernels)
     return iter(out.made.values())

@@ -168,6 +168,7 @@ def _job_report(job: JobStats) -> JobReport:
         last_step=max((r.last_step for r in job.ranks), default=0),
         staleness_steps=max((r.staleness_steps for r in job.ranks), default=0),
         state_dtypes=tuple(sorted({r.state_dtype for r in job.ranks if r.state_dtype})),
+        kernel_paths=tuple(sorted({r.kernel_path for r in job.ranks if r.kernel_path})),
     )
 
 

@@ -340,13 +340,14 @@ def test_tiermem_status_shows_the_node_and_the_job(metered: tuple[DaemonProcess,
     (job,) = [j for j in report["jobs"] if j["job_id"] == "status-job"]
     assert job["last_step"] == 2 and job["cpu_state_nbytes"] == 8 * (32 * 32 + 32) and job["ranks"] == 1
     assert job["state_dtypes"] == ["fp32"]
+    assert job["kernel_paths"] == ["native"]  # fp32 params that are their own master: torch's fused AdamW
     assert "status-job" in screen and "Pool" in screen and "Swap" in screen
     (row,) = [line for line in screen.splitlines() if "status-job" in line]
-    assert row.split()[-3:-1] == ["fp32", "0"], row  # ADAM, then DPU
+    assert row.split()[-4:-1] == ["fp32", "0", "native"], row  # ADAM, DPU, KERNEL
     adam = report["node"]["adam"]
     assert adam["busy_periods"] >= 2 and adam["busy_period_s"] >= adam["cpu_busy_s"] > 0, adam  # one per update
     assert f"periods {adam['busy_periods']}" in screen, screen
-    assert max(len(line) for line in screen.splitlines()) <= 88
+    assert max(len(line) for line in screen.splitlines()) <= 97
 
 
 def test_tiermem_status_shows_how_each_job_keeps_its_moments(metered: tuple[DaemonProcess, int]) -> None:
@@ -360,8 +361,11 @@ def test_tiermem_status_shows_how_each_job_keeps_its_moments(metered: tuple[Daem
     (job,) = [j for j in report["jobs"] if j["job_id"] == "int8-job"]
     assert job["state_dtypes"] == ["int8"]
     (row,) = [line for line in screen.splitlines() if "int8-job" in line]
-    assert row.split()[-3] == "int8", row
+    assert row.split()[-4] == "int8", row
     assert value(scraped, "tiermem_state_dtype_ranks", state_dtype="int8") >= 1
+    (path,) = job["kernel_paths"]  # the C kernel where this host compiles it, else the plain-torch reference
+    assert path in ("native", "fallback") and row.split()[-2] == path, row
+    assert value(scraped, "tiermem_kernel_path_ranks", path=path) >= 1
 
 
 def test_tiermem_status_without_a_daemon_says_so(tmp_path: Path) -> None:

@@ -19,10 +19,12 @@ from tiermemd.rank import RankStats
 from tiermemd.scheduler import SchedulerStats
 from tiermemd.serverstats import DisconnectReason, ServerCounters
 from tiermemd.state import StateStats
-from tiermemd.stats import JobStats, NodeStats
+from tiermemd.stats import JobStats, NodeStats, stats_reply
 
 
-def _rank(job_id: str, *, updates: int, elements: int, cpu_nbytes: int, state_dtype: str = "fp32") -> RankStats:
+def _rank(
+    job_id: str, *, updates: int, elements: int, cpu_nbytes: int, state_dtype: str = "fp32", kernel_path: str = "native"
+) -> RankStats:
     h = Histogram(UPDATE_SECONDS)
     for _ in range(updates):
         h.observe(0.02)
@@ -31,7 +33,7 @@ def _rank(job_id: str, *, updates: int, elements: int, cpu_nbytes: int, state_dt
         overlapped_tensors=0, tensors=2, numel=elements, window_nbytes=1 << 21, storage_nbytes=8192,
         state_keys=2, adopted_elements=0, updates=updates, updated_elements=updates * elements,
         update_s=0.02 * updates, update_seconds=h.snapshot(), grad_stats_s=0.0, wait_s=0.0, staleness_steps=0,
-        state=StateStats(cpu_nbytes=cpu_nbytes), state_dtype=state_dtype,
+        state=StateStats(cpu_nbytes=cpu_nbytes), state_dtype=state_dtype, kernel_path=kernel_path,
     )  # fmt: skip
 
 
@@ -41,7 +43,7 @@ def _node(retired: RankStats | None = None) -> NodeStats:
     counters = ServerCounters()
     counters.accepted()
     counters.disconnected(DisconnectReason.CLIENT_EXITED)
-    int8_rank = _rank("secret-job-b", updates=2, elements=5, cpu_nbytes=40, state_dtype="int8")
+    int8_rank = _rank("secret-job-b", updates=2, elements=5, cpu_nbytes=40, state_dtype="int8", kernel_path="fallback")
     jobs = (
         JobStats("secret-job-a", 1000, "active", 1, (_rank("secret-job-a", updates=3, elements=10, cpu_nbytes=80),), 0),
         JobStats("secret-job-b", 1001, "active", 1, (int8_rank,), 0),
@@ -95,6 +97,25 @@ def test_ranks_are_counted_by_how_they_store_the_moments() -> None:
     assert 'tiermem_state_dtype_ranks{state_dtype="fp32"} 1.0' in text
     assert 'tiermem_state_dtype_ranks{state_dtype="int8"} 1.0' in text
     assert 'tiermem_state_dtype_ranks{state_dtype="bf16"} 0.0' in text  # the series exists before its first rank
+
+
+def test_ranks_are_counted_by_the_kernel_path_their_updates_ran() -> None:
+    text = _exposition(_node(), per_job=False)
+    assert 'tiermem_kernel_path_ranks{path="native"} 1.0' in text
+    assert 'tiermem_kernel_path_ranks{path="fallback"} 1.0' in text
+    assert 'tiermem_kernel_path_ranks{path="compiled"} 0.0' in text  # the series exists before its first rank
+
+
+def test_with_job_labels_each_job_counts_its_ranks_by_kernel_path() -> None:
+    text = _exposition(_node(), per_job=True)
+    assert 'tiermem_job_kernel_path_ranks{path="fallback",tiermem_job="secret-job-b",uid="1001"} 1.0' in text
+    assert 'tiermem_job_kernel_path_ranks{path="native",tiermem_job="secret-job-b",uid="1001"} 0.0' in text
+
+
+def test_the_stats_reply_names_each_jobs_kernel_paths() -> None:
+    reply = stats_reply(_node(), uid=None, rank=_node().jobs[1].ranks[0])
+    assert [job.kernel_paths for job in reply.jobs] == [("native",), ("fallback",)]
+    assert reply.rank is not None and reply.rank.kernel_path == "fallback"
 
 
 def test_each_kernel_shows_the_state_it_is_in_and_a_fallback_is_failed() -> None:

@@ -25,7 +25,7 @@ from tiermem.core.units import format_size
 
 __all__ = ["Sample", "add_parser", "render", "run_status"]
 
-WIDTH = 88
+WIDTH = 97
 _CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -149,7 +149,11 @@ def render(now: Sample, before: Sample | None = None, *, socket_path: str = "") 
     )
     out.append(rule)
     out.append(
-        _line(_job_row("JOB", "UID", "STATE", "RANKS", "STEP", "WINDOW", "STORAGE", "CPU", "NVME", "ADAM", "DPU"))
+        _line(
+            _job_row(
+                "JOB", "UID", "STATE", "RANKS", "STEP", "WINDOW", "STORAGE", "CPU", "NVME", "ADAM", "DPU", "KERNEL"
+            )
+        )
     )
     for job in now.reply.jobs:
         out.append(_line(_job_cells(job)))
@@ -163,7 +167,7 @@ def render(now: Sample, before: Sample | None = None, *, socket_path: str = "") 
 
 
 def _job_row(*cells: str) -> str:
-    widths = (12, 5, 8, 5, 6, 7, 8, 8, 8, 4, 3)
+    widths = (12, 5, 8, 5, 6, 7, 8, 8, 8, 4, 3, 8)
     return " ".join(f"{c[:w]:<{w}}" for c, w in zip(cells, widths, strict=True))
 
 
@@ -179,17 +183,18 @@ def _job_cells(job: JobReport) -> str:
         format_size(job.storage_nbytes),
         format_size(job.cpu_state_nbytes),
         format_size(job.nvme_state_nbytes),
-        _moments(job.state_dtypes),
+        _one_or_mix(job.state_dtypes),
         "1" if job.staleness_steps else "0",
+        _one_or_mix(job.kernel_paths),
     )
 
 
-def _moments(state_dtypes: tuple[str, ...]) -> str:
-    """How a job keeps its Adam moments: its ranks' one format, ``mix`` where they differ, ``-`` before any
-    registered."""
-    if not state_dtypes:
+def _one_or_mix(values: tuple[str, ...]) -> str:
+    """A job's ranks' one value (how they keep the Adam moments, the kernel path their updates ran), ``mix``
+    where they differ, ``-`` before any has one."""
+    if not values:
         return "-"
-    return state_dtypes[0] if len(state_dtypes) == 1 else "mix"
+    return values[0] if len(values) == 1 else "mix"
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -602,6 +602,7 @@ class RankOptimizer(StateIO):
             storage_nbytes=self.storage.nbytes if self.storage is not None else 0,
             state_keys=len(state.keys) if state is not None else 0,
             adopted_elements=self.runner.adopted,
+            kernel_path=self.runner.kernel_path,
             updates=self.runner.updates,
             updated_elements=self.runner.updated_elements,
             update_s=self.runner.update_s,

@@ -89,8 +89,9 @@ class AdamKernel(Protocol):
         """(sum of squares of ``grad * inv_scale`` in fp32, whether any element is inf/nan)."""
         ...
 
-    def update(self, ops: AdamSlices, *, group: ParamGroup, step: int, grad_scale: float) -> None:
-        """One Adam/AdamW step over ``ops``, in place."""
+    def update(self, ops: AdamSlices, *, group: ParamGroup, step: int, grad_scale: float) -> str | None:
+        """One Adam/AdamW step over ``ops``, in place; the path it ran (``KERNEL_PATHS``), or None where the
+        kernel does not say."""
         ...
 
     def prepare(self, state_dtype: str) -> None:
@@ -136,6 +137,8 @@ class UpdateRunner:
         """Duration of each ``run``, failed ones included (one writer: runs of a rank never overlap)."""
         self.adopted = 0
         """Param elements whose in-place edits were taken into the master."""
+        self.kernel_path = ""
+        """The path the last update ran (``native``, ``compiled``, ``fallback``); empty before one."""
 
     def run(
         self,
@@ -285,7 +288,9 @@ class UpdateRunner:
                     raise InvalidState("the rank has neither a grad buffer nor staged grads")
                 moments = tensors.moments(state.format.state_dtype, c0, a - c0, b - c0)
                 ops = AdamSlices(master, moments, grads, out)
-                self.kernel.update(ops, group=piece.group, step=piece.step, grad_scale=grad_scale)
+                path = self.kernel.update(ops, group=piece.group, step=piece.step, grad_scale=grad_scale)
+                if path:
+                    self.kernel_path = path
                 if cast is not None:
                     cast.copy_(master)
             finally:

@@ -85,3 +85,6 @@ class RankStats:
     state: StateStats
     state_dtype: str = ""
     """How the moments are stored (``fp32``, ``bf16``, ``int8``); empty before REGISTER."""
+    kernel_path: str = ""
+    """The code its last update ran (``native``, ``compiled``, ``fallback``: ``KERNEL_PATHS``); empty before
+    one."""

@@ -27,6 +27,7 @@ from tiermem.core.protocol.spec import Choice, Int, List, Opt, Str, Wire, wire
 
 __all__ = [
     "BUDGET_RESOURCES",
+    "KERNEL_PATHS",
     "MAX_REPORTED_JOBS",
     "AdamReport",
     "BudgetReport",
@@ -44,6 +45,10 @@ MAX_COUNT = (1 << 62) - 1
 MAX_REPORTED_JOBS = 1024
 """Jobs listed in one STATS_REPLY (about 300 bytes each, well inside a 1 MiB frame)."""
 BUDGET_RESOURCES = ("window", "pool", "swap", "storage")
+KERNEL_PATHS = ("native", "compiled", "fallback")
+"""The code a rank's Adam update runs: ``native`` (torch's fused fp32 AdamW, or the C kernel of compressed
+moments), ``compiled`` (an inductor kernel), ``fallback`` (the eager update or the plain-torch reference: no
+compiler, a failed build, or ``adam.compile = false``)."""
 Count = Annotated[int, Int(0, MAX_COUNT)]
 Nbytes = Annotated[int, NBYTES]
 Seconds = Annotated[float, NON_NEGATIVE]
@@ -198,6 +203,8 @@ class RankReport(Wire):
     nvme: Annotated[NvmeReport | None, Opt(NvmeReport)]
     state_dtype: Annotated[str, Choice(("", *STATE_DTYPES))] = ""
     """How the moments are stored (``fp32``, ``bf16``, ``int8``); empty before REGISTER."""
+    kernel_path: Annotated[str, Choice(("", *KERNEL_PATHS))] = ""
+    """The code its last update ran (``KERNEL_PATHS``); empty before one."""
 
 
 @wire
@@ -222,3 +229,5 @@ class JobReport(Wire):
     state_dtypes: Annotated[tuple[str, ...], List(Choice(STATE_DTYPES), len(STATE_DTYPES))] = ()
     """How its ranks store the Adam moments (``fp32``, ``bf16``, ``int8``), each once, sorted: several where
     ranks differ; empty before any rank registered."""
+    kernel_paths: Annotated[tuple[str, ...], List(Choice(KERNEL_PATHS), len(KERNEL_PATHS))] = ()
+    """The code its ranks' last updates ran (``KERNEL_PATHS``), each once, sorted; empty before any update."""

@@ -159,6 +159,22 @@ class AdamEngine:
         """The kernels built so far: state (compiled / eager / failed), compile seconds, error."""
         return self._kernels.records()
 
+    def path(self, grad_dtype: torch.dtype, out_dtype: torch.dtype | None, grad_scale: float = 1.0) -> str:
+        """The code an update of these dtypes runs (``update``): ``native`` (torch's fused CPU AdamW),
+        ``compiled`` (the inductor kernel) or ``fallback`` (the eager update: compiling off or failed, or the
+        kernel not built yet).  Never compiles."""
+        if self._runs_native(grad_dtype, out_dtype, grad_scale):
+            return "native"
+        return "compiled" if self._kernels.built(kernel_key(grad_dtype, out_dtype)) else "fallback"
+
+    def _runs_native(self, grad_dtype: torch.dtype, out_dtype: torch.dtype | None, grad_scale: float) -> bool:
+        return (
+            self.native
+            and out_dtype is None
+            and grad_dtype == torch.float32
+            and (grad_scale == 1.0 or not self._kernels.built(_FP32_KEY))
+        )
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -240,12 +256,7 @@ class AdamEngine:
         if not 0 <= start <= stop <= numel:
             raise InvalidArgument(f"range [{start}, {stop}) is not within [0, {numel}]")
         hyper = AdamHyper.of(group)
-        if (
-            self.native
-            and out is None
-            and grad.dtype == torch.float32
-            and (grad_scale == 1.0 or not self._kernels.built(_FP32_KEY))
-        ):
+        if self._runs_native(grad.dtype, None if out is None else out.dtype, grad_scale):
             native: Future[None] = Future()
             try:
                 if stop > start:
