@@ -1,4 +1,7 @@
-"""Many ranks, one daemon per node: ZeRO-2 sharding over ``torch.distributed``.
+"""Many ranks, one daemon per node: ZeRO sharding over ``torch.distributed``.
+
+One facade, ``ShardedOptimizer`` (``sharded``), owns the start, the step, the
+counters and ``close()``; the three optimizers below are its strategies.
 
 ``ShardedOffloadAdam`` shards the Adam state across the process group's ranks
 (each rank's shard in its node's tiermemd); ``ShardedGradScaler`` is

@@ -1,10 +1,10 @@
 """``RankGroup``: the sharding strategies' one view of their process group, and the global half of a step.
 
 Each sharded optimizer (``ShardedOffloadAdam``, ``LayerShardedAdam``,
-``ShardedPagedAdam``) is an ``OffloadAdam`` per rank (the optimizer: it owns
-the rank's step, its daemon link and its counters) composed with a strategy
-that decides what the rank holds and how grads and params cross the group.
-What every strategy needs of the group lives here once:
+``ShardedPagedAdam``) is a strategy of the one facade, ``ShardedOptimizer``
+(``sharded``: the start, the step, the counters, ``close()``), over an
+``OffloadAdam`` per rank (its daemon link and its update).  What every
+strategy needs of the group lives here once:
 
 - who this rank is (``rank``, ``world_size``, the group), refused without
   ``torch.distributed``;

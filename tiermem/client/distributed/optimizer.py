@@ -85,14 +85,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiermem.client.distributed.group import NotCopyable, RankGroup, check_max_grad_norm
-from tiermem.client.distributed.identity import release_job_id
+from tiermem.client.distributed.group import check_max_grad_norm
+from tiermem.client.distributed.sharded import ShardedOptimizer
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
     check_hyper,
     check_state_dtype,
     check_torch_flags,
-    closure_loss,
     copy_hyper,
     hyper_of,
     optimizer_defaults,
@@ -104,7 +103,7 @@ from tiermem.core import dtypes
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement, StepMode
 from tiermem.core.shard_plan import Piece, ShardLayout, plan_shards
-from tiermem.core.step_rules import GradStats, decide
+from tiermem.core.step_rules import GradStats, StepDecision, decide
 from tiermem.core.units import MiB
 
 __all__ = ["ShardedOffloadAdam"]
@@ -116,11 +115,10 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
+class ShardedOffloadAdam(ShardedOptimizer):
     """AdamW (``adamw=False``: Adam) sharded ZeRO-2 style across ``process_group``; see the module docstring.
-    ``state_dtype``: how each rank's daemon stores its shard's moments (``OffloadAdam``'s)."""
-
-    _step_supports_amp_scaling = True
+    ``state_dtype``: how each rank's daemon stores its shard's moments (``OffloadAdam``'s).  The ZeRO-2
+    strategy of ``ShardedOptimizer``, which owns the step, the counters and ``close()``."""
 
     def __init__(
         self,
@@ -153,11 +151,7 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         warmup_steps: int = 10,
         state_dtype: str = "fp32",
     ) -> None:
-        self.group = RankGroup(
-            process_group,
-            "ShardedOffloadAdam",
-            alone_hint="; for one process use OffloadAdam",
-        )
+        self._join(process_group, "ShardedOffloadAdam", alone_hint="; for one process use OffloadAdam")
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         check_max_grad_norm(max_grad_norm)
@@ -169,18 +163,12 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         self._delayed = (delayed_update, warmup_steps)
         defaults = optimizer_defaults(hyper, foreach=foreach, maximize=maximize, fused=fused, adamw=adamw)
         super().__init__(params, defaults)
-        self.process_group = process_group
-        self.rank = self.group.rank
-        self.world_size = self.group.world_size
         self.max_grad_norm = max_grad_norm
-        self.last_grad_norm: float | None = None
-        """The global norm of the last applied step's unscaled grads, when it computed one (clipping or a
-        scaler); a skipped step leaves it as it was."""
-        self.last_found_inf = False
         self._global_found_inf: dict[torch.device, torch.Tensor] | None = None
         """This step's found-inf flags from ``ShardedGradScaler`` (``take_found_inf``)."""
-        self._skipped_here = 0
-        """Skips of a rank that owns no element (no inner optimizer, so no daemon rank counts them)."""
+        self._reduced: list[torch.Tensor] = []
+        """This step's mean grads of the rank's pieces (``_decide``), and per param whether any rank had one."""
+        self._has_grad: torch.Tensor | None = None
         params_ = self._params()
         if not params_:
             raise InvalidArgument("ShardedOffloadAdam got an empty parameter list")
@@ -205,9 +193,8 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         self._by_bucket: list[list[int]] = [[] for _ in self.layout.buckets]
         for i, piece in enumerate(self.pieces):
             self._by_bucket[piece.bucket].append(i)
-        self.job_id, self._token = self.group.agree_identity(job_id, token)
+        self.job_id, _ = self.group.agree_identity(job_id, token)
         inner_groups = self._piece_groups(params_, group_of)
-        self.inner: OffloadAdam | None = None
         if client is None:
             client = self.group.node_client(
                 [pc.numel for pc in self.pieces],
@@ -217,9 +204,8 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
                 mode=StepMode.DELAYED if delayed_update else StepMode.SYNC,
                 state_dtype=self.state_dtype,
             )
-        self._attach(
-            client,
-            lambda: self._make_inner(inner_groups, client, offload, window_nbytes, expected_step, rollback),
+        self._attach_inner(
+            client, lambda: self._make_inner(inner_groups, client, offload, window_nbytes, expected_step, rollback)
         )
         largest = self.layout.largest_bucket()
         self._flat = torch.empty(largest, dtype=self.dtype.torch, device=self.device)
@@ -244,7 +230,6 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._holding = False
         self._told_accumulation = False
-        self._hooks: list[Any] = []
         self._new_round()
         if self.overlap_comm:
             for index, p in enumerate(params):
@@ -266,20 +251,6 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
                 self._inner_of_group[g] = len(inner_groups)
                 inner_groups.append({"params": members, **hyper_of(group)})
         return inner_groups
-
-    def _attach(self, client: Client | None, make_inner: Callable[[], None]) -> None:
-        """Every rank attaches, or none stays attached: a rank attached here while another failed keeps the
-        job's state waiting (detached with it), and the job id is released."""
-        try:
-            self.group.all_or_none("attach", make_inner)
-        except BaseException:
-            if self.inner is not None:
-                self.inner.close(keep_state=True)
-                self.inner = None
-            elif client is not None:
-                client.close()
-            release_job_id(self.job_id)
-            raise
 
     def _storage_slices(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Per bucket, this rank's slice of params and of grads as one tensor of the daemon's shared storage,
@@ -315,21 +286,22 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         """Agree on where the job's state is: new on every rank, or reattached at one step on every rank
         (then the daemon's params, the masters of the pieces, become the model's on every rank)."""
         inner = self.inner
-        mine = (inner.state_from, inner.steps + inner.skipped_steps) if inner is not None else None
+        mine = (inner.state_from, inner.steps, inner.skipped_steps) if inner is not None else None
         everyone: list[Any] = [None] * self.world_size
         self.group.collective("agreement on the state", dist.all_gather_object, everyone, mine)
         known = [(r, v) for r, v in enumerate(everyone) if v is not None]
         reattached = [(r, v) for r, v in known if v[0] != "new"]
         if not reattached:
             return
-        steps = {v[1] for _, v in known}
-        if len(reattached) != len(known) or len(steps) != 1:
-            where = ", ".join(f"rank {r}: {v[0]} at step {v[1]}" for r, v in known)
+        counts = {v[1:] for _, v in known}
+        if len(reattached) != len(known) or len(counts) != 1:
+            where = ", ".join(f"rank {r}: {v[0]} at step {v[1] + v[2]}" for r, v in known)
             raise InvalidState(
                 f"the ranks' states disagree ({where}): a rank died between its update and another's; "
                 "load a checkpoint into every rank (load_state_dict) to go on"
             )
-        self.group.steps = steps.pop()
+        self.outcome.applied, self.outcome.skipped = counts.pop()
+        self.group.steps = self.outcome.applied + self.outcome.skipped
         self._all_gather(params)
 
     # ----------------------------------------------------------------- construction
@@ -345,12 +317,12 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         window_nbytes: int | None,
         expected_step: int | None,
         rollback: bool,
-    ) -> None:
+    ) -> OffloadAdam | None:
         if not groups:
             if client is not None:
                 client.close()  # this rank owns no element (more ranks than elements): nothing to keep
-            return
-        self.inner = self.group.inner_optimizer(
+            return None
+        return self.group.inner_optimizer(
             groups,  # each with its group's hyper-parameters
             client,
             offload=offload,
@@ -363,36 +335,6 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
             state_dtype=self.state_dtype,
         )
 
-    def _agree_on_model(self, params: list[torch.nn.Parameter], group_of: list[int]) -> None:
-        mine = (self.dtype.name, [tuple(p.shape) for p in params], group_of)
-        everyone: list[Any] = [None] * self.world_size
-        self.group.collective("check of the model", dist.all_gather_object, everyone, mine)
-        for r, theirs in enumerate(everyone):
-            if theirs != mine:
-                raise InvalidArgument(
-                    f"rank {r} has a different model than rank {self.rank} (dtype, param shapes or param groups "
-                    f"differ: {len(theirs[1])} params against {len(mine[1])}); every rank must build the same model"
-                )
-
-    # ----------------------------------------------------------------- properties
-
-    @property
-    def token(self) -> str:
-        """The job token.  A relaunch of the same run derives it again (``identity``); pass it as ``token=``
-        only where the user's job secret is not available."""
-        return self._token
-
-    @property
-    def steps(self) -> int:
-        """Steps applied or skipped so far (the same on every rank; a relaunch reattached to the job's state
-        goes on from it: the daemon keeps both counts)."""
-        return self.group.steps
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped on a ``ShardedGradScaler`` overflow (the daemon's count, kept across a relaunch)."""
-        return self.inner.skipped_steps if self.inner is not None else self._skipped_here
-
     # ----------------------------------------------------------------- the step
 
     def take_found_inf(self, per_device: dict[torch.device, torch.Tensor]) -> None:
@@ -400,9 +342,10 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         ``step()`` sets them too when the reduced grads overflow, so the scaler backs off as every rank does."""
         self._global_found_inf = per_device
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = closure_loss(closure)
+    def _decide(self) -> StepDecision:
+        """Where ZeRO-2's grads come from: the trainer's, reduce-scattered now (or during backward, with
+        ``overlap_comm``); their statistics and the per-param grad flags all-reduced in one call; the scaler's
+        rule and the clip over them, the same on every rank."""
         grad_scale = getattr(self, "grad_scale", False)
         found_inf = getattr(self, "found_inf", None)
         scaled = grad_scale is not False
@@ -418,7 +361,7 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         flags = [0.0] + [0.0 if p.grad is None else 1.0 for p in params]
         stats = torch.tensor(flags, dtype=torch.float64).to(self.device)
         try:
-            grads = self._reduce_scatter(params, stats if need_norm else None)
+            self._reduced = self._reduce_scatter(params, stats if need_norm else None)
         finally:
             # the next backward's buckets are whole once the params that had a grad this step have one (an
             # unused layer's params would otherwise hold back every bucket before it until step())
@@ -427,7 +370,7 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
         self.group.collective("statistics", dist.all_reduce, stats)
         values = stats.cpu()
         total_sq = float(values[0])
-        has_grad = values[1:] > 0
+        self._has_grad = values[1:] > 0
         inv_scale = 1.0
         if scaled and grad_scale is not None:
             inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
@@ -439,27 +382,31 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
             scaler_found_inf=scaled and found_inf is not None and float(found_inf) > 0,
             skip_nonfinite=scaled,
         )
-        self.last_found_inf = decision.nonfinite
-        if decision.skip:
-            if global_flags is not None:
-                for flag in global_flags.values():
-                    flag.fill_(1.0)  # the reduced grads overflowed: the scaler backs off as every rank does
-            if self.inner is not None:
-                self.inner.step(decision=decision)  # the daemon counts the skip; nothing else changes
-            else:
-                self._skipped_here += 1
-            self.group.steps += 1
-            return loss
+        if decision.skip and global_flags is not None:
+            for flag in global_flags.values():
+                flag.fill_(1.0)  # the reduced grads overflowed: the scaler backs off as every rank does
+        return decision
+
+    def _hand_over(self, decision: StepDecision) -> None:
+        """The pieces' params from the model (in-place edits since the last step) and their reduced grads."""
+        params = self._params()
+        self._pull_params_into_pieces(params)
+        has_grad = self._has_grad
+        for piece, pp, grad in zip(self.pieces, self._piece_params, self._reduced, strict=True):
+            pp.grad = grad if has_grad is not None and has_grad[piece.param] else None
+
+    def _sync_hyper(self) -> None:
         if self.inner is not None:
-            self._pull_params_into_pieces(params)  # in-place edits of the params since the last step
-            for piece, pp, grad in zip(self.pieces, self._piece_params, grads, strict=True):
-                pp.grad = grad if has_grad[piece.param] else None
             copy_hyper(self.param_groups, self.inner.param_groups, self._inner_of_group.items())
-            self.inner.step(decision=decision)  # the daemon unscales and clips in its update pass
-        self._all_gather(params)
-        self.last_grad_norm = decision.grad_norm
-        self.group.steps += 1
-        return loss
+
+    def _after_update(self, decision: StepDecision) -> None:
+        """Every bucket's updated slices all-gathered into every rank's params (a skip changed nothing)."""
+        if not decision.skip:
+            self._all_gather(self._params())
+
+    def _end_step(self) -> None:
+        self._reduced = []
+        self._has_grad = None
 
     def _check_params(self, params: list[torch.nn.Parameter]) -> None:
         for i, p in enumerate(params):
@@ -740,6 +687,7 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
             self.inner.load_state_dict(inner)
         if shard is not None:
             self.group.steps = int(shard.get("steps", self.group.steps))
+        self._after_load()
 
     def _check_shard(self, shard: dict[str, Any]) -> dict[str, Any] | None:
         rank, world = shard.get("rank"), shard.get("world_size")
@@ -777,20 +725,12 @@ class ShardedOffloadAdam(NotCopyable, torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- life
 
-    def close(self, *, keep_state: bool = False) -> None:
-        """Detach from the daemon (this rank's shard is freed unless ``keep_state``)."""
+    def _before_close(self) -> None:
         if self.params_behind:
             log.warning(
                 "closing with a delayed update the model does not have: its params are one update behind (call "
                 "flush() on every rank before close())"
             )
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        release_job_id(self.job_id)
-        if self.inner is not None:
-            self.inner.close(keep_state=keep_state)
-            self.inner = None
 
 
 @dataclass

@@ -72,20 +72,19 @@ broadcast from rank 0).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiermem.client.distributed.group import RankGroup, ShardGrads, check_max_grad_norm
-from tiermem.client.distributed.identity import release_job_id
+from tiermem.client.distributed.group import ShardGrads, check_max_grad_norm
 from tiermem.client.distributed.reshard import describe_params, is_rank_file
 from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Collectives, Probe, check_timeout
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
 from tiermem.client.link import Client
-from tiermem.client.offload.args import check_hyper, check_state_dtype, closure_loss, copy_hyper, optimizer_defaults
+from tiermem.client.offload.args import check_hyper, check_state_dtype, copy_hyper, optimizer_defaults
 from tiermem.client.offload.copies import FetchItem, GradItem
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.paging import ParamPager
@@ -94,6 +93,7 @@ from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement
+from tiermem.core.step_rules import StepDecision
 
 __all__ = ["ShardCopies", "ShardedPagedAdam"]
 
@@ -311,10 +311,6 @@ class ShardedPagedAdam(Zero3Optimizer):
     (``group``) and the checkpoints (``checkpoint``).  ``state_dtype``: how the daemons store the shards'
     moments (``OffloadAdam``'s); checkpoints stay AdamW's fp32 format."""
 
-    _step_supports_amp_scaling = True
-    """``GradScaler.step`` hands the scale and the found-inf flag over as attributes and always calls
-    ``step()``, which skips by itself (the grads are in the daemons, not here to unscale)."""
-
     def __init__(
         self,
         model: nn.Module,
@@ -344,7 +340,7 @@ class ShardedPagedAdam(Zero3Optimizer):
         collective of a step waits for the other ranks before it raises ``RankLost`` (``schedule``).
         ``probe``: told of each fetch, grad, transfer and collective (``schedule.Probe``; tests slow them
         down through it)."""
-        self.group = RankGroup(process_group, "ShardedPagedAdam")
+        self._join(process_group, "ShardedPagedAdam")
         check_max_grad_norm(max_grad_norm)
         check_state_dtype(state_dtype)
         check_timeout(collective_timeout_s)
@@ -353,12 +349,11 @@ class ShardedPagedAdam(Zero3Optimizer):
         params = [p for g in groups for p in g["params"]]
         device, dtype = _device_and_dtype(params)
         super().__init__(groups, optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw))
-        rank, world = self.group.rank, self.group.world_size
-        self.process_group = process_group
-        """The group the params are sharded over (what ``ShardedGradScaler`` all-reduces its flags over)."""
+        rank, world = self.rank, self.world_size
         self.max_grad_norm = max_grad_norm
         """``max_grad_norm`` over the unsharded model (the daemon gets the coefficient, not the norm)."""
         self.grads = ShardGrads(clipping=max_grad_norm is not None)
+        self._agree_on_model(params, [g for g, group in enumerate(self.param_groups) for _ in group["params"]])
         self.group.broadcast_from_first(p.data for p in params)
         self.schedule = self.group.start_schedule(collective_timeout_s, probe)
         """The steps' collectives (their counts: ``schedule.last_counts``)."""
@@ -373,9 +368,22 @@ class ShardedPagedAdam(Zero3Optimizer):
             shard_groups.append({**g, "params": shards[at : at + n]})
             at += n
         self.job_id, _ = self.group.agree_identity(job_id, token)
-        self.inner = self._attach(
-            shard_groups, client, dtype, device, offload=offload, window_nbytes=window_nbytes, state_dtype=state_dtype
+        client = self._node_client(
+            shard_groups, client, dtype, offload=offload, window_nbytes=window_nbytes, state_dtype=state_dtype
         )
+        self._attach_inner(
+            client,
+            lambda: self.group.inner_optimizer(
+                shard_groups,
+                client,
+                offload=offload,
+                exchange=Exchange.STAGED,
+                window_nbytes=window_nbytes,
+                pin_window=device.type == "cuda",  # the shards are host tensors; the copies go to and from the GPU
+                state_dtype=state_dtype,
+            ),
+        )
+        self.inner: OffloadAdam
         self.pager = ParamPager(
             model,
             self.inner,
@@ -390,18 +398,17 @@ class ShardedPagedAdam(Zero3Optimizer):
         store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper)
         self.checkpoint = Zero3Checkpoint(self._share(model, params, device), store, self.group.collective)
 
-    def _attach(
+    def _node_client(
         self,
         shard_groups: list[dict[str, Any]],
         client: Client | None,
         dtype: torch.dtype,
-        device: torch.device,
         *,
         offload: str | Placement,
         window_nbytes: int | None,
         state_dtype: str,
-    ) -> OffloadAdam:
-        """This rank's ``OffloadAdam`` over its shards, in the agreed job (its node's daemon by default)."""
+    ) -> Client:
+        """The client of this rank's node's daemon (collective where ``client`` is None), sized for its shards."""
         if client is None:
             client = self.group.node_client(
                 [s.numel() for g in shard_groups for s in g["params"]],
@@ -412,15 +419,7 @@ class ShardedPagedAdam(Zero3Optimizer):
                 release_grads=True,
                 state_dtype=state_dtype,
             )
-        return self.group.inner_optimizer(
-            shard_groups,
-            client,
-            offload=offload,
-            exchange=Exchange.STAGED,
-            window_nbytes=window_nbytes,
-            pin_window=device.type == "cuda",  # the shards are host tensors; the copies go to and from the GPU
-            state_dtype=state_dtype,
-        )
+        return client
 
     def _share(self, model: nn.Module, params: list[nn.Parameter], device: torch.device) -> RankShare:
         """What this rank holds, in the checkpoints' terms: its stretch of every param, by tensor id."""
@@ -439,29 +438,8 @@ class ShardedPagedAdam(Zero3Optimizer):
     # ----------------------------------------------------------------- what the inner optimizer counts
 
     @property
-    def token(self) -> str | None:
-        return self.inner.token
-
-    @property
     def client(self) -> Client:
         return self.inner.client
-
-    @property
-    def steps(self) -> int:
-        """Steps applied (the daemon's count; skipped steps are ``skipped_steps``)."""
-        return self.inner.steps
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.inner.skipped_steps
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        return self.inner.last_grad_norm
-
-    @property
-    def last_found_inf(self) -> bool:
-        return self.inner.last_found_inf
 
     def stats(self) -> OptimizerStats:
         return self.inner.stats()
@@ -469,13 +447,8 @@ class ShardedPagedAdam(Zero3Optimizer):
     def flush(self) -> None:
         self.inner.flush()  # the pager's transfers drained too: it is the inner optimizer's feed
 
-    def close(self, *, keep_state: bool = False) -> None:
-        release_job_id(self.job_id)
-        self.inner.close(keep_state=keep_state)
-        self.group.close()
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if hasattr(self, "inner"):  # after construction
+        if hasattr(self, "checkpoint"):  # after construction
             raise InvalidArgument(
                 "ShardedPagedAdam shards the model it was made with; give every group to the constructor "
                 "(param_groups=), or make a new one"
@@ -505,6 +478,7 @@ class ShardedPagedAdam(Zero3Optimizer):
             adopt_saved_groups(self.param_groups, state_dict["param_groups"])
         else:
             self.checkpoint.load_full(state_dict)
+        self._after_load()
 
     def _is_own_shard(self, state_dict: Any) -> bool:
         """Whether ``state_dict`` is ``state_dict()``'s format (every state tensor of this rank's shard size),
@@ -532,25 +506,27 @@ class ShardedPagedAdam(Zero3Optimizer):
         self.pager.check()  # grads set by hand land now, every push is done
         return self.grads.check(inv_scale, found_inf)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = closure_loss(closure)
+    def _decide(self) -> StepDecision:
+        """Where ZeRO-3 paged's grads come from: reduce-scattered into the daemons as each submodule's landed
+        (the pager's pushes, drained now); their statistics (``ShardGrads``) all-reduced where clipping asks."""
         self.pager.drain()
         try:
             if self.max_grad_norm is not None:
                 self.pager.check()  # grads set by hand land now, every push is done
-            decision = self.grads.decide(self.group, self, self.max_grad_norm)
+            return self.grads.decide(self.group, self, self.max_grad_norm)
         except InvalidState:
             self.grads.new_step()  # the step is refused
             raise
-        try:
-            self._sync_hyper()
-            self.inner.step(decision=decision)  # a skip: every rank skips (the flag is global)
-        finally:
-            self.grads.new_step()
-            self.schedule.end_step()
-            self.group.steps += 1
-        return loss
+
+    def _hand_over(self, decision: StepDecision) -> None:
+        """Nothing: the reduced shards are in the daemon."""
+
+    def _after_update(self, decision: StepDecision) -> None:
+        """Nothing to gather: the pager fetches a submodule's params when it runs."""
+
+    def _end_step(self) -> None:
+        self.grads.new_step()
+        self.schedule.end_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)

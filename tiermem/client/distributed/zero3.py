@@ -73,8 +73,7 @@ import torch
 import torch.distributed as dist
 
 from tiermem.client.distributed.daemon_grads import DaemonGrads
-from tiermem.client.distributed.group import RankGroup, ShardGrads, check_max_grad_norm
-from tiermem.client.distributed.identity import release_job_id
+from tiermem.client.distributed.group import ShardGrads, check_max_grad_norm
 from tiermem.client.distributed.reshard import describe_params, is_rank_file
 from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Probe, check_timeout
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
@@ -82,7 +81,6 @@ from tiermem.client.link import Client
 from tiermem.client.offload.args import (
     check_hyper,
     check_state_dtype,
-    closure_loss,
     copy_hyper,
     hyper_of,
     optimizer_defaults,
@@ -91,6 +89,7 @@ from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, StepMode
+from tiermem.core.step_rules import StepDecision
 
 __all__ = ["LayerShardedAdam"]
 
@@ -118,10 +117,6 @@ class LayerShardedAdam(Zero3Optimizer):
     (``inner``; None on a rank that owns none), the group (``group``) and the checkpoints (``checkpoint``).
     ``state_dtype``: how the owners' daemons store the moments (``OffloadAdam``'s)."""
 
-    _step_supports_amp_scaling = True
-    """``GradScaler.step`` hands the scale and the found-inf flag over as attributes and always calls
-    ``step()``, which skips by itself (the grads are in the owners' daemons, not here to unscale)."""
-
     def __init__(
         self,
         model: torch.nn.Module,
@@ -147,7 +142,7 @@ class LayerShardedAdam(Zero3Optimizer):
         """``collective_timeout_s``: how long a collective of a step waits for the other ranks before it
         raises ``RankLost`` (``schedule``).  ``probe``: told of each gather, grad and collective
         (``schedule.Probe``; tests slow them down through it)."""
-        self.group = RankGroup(process_group, "LayerShardedAdam")
+        self._join(process_group, "LayerShardedAdam")
         check_max_grad_norm(max_grad_norm)
         check_state_dtype(state_dtype)
         check_timeout(collective_timeout_s)
@@ -158,17 +153,10 @@ class LayerShardedAdam(Zero3Optimizer):
             )
         self.paged = paged
         self.max_grad_norm = max_grad_norm
-        self.last_grad_norm: float | None = None
-        """The global norm of the last step's reduced grads (with ``max_grad_norm``)."""
         self.grads = ShardGrads(clipping=max_grad_norm is not None)
         """This step's statistics of the reduced grads of this owner's layers."""
-        self._skipped_here = 0
-        """Skips of a rank that owns no layer (no inner optimizer, so no daemon rank counts them)."""
-        self.last_found_inf = False
-        self.process_group = process_group
-        """The group the layers are sharded over (what ``ShardedGradScaler`` all-reduces its flags over)."""
-        self.rank = self.group.rank
-        self.world_size = self.group.world_size
+        self._early = False
+        """The inner step of this step updates what was not updated during backward (``trace``)."""
         self.units = _deal_units(model, owners, self.world_size)
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         defaults = optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw)
@@ -178,20 +166,21 @@ class LayerShardedAdam(Zero3Optimizer):
         """With ``trace``: the last reduced (mean) grads of the units this rank owns, flat."""
         self._order: list[int] = []
         self._recording = True
+        trained = [p for unit in self.units for p in unit.params]
+        self._agree_on_model(trained, [0] * len(trained))
         self.group.broadcast_from_first(p.data for unit in self.units for p in unit.params)
         self.schedule = self.group.start_schedule(collective_timeout_s, probe)
         """The steps' collectives (their counts: ``schedule.last_counts``)."""
         self.probe = probe
         self.job_id, _ = self.group.agree_identity(job_id, token)
         mine = [u for u in self.units if u.owner == self.rank]
-        self.inner = self._attach(mine, client, offload=offload, state_dtype=state_dtype)
+        client = self._node_client(mine, client, offload=offload, state_dtype=state_dtype)
+        self._attach_inner(client, lambda: self._make_inner(client, offload=offload, state_dtype=state_dtype))
         store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper, keeps_values=not paged)
         self.checkpoint = Zero3Checkpoint(self._share(model, mine), store, self.group.collective)
         self._grads: DaemonGrads | None = None
         if paged and self.inner is not None:
             self._grads = self._page(self.inner)
-        self._hooks: list[Any] = []
-        """The handles of the hooks on the model, removed at ``close()``."""
         for unit in self.units:
             self._release(unit, log=False)
             self._hooks += [
@@ -211,22 +200,20 @@ class LayerShardedAdam(Zero3Optimizer):
                 piece.data = torch.full((), float("nan"), dtype=piece.dtype).expand(piece.shape)
         return grads
 
-    def _attach(
-        self, mine: list[_Unit], client: Client | None, *, offload: str, state_dtype: str
-    ) -> OffloadAdam | None:
-        """This owner's ``OffloadAdam`` over copies of its layers' params (``_pieces``), in the agreed job; None
-        on a rank that owns no layer."""
+    def _node_client(self, mine: list[_Unit], client: Client | None, *, offload: str, state_dtype: str) -> Client:
+        """Copies of this owner's layers' params (``_pieces``, the inner tensors) and the client of its node's
+        daemon (collective where ``client`` is None)."""
         paged = self.paged
         self._pieces = {u.index: [torch.nn.Parameter(p.detach().clone()) for p in u.params] for u in mine}
         self._entry_of: dict[int, list[int]] = {}
-        flat_pieces: list[torch.nn.Parameter] = []
+        self._flat_pieces: list[torch.nn.Parameter] = []
         for u in mine:
-            self._entry_of[u.index] = list(range(len(flat_pieces), len(flat_pieces) + len(u.params)))
-            flat_pieces += self._pieces[u.index]
+            self._entry_of[u.index] = list(range(len(self._flat_pieces), len(self._flat_pieces) + len(u.params)))
+            self._flat_pieces += self._pieces[u.index]
         first = self.units[0].params[0]
         if client is None:
             client = self.group.node_client(
-                [p.numel() for p in flat_pieces],
+                [p.numel() for p in self._flat_pieces],
                 dtype=dtypes.by_torch(first.dtype).name,
                 offload=offload,
                 exchange=Exchange.STAGED if paged or first.device.type != "cpu" else Exchange.SHARED,
@@ -234,11 +221,16 @@ class LayerShardedAdam(Zero3Optimizer):
                 release_grads=paged,
                 state_dtype=state_dtype,
             )
-        if not flat_pieces:
+        return client
+
+    def _make_inner(self, client: Client, *, offload: str, state_dtype: str) -> OffloadAdam | None:
+        """This owner's ``OffloadAdam`` over its pieces, in the agreed job; None on a rank that owns no layer."""
+        paged = self.paged
+        if not self._flat_pieces:
             client.close()  # this rank owns no layer
             return None
         return self.group.inner_optimizer(
-            [{"params": flat_pieces, **hyper_of(self.param_groups[0])}],
+            [{"params": self._flat_pieces, **hyper_of(self.param_groups[0])}],
             client,
             offload=offload,
             overlap_update=not paged,
@@ -404,12 +396,6 @@ class LayerShardedAdam(Zero3Optimizer):
 
     # ----------------------------------------------------------------- the step
 
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped on an overflow (a ``ShardedGradScaler`` found inf/nan on some rank; the daemon's
-        count where this rank owns layers, kept across a relaunch)."""
-        return self.inner.skipped_steps if self.inner is not None else self._skipped_here
-
     def unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
         """``ShardedGradScaler``'s check of this owner's reduced grads (``ShardGrads.check``)."""
         if not self.paged:
@@ -426,10 +412,9 @@ class LayerShardedAdam(Zero3Optimizer):
         if drop_grads and self._grads is not None:
             self._grads.reset()
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Finish the step: the owner's daemon completes its layers' updates (the first step: all of them now)."""
-        loss = closure_loss(closure)
+    def _decide(self) -> StepDecision:
+        """Where ZeRO-3 by layer's grads come from: reduced to their owners during backward (paged: into the
+        daemon); their statistics (``ShardGrads``) all-reduced where clipping asks, the scaler's flags global."""
         self._recording = False
         try:
             accumulated = self._grads is not None and self._grads.accumulated
@@ -437,25 +422,22 @@ class LayerShardedAdam(Zero3Optimizer):
         except InvalidState:
             self._new_step()  # the step is refused
             raise
-        self.last_found_inf = decision.nonfinite
-        if decision.grad_norm is not None:
-            self.last_grad_norm = decision.grad_norm
         self._new_step(drop_grads=False)
-        try:
-            if self.inner is None:
-                self._skipped_here += decision.skip
-                return loss
-            self._sync_hyper()
-            early = self.inner.policy.overlap_now
-            # the daemon scales the grads by the decision's factor (unscaled, then clipped), or counts the skip
-            self.inner.step(decision=decision)
-            if not early and not decision.skip and self.events is not None:
-                for index in self._entry_of:
-                    self.events.append(("update", index))
-        finally:
-            self.schedule.end_step()
-            self.group.steps += 1
-        return loss
+        return decision
+
+    def _hand_over(self, decision: StepDecision) -> None:
+        """The grads are in the daemon already; only what the trace records is noted (the first step: every
+        update runs now)."""
+        self._early = self.inner is not None and self.inner.policy.overlap_now
+
+    def _after_update(self, decision: StepDecision) -> None:
+        """Nothing to gather: a layer is gathered when it is used."""
+        if self.inner is not None and not self._early and not decision.skip and self.events is not None:
+            for index in self._entry_of:
+                self.events.append(("update", index))
+
+    def _end_step(self) -> None:
+        self.schedule.end_step()
 
     def _sync_hyper(self) -> None:
         """The group's hyper-parameters (a scheduler or the user may have changed them) into the inner
@@ -486,6 +468,7 @@ class LayerShardedAdam(Zero3Optimizer):
             self.checkpoint.load_shards([state_dict], complete=False)
         else:
             self.checkpoint.load_full(state_dict)
+        self._after_load()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.units:
@@ -503,17 +486,6 @@ class LayerShardedAdam(Zero3Optimizer):
             out += [p.detach().clone() for p in unit.params]
             self._release(unit, log=False)
         return out
-
-    def close(self) -> None:
-        """Detach from the daemon and take the hooks off the model (a closed optimizer gathers nothing)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        release_job_id(self.job_id)
-        if self.inner is not None:
-            self.inner.close()
-            self.inner = None
-        self.group.close()
 
 
 def _deal_units(model: torch.nn.Module, owners: Iterable[int] | None, world_size: int) -> list[_Unit]:

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiermem.client.distributed.group import NotCopyable
 from tiermem.client.distributed.reshard import (
     FORMAT,
     MOMENTS,
@@ -48,6 +47,7 @@ from tiermem.client.distributed.reshard import (
     persistent_buffers,
     save_file,
 )
+from tiermem.client.distributed.sharded import ShardedOptimizer
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups, packed_groups, plan_load
 from tiermem.core.errors import InvalidArgument
@@ -330,7 +330,7 @@ class Zero3Checkpoint:
             )
 
 
-class Zero3Optimizer(NotCopyable, torch.optim.Optimizer):
+class Zero3Optimizer(ShardedOptimizer):
     """The checkpoint methods both ZeRO-3 strategies offer, through the ``Zero3Checkpoint`` they are composed
     with (``checkpoint``, made by the strategy)."""
 
