@@ -400,6 +400,7 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = GPTConfig.for_params(spec["params"], block_size=spec["seq"])
     opt: Any
     pager = None
+    client = None
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # the model is made in its dtype, never as an fp32 copy first
     try:
@@ -424,7 +425,8 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             opt = tiermem.OffloadAdam(model.parameters(), offload=mode.removeprefix("offload-"), **hyper)
     numel = cfg.num_params()
-    daemon = getattr(getattr(opt, "client", None), "daemon", None)
+    # the private daemon is the caller's client's (the optimizer may hold a connection of its own to it)
+    daemon = getattr(client, "daemon", None) if mode != "adamw" else None
     daemon_pid = daemon.process.pid if daemon is not None else None
     g = torch.Generator().manual_seed(1)
     steps = []
