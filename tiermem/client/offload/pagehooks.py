@@ -1,0 +1,82 @@
+"""Param paging's hooks into torch: the ``Probe`` plug-in point, the ``TorchFunctionMode`` that catches a
+param used outside the submodule owning it, and a running forward's ``Frame``.
+
+Pure helpers of ``ParamPager`` (``tiermem.client.offload.paging``): they hold
+no state of their own beyond a frame's leases; the pager owns every record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from tiermem.client.offload.pagedparam import PagedParam
+
+if TYPE_CHECKING:
+    from tiermem.client.offload.paging import ParamPager
+
+__all__ = ["CatchParams", "Frame", "Probe", "dedup", "flat_args", "in_backward", "probed"]
+
+
+class Probe(Protocol):
+    """A declared point where a caller watches the pager's schedule, or slows it down (the schedule-fuzzing
+    tests inject random delays through one), called at each ``point``:
+
+    - ``fetch``: the trainer's thread is about to submit a fetch (``what``: the params' names);
+    - ``grad``: a grad landed in its hook (``what``: the param's name);
+    - ``io``: the I/O thread is about to run a transfer (``what``: ``fetch`` or ``push``, and the params);
+    - ``collective``: a collective is about to be issued (``tiermem.distributed``: its kind and submodule)."""
+
+    def at(self, point: str, what: str) -> None: ...
+
+
+def probed(probe: Probe, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """I/O thread: ``fn(*args)`` after the probe's ``io`` point."""
+    probe.at("io", what)
+    return fn(*args)
+
+
+class CatchParams(TorchFunctionMode):
+    """During forward: a paged param used by a torch function while absent is leased to the running module."""
+
+    def __init__(self, pager: ParamPager) -> None:
+        super().__init__()
+        self.pager = pager
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        pager = self.pager
+        wanted = [e for e in map(pager._absent_entry, flat_args(args, kwargs)) if e is not None]
+        if wanted:
+            pager._use(dedup(wanted), lease=True)
+        return func(*args, **kwargs)
+
+
+def flat_args(args: Any, kwargs: dict[str, Any]) -> Iterable[Any]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, list | tuple):
+            yield from a
+        else:
+            yield a
+
+
+def dedup(entries: Iterable[PagedParam]) -> list[PagedParam]:
+    return list({id(e): e for e in entries}.values())
+
+
+def in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() >= 0)
+
+
+@dataclass
+class Frame:
+    """A running forward of one hooked module: what it leased."""
+
+    module: nn.Module
+    leased: list[PagedParam] = field(default_factory=list)
+    contexts: list[Any] = field(default_factory=list)
