@@ -98,3 +98,30 @@ def test_an_error_in_the_callers_copy_drains_the_pipeline(offload: OffloadDaemon
     conn.request(Ping())
     with pytest.raises(InvalidArgument, match="depth"):
         conn.pipeline([], depth=0)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_bf16_and_fp32_items_share_slots_and_round_trip_exactly(offload: OffloadDaemon, slots: int) -> None:
+    """A transfer mixing bf16 items (staged as 2 bytes an element, odd lengths included) and fp32 ones: the
+    daemon widens the bf16 masters exactly and narrows them back to the same bits, the fp32 moments land
+    where they belong, and the copy layer counts 2 bytes an element for the one and 4 for the other."""
+    _, opt = optimizer(offload)
+    transfer = opt.transfer  # type: ignore[attr-defined]
+    transfer.slots = slots
+    low = [torch.randn(n).to(torch.bfloat16) for n in SIZES]
+    moments = [torch.randn(n) for n in SIZES]
+    items = [(i, "master", v, 0, False) for i, v in enumerate(low)]
+    items += [(i, "exp_avg", m, 3, False) for i, m in enumerate(moments)]
+    transfer.push_many(items)
+    back = [torch.empty(n, dtype=torch.bfloat16) for n in SIZES]
+    wide = [torch.empty(n) for n in SIZES]
+    got_moments = [torch.empty(n) for n in SIZES]
+    reads = [(i, "master", b) for i, b in enumerate(back)] + [(i, "master", w) for i, w in enumerate(wide)]
+    transfer.pull_many_into(reads + [(i, "exp_avg", m) for i, m in enumerate(got_moments)])
+    for i in range(len(SIZES)):
+        assert torch.equal(back[i], low[i]) and torch.equal(wide[i], low[i].float()), i
+        assert torch.equal(got_moments[i], moments[i]), i
+    crossed = transfer.crossed.nbytes
+    total = sum(SIZES)
+    assert crossed["to_host.master"] == 2 * total and crossed["to_host.exp_avg"] == 4 * total
+    assert crossed["to_device.master"] == 2 * total + 4 * total

@@ -73,3 +73,36 @@ def test_aligns_are_checked_against_the_items_and_the_slot() -> None:
         list(pack_spans([10], 512, aligns=[1, 1]))
     with pytest.raises(InvalidArgument, match="item 0 is cut at multiples of 256 elements; a slot holds 100"):
         list(pack_spans([1000], 100, aligns=[256]))
+
+
+@pytest.mark.parametrize("slot", [64, 100, 2048])
+def test_items_of_different_sizes_share_a_slot_each_at_a_multiple_of_its_size(slot: int) -> None:
+    """A bf16 item (2 bytes an element) of odd length, then fp32 ones: each span starts on its own element
+    size, within the slot's bytes, and every element is staged once."""
+    numels = [7, 5, 0, 33, 100, 1]
+    sizes = [2, 4, 4, 2, 4, 2]
+    batches = list(pack_spans(numels, slot, itemsizes=sizes))
+    seen = dict.fromkeys(range(len(numels)), 0)
+    for batch in batches:
+        end = 0
+        for span in batch:
+            size = sizes[span.item]
+            assert span.at % size == 0 and span.at >= end, span
+            assert span.start == seen[span.item]
+            end = span.at + span.numel * size
+            seen[span.item] += span.numel
+        assert end <= slot
+    assert seen == dict(enumerate(numels))
+    # uniform 4-byte items pack in bytes as 1-byte items in elements: the same cuts
+    fp32 = list(pack_spans(numels, slot, itemsizes=[4] * len(numels)))
+    elements = list(pack_spans(numels, slot // 4))
+    assert [[(s.item, s.start, s.numel, s.at // 4) for s in b] for b in fp32] == [
+        [(s.item, s.start, s.numel, s.at) for s in b] for b in elements
+    ]
+
+
+def test_itemsizes_are_checked_against_the_items_and_the_slot() -> None:
+    with pytest.raises(InvalidArgument, match="2 itemsizes for 1 items"):
+        list(pack_spans([10], 512, itemsizes=[2, 4]))
+    with pytest.raises(InvalidArgument, match="item 0 is cut at multiples of 1 elements; a slot holds 0"):
+        list(pack_spans([10], 3, itemsizes=[4]))
