@@ -246,6 +246,23 @@ def test_a_collective_timeout_must_be_a_positive_number_of_seconds(one_rank_grou
     for bad in (0, -1.0, float("inf"), "30", True):
         with pytest.raises(InvalidArgument, match="collective_timeout_s must be a number of seconds > 0"):
             ShardedPagedAdam(model(), device_budget="1MiB", collective_timeout_s=bad)
+        with pytest.raises(InvalidArgument, match="collective_timeout_s must be a number of seconds > 0"):
+            ShardedOffloadAdam(model().parameters(), collective_timeout_s=bad)
+
+
+def test_zero2_steps_run_on_the_schedule_with_its_limit(daemon, one_rank_group):
+    """ZeRO-2's step collectives go through the same bounded schedule as ZeRO-3's (a stuck one is RankLost
+    after collective_timeout_s, not after the group's timeout); one rank reduces nothing, and all-reduces
+    its statistics once."""
+    m = model()
+    opt = ShardedOffloadAdam(m.parameters(), client=connect(daemon.socket_path), collective_timeout_s=7)
+    try:
+        assert opt.schedule.timeout_s == 7.0
+        loss_of(m, 0).backward()
+        opt.step()
+        assert opt.schedule.last_counts == {"all-reduce": 1}
+    finally:
+        opt.close()
 
 
 def test_a_failed_collective_is_rank_lost_naming_it_and_its_group_is_not_reused(one_rank_group):

@@ -148,6 +148,10 @@ def test_two_ranks_against_one_daemon_equal_one_process_with_clipping_overflow_a
     # each rank's shard, and the full AdamW-format dict, loaded into a new job: the same state, bit for bit
     ranks = results(tmp, 2, "out")
     assert all(r["reload_exact"] == [True, True] for r in ranks), ranks
+    # the step's collectives, each bounded by collective_timeout_s: one reduce-scatter and one all-gather a
+    # bucket, one all-reduce of the statistics
+    for r in ranks:
+        assert r["collectives"] == {"reduce-scatter": r["buckets"], "all-reduce": 1, "all-gather": r["buckets"]}, r
     log = two_ranks[1].log_text()
     for r in range(2):
         assert _attached(log, ranks[0]["job_id"], r, 2), log[-2000:]
@@ -237,7 +241,8 @@ def test_a_rank_killed_mid_step_fails_the_others_with_rank_lost_and_a_relaunch_c
     ended = time.monotonic() - t0
     survivor = results(tmp_path, 2)[0]
     assert survivor.get("error") == "RankLost", (survivor, logs(tmp_path))
-    assert survivor["during"] == "reduce-scatter" and "state is at step 3" in survivor["message"]
+    assert survivor["during"].startswith("reduce-scatter of bucket ") and "state is at step 3" in survivor["message"]
+    assert "limit 30 s" in survivor["during"], survivor  # collective_timeout_s, not the group's 30 minutes
     print(f"\nkilled rank: the other got RankLost ({survivor['during']}); torchrun ended after {ended:.1f} s")
     for path in tmp_path.glob("result.*"):
         path.unlink()

@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         skipped=opt.skipped_steps,
         last_norm=opt.last_grad_norm,
         sharded_numel=sum(p.numel for p in opt.pieces),
+        buckets=len(opt.layout.buckets),
+        collectives=dict(opt.schedule.last_counts),  # the last step's, by kind
         socket=opt.inner.client.socket_path if opt.inner is not None else None,
         params_sha256=hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
     )

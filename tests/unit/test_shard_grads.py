@@ -81,3 +81,26 @@ def test_a_refused_first_step_leaves_the_question_open() -> None:
     grads.new_step()
     grads.add((0,), torch.tensor([float("inf")]))
     assert grads.watching and bool(grads.check(torch.tensor(0.5), torch.zeros(())))
+
+
+def test_the_figures_stay_where_the_grads_are_until_they_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Taking a reduced grad's figures reads nothing back to the host (no wait for a device per submodule);
+    the step reads them once, with the all-reduced norm (``RankGroup.read_back``)."""
+    reads: list[str] = []
+    for name in ("item", "tolist", "__float__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+
+        def counting(self: torch.Tensor, *args: Any, _real: Any = real, _name: str = name) -> Any:
+            reads.append(_name)
+            return _real(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    grads = ShardGrads(clipping=True)
+    for k in range(5):
+        grads.add((k,), torch.full((7,), float(k)))
+    grads.add((0,), torch.ones(3), accumulate=True)
+    total = grads.total
+    found_inf = grads.check(torch.tensor(0.5), torch.zeros(()))
+    assert reads == ["__float__"]  # the scaler's inverse scale, not a grad's figure
+    monkeypatch.undo()
+    assert float(total) == pytest.approx(7 * (1 + 4 + 9 + 16)) and float(found_inf) == 0.0

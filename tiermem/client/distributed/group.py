@@ -29,12 +29,14 @@ strategy needs of the group lives here once:
 
 ``ShardGrads`` is the statistics a ZeRO-3 rank keeps of the reduced grads it
 sent to its daemon as they landed (the grads are not in the trainer at
-``step()``), and the check ``ShardedGradScaler`` asks it for.
+``step()``), and the check ``ShardedGradScaler`` asks it for.  They stay on
+the grads' device: a step reads them back once, with the all-reduced norm
+(``RankGroup.read_back``, the one seam through which a step's grad statistics reach
+the host; a test counts its calls).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
@@ -107,6 +109,12 @@ class RankGroup:
         self.token = ""
         self.schedule: Collectives | None = None
         """The steps' collectives (ZeRO-3: ``start_schedule``)."""
+
+    @staticmethod
+    def read_back(t: torch.Tensor) -> list[float]:
+        """``t``'s values on the host: how a sharded step reads its all-reduced grad statistics back (on a
+        device, the step's one wait for its reduced grads)."""
+        return [float(v) for v in t.reshape(-1).tolist()]
 
     def start_schedule(self, timeout_s: float, probe: Probe | None = None) -> Collectives:
         """The group of the steps' collectives, each bounded by ``timeout_s`` (a collective over the group:
@@ -187,7 +195,7 @@ class RankGroup:
 
     def decide(
         self,
-        sumsq: float | None,
+        sumsq: float | torch.Tensor | None,
         *,
         inv_scale: float = 1.0,
         max_grad_norm: float | None,
@@ -200,12 +208,13 @@ class RankGroup:
         backward passes, where a clipping norm of one pass does not exist (refused on every rank)."""
         stats = None
         if sumsq is not None:
-            flags = torch.tensor([float(accumulated), sumsq], dtype=torch.float64, device=self.device)
+            total_here = torch.as_tensor(sumsq, dtype=torch.float64)  # a device's figure stays there
+            flags = torch.stack([torch.full_like(total_here, float(accumulated)), total_here]).to(self.device)
             if self.schedule is not None:
                 self.schedule.run("all-reduce", "the grad norm", dist.all_reduce, flags)
             else:
                 self.collective("norm's all-reduce", dist.all_reduce, flags)
-            anyone_accumulated, total = flags.tolist()
+            anyone_accumulated, total = self.read_back(flags)
             if anyone_accumulated > 0:
                 raise InvalidState(
                     f"{self.who} clips with the norm of one backward pass; this step accumulated grads over "
@@ -237,8 +246,10 @@ class ShardGrads:
         self.scaled: bool | None = None
         """Whether a ``ShardedGradScaler`` checks this optimizer's grads (None: not known before the first step
         ends)."""
-        self.sumsq: dict[Hashable, float] = {}
-        self.nonfinite = False
+        self.sumsq: dict[Hashable, torch.Tensor] = {}
+        """Per key, the sum of squares of its reduced grads, a 0-d fp64 tensor on the grads' device."""
+        self._seen: list[torch.Tensor] = []
+        """Every reduced grad's sum of squares this step (accumulated ones too: the overflow check)."""
         self.accumulated = False
         self.unchecked = False
         """A reduced grad of this step went to the daemon without its figures."""
@@ -259,14 +270,30 @@ class ShardGrads:
         if not self.watching:
             self.unchecked = True
             return
-        sq = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2  # waits for a device's stream
-        self.nonfinite = self.nonfinite or not math.isfinite(sq)
+        sq = torch.linalg.vector_norm(grad, dtype=torch.float64).square()  # on the grad's device: no wait
+        self._seen.append(sq)
         if not accumulate:
             self.sumsq[key] = sq
 
+    def _overflowed(self) -> torch.Tensor | None:
+        """Whether a reduced grad of this step held an inf/nan, as a 0-d tensor where the grads are (None: no
+        grad was seen)."""
+        if not self._seen:
+            return None
+        return torch.stack(self._seen).isfinite().all().logical_not()
+
     @property
-    def total(self) -> float:
-        return math.fsum(self.sumsq.values())
+    def nonfinite(self) -> bool:
+        """Whether a reduced grad of this step held an inf/nan (a read: a device's grads are waited for)."""
+        flag = self._overflowed()
+        return flag is not None and bool(flag)
+
+    @property
+    def total(self) -> torch.Tensor:
+        """The sum of squares of this step's reduced grads (a 0-d fp64 tensor on their device)."""
+        if not self.sumsq:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack(list(self.sumsq.values())).sum()
 
     def check(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
         """``ShardedGradScaler``'s question: whether this rank's reduced grads overflowed (it all-reduces the
@@ -279,8 +306,9 @@ class ShardGrads:
             )
         self.unscaled_by = float(inv_scale)
         self.scale_checked = True
-        if self.nonfinite:
-            found_inf.fill_(1.0)
+        flag = self._overflowed()
+        if flag is not None:  # on the flags' device, without reading it here
+            found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device, found_inf.dtype)))
         return found_inf
 
     def decide(
@@ -302,7 +330,7 @@ class ShardGrads:
 
     def new_step(self) -> None:
         self.sumsq.clear()
-        self.nonfinite = False
+        self._seen.clear()
         self.accumulated = False
         self.unchecked = False
         self.scale_checked = False

@@ -86,6 +86,7 @@ import torch
 import torch.distributed as dist
 
 from tiermem.client.distributed.group import check_max_grad_norm
+from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Probe, check_timeout
 from tiermem.client.distributed.sharded import ShardedOptimizer
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
@@ -150,11 +151,17 @@ class ShardedOffloadAdam(ShardedOptimizer):
         delayed_update: bool = False,
         warmup_steps: int = 10,
         state_dtype: str = "fp32",
+        collective_timeout_s: float = DEFAULT_TIMEOUT_S,
+        probe: Probe | None = None,
     ) -> None:
+        """``collective_timeout_s``: how long a collective of a step waits for the other ranks before it raises
+        ``RankLost`` naming it (``schedule``; the start and the checkpoints keep ``process_group``'s timeout).
+        ``probe``: told of each collective (``schedule.Probe``)."""
         self._join(process_group, "ShardedOffloadAdam", alone_hint="; for one process use OffloadAdam")
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         check_max_grad_norm(max_grad_norm)
+        check_timeout(collective_timeout_s)
         self.state_dtype = check_state_dtype(state_dtype)
         if bucket_nbytes <= 0:
             raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
@@ -168,7 +175,7 @@ class ShardedOffloadAdam(ShardedOptimizer):
         """This step's found-inf flags from ``ShardedGradScaler`` (``take_found_inf``)."""
         self._reduced: list[torch.Tensor] = []
         """This step's mean grads of the rank's pieces (``_decide``), and per param whether any rank had one."""
-        self._has_grad: torch.Tensor | None = None
+        self._has_grad: list[bool] | None = None
         params_ = self._params()
         if not params_:
             raise InvalidArgument("ShardedOffloadAdam got an empty parameter list")
@@ -216,6 +223,8 @@ class ShardedOffloadAdam(ShardedOptimizer):
             self._shared = self.inner.shared_feed.entries
         self._param_slices, self._grad_slices = self._storage_slices()
         self.overlap_comm = overlap_comm
+        self.schedule = self.group.start_schedule(collective_timeout_s, probe)
+        """The steps' collectives, each bounded by ``collective_timeout_s`` (their counts: ``last_counts``)."""
         self._start_rounds(params_)
         self._resume(params_)
 
@@ -367,10 +376,10 @@ class ShardedOffloadAdam(ShardedOptimizer):
             # unused layer's params would otherwise hold back every bucket before it until step())
             self._wanted = [sum(params[i].grad is not None for i in b.params) for b in self.layout.buckets]
             self._new_round()
-        self.group.collective("statistics", dist.all_reduce, stats)
-        values = stats.cpu()
-        total_sq = float(values[0])
-        self._has_grad = values[1:] > 0
+        self.schedule.run("all-reduce", "the grad statistics", dist.all_reduce, stats)
+        values = self.group.read_back(stats)  # the step's one read of its grad statistics
+        total_sq = values[0]
+        self._has_grad = [v > 0 for v in values[1:]]
         inv_scale = 1.0
         if scaled and grad_scale is not None:
             inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
@@ -405,6 +414,7 @@ class ShardedOffloadAdam(ShardedOptimizer):
             self._all_gather(self._params())
 
     def _end_step(self) -> None:
+        self.schedule.end_step()
         self._reduced = []
         self._has_grad = None
 
@@ -499,11 +509,11 @@ class ShardedOffloadAdam(ShardedOptimizer):
             seen.append((grad, -1 if grad is None else grad._version))
         flat[bucket.numel :].zero_()
         if alone:
-            return _Reduce(None, flat[: bucket.slice_numel], seen)
+            return _Reduce(None, flat[: bucket.slice_numel], seen, b)
         if direct is not None:
             out = direct  # the mean grads land in the daemon's grad buffer
-        work = self.group.collective("reduce-scatter", _REDUCE_SCATTER, out, flat, async_op=async_op)
-        return _Reduce(work if async_op else None, out, seen)
+        work = self.schedule.run("reduce-scatter", f"bucket {b}", _REDUCE_SCATTER, out, flat, async_op=async_op)
+        return _Reduce(work if async_op else None, out, seen, b)
 
     def _changed(self, params: list[torch.nn.Parameter], b: int, reduce: _Reduce) -> bool:
         """A grad of bucket ``b`` was replaced or changed in place after its reduce was issued (a further
@@ -550,7 +560,7 @@ class ShardedOffloadAdam(ShardedOptimizer):
             [float(self._changed(params, b, self._reduces[b])) for b in range(len(self.layout.buckets))],
             device=self.device,
         )
-        self.group.collective("check of the overlapped reduces", dist.all_reduce, flags, op=dist.ReduceOp.MAX)
+        self.schedule.run("all-reduce", "the overlapped reduces' check", dist.all_reduce, flags, op=dist.ReduceOp.MAX)
         again = [b for b in order if float(flags[b]) > 0]
         if again and self._accumulated and not self._told_accumulation:
             self._told_accumulation = True
@@ -581,7 +591,7 @@ class ShardedOffloadAdam(ShardedOptimizer):
 
     def _wait(self, reduce: _Reduce) -> None:
         if reduce.work is not None:
-            self.group.guard("reduce-scatter", reduce.work.wait)
+            self.schedule.wait("reduce-scatter", f"bucket {reduce.bucket}", reduce.work)
             reduce.work = None
 
     def _all_gather(self, params: list[torch.nn.Parameter]) -> None:
@@ -597,7 +607,7 @@ class ShardedOffloadAdam(ShardedOptimizer):
                 flat = mine  # the slice is the whole bucket
             else:
                 flat = self._flat[: self.layout.padded_numel(bucket)]
-                self.group.collective("all-gather", _ALL_GATHER, flat, mine)
+                self.schedule.run("all-gather", f"bucket {b}", _ALL_GATHER, flat, mine)
             for index, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p = params[index]
                 p.data.copy_(flat[offset : offset + p.numel()].view(p.shape))
@@ -741,6 +751,7 @@ class _Reduce:
     work: Any
     out: torch.Tensor
     seen: list[tuple[torch.Tensor | None, int]]
+    bucket: int
 
 
 def _run_from(base: torch.Tensor, first: torch.Tensor, numel: int) -> torch.Tensor:

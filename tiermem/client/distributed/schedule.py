@@ -1,9 +1,14 @@
-"""``Collectives``: where a ZeRO-3 rank issues the collectives of its steps, each named and bounded in time.
+"""``Collectives``: where a sharded rank issues the collectives of its steps, each named and bounded in time.
 
 ``torch.distributed`` matches collectives by the order each rank issues
 them: two ranks that issue an all-gather and a reduce-scatter in different
-orders wait for each other forever.  A ZeRO-3 rank's order is fixed by who
-submits them, never by timing:
+orders wait for each other forever.  A rank's order is fixed by who submits
+them, never by timing:
+
+- ``ShardedOffloadAdam`` (ZeRO-2): one reduce-scatter a bucket, from the
+  last bucket to the first (during backward with ``overlap_comm``, a bucket
+  only after the ones behind it), the statistics' all-reduce, then one
+  all-gather a bucket, first to last, on the trainer's thread;
 
 - ``ShardedPagedAdam``: the trainer's thread submits every fetch and grad
   push to the pager's one I/O thread, at points fixed by the module order
