@@ -86,7 +86,7 @@ import torch
 import torch.distributed as dist
 
 from tiermem.client.distributed.group import check_max_grad_norm
-from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Probe, check_timeout
+from tiermem.client.distributed.schedule import ALL_GATHER, DEFAULT_TIMEOUT_S, REDUCE_SCATTER, Probe, check_timeout
 from tiermem.client.distributed.sharded import ShardedOptimizer
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
@@ -110,10 +110,6 @@ from tiermem.core.units import MiB
 __all__ = ["ShardedOffloadAdam"]
 
 log = logging.getLogger(__name__)
-
-# torch 2.13 renamed the tensor collectives (the old names warn); older releases have only the old ones
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ShardedOffloadAdam(ShardedOptimizer):
@@ -177,43 +173,51 @@ class ShardedOffloadAdam(ShardedOptimizer):
         """This step's mean grads of the rank's pieces (``_decide``), and per param whether any rank had one."""
         self._has_grad: list[bool] | None = None
         params_ = self._params()
-        if not params_:
-            raise InvalidArgument("ShardedOffloadAdam got an empty parameter list")
-        kinds = {p.dtype for p in params_}
-        devices = {p.device for p in params_}
-        if len(kinds) != 1 or len(devices) != 1:
-            raise DTypeError(
-                f"ShardedOffloadAdam needs one dtype and one device for all params, got dtypes "
-                f"{sorted(str(d) for d in kinds)} on {sorted(str(d) for d in devices)}"
-            )
-        self.dtype = dtypes.by_torch(kinds.pop())
-        self.device = devices.pop()
+        self.dtype, self.device = _one_dtype_and_device(params_)
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         self._shapes = [tuple(p.shape) for p in params_]
         self._agree_on_model(params_, group_of)
         if broadcast_params:
             self.group.broadcast_from_first(p.data for p in params_)
+        self._plan(params_, group_of, bucket_nbytes)
+        self.job_id, _ = self.group.agree_identity(job_id, token)
+        inner_groups = self._piece_groups(params_, group_of)
+        if client is None:
+            client = self._node_client(offload, window_nbytes)
+        self._attach_inner(
+            client, lambda: self._make_inner(inner_groups, client, offload, window_nbytes, expected_step, rollback)
+        )
+        self._transfer_buffers()
+        self.overlap_comm = overlap_comm
+        self.schedule = self.group.start_schedule(collective_timeout_s, probe)
+        """The steps' collectives, each bounded by ``collective_timeout_s`` (their counts: ``last_counts``)."""
+        self._start_rounds(params_)
+        self._resume(params_)
+
+    def _node_client(self, offload: str | Placement, window_nbytes: int | None) -> Client:
+        """Collective: the client of this rank's node's daemon, which a private one is sized for."""
+        return self.group.node_client(
+            [pc.numel for pc in self.pieces],
+            dtype=self.dtype.name,
+            offload=offload,
+            window_nbytes=window_nbytes,
+            mode=StepMode.DELAYED if self._delayed[0] else StepMode.SYNC,
+            state_dtype=self.state_dtype,
+        )
+
+    def _plan(self, params: list[torch.nn.Parameter], group_of: list[int], bucket_nbytes: int) -> None:
+        """Who owns which elements (``layout``), this rank's ``pieces`` and which of them each bucket holds."""
         self.layout: ShardLayout = plan_shards(
-            [p.numel() for p in params_], group_of, self.world_size, max(1, bucket_nbytes // self.dtype.itemsize)
+            [p.numel() for p in params], group_of, self.world_size, max(1, bucket_nbytes // self.dtype.itemsize)
         )
         self.pieces: list[Piece] = self.layout.pieces(self.rank)
         self._by_bucket: list[list[int]] = [[] for _ in self.layout.buckets]
         for i, piece in enumerate(self.pieces):
             self._by_bucket[piece.bucket].append(i)
-        self.job_id, _ = self.group.agree_identity(job_id, token)
-        inner_groups = self._piece_groups(params_, group_of)
-        if client is None:
-            client = self.group.node_client(
-                [pc.numel for pc in self.pieces],
-                dtype=self.dtype.name,
-                offload=offload,
-                window_nbytes=window_nbytes,
-                mode=StepMode.DELAYED if delayed_update else StepMode.SYNC,
-                state_dtype=self.state_dtype,
-            )
-        self._attach_inner(
-            client, lambda: self._make_inner(inner_groups, client, offload, window_nbytes, expected_step, rollback)
-        )
+
+    def _transfer_buffers(self) -> None:
+        """The buffers a bucket's collectives go through, and where this rank's slices can be the daemon's
+        storage itself (``_storage_slices``)."""
         largest = self.layout.largest_bucket()
         self._flat = torch.empty(largest, dtype=self.dtype.torch, device=self.device)
         self._slice = torch.empty(-(-largest // self.world_size), dtype=self.dtype.torch, device=self.device)
@@ -222,11 +226,6 @@ class ShardedOffloadAdam(ShardedOptimizer):
         if self.inner is not None and self.inner.shared_feed is not None:
             self._shared = self.inner.shared_feed.entries
         self._param_slices, self._grad_slices = self._storage_slices()
-        self.overlap_comm = overlap_comm
-        self.schedule = self.group.start_schedule(collective_timeout_s, probe)
-        """The steps' collectives, each bounded by ``collective_timeout_s`` (their counts: ``last_counts``)."""
-        self._start_rounds(params_)
-        self._resume(params_)
 
     def _start_rounds(self, params: list[torch.nn.Parameter]) -> None:
         """The reduce rounds' bookkeeping, and with ``overlap_comm`` the hooks that start a bucket's reduce
@@ -512,7 +511,7 @@ class ShardedOffloadAdam(ShardedOptimizer):
             return _Reduce(None, flat[: bucket.slice_numel], seen, b)
         if direct is not None:
             out = direct  # the mean grads land in the daemon's grad buffer
-        work = self.schedule.run("reduce-scatter", f"bucket {b}", _REDUCE_SCATTER, out, flat, async_op=async_op)
+        work = self.schedule.run("reduce-scatter", f"bucket {b}", REDUCE_SCATTER, out, flat, async_op=async_op)
         return _Reduce(work if async_op else None, out, seen, b)
 
     def _changed(self, params: list[torch.nn.Parameter], b: int, reduce: _Reduce) -> bool:
@@ -607,7 +606,7 @@ class ShardedOffloadAdam(ShardedOptimizer):
                 flat = mine  # the slice is the whole bucket
             else:
                 flat = self._flat[: self.layout.padded_numel(bucket)]
-                self.schedule.run("all-gather", f"bucket {b}", _ALL_GATHER, flat, mine)
+                self.schedule.run("all-gather", f"bucket {b}", ALL_GATHER, flat, mine)
             for index, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p = params[index]
                 p.data.copy_(flat[offset : offset + p.numel()].view(p.shape))
@@ -668,7 +667,7 @@ class ShardedOffloadAdam(ShardedOptimizer):
                     entry = inner_state.get(i)
                     if entry is not None:
                         mine[piece.at : piece.at + piece.numel].copy_(entry[key].reshape(-1))
-                self.group.collective("gather of the state", _ALL_GATHER, flat, mine)
+                self.group.collective("gather of the state", ALL_GATHER, flat, mine)
                 for index, offset in zip(bucket.params, bucket.offsets, strict=True):
                     if index in out:
                         numel = math.prod(self._shapes[index])
@@ -752,6 +751,19 @@ class _Reduce:
     out: torch.Tensor
     seen: list[tuple[torch.Tensor | None, int]]
     bucket: int
+
+
+def _one_dtype_and_device(params: list[torch.nn.Parameter]) -> tuple[dtypes.WorkingDType, torch.device]:
+    if not params:
+        raise InvalidArgument("ShardedOffloadAdam got an empty parameter list")
+    kinds = {p.dtype for p in params}
+    devices = {p.device for p in params}
+    if len(kinds) != 1 or len(devices) != 1:
+        raise DTypeError(
+            f"ShardedOffloadAdam needs one dtype and one device for all params, got dtypes "
+            f"{sorted(str(d) for d in kinds)} on {sorted(str(d) for d in devices)}"
+        )
+    return dtypes.by_torch(kinds.pop()), devices.pop()
 
 
 def _run_from(base: torch.Tensor, first: torch.Tensor, numel: int) -> torch.Tensor:

@@ -76,12 +76,18 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tiermem.client.distributed.group import ShardGrads, check_max_grad_norm
 from tiermem.client.distributed.reshard import describe_params, is_rank_file
-from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Collectives, Probe, check_timeout
+from tiermem.client.distributed.schedule import (
+    ALL_GATHER,
+    DEFAULT_TIMEOUT_S,
+    REDUCE_SCATTER,
+    Collectives,
+    Probe,
+    check_timeout,
+)
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper, check_state_dtype, copy_hyper, optimizer_defaults
@@ -96,10 +102,6 @@ from tiermem.core.modes import Exchange, Placement
 from tiermem.core.step_rules import StepDecision
 
 __all__ = ["ShardCopies", "ShardedPagedAdam"]
-
-# torch 2.13 renamed the tensor collectives (the old names warn); older releases have only the old ones
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def shard_numel(numel: int, world_size: int) -> int:
@@ -181,7 +183,7 @@ class ShardCopies:
             mine = torch.empty(sum(sizes), dtype=dtype, device=self.device)
             transfer.pull_many_into([(tid, "param", m) for (tid, _), m in zip(items, mine.split(sizes), strict=True)])
             whole = torch.empty(self.world_size, mine.numel(), dtype=dtype, device=self.device)
-            self.schedule.run("all-gather", self._label(tid for tid, _ in items), _ALL_GATHER, whole.view(-1), mine)
+            self.schedule.run("all-gather", self._label(tid for tid, _ in items), ALL_GATHER, whole.view(-1), mine)
             at = 0
             for (_, out), n in zip(items, sizes, strict=True):
                 _from_rows(whole[:, at : at + n], out.view(-1))  # to a host ``out``: complete when it returns
@@ -224,7 +226,7 @@ class ShardCopies:
                 at += n
             mine = torch.empty(whole.shape[1], dtype=dtype, device=self.device)
             tids = tuple(tid for tid, _, _, _ in items)
-            self.schedule.run("reduce-scatter", self._label(tids), _REDUCE_SCATTER, mine, whole.view(-1))
+            self.schedule.run("reduce-scatter", self._label(tids), REDUCE_SCATTER, mine, whole.view(-1))
             if self.world_size > 1:
                 mine.div_(self.world_size)
             self.grads.add(tids, mine, accumulate=any(accumulate for _, _, accumulate, _ in items))
@@ -359,14 +361,7 @@ class ShardedPagedAdam(Zero3Optimizer):
         """The steps' collectives (their counts: ``schedule.last_counts``)."""
         numels = [p.numel() for p in params]
         self.copies = ShardCopies(numels, _owners(model, params), rank, world, self.schedule, self.grads, device)
-        shards = [
-            nn.Parameter(self.copies.mine(i, p.data), requires_grad=p.requires_grad) for i, p in enumerate(params)
-        ]
-        shard_groups, at = [], 0
-        for g in self.param_groups:  # the same groups over the shards, in the same order (tensor i: param i's)
-            n = len(g["params"])
-            shard_groups.append({**g, "params": shards[at : at + n]})
-            at += n
+        shards, shard_groups = self._shards_of(params)
         self.job_id, _ = self.group.agree_identity(job_id, token)
         client = self._node_client(
             shard_groups, client, dtype, offload=offload, window_nbytes=window_nbytes, state_dtype=state_dtype
@@ -397,6 +392,18 @@ class ShardedPagedAdam(Zero3Optimizer):
             shard.data = torch.full((), float("nan"), dtype=shard.dtype).expand(shard.shape)
         store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper)
         self.checkpoint = Zero3Checkpoint(self._share(model, params, device), store, self.group.collective)
+
+    def _shards_of(self, params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[dict[str, Any]]]:
+        """This rank's shard of each param (tensor i: param i's), and the optimizer's groups over them."""
+        shards = [
+            nn.Parameter(self.copies.mine(i, p.data), requires_grad=p.requires_grad) for i, p in enumerate(params)
+        ]
+        shard_groups, at = [], 0
+        for g in self.param_groups:  # the same groups over the shards, in the same order
+            n = len(g["params"])
+            shard_groups.append({**g, "params": shards[at : at + n]})
+            at += n
+        return shards, shard_groups
 
     def _node_client(
         self,

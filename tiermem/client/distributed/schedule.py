@@ -48,7 +48,20 @@ import torch.distributed as dist
 from tiermem.client.offload.paging import Probe
 from tiermem.core.errors import InvalidArgument, RankLost
 
-__all__ = ["DEFAULT_TIMEOUT_S", "GROUPS", "Collectives", "GroupPool", "Probe", "check_timeout"]
+__all__ = [
+    "ALL_GATHER",
+    "DEFAULT_TIMEOUT_S",
+    "GROUPS",
+    "REDUCE_SCATTER",
+    "Collectives",
+    "GroupPool",
+    "Probe",
+    "check_timeout",
+]
+
+# torch 2.13 renamed the tensor collectives (the old names warn); older releases have only the old ones
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 DEFAULT_TIMEOUT_S = 30.0
 """How long a ZeRO-3 collective waits for the other ranks before it is ``RankLost``: longer than a step's
