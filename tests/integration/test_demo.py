@@ -50,7 +50,7 @@ def test_demo_runs_compressed_state_and_says_what_its_rows_mean(tmp_path):
     assert set(rows) == {"adamw", "offload-int8"}
     assert float(rows["offload-int8"][1]) == pytest.approx(float(rows["adamw"][1]), rel=0.05)
     assert "offload-int8 keep the Adam moments compressed" in done.stdout
-    assert "offload-dpu applies" not in done.stdout  # each note only under its own rows
+    assert "offload-dpu updates" not in done.stdout  # each note only under its own rows
 
 
 def test_demo_says_how_its_trainers_openmp_workers_wait(tmp_path):

@@ -59,11 +59,23 @@ class RunSpec:
 class _Run:
     """A run in progress: a fresh ``GPT(cfg)`` from the seed, its optimizer, its data and its progress bar."""
 
-    def __init__(self, spec: RunSpec, position: int, *, cfg: GPTConfig, steps: int, seed: int, show: bool) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        position: int,
+        *,
+        cfg: GPTConfig,
+        steps: int,
+        seed: int,
+        show: bool,
+        lr_factor: Callable[[int], float] | None = None,
+    ) -> None:
         self.spec = spec
         torch.manual_seed(seed)
         self.model = GPT(cfg)
         self.optimizer = spec.make_optimizer(self.model.parameters())
+        self.lr_factor = lr_factor
+        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.data_gen = torch.Generator().manual_seed(seed + 1)
         self.result = RunResult(spec.name)
         self.show = show
@@ -83,6 +95,10 @@ class _Run:
     def train(self, steps: int, *, cfg: GPTConfig, corpus: CharCorpus, batch_size: int) -> None:
         model, optimizer, result = self.model, self.optimizer, self.result
         for _ in range(steps):
+            if self.lr_factor is not None:  # as an LR scheduler would, between steps
+                factor = self.lr_factor(len(result.losses))
+                for group, base in zip(optimizer.param_groups, self.base_lrs, strict=True):
+                    group["lr"] = base * factor
             x, y = corpus.batch(batch_size, cfg.block_size, self.data_gen)
             start = time.perf_counter()
             loss = model(x, y)
@@ -115,14 +131,17 @@ def train_runs(
     seed: int = 0,
     show: bool = True,
     block: int = BLOCK_STEPS,
+    lr_factor: Callable[[int], float] | None = None,
 ) -> list[RunResult]:
     """Train one fresh ``GPT(cfg)`` per run for ``steps`` steps, the runs taking turns ``block`` steps at a
     time, so a machine that gets faster or slower meanwhile (another process, the clock) weighs on every run
-    alike and the step times compare; each run's model, data and losses are its own, as if run alone."""
+    alike and the step times compare; each run's model, data and losses are its own, as if run alone.
+    ``lr_factor(step)`` scales every run's learning rates before step ``step`` (0-based), the same schedule
+    for all."""
     runs: list[_Run] = []
     try:
         for position, spec in enumerate(specs):
-            runs.append(_Run(spec, position, cfg=cfg, steps=steps, seed=seed, show=show))
+            runs.append(_Run(spec, position, cfg=cfg, steps=steps, seed=seed, show=show, lr_factor=lr_factor))
         for done in range(0, steps, block):
             for run in runs:
                 run.train(min(block, steps - done), cfg=cfg, corpus=corpus, batch_size=batch_size)
