@@ -71,7 +71,7 @@ CAMPAIGN = (
     System("adamw", 60),
     System("tiermem-cpu", 90),
     System("deepspeed-zero2", 100, needs=("deepspeed",)),
-    System("fsdp2", 75, needs_cuda=True),
+    System("fsdp2", 75),
     System("torchao", 60, needs=("torchao",), needs_cuda=True),
     System("tiermem-delayed", 60),
     System("tiermem-paged", 75),
@@ -193,7 +193,11 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
 
 
 def _fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    """``value`` in ``spec``; a dash as wide where there is none."""
+    if value is None:
+        width = re.match(r"\D*(\d*)", spec).group(1)  # type: ignore[union-attr]
+        return "-".rjust(int(width or 0))
+    return format(value, spec)
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -285,9 +289,11 @@ def append_log(log: Any, title: str, path: Path) -> str:
     return text[-3000:]
 
 
-def run_row(system: System, spec: dict[str, Any], limit_s: float, workdir: Path, log: Any) -> dict[str, Any]:
+def run_row(
+    system: System, spec: dict[str, Any], limit_s: float, workdir: Path, log: Any, *, clear_locks: bool = True
+) -> dict[str, Any]:
     """One row in its own process group, killed at ``limit_s``; its directory (the NVMe row's swap files)
-    removed after."""
+    removed after; ``clear_locks``: a failed row's JIT build locks removed (not while another build runs)."""
     rowdir = workdir / system.name
     shutil.rmtree(rowdir, ignore_errors=True)
     rowdir.mkdir(parents=True)
@@ -300,20 +306,26 @@ def run_row(system: System, spec: dict[str, Any], limit_s: float, workdir: Path,
     spec_path.write_text(json.dumps(spec))
     memory = HostMemory()
     started = time.perf_counter()
+    env = child_env(workdir, spec["device"] == "cuda")
     with open(rowdir / "output.log", "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, str(WORKER), str(spec_path)],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=child_env(workdir, spec["device"] == "cuda"),
+            env=env,
             start_new_session=True,
         )
         try:
             rc: int | None = proc.wait(limit_s)
         except subprocess.TimeoutExpired:
             rc = None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGUSR1)  # every thread's stack into its output first
+            time.sleep(1.0)
         finally:
             stop_group(proc)
+    if rc != 0 and clear_locks:
+        remove_build_locks(env["TORCH_EXTENSIONS_DIR"])
     wall_s = time.perf_counter() - started
     host_peak = memory.stop()
     tail = append_log(log, f"{system.name} (limit {limit_s:.0f} s, rc {rc})", rowdir / "output.log")
@@ -329,6 +341,13 @@ def run_row(system: System, spec: dict[str, Any], limit_s: float, workdir: Path,
     row.update(wall_s=wall_s, limit_s=limit_s, host_peak_nbytes=host_peak)
     shutil.rmtree(rowdir, ignore_errors=True)
     return row
+
+
+def remove_build_locks(extensions: str) -> None:
+    """A JIT build killed midway leaves torch's lock file, on which every later load of that op would wait
+    until its row's time limit."""
+    for lock in Path(extensions).rglob("lock"):
+        lock.unlink(missing_ok=True)
 
 
 class DeepSpeedBuild:
@@ -351,9 +370,8 @@ class DeepSpeedBuild:
             self.proc.wait(max(0.0, limit_s))
         stop_group(self.proc)
         rc = self.proc.returncode
-        if rc != 0:  # a build killed midway leaves torch's lock file, on which every later load would wait
-            for lock in Path(self.extensions).rglob("lock"):
-                lock.unlink(missing_ok=True)
+        if rc != 0:
+            remove_build_locks(self.extensions)
         tail = append_log(log, f"deepspeed cpu_adam build (rc {rc})", self.output)
         out: dict[str, Any] = {"rc": rc, "seconds": time.perf_counter() - self.started}
         if rc != 0:
@@ -468,7 +486,14 @@ def main(argv: list[str] | None = None) -> int:
                 elif left < MIN_ROW_S:
                     row = {"status": "not run", "reason": f"{left:.0f} s left of --time-limit {args.time_limit:.0f}"}
                 else:
-                    row = run_row(system, spec, min(system.budget_s * args.budget_scale, left), workdir, log)
+                    row = run_row(
+                        system,
+                        spec,
+                        min(system.budget_s * args.budget_scale, left),
+                        workdir,
+                        log,
+                        clear_locks=build is None,
+                    )
                 result["rows"][system.name] = row
                 refresh_summaries(result)
                 result["campaign"]["seconds"] = time.perf_counter() - campaign_start

@@ -13,22 +13,8 @@ final RMSNorm and an untied output projection; no biases).  ``LlamaConfig()`` is
 Zipf-like distribution, its second half repeats the first, so the loss falls within a few steps; batch
 ``i`` depends only on ``(seed, i)``.
 
-The systems (``SYSTEMS``), each at its own fastest documented settings, all AdamW with the same
-hyper-parameters over a bf16 model whose fp32 master weights start from the bf16 values:
-
-- ``adamw``: everything on the GPU: fp32 master weights, ``torch.optim.AdamW(fused=True)`` over them,
-  bf16 grads widened into their ``.grad`` and the params narrowed back after each step (the ceiling);
-- ``tiermem-*``: ``OffloadAdam`` through a private daemon: ``cpu``, ``delayed`` (the one-step delayed
-  update after one synchronous step), ``nvme``, ``paged`` (``offload_params`` with a device budget of a
-  quarter of the params), ``int8`` (``state_dtype="int8"``);
-- ``deepspeed-zero2``: ZeRO-2, ``offload_optimizer`` cpu, pinned, ``overlap_comm``,
-  ``contiguous_gradients`` (DeepSpeedCPUAdam, built on first use); ``deepspeed-zero3``: ZeRO-3 with
-  ``offload_param`` and ``offload_optimizer`` cpu, pinned;
-- ``fsdp2``: ``fully_shard`` per block and at the root, world size 1, ``CPUOffloadPolicy``,
-  ``MixedPrecisionPolicy(bf16 params, fp32 reduce)`` over fp32 master params, ``torch.optim.AdamW``
-  (fused on the CPU);
-- ``torchao``: ``torchao.optim.CPUOffloadOptimizer(..., torch.optim.AdamW, fused=True)`` (its state in
-  the params' dtype: bf16).
+The systems (``SYSTEMS``, one class each, its settings in its docstring and constructor): AdamW with the
+same hyper-parameters over the same bf16 model, whose fp32 master weights start from the bf16 values.
 """
 
 from __future__ import annotations
@@ -37,6 +23,7 @@ import faulthandler
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -258,7 +245,8 @@ class Trainer:
 
 
 class GpuAdamW(Trainer):
-    """The ceiling: fp32 master weights and fused AdamW on the device."""
+    """The ceiling, all on the device: fp32 masters, ``torch.optim.AdamW(fused=True)`` over them, bf16 grads
+    widened into their ``.grad``, the params narrowed back after each step."""
 
     def __init__(self, model: nn.Module, hyper: Hyper, spec: dict[str, Any]) -> None:
         super().__init__(model, hyper, spec)
@@ -288,6 +276,10 @@ the daemon's 2 MiB default would cost ~1,400 requests a step for a 1.5B bf16 mod
 
 
 class Tiermem(Trainer):
+    """``OffloadAdam`` through a private daemon: ``cpu``, ``delayed`` (the one-step delayed update after one
+    synchronous step), ``nvme``, ``paged`` (``offload_params``, a device budget of a quarter of the params),
+    ``int8`` (``state_dtype="int8"``)."""
+
     pcie_basis = "bf16 grads to the host and bf16 params back: 2 + 2 B/param"
     pcie_bytes_per_param = 4.0
 
@@ -364,6 +356,9 @@ def one_rank_group(backend: str) -> None:
 
 
 class DeepSpeed(Trainer):
+    """ZeRO-2 with ``offload_optimizer`` cpu, pinned, ``overlap_comm``, ``contiguous_gradients``
+    (DeepSpeedCPUAdam, JIT-built on first use); ZeRO-3 with ``offload_param`` too."""
+
     pcie_basis = "bf16 grads to the host and bf16 params back: 2 + 2 B/param"
     pcie_bytes_per_param = 4.0
 
@@ -416,6 +411,9 @@ class DeepSpeed(Trainer):
 
 
 class Fsdp2(Trainer):
+    """``fully_shard`` per block and at the root, world size 1, ``CPUOffloadPolicy``, bf16 params / fp32
+    reduce over fp32 masters, ``torch.optim.AdamW`` (fused, on the CPU)."""
+
     pcie_basis = (
         "fp32 sharded params to the device for forward and again for backward, fp32 grads back: 4 + 4 + 4 B/param"
     )
@@ -452,6 +450,9 @@ class Fsdp2(Trainer):
 
 
 class TorchAO(Trainer):
+    """``torchao.optim.CPUOffloadOptimizer(..., torch.optim.AdamW, fused=True)``: its CPU copy and state in the
+    params' dtype (bf16; no fp32 master)."""
+
     pcie_basis = "bf16 grads to the host and bf16 params back: 2 + 2 B/param"
     pcie_bytes_per_param = 4.0
 
@@ -625,8 +626,7 @@ def pcie_figures(
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     faulthandler.enable()
-    if spec.get("time_limit_s"):  # every thread's stack on stderr just before the campaign kills this row
-        faulthandler.dump_traceback_later(max(1.0, spec["time_limit_s"] - 3.0), exit=False)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the campaign's signal before it kills a late row
     row = run(spec)
     tmp = spec["row"] + ".tmp"
     Path(tmp).write_text(json.dumps(row, indent=1) + "\n")
