@@ -409,3 +409,35 @@ def test_the_sharded_optimizers_keep_compressed_moments(one_rank_group, kind: st
             assert float((mine["exp_avg_sq"] - entry["exp_avg_sq"]).norm() / entry["exp_avg_sq"].norm()) < 0.2
     finally:
         opt.close()  # type: ignore[attr-defined]
+
+
+def test_zero2_rank_files_resume_in_a_new_optimizer_and_consolidate_to_adamw(daemon, one_rank_group, tmp_path):
+    """ZeRO-2 writes the rank files the ZeRO-3 optimizers write (``save_shard``): a new optimizer over a model
+    of other values takes its values, state, steps and hyper-parameters from them and trains on as the
+    first one does; merged (``tiermem consolidate``'s reading), they are ``full_state_dict()``."""
+    from tiermem.client.distributed.reshard import adamw_state_dict, open_shards
+
+    ours, opt, ref, ref_opt = sharded_and_adamw(daemon, lr=0.02)
+    other = model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.fill_(0.5)
+    again = ShardedOffloadAdam(other.parameters(), lr=0.9, client=connect(daemon.socket_path))
+    try:
+        train_alike(((ours, opt), (ref, ref_opt)), range(2))
+        path = opt.save_shard(tmp_path / "ckpt")
+        assert path.name == "zero3-rank00000-of-00001.pt"
+        full = opt.full_state_dict()
+        again.load_shards(tmp_path / "ckpt")
+        assert again.param_groups[0]["lr"] == 0.02 and again.steps == 2
+        assert biggest_diff(other, ours) == 0.0
+        train_alike(((ours, opt), (other, again)), range(2, 4))
+        assert biggest_diff(ours, other) == 0.0
+        merged = adamw_state_dict(open_shards(tmp_path / "ckpt"))
+        assert sorted(merged["state"]) == sorted(full["state"])
+        for i, entry in full["state"].items():
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(merged["state"][i][key].reshape(-1), entry[key].reshape(-1)), (i, key)
+    finally:
+        opt.close()
+        again.close()

@@ -66,7 +66,10 @@ ranks connect to it.  A collective that fails (a rank died, a timeout) raises
 ``RankLost`` naming the phase; the state of this rank is then at its last
 completed step.
 
-Checkpoints: ``state_dict()`` is this rank's shard (load it into the same
+Checkpoints: ``save_shard(directory)`` writes this rank's file in the ZeRO-3
+optimizers' format (``zero3_checkpoint``: the fp32 values and moments of its
+pieces), which ``load_shards`` loads at any world size and ``tiermem
+consolidate`` merges; ``state_dict()`` is this rank's shard (load it into the same
 layout: world size, params, bucket size); ``full_state_dict()`` (collective)
 gathers ``torch.optim.AdamW``'s format on every rank, which any
 ``ShardedOffloadAdam`` (any world size), ``OffloadAdam`` or ``torch.optim.AdamW``
@@ -86,8 +89,9 @@ import torch
 import torch.distributed as dist
 
 from tiermem.client.distributed.group import check_max_grad_norm
+from tiermem.client.distributed.reshard import describe_params
 from tiermem.client.distributed.schedule import ALL_GATHER, DEFAULT_TIMEOUT_S, REDUCE_SCATTER, Probe, check_timeout
-from tiermem.client.distributed.sharded import ShardedOptimizer
+from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankFileOptimizer, RankShare, Slot, Zero3Checkpoint
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
     check_hyper,
@@ -112,7 +116,7 @@ __all__ = ["ShardedOffloadAdam"]
 log = logging.getLogger(__name__)
 
 
-class ShardedOffloadAdam(ShardedOptimizer):
+class ShardedOffloadAdam(RankFileOptimizer):
     """AdamW (``adamw=False``: Adam) sharded ZeRO-2 style across ``process_group``; see the module docstring.
     ``state_dtype``: how each rank's daemon stores its shard's moments (``OffloadAdam``'s).  The ZeRO-2
     strategy of ``ShardedOptimizer``, which owns the step, the counters and ``close()``."""
@@ -193,6 +197,9 @@ class ShardedOffloadAdam(ShardedOptimizer):
         """The steps' collectives, each bounded by ``collective_timeout_s`` (their counts: ``last_counts``)."""
         self._start_rounds(params_)
         self._resume(params_)
+        store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper, keeps_values=True)
+        self.checkpoint = Zero3Checkpoint(self._share(params_), store, self.group.collective)
+        """The rank files (``save_shard``, ``load_shards``: any world size; ``tiermem consolidate``)."""
 
     def _node_client(self, offload: str | Placement, window_nbytes: int | None) -> Client:
         """Collective: the client of this rank's node's daemon, which a private one is sized for."""
@@ -204,6 +211,21 @@ class ShardedOffloadAdam(ShardedOptimizer):
             mode=StepMode.DELAYED if self._delayed[0] else StepMode.SYNC,
             state_dtype=self.state_dtype,
         )
+
+    def _share(self, params: list[torch.nn.Parameter]) -> RankShare:
+        """This rank's pieces in the rank files' terms: param ``i`` is the optimizer's ``i``-th (named by its
+        index: the optimizer sees params, not the module)."""
+        holder = torch.nn.ParameterList(params)
+        slots = tuple(Slot(pc.param, pc.lo, pc.hi, i, pc.numel) for i, pc in enumerate(self.pieces))
+        order = tuple(range(len(params)))
+        infos = tuple(describe_params(holder))
+        return RankShare(
+            "ShardedOffloadAdam", self.rank, self.world_size, infos, order, slots, (), holder, self.group.device
+        )
+
+    def _values_loaded(self) -> None:
+        """Loaded rank files gave the pieces their values: every rank's model gets them (collective)."""
+        self._all_gather(self._params())
 
     def _plan(self, params: list[torch.nn.Parameter], group_of: list[int], bucket_nbytes: int) -> None:
         """Who owns which elements (``layout``), this rank's ``pieces`` and which of them each bucket holds."""

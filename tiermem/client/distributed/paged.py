@@ -88,7 +88,7 @@ from tiermem.client.distributed.schedule import (
     Probe,
     check_timeout,
 )
-from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
+from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankFileOptimizer, RankShare, Slot, Zero3Checkpoint
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper, check_state_dtype, copy_hyper, optimizer_defaults
 from tiermem.client.offload.copies import FetchItem, GradItem
@@ -305,7 +305,7 @@ def _owners(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
     return [owner[id(p)] for p in params]
 
 
-class ShardedPagedAdam(Zero3Optimizer):
+class ShardedPagedAdam(RankFileOptimizer):
     """AdamW (``adamw=False``: Adam) over a model paged and sharded across ``process_group``; see the module
     docstring.  A ``torch.optim.Optimizer`` over the model's params (LR schedulers and edits of the groups'
     hyper-parameters reach the daemon with the next step), composed of this rank's ``OffloadAdam`` over its
@@ -479,8 +479,9 @@ class ShardedPagedAdam(Zero3Optimizer):
         ``torch.optim.AdamW``: any world size; the params are not touched), this rank's ``state_dict()``
         (the same world size), or one rank's ``shard_state_dict()`` (params and buffers too)."""
         if is_rank_file(state_dict):
-            self.checkpoint.load_shards([state_dict], complete=False)
-        elif self._is_own_shard(state_dict):
+            self.load_shards([state_dict], complete=False)
+            return
+        if self._is_own_shard(state_dict):
             self.inner.load_state_dict(state_dict)
             adopt_saved_groups(self.param_groups, state_dict["param_groups"])
         else:

@@ -76,7 +76,7 @@ from tiermem.client.distributed.daemon_grads import DaemonGrads
 from tiermem.client.distributed.group import ShardGrads, check_max_grad_norm
 from tiermem.client.distributed.reshard import describe_params, is_rank_file
 from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Probe, check_timeout
-from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Slot, Zero3Checkpoint, Zero3Optimizer
+from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankFileOptimizer, RankShare, Slot, Zero3Checkpoint
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
     check_hyper,
@@ -110,7 +110,7 @@ class _Unit:
         self.grads_left = 0
 
 
-class LayerShardedAdam(Zero3Optimizer):
+class LayerShardedAdam(RankFileOptimizer):
     """See the module docstring.  A ``torch.optim.Optimizer`` over the model's params (one param group: LR
     schedulers and edits of ``param_groups[0]["lr"]`` reach the owners' daemons with the next update);
     ``step()``, ``zero_grad()``, ``close()``.  Composed of the owner's ``OffloadAdam`` over its layers
@@ -465,9 +465,9 @@ class LayerShardedAdam(Zero3Optimizer):
         params (``full_state_dict()``, ``tiermem consolidate``, ``torch.optim.AdamW``: any world size; the
         params are not touched)."""
         if is_rank_file(state_dict):
-            self.checkpoint.load_shards([state_dict], complete=False)
-        else:
-            self.checkpoint.load_full(state_dict)
+            self.load_shards([state_dict], complete=False)
+            return
+        self.checkpoint.load_full(state_dict)
         self._after_load()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,6 +1,7 @@
-"""Checkpoints of the ZeRO-3 optimizers in ``reshard``'s format, at any world size: ``Zero3Checkpoint``, a part
-``ShardedPagedAdam`` and ``LayerShardedAdam`` are composed with, over ``RankShare`` (what the rank holds) and
-a ``RankStore`` (the rank's state: ``InnerStore``, its inner ``OffloadAdam``).
+"""Rank-file checkpoints of the sharded optimizers in ``reshard``'s format, at any world size: ``Zero3Checkpoint``,
+a part ``ShardedOffloadAdam``, ``ShardedPagedAdam`` and ``LayerShardedAdam`` are composed with (their methods:
+``RankFileOptimizer``), over ``RankShare`` (what the rank holds) and a ``RankStore`` (the rank's state:
+``InnerStore``, its inner ``OffloadAdam``).
 
 - ``shard_state_dict()`` (not collective): this rank's file: the fp32 values and Adam state of the
   stretches of params it holds, with the metadata to merge it with the others (``reshard``);
@@ -52,7 +53,7 @@ from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups, packed_groups, plan_load
 from tiermem.core.errors import InvalidArgument
 
-__all__ = ["InnerStore", "RankShare", "RankStore", "Slot", "Zero3Checkpoint", "Zero3Optimizer"]
+__all__ = ["InnerStore", "RankFileOptimizer", "RankShare", "RankStore", "Slot", "Zero3Checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -330,9 +331,10 @@ class Zero3Checkpoint:
             )
 
 
-class Zero3Optimizer(ShardedOptimizer):
-    """The checkpoint methods both ZeRO-3 strategies offer, through the ``Zero3Checkpoint`` they are composed
-    with (``checkpoint``, made by the strategy)."""
+class RankFileOptimizer(ShardedOptimizer):
+    """The rank-file checkpoints every sharding strategy offers (ZeRO-2's and both ZeRO-3's: one format,
+    loading at any world size, merged by ``tiermem consolidate``), through the ``Zero3Checkpoint`` it is
+    composed with (``checkpoint``, made by the strategy)."""
 
     checkpoint: Zero3Checkpoint
 
@@ -350,5 +352,14 @@ class Zero3Optimizer(ShardedOptimizer):
         return self.checkpoint.full_state_dict()
 
     def load_shards(self, source: Source | ShardSet, *, complete: bool = True) -> None:
-        """This rank's stretches of the rank files of a save at any world size (params and buffers too)."""
-        self.checkpoint.load_shards(source, complete=complete)
+        """This rank's stretches of the rank files of a save at any world size (params and buffers too); the
+        counters go on from the save's applied steps."""
+        shards = source if isinstance(source, ShardSet) else open_shards(source)
+        self.checkpoint.load_shards(shards, complete=complete)
+        self._values_loaded()
+        self._after_load()
+        if shards.steps is not None:
+            self.outcome.applied = shards.steps
+
+    def _values_loaded(self) -> None:
+        """The params' values were loaded into the rank's share (ZeRO-2 gathers them into the model)."""
