@@ -94,3 +94,38 @@ def test_a_rank_that_registers_during_the_build_waits_with_its_beacon_ticking(
         assert len(verdicts) > 20 and all(verdicts)  # waited seconds, never stalled
     finally:
         kernel.close()
+
+
+def test_a_build_past_its_time_limit_kills_the_compilers_children_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cc`` compiles in a child (``cc1``): a timeout that killed only the driver left the child compiling."""
+    import subprocess
+
+    from tiermem.engine.optim import lowbit_native
+
+    pidfile = tmp_path / "child.pid"
+    compiler = tmp_path / "slowcc"
+    # a driver that answers --version at once, and otherwise starts a long-running child and waits for it
+    compiler.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = --version ]; then echo slowcc 1; exit 0; fi\n'
+        f"sleep 60 & echo $! > {pidfile}\n"
+        "wait\n"
+    )
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setattr(lowbit_native, "_BUILD_TIMEOUT_S", 1.0)
+    with pytest.raises(subprocess.TimeoutExpired):
+        lowbit_native.build_library(lowbit_native.SOURCE, "lowbit", str(tmp_path / "cache"))
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the compiler's child {child} still runs after the build timed out")
+    assert not list((tmp_path / "cache").glob("*.so")), "no half-built library is left"

@@ -33,11 +33,13 @@ kept in ``LowbitKernel.error``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -250,22 +252,29 @@ def build_library(source_path: Path, prefix: str, cache_dir: str | None = None) 
     fd, tmp = tempfile.mkstemp(prefix=f".{prefix}-", suffix=".so", dir=directory)
     os.close(fd)
     try:
-        done = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(source_path)],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=_BUILD_TIMEOUT_S,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"{os.path.basename(compiler)} exited with {done.returncode}: {done.stderr.strip()[-2000:]}"
-            )
+        returncode, stderr = _compile([compiler, *FLAGS, "-o", tmp, str(source_path)], _BUILD_TIMEOUT_S)
+        if returncode != 0:
+            raise RuntimeError(f"{os.path.basename(compiler)} exited with {returncode}: {stderr.strip()[-2000:]}")
         os.replace(tmp, path)  # atomic: a concurrent builder's equal file may win, either is complete
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _compile(argv: list[str], timeout_s: float) -> tuple[int, str]:
+    """Run a compiler driver; (its exit code, its stderr).  Past ``timeout_s`` its whole process group is
+    killed (``cc`` runs ``cc1``, ``as`` and ``ld`` as children: killing the driver alone left ``cc1``
+    compiling on a loaded node) and ``subprocess.TimeoutExpired`` is raised."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return proc.returncode, stderr
 
 
 def _cache_directory(cache_dir: str | None) -> str:
