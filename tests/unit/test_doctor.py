@@ -197,6 +197,9 @@ def test_an_unlocked_pool_and_a_low_memlock_are_warnings() -> None:
     assert check_pool(facts()).status is Status.OK
     half = facts(sockets=(answered(pool_nbytes=8 * GiB, locked_nbytes=0),))
     assert check_pool(half).status is Status.WARN and "LimitMEMLOCK=infinity" in check_pool(half).fix
+    assert "pool.mlock" not in check_pool(half).fix  # it is true already (the default)
+    off = dataclasses.replace(half, config=dataclasses.replace(half.config, mlock=False))
+    assert "pool.mlock = true in the config (it is false)" in check_pool(off).fix
     alone = facts(sockets=(probe(Reach.MISSING, "no socket file"),))
     low = check_memlock(alone)
     assert low.status is Status.WARN and "locks at most 8MiB of its pool (8GiB configured)" in low.found

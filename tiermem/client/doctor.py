@@ -316,7 +316,8 @@ def check_pool(facts: Facts) -> Finding:
             "pool",
             Status.WARN,
             f"{pool}: the rest may be swapped out",
-            "LimitMEMLOCK=infinity in tiermemd.service (as shipped), or pool.mlock = true",
+            "LimitMEMLOCK=infinity in tiermemd.service (as shipped)"
+            + ("" if facts.config.mlock else ", and pool.mlock = true in the config (it is false)"),
         )
     return Finding("pool", Status.OK, pool)
 
