@@ -233,3 +233,29 @@ def test_index_gpu_row_is_its_json() -> None:
     assert f"({paging['paged_16MiB_window']['step_over_unpaged']:.2f}x, 16 MiB window)" in row
     bandwidth = result("gpu-check-h200.json")["bandwidth"]
     assert f"window copies {bandwidth['window (cudaHostRegister) h2d GB/s']:.0f} GB/s" in row
+
+
+def busy(name: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """bench_busy's rows by (size, neighbour count)."""
+    return {(r["size"], r["neighbours"]): r for r in result(name)["rows"]}
+
+
+def test_index_busy_rows_are_their_json() -> None:
+    after, before = busy("busy-ops.json"), busy("busy-ops-before.json")
+    row = index_row("bench_busy.py", "busy-ops.json")
+    for size in ("16M", "100M"):
+        now = " / ".join(f"{after[size, n]['busy_ratio']:.2f}x" for n in (1, 2))
+        then = " / ".join(f"{before[size, n]['busy_ratio']:.2f}x" for n in (1, 2))
+        assert f"{size} {now} (before {then})" in row
+    train, train_before, spin = busy("busy-train.json"), busy("busy-train-before.json"), busy("busy-train-spin20k.json")
+    row = index_row("bench_busy.py", "busy-train.json")
+    assert f"{train['100M', 1]['busy_ratio']:.2f}x (before {train_before['100M', 1]['busy_ratio']:.2f}x)" in row
+    assert f"{spin['100M', 1]['busy_ratio']:.2f}x / {spin['100M', 2]['busy_ratio']:.2f}x with" in row
+
+
+def test_index_paged_bytes_row_is_its_json() -> None:
+    row = index_row("bench_scale.py", "scale-fp32-300m.json")
+    for name, label in (("100m", "100M"), ("300m", "300M"), ("1b", "1B")):
+        (now,) = result(f"scale-fp32-{name}.json")["results"]
+        (then,) = result(f"scale-fp32-{name}-before.json")["results"]
+        assert f"{label} {now['moved_per_param']:.1f} ({now['over_min']:.2f}x; before {then['over_min']:.2f}x)" in row
