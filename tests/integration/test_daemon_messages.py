@@ -14,7 +14,7 @@ from conftest import daemon_settings, run_daemon_to_exit
 from daemon_client import Trainer
 
 from tiermem.client.connection import Connection
-from tiermem.core.errors import AuthError, BoundsError
+from tiermem.core.errors import AuthError, BoundsError, TiermemError
 from tiermem.core.protocol import Attach, AttachOk, Detach, MemRef, Ping, Pong, StateRead
 from tiermemd.main import to_toml
 
@@ -85,6 +85,8 @@ def test_an_oversized_state_read_says_it_is_too_large_and_names_the_limit(daemon
         with pytest.raises(BoundsError, match=rf"too large: this rank's staging window holds {window} bytes"):
             trainer.conn.request(StateRead(0, "exp_avg", 0, MemRef(trainer.window_id, 0, window + 4)))
         with pytest.raises(BoundsError, match=r"too large for tensor 1 exp_avg: it holds 96 bytes"):
+            trainer.conn.request(StateRead(1, "exp_avg", 0, MemRef(trainer.window_id, 0, 100)))
+        with pytest.raises(TiermemError, match=r"length 99 is not 4-byte aligned"):  # a part of an element
             trainer.conn.request(StateRead(1, "exp_avg", 0, MemRef(trainer.window_id, 0, 99)))
     finally:
         trainer.detach()
