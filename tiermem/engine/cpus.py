@@ -68,14 +68,14 @@ def cpu_limit(proc_cgroup: str, read: Callable[[str], str | None], root: str = C
             continue
         if hier == "0" and controllers == "":  # cgroup v2's unified hierarchy
             for p in _ancestors(path):
-                text = read(f"{root}{p.rstrip('/')}/cpu.max" if p != "/" else f"{root}/cpu.max")
+                text = read(f"{root}{p.rstrip('/')}/cpu.max")
                 value = parse_cpu_max(text) if text is not None else None
                 if value is not None:
                     limits.append(value)
         elif "cpu" in controllers.split(","):
             mount = f"{root}/{controllers}"
             for p in _ancestors(path):
-                base = mount if p == "/" else f"{mount}{p}"
+                base = f"{mount}{p.rstrip('/')}"
                 quota, period = read(f"{base}/cpu.cfs_quota_us"), read(f"{base}/cpu.cfs_period_us")
                 value = parse_v1_quota(quota, period) if quota is not None and period is not None else None
                 if value is not None:
