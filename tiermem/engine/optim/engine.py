@@ -251,28 +251,12 @@ class AdamEngine:
         *,
         inline_first: bool,
     ) -> PendingUpdate:
-        numel = _check_operands(master, exp_avg, exp_avg_sq, grad, out)
-        stop = numel if stop is None else stop
-        if not 0 <= start <= stop <= numel:
-            raise InvalidArgument(f"range [{start}, {stop}) is not within [0, {numel}]")
+        stop = _check_range(start, stop, _check_operands(master, exp_avg, exp_avg_sq, grad, out))
         hyper = AdamHyper.of(group)
         if self._runs_native(grad.dtype, None if out is None else out.dtype, grad_scale):
-            native: Future[None] = Future()
-            try:
-                if stop > start:
-                    _run_native(
-                        master[start:stop],
-                        grad[start:stop],
-                        exp_avg[start:stop],
-                        exp_avg_sq[start:stop],
-                        hyper,
-                        step,
-                        grad_scale,
-                    )
-                native.set_result(None)
-            except Exception as exc:
-                native.set_exception(exc)
-            return PendingUpdate([native])
+            piece = (master[start:stop], grad[start:stop], exp_avg[start:stop], exp_avg_sq[start:stop])
+            native = functools.partial(_run_native, *piece, hyper, step, grad_scale)
+            return PendingUpdate([_run_here(native)] if stop > start else [])
         scalars = step_scalars(hyper, step, grad_scale)
         rec = self._kernels.get(kernel_key(grad.dtype, None if out is None else out.dtype), hot=True)
         coef = torch.tensor(scalars, dtype=torch.float32)
@@ -292,14 +276,7 @@ class AdamEngine:
         futures: list[Future[None]] = []
         if self._pool is not None:
             futures = [self._pool.submit(call) for call in calls[n_inline:]]
-        for call in calls[:n_inline]:
-            done: Future[None] = Future()
-            try:
-                call()
-                done.set_result(None)
-            except Exception as exc:
-                done.set_exception(exc)
-            futures.append(done)
+        futures += [_run_here(call) for call in calls[:n_inline]]
         return PendingUpdate(futures)
 
     def _cuts(self, start: int, stop: int, *, compiled: bool, align: int = _ALIGN_NUMEL) -> list[int]:
@@ -371,10 +348,7 @@ class AdamEngine:
         *,
         inline_first: bool,
     ) -> PendingUpdate:
-        numel = _check_lowbit_operands(master, moments, grad, out)
-        stop = numel if stop is None else stop
-        if not 0 <= start <= stop <= numel:
-            raise InvalidArgument(f"range [{start}, {stop}) is not within [0, {numel}]")
+        stop = _check_range(start, stop, _check_lowbit_operands(master, moments, grad, out))
         moments.piece(start, stop)  # refuses an int8 start off a block before any piece runs
         scalars = step_scalars(AdamHyper.of(group), step, grad_scale)
         coef = torch.tensor(scalars, dtype=torch.float32)
@@ -384,6 +358,17 @@ class AdamEngine:
             for a, b in itertools.pairwise(self._cuts(start, stop, compiled=kernel.native, align=BLOCK))
         ]
         return self._launch(calls, inline_first)
+
+
+def _run_here(call: Callable[[], None]) -> Future[None]:
+    """Run ``call`` in this thread; a done future holding its error, if any (raised by ``PendingUpdate.wait``)."""
+    done: Future[None] = Future()
+    try:
+        call()
+        done.set_result(None)
+    except Exception as exc:
+        done.set_exception(exc)
+    return done
 
 
 def _run_piece(rec: KernelRecord, piece: _Piece, scalars: AdamScalars, coef: torch.Tensor) -> None:
@@ -454,6 +439,14 @@ def kernel_key(grad_dtype: torch.dtype, out_dtype: torch.dtype | None) -> Kernel
     if out_dtype is not None and out_dtype not in OUT_DTYPES:
         raise DTypeError(f"out dtype {out_dtype} is not supported; expected one of {_names(OUT_DTYPES)} or None")
     return KernelKey(grad_dtype, out_dtype)
+
+
+def _check_range(start: int, stop: int | None, numel: int) -> int:
+    """``stop`` resolved (None: ``numel``), once ``[start, stop)`` is known to lie within ``[0, numel]``."""
+    stop = numel if stop is None else stop
+    if not 0 <= start <= stop <= numel:
+        raise InvalidArgument(f"range [{start}, {stop}) is not within [0, {numel}]")
+    return stop
 
 
 def _check_tensor(name: str, t: Any, dtypes: tuple[torch.dtype, ...]) -> int:
