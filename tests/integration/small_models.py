@@ -6,6 +6,11 @@ regression data, where torch and the engine stay within ``assert_close``'s
 default tolerances over 100 steps; ``TwoBranches``, whose heads take part or
 not (a param without a grad has no Adam state).  Every model is seeded, so two
 built alike hold the same values.
+
+``tiny_llama`` and ``tiny_gpt2`` are Hugging Face causal LMs built from their
+configs (no download; ``transformers`` is imported when one is built, so the
+tests that use them skip without it), trained on ``token_batch`` with
+``lm_loss``.
 """
 
 from __future__ import annotations
@@ -91,3 +96,54 @@ class TwoBranches(nn.Module):
         if self.heads == "b":
             return self.branch_b(h)
         return self.branch_a(h) + self.branch_b(h)
+
+
+# ----------------------------------------------------------------------------- Hugging Face models
+
+
+def tiny_llama(vocab_size: int = 64) -> nn.Module:
+    """A Llama of 2 layers, width 32 (norms of 32 elements), no attention biases and an untied head."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=vocab_size,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def tiny_gpt2(*, n_embd: int = 32, vocab_size: int = 64, n_positions: int = 16) -> nn.Module:
+    """A GPT-2 of 2 layers and 2 heads, no dropout, its embedding and head tied."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=n_embd,
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def token_batch(seed: int, vocab_size: int, shape: tuple[int, int]) -> Batch:
+    """Random token ids from a generator seeded ``seed``: a causal LM's input, and its labels."""
+    ids = torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+    return ids, ids
+
+
+def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """A Hugging Face causal LM's own loss on ``batch``."""
+    ids, labels = batch
+    return model(input_ids=ids, labels=labels).loss  # type: ignore[no-any-return]

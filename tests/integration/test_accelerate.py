@@ -20,10 +20,11 @@ from typing import Any
 import pytest
 import torch
 from offload_helpers import OffloadDaemon, max_param_diff
+from small_models import lm_loss, tiny_llama, token_batch
 from torch import nn
 
 accelerate = pytest.importorskip("accelerate")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -32,21 +33,6 @@ HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.01}
 VOCAB = 64
 STEPS = 6
 TOLERANCE = 1e-5
-
-
-def _model() -> nn.Module:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        hidden_size=32,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=16,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 def _prepared(
@@ -63,8 +49,7 @@ def _train(
 ) -> list[torch.Tensor]:
     losses = []
     for step in steps:
-        ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(step))
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = lm_loss(model, token_batch(step, VOCAB, (4, 12)))
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -75,7 +60,7 @@ def _train(
 
 
 def test_an_accelerate_loop_trains_like_adamw(offload: OffloadDaemon) -> None:
-    model = _model()
+    model = tiny_llama(VOCAB)
     reference = copy.deepcopy(model)
     ours = _prepared(model, offload.make(model.parameters(), offload="cpu", **HYPER))
     theirs = _prepared(reference, torch.optim.AdamW(reference.parameters(), **HYPER))
@@ -89,17 +74,17 @@ def test_an_accelerate_loop_trains_like_adamw(offload: OffloadDaemon) -> None:
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
 def test_save_state_and_load_state_resume_bitwise(offload: OffloadDaemon, tmp_path: Path, state_dtype: str) -> None:
     options = {"offload": "cpu", "state_dtype": state_dtype, "window_nbytes": 4096, **HYPER}
-    whole = _model()
+    whole = tiny_llama(VOCAB)
     _train(*_prepared(whole, offload.make(whole.parameters(), **options)), range(STEPS))
 
-    first = _model()
+    first = tiny_llama(VOCAB)
     accelerator, _, first_opt, _ = prepared = _prepared(first, offload.make(first.parameters(), **options))
     _train(*prepared, range(STEPS // 2))
     accelerator.save_state(str(tmp_path))
     first_opt.optimizer.close()
 
     # a new process's worth of objects: the model at its initial values, the optimizer without state
-    resumed = _model()
+    resumed = tiny_llama(VOCAB)
     accelerator, _, resumed_opt, sched = prepared = _prepared(resumed, offload.make(resumed.parameters(), **options))
     accelerator.load_state(str(tmp_path))
     assert sched.scheduler.last_epoch == STEPS // 2

@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 import torch
 from offload_helpers import OffloadDaemon
+from small_models import lm_loss, tiny_gpt2, tiny_llama, token_batch
 from torch import nn
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 accelerate = pytest.importorskip("accelerate")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 
 OFFLOAD_DAEMON: dict[str, Any] = {"pool_size": 256 << 20}
@@ -36,39 +37,14 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
 
 
-def _gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    )
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        hidden_size=32,
-        intermediate_size=64,
-        vocab_size=64,
-        max_position_embeddings=16,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
-
-
-MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": _mlp, "gpt2": _gpt2, "llama": _llama}
+MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": _mlp, "gpt2": tiny_gpt2, "llama": tiny_llama}
 
 
 def _loss(model: nn.Module, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
     if isinstance(model, nn.Sequential):
-        x = torch.randn(8, 16, generator=gen)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
         return model(x).square().mean()
-    ids = torch.randint(0, 64, (2, 12), generator=gen)
-    return model(input_ids=ids, labels=ids).loss
+    return lm_loss(model, token_batch(seed, 64, (2, 12)))
 
 
 def _trained(offload: OffloadDaemon, name: str, steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer]:

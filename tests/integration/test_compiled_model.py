@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 import torch
-from offload_helpers import OffloadDaemon, max_param_diff
+from offload_helpers import OffloadDaemon, max_param_diff, train
+from small_models import Batch, lm_loss, tiny_llama, token_batch
 from torch import nn
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -38,39 +39,20 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()  # the module's compiled graphs hold its models' params
 
 
-def _model() -> nn.Module:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        hidden_size=32,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=16,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
-
-
-def _loss(model: nn.Module, step: int) -> torch.Tensor:
-    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(step))
-    return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
+def _batch(step: int) -> Batch:
+    return token_batch(step, VOCAB, (4, 12))
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
-    for step in steps:
-        _loss(model, step).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, [_batch(step) for step in steps], lm_loss)
 
 
 def test_a_compiled_model_trains_like_adamw(offload: OffloadDaemon) -> None:
-    model = _model()
+    model = tiny_llama(VOCAB)
     reference = copy.deepcopy(model)
     compiled, compiled_ref = torch.compile(model), torch.compile(reference)
     for m in (compiled, compiled_ref):  # compiled and run before the optimizer moves the params
-        _loss(m, -1).backward()
+        lm_loss(m, _batch(-1)).backward()
         m.zero_grad()
     opt = offload.make(compiled.parameters(), offload="cpu", **HYPER)
     adamw = torch.optim.AdamW(compiled_ref.parameters(), **HYPER)
@@ -78,7 +60,7 @@ def test_a_compiled_model_trains_like_adamw(offload: OffloadDaemon) -> None:
     _train(compiled_ref, adamw, range(STEPS))
     gap = max_param_diff(model, reference)
     assert gap <= TOLERANCE, gap  # 8.3e-7 here
-    assert not torch.equal(model.lm_head.weight, _model().lm_head.weight)
+    assert not torch.equal(model.lm_head.weight, tiny_llama(VOCAB).lm_head.weight)
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
@@ -87,10 +69,10 @@ def test_a_compiled_model_resumes_bitwise(offload: OffloadDaemon, tmp_path: Path
     and optimizer loaded from the file, and 3 more; through the smallest window (its 512-element slots cut
     the int8 blocks of the tensors after the 32-element norms)."""
     options = {"offload": "cpu", "state_dtype": state_dtype, "window_nbytes": 4096, **HYPER}
-    whole = torch.compile(_model())
+    whole = torch.compile(tiny_llama(VOCAB))
     _train(whole, offload.make(whole.parameters(), **options), range(STEPS))
 
-    first = torch.compile(_model())
+    first = torch.compile(tiny_llama(VOCAB))
     first_opt = offload.make(first.parameters(), **options)
     _train(first, first_opt, range(STEPS // 2))
     path = tmp_path / "checkpoint.pt"
@@ -98,7 +80,7 @@ def test_a_compiled_model_resumes_bitwise(offload: OffloadDaemon, tmp_path: Path
     first_opt.close()
 
     checkpoint = torch.load(path)
-    resumed = torch.compile(_model())
+    resumed = torch.compile(tiny_llama(VOCAB))
     resumed.load_state_dict(checkpoint["model"])
     resumed_opt = offload.make(resumed.parameters(), **options)
     resumed_opt.load_state_dict(checkpoint["optimizer"])

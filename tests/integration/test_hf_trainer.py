@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from offload_helpers import OffloadDaemon
+from small_models import tiny_gpt2
 
 import tiermem
 
@@ -33,14 +34,6 @@ class TokenData(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 OFFLOAD_DAEMON: dict[str, Any] = {"pool_size": 256 << 20}
-
-
-def _model() -> Any:
-    config = transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    )
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
 
 
 def _trainer(model: Any, opt: torch.optim.Optimizer, out: Path, *, max_grad_norm: float = 1.0) -> Any:
@@ -69,13 +62,13 @@ def _losses(trainer: Any) -> list[float]:
 
 
 def test_trainer_with_offload_adam_matches_adamw_and_resumes_exactly(offload: OffloadDaemon, tmp_path: Path) -> None:
-    model = _model()
+    model = tiny_gpt2()
     opt = offload.make(model.parameters(), offload="cpu", lr=LR, weight_decay=0.0)
     trainer = _trainer(model, opt, tmp_path / "offload")
     trainer.train()
     full = {k: v.clone() for k, v in model.state_dict().items()}
 
-    reference = _model()
+    reference = tiny_gpt2()
     ref_trainer = _trainer(
         reference, torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0), tmp_path / "ref"
     )
@@ -87,7 +80,7 @@ def test_trainer_with_offload_adam_matches_adamw_and_resumes_exactly(offload: Of
     # a new process's worth of objects, resumed from the step-3 checkpoint Trainer wrote
     checkpoint = tmp_path / "offload" / "checkpoint-3"
     assert (checkpoint / "model.safetensors").exists() and (checkpoint / "optimizer.pt").exists()
-    resumed = _model()
+    resumed = tiny_gpt2()
     resumed_opt = offload.make(resumed.parameters(), offload="cpu", lr=LR, weight_decay=0.0)
     _trainer(resumed, resumed_opt, tmp_path / "offload").train(resume_from_checkpoint=str(checkpoint))
     for key, value in resumed.state_dict().items():
@@ -102,10 +95,10 @@ def test_trainer_resumes_compressed_moments_exactly(offload: OffloadDaemon, tmp_
     bits they were, also through the smallest window (its 512-element slots cut GPT-2's int8 blocks unless
     the transfer cuts on blocks)."""
     options: dict[str, Any] = {"offload": "cpu", "lr": LR, "weight_decay": 0.0, "state_dtype": state_dtype}
-    model = _model()
+    model = tiny_gpt2()
     opt = offload.make(model.parameters(), window_nbytes=4096, **options)
     _trainer(model, opt, tmp_path / "full").train()
-    resumed = _model()
+    resumed = tiny_gpt2()
     resumed_opt = offload.make(resumed.parameters(), window_nbytes=4096, **options)
     _trainer(resumed, resumed_opt, tmp_path / "full").train(
         resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3")
@@ -122,7 +115,7 @@ def test_trainer_with_paged_params_clips_in_the_optimizer_and_resumes_exactly(
     Trainer's checkpoints gather the paged params (``model.state_dict()``) and load them back."""
 
     def paged() -> tuple[Any, Any]:
-        model = _model()
+        model = tiny_gpt2()
         opt = offload.make(
             model.parameters(), offload="cpu", lr=LR, weight_decay=0.0, exchange="staged", max_grad_norm=1.0
         )
@@ -133,7 +126,7 @@ def test_trainer_with_paged_params_clips_in_the_optimizer_and_resumes_exactly(
     trainer = _trainer(model, opt, tmp_path / "paged", max_grad_norm=0.0)
     trainer.train()
     full = {k: v.clone() for k, v in model.state_dict().items()}
-    reference = _model()
+    reference = tiny_gpt2()
     adamw = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
     ref_trainer = _trainer(reference, adamw, tmp_path / "ref")  # Trainer clips at 1.0 before AdamW
     ref_trainer.train()

@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from offload_helpers import OffloadDaemon, max_param_diff
+from offload_helpers import OffloadDaemon, max_param_diff, train
+from small_models import lm_loss, tiny_gpt2, token_batch
 from torch import nn
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -31,18 +32,7 @@ TARGETS = ["c_attn", "c_proj", "c_fc"]  # c_proj: the attention's output and the
 
 
 def _base() -> nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=2,
-        n_head=2,
-        n_embd=64,
-        vocab_size=VOCAB,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_gpt2(n_embd=64, vocab_size=VOCAB, n_positions=32)
 
 
 def _lora_config() -> Any:
@@ -57,16 +47,8 @@ def _lora() -> nn.Module:
     return peft.get_peft_model(model, _lora_config())
 
 
-def _loss(model: nn.Module, seed: int) -> torch.Tensor:
-    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
-    return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
-
-
 def _train(model: nn.Module, opt: torch.optim.Optimizer, seeds: range) -> None:
-    for seed in seeds:
-        _loss(model, seed).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, [token_batch(seed, VOCAB, (2, 16)) for seed in seeds], lm_loss)
 
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:
