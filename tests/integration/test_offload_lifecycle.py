@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from offload_helpers import assert_params_close, assert_params_equal, train
-from small_models import mlp, mlp_batches, mlp_loss, replicas
+from small_models import Batch, mlp, mlp_batches, mlp_loss, replicas
 from torch import nn
 
 from tiermem import OffloadAdam
@@ -41,6 +41,25 @@ def assert_state_equal(before: dict[str, Any], after: dict[str, Any]) -> None:
             assert torch.equal(value, after["state"][i][key]), (i, key)
 
 
+def _offload_and_adamw(
+    base: nn.Module, **offload_only: Any
+) -> tuple[nn.Module, OffloadAdam, nn.Module, torch.optim.AdamW]:
+    """Two copies of ``base``: one trained by an ``OffloadAdam`` (with ``HYPER`` and ``offload_only``, e.g. a
+    caller's client), one by ``torch.optim.AdamW`` (with ``HYPER``)."""
+    m_off, m_ref = replicas(base, 2)
+    opt = OffloadAdam(m_off.parameters(), **HYPER, **offload_only)
+    return m_off, opt, m_ref, torch.optim.AdamW(m_ref.parameters(), **HYPER)
+
+
+def _finish_like_adamw(
+    m_off: nn.Module, opt: OffloadAdam, m_ref: nn.Module, ref: torch.optim.Optimizer, batches: list[Batch], done: int
+) -> None:
+    """``opt`` trains on from batch ``done``, the reference over every batch, and the params end alike."""
+    train(m_off, opt, batches[done:], mlp_loss)
+    train(m_ref, ref, batches, mlp_loss)
+    assert_params_close(m_off, m_ref)
+
+
 def _wrap_like_lightning(opt: torch.optim.Optimizer) -> object:
     """What ``LightningOptimizer`` makes: an instance of a dynamic subclass of the optimizer's class that
     forwards attribute reads to the real optimizer."""
@@ -57,10 +76,7 @@ def _wrap_like_lightning(opt: torch.optim.Optimizer) -> object:
 
 
 def test_a_dropped_wrapper_or_copy_closes_nothing_the_optimizer_uses() -> None:
-    base = mlp()
-    m_off, m_ref = replicas(base, 2)
-    opt = OffloadAdam(m_off.parameters(), **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = _offload_and_adamw(mlp())
     batches = mlp_batches(6, fixed=False)
     train(m_off, opt, batches[:2], mlp_loss)
     wrapper = _wrap_like_lightning(opt)
@@ -104,10 +120,7 @@ def test_the_last_owner_gone_stops_the_private_daemon() -> None:
 
 
 def test_state_assigned_back_as_lightning_moves_it_changes_nothing() -> None:
-    base = mlp()
-    m_off, m_ref = replicas(base, 2)
-    opt = OffloadAdam(m_off.parameters(), **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = _offload_and_adamw(mlp())
     batches = mlp_batches(6, fixed=False)
     train(m_off, opt, batches[:3], mlp_loss)
     before = opt.state_dict()
@@ -118,17 +131,12 @@ def test_state_assigned_back_as_lightning_moves_it_changes_nothing() -> None:
                 state[key] = value.to("cpu")
     after = opt.state_dict()
     assert_state_equal(before, after)
-    train(m_off, opt, batches[3:], mlp_loss)
-    train(m_ref, ref, batches, mlp_loss)
-    assert_params_close(m_off, m_ref)
+    _finish_like_adamw(m_off, opt, m_ref, ref, batches, done=3)
     opt.close()
 
 
 def test_state_writes_go_through_to_the_daemon() -> None:
-    base = mlp()
-    m_off, m_ref = replicas(base, 2)
-    opt = OffloadAdam(m_off.parameters(), **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = _offload_and_adamw(mlp())
     batches = mlp_batches(4, fixed=False)
     train(m_off, opt, batches[:2], mlp_loss)
     train(m_ref, ref, batches[:2], mlp_loss)
@@ -152,10 +160,7 @@ def test_state_writes_go_through_to_the_daemon() -> None:
 
 
 def test_a_refused_param_group_leaves_the_optimizer_as_it_was() -> None:
-    base = mlp()
-    m_off, m_ref = replicas(base, 2)
-    opt = OffloadAdam(m_off.parameters(), **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = _offload_and_adamw(mlp())
     batches = mlp_batches(6, fixed=False)
     train(m_off, opt, batches[:3], mlp_loss)
     before = opt.state_dict()
@@ -165,18 +170,13 @@ def test_a_refused_param_group_leaves_the_optimizer_as_it_was() -> None:
     after = opt.state_dict()
     assert after["state"].keys() == before["state"].keys()
     assert_state_equal(before, after)
-    train(m_off, opt, batches[3:], mlp_loss)
-    train(m_ref, ref, batches, mlp_loss)
-    assert_params_close(m_off, m_ref)
+    _finish_like_adamw(m_off, opt, m_ref, ref, batches, done=3)
     opt.close()
 
 
 def test_an_accepted_param_group_keeps_the_state_of_the_others() -> None:
-    base = mlp()
-    m_off, m_ref = replicas(base, 2)
+    m_off, opt, m_ref, ref = _offload_and_adamw(mlp())
     head_off, head_ref = replicas(nn.Linear(8, 8), 2)
-    opt = OffloadAdam(m_off.parameters(), **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
     batches = mlp_batches(6, fixed=False)
 
     head_off.requires_grad_(False)
@@ -327,11 +327,8 @@ def test_an_options_record_builds_the_optimizer_its_keywords_build() -> None:
 def test_on_a_callers_connection_a_refused_group_changes_nothing(offload) -> None:  # type: ignore[no-untyped-def]
     from tiermem.core.errors import AdmissionError
 
-    base = mlp()
-    m_off, m_ref = replicas(base, 2)
     caller = offload.client()
-    opt = OffloadAdam(m_off.parameters(), client=caller, offload="cpu", **HYPER)  # no spill to NVMe
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = _offload_and_adamw(mlp(), client=caller, offload="cpu")  # no spill to NVMe
     batches = mlp_batches(6, fixed=False)
     train(m_off, opt, batches[:3], mlp_loss)
     before = opt.state_dict()
@@ -341,20 +338,15 @@ def test_on_a_callers_connection_a_refused_group_changes_nothing(offload) -> Non
     assert opt.client is caller
     after = opt.state_dict()
     assert_state_equal(before, after)
-    train(m_off, opt, batches[3:], mlp_loss)
-    train(m_ref, ref, batches, mlp_loss)
-    assert_params_close(m_off, m_ref)
+    _finish_like_adamw(m_off, opt, m_ref, ref, batches, done=3)
     opt.close()
     caller.close()
 
 
 def test_on_a_callers_connection_an_accepted_group_moves_to_a_connection_of_its_own(offload) -> None:  # type: ignore[no-untyped-def]
-    base = mlp()
-    m_off, m_ref = replicas(base, 2)
-    head_off, head_ref = replicas(nn.Linear(8, 8), 2)
     caller = offload.client()
-    opt = OffloadAdam(m_off.parameters(), client=caller, **HYPER)
-    ref = torch.optim.AdamW(m_ref.parameters(), **HYPER)
+    m_off, opt, m_ref, ref = _offload_and_adamw(mlp(), client=caller)
+    head_off, head_ref = replicas(nn.Linear(8, 8), 2)
     batches = mlp_batches(6, fixed=False)
     train(m_off, opt, batches[:3], mlp_loss)
     train(m_ref, ref, batches[:3], mlp_loss)
