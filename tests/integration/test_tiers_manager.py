@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,12 @@ KEYS = [f"t{i}" for i in range(len(SHAPES))]
 STATE_NBYTES = sum(s[0] * 4 for s in SHAPES)
 
 
-def make(engine: LibaioEngine, d: Path, budget: int, pool_nbytes: int) -> tuple[BufferPool, SwapStore, TierManager]:
+@contextlib.contextmanager
+def tiered(
+    engine: LibaioEngine, d: Path, budget: int, pool_nbytes: int, *, remove: bool = True
+) -> Iterator[tuple[SwapStore, TierManager]]:
+    """A swap store in ``d`` and a tier manager over it and a pool, every tensor of ``SHAPES`` registered;
+    all three closed on exit, the store's files removed unless ``remove`` is false."""
     holder: list[TierManager] = []
     pool = BufferPool.create(pool_nbytes, arena_size=pool_nbytes, mlock=False, evict=lambda n: holder[0].evict(n))  # noqa: PLW0108
     store = SwapStore.open([d], "job", engine, 4 * STATE_NBYTES)
@@ -28,7 +35,12 @@ def make(engine: LibaioEngine, d: Path, budget: int, pool_nbytes: int) -> tuple[
     holder.append(manager)
     for key, shape in zip(KEYS, SHAPES, strict=True):
         manager.register(key, torch.float32, shape)
-    return pool, store, manager
+    try:
+        yield store, manager
+    finally:
+        manager.close()
+        store.close(remove=remove)
+        pool.close()
 
 
 def one_pass(manager: TierManager, step: int, budget: int) -> None:
@@ -45,8 +57,7 @@ def one_pass(manager: TierManager, step: int, budget: int) -> None:
 @pytest.mark.timeout(60)  # a pager livelock (prefetch and demand evicting each other) shows as a hang here
 def test_full_passes_with_a_quarter_of_the_state_in_memory_keep_contents(libaio: LibaioEngine, swap_dir: Path) -> None:
     budget = STATE_NBYTES // 4
-    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
-    try:
+    with tiered(libaio, swap_dir, budget, 2 * MiB) as (_, manager):
         one_pass(manager, 1, budget)
         one_pass(manager, 2, budget)  # the first pass recorded the order: eviction now knows next uses
         manager.prefetch(KEYS, depth=3)
@@ -57,31 +68,21 @@ def test_full_passes_with_a_quarter_of_the_state_in_memory_keep_contents(libaio:
         assert s.acquires == 12 * len(KEYS) and s.wait_s >= 0.0 and s.io_errors == 0
         assert s.page_ins <= 2 * 12 * len(KEYS)  # no thrashing: about one page-in per tensor and pass
         assert s.cpu_nbytes <= budget
-    finally:
-        manager.close()
-        store.close(remove=True)
-        pool.close()
 
 
 def test_pool_eviction_callback_pages_tensors_out_when_the_pool_is_full(libaio: LibaioEngine, swap_dir: Path) -> None:
     # the budget would allow everything in memory, but the pool holds only about a third of it
-    pool, store, manager = make(libaio, swap_dir, 4 * STATE_NBYTES, 400 * 1024)
-    try:
+    with tiered(libaio, swap_dir, 4 * STATE_NBYTES, 400 * 1024) as (_, manager):
         one_pass(manager, 1, 4 * STATE_NBYTES)
         one_pass(manager, 2, 4 * STATE_NBYTES)
         assert manager.stats().evictions > 0
-    finally:
-        manager.close()
-        store.close(remove=True)
-        pool.close()
 
 
 def test_corrupt_swap_copy_is_raised_by_acquire_and_other_tensors_still_work(
     libaio: LibaioEngine, swap_dir: Path
 ) -> None:
     budget = STATE_NBYTES // 4
-    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
-    try:
+    with tiered(libaio, swap_dir, budget, 2 * MiB) as (store, manager):
         one_pass(manager, 1, budget)
         victim = next(k for k in KEYS if manager.record(k).state is TensorState.NVME)
         rec = store.record(victim)
@@ -96,45 +97,30 @@ def test_corrupt_swap_copy_is_raised_by_acquire_and_other_tensors_still_work(
         t = manager.acquire(other)
         assert torch.equal(t, torch.full_like(t, float(1 + KEYS.index(other))))
         manager.release(other)
-    finally:
-        manager.close()
-        store.close(remove=True)
-        pool.close()
 
 
 def test_flush_then_reopen_restores_every_tensor(libaio: LibaioEngine, swap_dir: Path) -> None:
     budget = STATE_NBYTES // 2
-    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
-    one_pass(manager, 1, budget)
-    manager.flush()
-    manager.close()
-    store.close()
-    pool.close()
-    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
-    try:
+    with tiered(libaio, swap_dir, budget, 2 * MiB, remove=False) as (_, manager):
+        one_pass(manager, 1, budget)
+        manager.flush()
+    with tiered(libaio, swap_dir, budget, 2 * MiB) as (_, manager):
         assert all(manager.record(k).state is TensorState.NVME for k in KEYS)
         one_pass(manager, 2, budget)
-    finally:
-        manager.close()
-        store.close(remove=True)
-        pool.close()
 
 
 def test_acquiring_more_than_the_budget_at_once_is_refused(libaio: LibaioEngine, swap_dir: Path) -> None:
     budget = SHAPES[0][0] * 4 * 2
-    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
-    try:
-        manager.acquire("t0")
-        manager.acquire("t1")  # 16 + 32 KiB > 32 KiB? t0 is 16 KiB, t1 32 KiB: not both
-    except PoolExhausted as exc:
-        assert "tier CPU budget" in str(exc)
-    else:
-        pytest.fail("acquire did not refuse a tensor that cannot fit next to the ones in use")
-    finally:
-        manager.release("t0")
-        manager.close()
-        store.close(remove=True)
-        pool.close()
+    with tiered(libaio, swap_dir, budget, 2 * MiB) as (_, manager):
+        try:
+            manager.acquire("t0")
+            manager.acquire("t1")  # 16 + 32 KiB > 32 KiB? t0 is 16 KiB, t1 32 KiB: not both
+        except PoolExhausted as exc:
+            assert "tier CPU budget" in str(exc)
+        else:
+            pytest.fail("acquire did not refuse a tensor that cannot fit next to the ones in use")
+        finally:
+            manager.release("t0")
 
 
 @pytest.mark.timeout(60)
@@ -142,8 +128,7 @@ def test_a_pager_thread_that_dies_fails_its_waiters_instead_of_hanging_them(
     libaio: LibaioEngine, swap_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     budget = STATE_NBYTES // 4
-    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
-    try:
+    with tiered(libaio, swap_dir, budget, 2 * MiB) as (_, manager):
         one_pass(manager, 1, budget)
         one_pass(manager, 2, budget)
         paged = [k for k in KEYS if manager.record(k).state is TensorState.NVME]
@@ -157,15 +142,10 @@ def test_a_pager_thread_that_dies_fails_its_waiters_instead_of_hanging_them(
             manager.acquire(paged[0])
         with pytest.raises(InvalidState, match="pager thread failed"):  # and every later wait, at once
             manager.acquire(paged[-1])
-    finally:
-        manager.close()
-        store.close(remove=True)
-        pool.close()
 
 
 def test_resident_says_whether_every_tensor_is_in_the_pool(libaio: LibaioEngine, swap_dir: Path) -> None:
-    pool, store, manager = make(libaio, swap_dir, 2 * STATE_NBYTES, 2 * MiB)
-    try:
+    with tiered(libaio, swap_dir, 2 * STATE_NBYTES, 2 * MiB) as (_, manager):
         assert not manager.resident()  # registered, never paged in
         one_pass(manager, 1, 2 * STATE_NBYTES)
         assert manager.resident()  # the budget holds the whole state
@@ -174,18 +154,13 @@ def test_resident_says_whether_every_tensor_is_in_the_pool(libaio: LibaioEngine,
         manager.release(KEYS[0], dirty=False)
         assert manager.page_out([KEYS[1]])
         assert not manager.resident()
-    finally:
-        manager.close()
-        store.close(remove=True)
-        pool.close()
 
 
 def test_an_overwriting_acquire_pages_in_without_reading_and_the_new_values_are_kept(
     libaio: LibaioEngine, swap_dir: Path
 ) -> None:
-    pool, store, manager = make(libaio, swap_dir, 2 * STATE_NBYTES, 2 * MiB)
     key = KEYS[0]
-    try:
+    with tiered(libaio, swap_dir, 2 * STATE_NBYTES, 2 * MiB) as (_, manager):
         one_pass(manager, 1, 2 * STATE_NBYTES)  # every tensor holds 1 + its index, dirty
         assert manager.page_out([key])
         read_before = manager.stats().bytes_in
@@ -199,18 +174,13 @@ def test_an_overwriting_acquire_pages_in_without_reading_and_the_new_values_are_
         assert manager.stats().bytes_in > read_before  # a plain acquire reads
         assert torch.equal(again, torch.full_like(again, 42.0))
         manager.release(key, dirty=False)
-    finally:
-        manager.close()
-        store.close(remove=True)
-        pool.close()
 
 
 def test_a_discarded_tensor_is_dropped_without_a_write_and_comes_back_zeroed_without_a_read(
     libaio: LibaioEngine, swap_dir: Path
 ) -> None:
-    pool, store, manager = make(libaio, swap_dir, 2 * STATE_NBYTES, 2 * MiB)
     key = KEYS[0]
-    try:
+    with tiered(libaio, swap_dir, 2 * STATE_NBYTES, 2 * MiB) as (store, manager):
         one_pass(manager, 1, 2 * STATE_NBYTES)
         manager.flush()  # every tensor has a stored copy
         assert key in store
@@ -229,16 +199,11 @@ def test_a_discarded_tensor_is_dropped_without_a_write_and_comes_back_zeroed_wit
         other = manager.acquire(KEYS[1])  # the other tensors keep their values
         assert torch.equal(other, torch.full_like(other, 2.0))
         manager.release(KEYS[1], dirty=False)
-    finally:
-        manager.close()
-        store.close(remove=True)
-        pool.close()
 
 
 def test_a_discard_waits_for_the_last_user(libaio: LibaioEngine, swap_dir: Path) -> None:
-    pool, store, manager = make(libaio, swap_dir, 2 * STATE_NBYTES, 2 * MiB)
     key = KEYS[0]
-    try:
+    with tiered(libaio, swap_dir, 2 * STATE_NBYTES, 2 * MiB) as (_, manager):
         first = manager.acquire(key)
         manager.acquire(key)
         first.fill_(3.0)
@@ -248,18 +213,13 @@ def test_a_discard_waits_for_the_last_user(libaio: LibaioEngine, swap_dir: Path)
         assert manager.record(key).state is TensorState.CPU
         assert float(manager.acquire(key)[0]) == 3.0
         manager.release(key, dirty=False)
-    finally:
-        manager.close()
-        store.close(remove=True)
-        pool.close()
 
 
 def test_acquires_outside_the_order_do_not_move_the_prefetch(libaio: LibaioEngine, swap_dir: Path) -> None:
     """A use that is not a step of the order (a param fetch between two updates) pages in on demand only: the
     pager does not read ahead of it along the order."""
     budget = 2 * STATE_NBYTES
-    pool, store, manager = make(libaio, swap_dir, budget, 2 * MiB)
-    try:
+    with tiered(libaio, swap_dir, budget, 2 * MiB) as (_, manager):
         one_pass(manager, 1, budget)
         manager.flush()
         assert manager.page_out(KEYS)  # nothing resident
@@ -284,7 +244,3 @@ def test_acquires_outside_the_order_do_not_move_the_prefetch(libaio: LibaioEngin
         while not manager.record(KEYS[10]).resident and time.monotonic() < deadline:
             time.sleep(0.01)
         assert manager.record(KEYS[10]).resident
-    finally:
-        manager.close()
-        store.close(remove=True)
-        pool.close()
