@@ -59,12 +59,17 @@ def parse_count(text: str) -> int:
     return int(float(text.rstrip("KMG")) * scale)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_sweep_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of a sweep over sizes (also ``bench_lowbit_adam``'s): sizes, threads, rounds, steps a round."""
     ap.add_argument("--sizes", default="16M,64M", help="parameter counts, comma-separated (K/M suffixes)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3, help="steps per row per round")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_sweep_args(ap)
     ap.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam even if importable")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = ap.parse_args(argv)

@@ -42,17 +42,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_cpu_adam import parse_count, time_rows
+from bench_cpu_adam import add_sweep_args, parse_count, time_rows
 
 BYTES = {"fp32": 28.0, "bf16": 20.0, "int8": 16.0 + 16.0 / 256}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="16M,64M", help="parameter counts, comma-separated (K/M suffixes)")
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="steps per row per round")
+    add_sweep_args(ap)
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = ap.parse_args(argv)
 
