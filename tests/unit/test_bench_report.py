@@ -2,29 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_modules import benchmark_module
 
 pytest.importorskip("matplotlib")
 
-REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "report.py"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location("bench_report", REPORT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_module("report", name="bench_report") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def cpu_row(rate: float, tiermem_rate: float) -> dict:

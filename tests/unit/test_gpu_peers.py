@@ -5,29 +5,17 @@ The campaign itself needs a GPU; its CPU pipeline (``--dry-run``) is run by hand
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_modules import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def peers():
-    sys.path.insert(0, str(BENCH))  # gpu_peers imports its worker module by name
-    spec = importlib.util.spec_from_file_location("gpu_peers", BENCH / "gpu_peers.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_module("gpu_peers") as module:  # it imports its worker module by name
         yield module
-    finally:
-        del sys.modules[spec.name]
-        sys.path.remove(str(BENCH))
 
 
 @pytest.fixture(scope="module")
