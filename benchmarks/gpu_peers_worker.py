@@ -223,12 +223,19 @@ class Trainer:
 
     pcie_basis = "nothing offloaded"
     pcie_bytes_per_param = 0.0
+    opt: Any
+    """The optimizer the plain ``step`` drives (a system with a loop of its own overrides ``step``)."""
 
     def __init__(self, model: nn.Module, hyper: Hyper, spec: dict[str, Any]) -> None:
         self.model, self.hyper, self.spec = model, hyper, spec
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The plain loop over the subclass's ``self.opt``: forward, backward, step, grads dropped."""
+        loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
     @torch.no_grad()
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -313,13 +320,6 @@ class Tiermem(Trainer):
             self.pager = offload_params(model, self.opt, device_budget=budget)
             self.pcie_basis = "params to the device for forward and again for backward, grads back: 2 + 2 + 2 B/param"
             self.pcie_bytes_per_param = 6.0
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.model(x, y)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
 
     @torch.no_grad()
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -437,13 +437,6 @@ class Fsdp2(Trainer):
         except (RuntimeError, TypeError):  # a torch whose fused AdamW takes no CPU DTensors
             self.opt = torch.optim.AdamW(model.parameters(), foreach=True, **kwargs)
             self.fused = False
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.model(x, y)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
 
     def extra(self) -> dict[str, Any]:
         return {"fused_adamw": self.fused}
