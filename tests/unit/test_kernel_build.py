@@ -9,10 +9,12 @@ process, so the other tests build into directories of their own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,8 +28,14 @@ CC = shutil.which(os.environ.get("CC") or "cc")
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler here")
 
 
-def _kernel(cache: Path | None, *, compile: bool = True) -> EngineKernel:
-    return EngineKernel(AdamEngine(threads=1, warmup=[], cache_dir=cache and str(cache), compile=compile))
+@contextlib.contextmanager
+def _kernel(cache: Path | None, *, compile: bool = True) -> Iterator[EngineKernel]:
+    """An ``EngineKernel`` over a one-thread engine building into ``cache`` (None: the default), closed on exit."""
+    kernel = EngineKernel(AdamEngine(threads=1, warmup=[], cache_dir=cache and str(cache), compile=compile))
+    try:
+        yield kernel
+    finally:
+        kernel.close()
 
 
 def _lowbit(kernel: EngineKernel) -> BuildState:
@@ -37,34 +45,25 @@ def _lowbit(kernel: EngineKernel) -> BuildState:
 @needs_cc
 def test_the_kernel_is_built_without_any_request_and_found_in_the_cache(tmp_path: Path) -> None:
     assert built_lowbit_library(str(tmp_path)) is None
-    kernel = _kernel(None)
-    try:
+    with _kernel(None) as kernel:
         kernel.prepare("int8")
         (lowbit,) = kernel.statuses()
         assert (lowbit.name, lowbit.state, lowbit.error) == ("lowbit", BuildState.BUILT, "")
         assert built_lowbit_library(None) == kernel.engine.lowbit_kernel().path
-    finally:
-        kernel.close()
 
 
 def test_compile_off_is_off_not_failed(tmp_path: Path) -> None:
-    kernel = _kernel(tmp_path, compile=False)
-    try:
+    with _kernel(tmp_path, compile=False) as kernel:
         kernel.prepare("bf16")
         assert _lowbit(kernel) is BuildState.OFF
-    finally:
-        kernel.close()
 
 
 def test_a_failed_build_is_failed_and_names_the_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", "no-such-cc")
-    kernel = _kernel(tmp_path)
-    try:
+    with _kernel(tmp_path) as kernel:
         kernel.prepare("int8")  # the reference runs: registering still succeeds
         (lowbit,) = kernel.statuses()
         assert lowbit.state is BuildState.FAILED and "no C compiler 'no-such-cc'" in lowbit.error
-    finally:
-        kernel.close()
 
 
 def test_a_rank_that_registers_during_the_build_waits_with_its_beacon_ticking(
@@ -75,8 +74,7 @@ def test_a_rank_that_registers_during_the_build_waits_with_its_beacon_ticking(
     slow.chmod(0o755)
     monkeypatch.setenv("CC", str(slow))
     registry = health.Health(stall_s=1.5)
-    kernel = _kernel(tmp_path / "cache")
-    try:
+    with _kernel(tmp_path / "cache") as kernel:
         assert _lowbit(kernel) is BuildState.BUILDING
         verdicts: list[bool] = []
 
@@ -92,8 +90,6 @@ def test_a_rank_that_registers_during_the_build_waits_with_its_beacon_ticking(
         session.join()
         assert _lowbit(kernel) is BuildState.FAILED  # and the reference runs
         assert len(verdicts) > 20 and all(verdicts)  # waited seconds, never stalled
-    finally:
-        kernel.close()
 
 
 def test_a_build_past_its_time_limit_kills_the_compilers_children_too(
