@@ -104,11 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     engine.close()
     compiled.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, results)
     return 0
+
+
+def write_json(path: str | None, results: dict[str, Any]) -> None:
+    """The figures to ``path`` (``--json``; None: not asked for)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {path}")
 
 
 def make_probe(torch: Any, threads: int) -> tuple[Callable[..., None], float]:

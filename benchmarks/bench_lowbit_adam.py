@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -42,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_cpu_adam import add_sweep_args, parse_count, time_rows
+from bench_cpu_adam import add_sweep_args, parse_count, time_rows, write_json
 
 BYTES = {"fp32": 28.0, "bf16": 20.0, "int8": 16.0 + 16.0 / 256}
 
@@ -81,10 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in (parse_count(s) for s in args.sizes.split(",")):
         results["sizes"][str(n)] = run_size(torch, n, args, engine, probe_fn, peers)
     engine.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, results)
     return 0
 
 
