@@ -123,19 +123,30 @@ def test_a_shard_of_another_layout_is_refused_before_anything_changes(daemon, on
         loss_of(m, 0).backward()
         opt.step()
         saved = opt.state_dict()
+        assert saved["format"] == "tiermem.zero3" and (saved["rank"], saved["world_size"]) == (0, 1)
         before = opt.full_state_dict()
+        values = [p.detach().clone() for p in m.parameters()]
+        # rank 0's file of a 2-rank save: the other rank held the second half of param 0
         wrong = copy.deepcopy(saved)
-        wrong["shard"]["world_size"] = 2
-        with pytest.raises(InvalidArgument, match="rank 0 of 2"):
+        wrong["world_size"] = 2
+        half = next(pc for pc in wrong["pieces"] if pc["param"] == 0)
+        cut = (half["hi"] - half["lo"]) // 2
+        for key in ("value", "exp_avg", "exp_avg_sq"):
+            half[key] = half[key][:cut]
+        half["hi"] = half["lo"] + cut
+        with pytest.raises(InvalidArgument, match=r"in none of the 1 rank file\(s\) of this 2-rank checkpoint"):
             opt.load_state_dict(wrong)
         wrong = copy.deepcopy(saved)
-        wrong["shard"]["layout"] = (1, (3,), ((0,),))
-        with pytest.raises(InvalidArgument, match="another layout"):
+        wrong["params"][0]["shape"] = wrong["params"][0]["shape"][::-1]  # as many elements, another shape
+        with pytest.raises(InvalidArgument, match=r"param 0 is .* of shape"):
             opt.load_state_dict(wrong)
         after = opt.full_state_dict()
         assert all(
             torch.equal(before["state"][i][k], after["state"][i][k]) for i in before["state"] for k in ("exp_avg",)
         )
+        assert all(torch.equal(a, b.detach()) for a, b in zip(values, m.parameters(), strict=True))
+        opt.load_state_dict(saved)  # this rank's own file loads back
+        assert opt.steps == 1
     finally:
         opt.close()
 
@@ -441,3 +452,29 @@ def test_zero2_rank_files_resume_in_a_new_optimizer_and_consolidate_to_adamw(dae
     finally:
         opt.close()
         again.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_rank_file_holds_the_params_as_they_are_stepped_edited_or_never_stepped(daemon, one_rank_group, tier):
+    """The values in ``state_dict()`` are the model's: a param edited in place after the last step, and one that
+    never had a grad (its daemon master was never written on NVMe), come back as they are, not as a stale or
+    empty master; loading the file back changes nothing."""
+    m = model()
+    spare = torch.nn.Linear(3, 3)  # in the optimizer, never in the forward
+    params = [*m.parameters(), *spare.parameters()]
+    opt = ShardedOffloadAdam(params, lr=0.02, offload=tier, client=connect(daemon.socket_path))
+    try:
+        train_alike(((m, opt),), range(2))
+        with torch.no_grad():
+            m[0].weight.clamp_(-0.1, 0.1)  # an edit the daemon has not seen yet
+        saved = opt.state_dict()
+        whole: list[list[torch.Tensor]] = [[] for _ in params]
+        for piece in sorted(saved["pieces"], key=lambda pc: (pc["param"], pc["lo"])):
+            whole[piece["param"]].append(piece["value"])
+        for i, p in enumerate(params):
+            assert torch.equal(torch.cat(whole[i]), p.detach().reshape(-1)), f"param {i} on {tier}"
+        before = [p.detach().clone() for p in params]
+        opt.load_state_dict(saved)
+        assert all(torch.equal(a, p.detach()) for a, p in zip(before, params, strict=True))
+    finally:
+        opt.close()

@@ -135,11 +135,21 @@ class StateIO:
         _, state = self._parts()
         return "master" if key == "param" and "param" not in state.keys else key
 
-    def _key_view(self, key: str, lo: int, hi: int, chunk: int, tensors: object) -> torch.Tensor:
-        """The values of ``key`` for flat ``[lo, hi)``: a state section, or the fp32 storage params when the
-        params are the master."""
+    def _master_in_storage(self, *, dirty: bool) -> bool:
+        """Whether the master's values are the storage params: where the rank keeps no master, and for a read
+        where fp32 params are in the storage.  There they are what every update starts from, edits
+        included; a kept master (the NVMe placement persists it) only receives each update's result, so
+        it lags an edit until the next step and holds nothing for a tensor that never stepped."""
+        if self.master_in_params:
+            return True
+        layout = self.layout
+        return not dirty and not self.staged and layout is not None and layout.dtype == "float32"
+
+    def _key_view(self, key: str, lo: int, hi: int, chunk: int, tensors: object, *, storage: bool) -> torch.Tensor:
+        """The values of ``key`` for flat ``[lo, hi)``: a state section, or the fp32 storage params when they
+        hold the master (``storage``: ``_master_in_storage``)."""
         _, state = self._parts()
-        if key == "master" and self.master_in_params:
+        if key == "master" and storage:
             return self._region(self.layout.param_offset)[lo:hi]  # type: ignore[union-attr]
         c0 = chunk * state.chunk_numel
         values: torch.Tensor = getattr(tensors, key)
@@ -166,7 +176,8 @@ class StateIO:
         staged = self._window_view(ref, dtype)
         self._install([tid])
         key = self._source(key)
-        keys: tuple[str, ...] = () if key == "master" and self.master_in_params else (key,)
+        storage = self._master_in_storage(dirty=dirty)
+        keys: tuple[str, ...] = () if key == "master" and storage else (key,)
         # a write of the master writes the working-dtype params beside it, which always equal it cast
         cast = dirty and key == "master" and "param" in state.keys
         if cast:
@@ -180,10 +191,10 @@ class StateIO:
                 if compressed:
                     self._transfer_moment(tensors, key, chunk, a, b, staged[a - lo : b - lo], apply, dirty, step)
                     continue
-                values = self._key_view(key, a, b, chunk, tensors)
+                values = self._key_view(key, a, b, chunk, tensors, storage=storage)
                 apply(staged[a - lo : b - lo], values)
                 if cast:
-                    self._key_view("param", a, b, chunk, tensors).copy_(values)
+                    self._key_view("param", a, b, chunk, tensors, storage=storage).copy_(values)
             finally:
                 state.release(chunk, keys, dirty=dirty)
 

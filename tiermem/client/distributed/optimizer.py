@@ -66,21 +66,20 @@ ranks connect to it.  A collective that fails (a rank died, a timeout) raises
 ``RankLost`` naming the phase; the state of this rank is then at its last
 completed step.
 
-Checkpoints: ``save_shard(directory)`` writes this rank's file in the ZeRO-3
-optimizers' format (``zero3_checkpoint``: the fp32 values and moments of its
-pieces), which ``load_shards`` loads at any world size and ``tiermem
-consolidate`` merges; ``state_dict()`` is this rank's shard (load it into the same
-layout: world size, params, bucket size); ``full_state_dict()`` (collective)
-gathers ``torch.optim.AdamW``'s format on every rank, which any
-``ShardedOffloadAdam`` (any world size), ``OffloadAdam`` or ``torch.optim.AdamW``
-loads; ``load_state_dict`` takes either.
+Checkpoints, the rank files of every sharded optimizer (``zero3_checkpoint``):
+``state_dict()`` is this rank's file (the fp32 values and moments of its
+pieces), which ``load_state_dict`` takes back at the same world size and
+``save_shard(directory)`` writes; ``load_shards`` loads the files of all ranks
+at any world size and ``tiermem consolidate`` merges them.
+``full_state_dict()`` (collective) gathers ``torch.optim.AdamW``'s format on
+every rank, which any ``ShardedOffloadAdam`` (any world size), ``OffloadAdam``
+or ``torch.optim.AdamW`` loads; ``load_state_dict`` takes either.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -103,7 +102,6 @@ from tiermem.client.offload.args import (
 )
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.shared import TensorEntry
-from tiermem.client.offload.transfer import adopt_saved_groups, packed_groups, plan_load
 from tiermem.core import dtypes
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement, StepMode
@@ -197,7 +195,9 @@ class ShardedOffloadAdam(RankFileOptimizer):
         """The steps' collectives, each bounded by ``collective_timeout_s`` (their counts: ``last_counts``)."""
         self._start_rounds(params_)
         self._resume(params_)
-        store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper, keeps_values=True)
+        store = InnerStore(
+            self.job_id, self.param_groups, self.inner, self._sync_hyper, keeps_values=True, refresh=self._refresh
+        )
         self.checkpoint = Zero3Checkpoint(self._share(params_), store, self.group.collective)
         """The rank files (``save_shard``, ``load_shards``: any world size; ``tiermem consolidate``)."""
 
@@ -645,114 +645,16 @@ class ShardedOffloadAdam(RankFileOptimizer):
         """Whether this rank's daemon holds an update that the model does not have yet (``flush()``)."""
         return self.inner is not None and self.inner.update_in_flight
 
+    def _refresh(self) -> None:
+        """Before a checkpoint reads the pieces: the model's params, edited in place since the last step, into
+        them, as a step would take them; not while an update is in flight, whose pieces are newer than the
+        model (``flush()``)."""
+        if not self.params_behind:
+            self._pull_params_into_pieces(self._params())
+
     def _pull_params_into_pieces(self, params: list[torch.nn.Parameter]) -> None:
         for piece, pp in zip(self.pieces, self._piece_params, strict=True):
             pp.data.copy_(params[piece.param].detach().reshape(-1)[piece.lo : piece.hi])
-
-    # ----------------------------------------------------------------- checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard: its pieces' Adam state (``OffloadAdam``'s format) and the layout it belongs to."""
-        return {
-            "state": {},
-            "param_groups": packed_groups(self.param_groups),
-            "shard": {
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "layout": self.layout.fingerprint(),
-                "steps": self.group.steps,
-                "inner": None if self.inner is None else self.inner.state_dict(),
-            },
-        }
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """Collective: the whole optimizer state in ``torch.optim.AdamW``'s format, on every rank."""
-        keys = ["exp_avg", "exp_avg_sq"] + (["master"] if self.dtype.torch != torch.float32 else [])
-        inner_state = self.inner.state_dict()["state"] if self.inner is not None else {}
-        steps = torch.zeros(len(self._shapes), dtype=torch.float64, device=self.device)
-        for i, piece in enumerate(self.pieces):
-            entry = inner_state.get(i)
-            if entry is not None:
-                steps[piece.param] = max(float(steps[piece.param]), float(entry["step"]))
-        self.group.collective("gather of the steps", dist.all_reduce, steps, op=dist.ReduceOp.MAX)
-        step_of = steps.cpu().tolist()
-        out: dict[int, dict[str, Any]] = {
-            i: {"step": torch.tensor(step_of[i])} for i in range(len(self._shapes)) if step_of[i] > 0
-        }
-        for b, bucket in enumerate(self.layout.buckets):
-            mine = torch.zeros(bucket.slice_numel, dtype=torch.float32, device=self.device)
-            flat = torch.empty(self.layout.padded_numel(bucket), dtype=torch.float32, device=self.device)
-            for key in keys:
-                mine.zero_()
-                for i in self._by_bucket[b]:
-                    piece = self.pieces[i]
-                    entry = inner_state.get(i)
-                    if entry is not None:
-                        mine[piece.at : piece.at + piece.numel].copy_(entry[key].reshape(-1))
-                self.group.collective("gather of the state", ALL_GATHER, flat, mine)
-                for index, offset in zip(bucket.params, bucket.offsets, strict=True):
-                    if index in out:
-                        numel = math.prod(self._shapes[index])
-                        out[index][key] = flat[offset : offset + numel].view(self._shapes[index]).cpu().clone()
-        return {"state": out, "param_groups": packed_groups(self.param_groups)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """A shard saved by ``state_dict()`` (same layout), or a full ``torch.optim.AdamW``-format dict
-        (``full_state_dict()``, ``OffloadAdam``, ``torch.optim.AdamW``), of which this rank takes its pieces.
-        Collective for a full dict only in that every rank must load one.  The model's params are not touched."""
-        shard = state_dict.get("shard") if isinstance(state_dict, dict) else None
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
-            raise InvalidArgument(
-                f"state dict has {len(groups) if isinstance(groups, list) else 'no'} param groups, "
-                f"this optimizer has {len(self.param_groups)}"
-            )
-        if shard is not None:
-            inner = self._check_shard(shard)
-        else:
-            loads = plan_load(state_dict, self.param_groups, [math.prod(s) for s in self._shapes])
-            inner = self._pieces_of(loads)
-        adopt_saved_groups(self.param_groups, groups)
-        if self.inner is not None and inner is not None:
-            copy_hyper(self.param_groups, inner["param_groups"], self._inner_of_group.items())
-            self.inner.load_state_dict(inner)
-        if shard is not None:
-            self.group.steps = int(shard.get("steps", self.group.steps))
-        self._after_load()
-
-    def _check_shard(self, shard: dict[str, Any]) -> dict[str, Any] | None:
-        rank, world = shard.get("rank"), shard.get("world_size")
-        if rank != self.rank or world != self.world_size:
-            raise InvalidArgument(
-                f"this shard was saved by rank {rank} of {world}; this is rank {self.rank} of {self.world_size} "
-                "(load a full_state_dict() to change the number of ranks)"
-            )
-        layout = shard.get("layout")
-        if layout is not None and _as_tuple(layout) != _as_tuple(self.layout.fingerprint()):
-            raise InvalidArgument(
-                "this shard was saved for another layout (params or bucket_nbytes differ); load a "
-                "full_state_dict() instead"
-            )
-        inner = shard.get("inner")
-        return inner if isinstance(inner, dict) else None
-
-    def _pieces_of(self, loads: list[tuple[int, dict[str, Any], int]]) -> dict[str, Any]:
-        """This rank's pieces of a full state dict, in ``OffloadAdam``'s format."""
-        by_param = {t: (entry, step) for t, entry, step in loads}
-        state: dict[int, dict[str, Any]] = {}
-        for i, piece in enumerate(self.pieces):
-            found = by_param.get(piece.param)
-            if found is None:
-                continue
-            entry, step = found
-            cut = {"step": torch.tensor(float(step))}
-            for key in ("exp_avg", "exp_avg_sq", "master"):
-                value = entry.get(key)
-                if isinstance(value, torch.Tensor):
-                    cut[key] = value.detach().reshape(-1)[piece.lo : piece.hi].to("cpu", torch.float32).clone()
-            state[i] = cut
-        groups = packed_groups(self.inner.param_groups) if self.inner is not None else []
-        return {"state": state, "param_groups": groups}
 
     # ----------------------------------------------------------------- life
 
@@ -793,9 +695,3 @@ def _run_from(base: torch.Tensor, first: torch.Tensor, numel: int) -> torch.Tens
     the tensors laid out after it (each of which has a torch storage of its own over the same mapping)."""
     offset = first.data_ptr() - base.data_ptr()
     return base[offset : offset + numel * first.element_size()].view(first.dtype)
-
-
-def _as_tuple(value: Any) -> Any:
-    if isinstance(value, list | tuple):
-        return tuple(_as_tuple(v) for v in value)
-    return value

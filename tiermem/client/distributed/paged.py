@@ -33,8 +33,8 @@ offline into one model and one ``torch.optim.AdamW`` state dict.
 which ``opt.load_state_dict`` takes at any world size (the model's params
 then come from ``model.load_state_dict``: torch's keys, gathered by
 ``model.state_dict()``, loadable at any world size too).  ``opt.state_dict()``
-stays this rank's shard in AdamW's format over the shards, which only the
-same world size loads.
+is this rank's file, as for every sharded optimizer (``RankFileOptimizer``):
+``load_state_dict`` takes it back at the same world size.
 
 The collectives run on the pager's one I/O thread, in the order the trainer
 submitted them; that order is the same on every rank because every rank runs
@@ -79,7 +79,7 @@ import torch
 from torch import nn
 
 from tiermem.client.distributed.group import ShardGrads, check_max_grad_norm
-from tiermem.client.distributed.reshard import describe_params, is_rank_file
+from tiermem.client.distributed.reshard import describe_params
 from tiermem.client.distributed.schedule import (
     ALL_GATHER,
     DEFAULT_TIMEOUT_S,
@@ -95,7 +95,7 @@ from tiermem.client.offload.copies import FetchItem, GradItem
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.paging import ParamPager
 from tiermem.client.offload.stats import OptimizerStats
-from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups
+from tiermem.client.offload.transfer import StateTransfer
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement
@@ -465,47 +465,6 @@ class ShardedPagedAdam(RankFileOptimizer):
     def _sync_hyper(self) -> None:
         """The groups' hyper-parameters (a scheduler or the user may have changed them) into the inner groups."""
         copy_hyper(self.param_groups, self.inner.param_groups)
-
-    # ----------------------------------------------------------------- checkpoints (zero3_checkpoint)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard in ``torch.optim.AdamW``'s format over the shards (only the same world size loads
-        it; ``full_state_dict()`` and ``save_shard()`` load at any)."""
-        self._sync_hyper()
-        return self.inner.state_dict()  # which flushes, the pager's transfers included
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """``torch.optim.AdamW``'s format over the whole model (``full_state_dict()``, ``tiermem consolidate``,
-        ``torch.optim.AdamW``: any world size; the params are not touched), this rank's ``state_dict()``
-        (the same world size), or one rank's ``shard_state_dict()`` (params and buffers too)."""
-        if is_rank_file(state_dict):
-            self.load_shards([state_dict], complete=False)
-            return
-        if self._is_own_shard(state_dict):
-            self.inner.load_state_dict(state_dict)
-            adopt_saved_groups(self.param_groups, state_dict["param_groups"])
-        else:
-            self.checkpoint.load_full(state_dict)
-        self._after_load()
-
-    def _is_own_shard(self, state_dict: Any) -> bool:
-        """Whether ``state_dict`` is ``state_dict()``'s format (every state tensor of this rank's shard size),
-        not the whole params' (where the sizes agree, either reading loads the same)."""
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        state = state_dict.get("state") if isinstance(state_dict, dict) else None
-        if not isinstance(groups, list) or not isinstance(state, dict):
-            return False
-        at = {key: pos for pos, key in enumerate(k for g in groups if isinstance(g, dict) for k in g.get("params", ()))}
-        share, tensors = self.checkpoint.share, self.inner.tensors
-        shard = whole = True
-        for key, entry in state.items():
-            pos = at.get(key)
-            value = entry.get("exp_avg") if isinstance(entry, dict) else None
-            if pos is None or pos >= len(tensors) or not isinstance(value, torch.Tensor):
-                return False
-            shard = shard and value.numel() == tensors[pos].numel()
-            whole = whole and value.numel() == share.params[share.order[pos]].numel
-        return shard and not whole
 
     # ----------------------------------------------------------------- the step
 

@@ -74,7 +74,7 @@ import torch.distributed as dist
 
 from tiermem.client.distributed.daemon_grads import DaemonGrads
 from tiermem.client.distributed.group import ShardGrads, check_max_grad_norm
-from tiermem.client.distributed.reshard import describe_params, is_rank_file
+from tiermem.client.distributed.reshard import describe_params
 from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Probe, check_timeout
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankFileOptimizer, RankShare, Slot, Zero3Checkpoint
 from tiermem.client.link import Client
@@ -451,24 +451,6 @@ class LayerShardedAdam(RankFileOptimizer):
         if self.param_groups:
             raise InvalidArgument("LayerShardedAdam takes the model's params as one param group; make a new one")
         super().add_param_group(param_group)
-
-    # ----------------------------------------------------------------- checkpoints (zero3_checkpoint)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's file of a checkpoint that loads at any world size (``shard_state_dict()``): the params
-        live in the owners' daemons and the modules hold placeholders, so it holds the params' values too."""
-        return self.checkpoint.shard_state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """One rank's ``state_dict()`` (this rank's layers, params included: the same world size and owners;
-        ``load_shards`` takes a save at any), or ``torch.optim.AdamW``'s format over the model's trainable
-        params (``full_state_dict()``, ``tiermem consolidate``, ``torch.optim.AdamW``: any world size; the
-        params are not touched)."""
-        if is_rank_file(state_dict):
-            self.load_shards([state_dict], complete=False)
-            return
-        self.checkpoint.load_full(state_dict)
-        self._after_load()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.units:

@@ -44,6 +44,7 @@ from tiermem.client.distributed.reshard import (
     ShardSet,
     Source,
     build_adamw,
+    is_rank_file,
     open_shards,
     persistent_buffers,
     save_file,
@@ -125,17 +126,21 @@ class InnerStore:
     The inner optimizer is flushed before its state is read or written (an interrupted step settled, its
     feed's transfers drained: the pager's too); ``sync`` copies the optimizer's hyper-parameters into the
     inner groups; ``keeps_values``: the inner tensors hold the values in the trainer (not paged), so a load
-    writes them there too."""
+    writes them there too; ``refresh``: brings the inner tensors up to the model before a read (ZeRO-2: the
+    model's params, edited in place since the last step, into the pieces)."""
 
     job_id: str
     param_groups: list[dict[str, Any]]
     inner: OffloadAdam | None
     sync: Callable[[], None]
     keeps_values: bool = False
+    refresh: Callable[[], None] | None = None
 
     def read(self) -> tuple[StateTransfer | None, int | None]:
         if self.inner is None:
             return None, None
+        if self.refresh is not None:
+            self.refresh()
         self.inner.flush()
         return self.inner.transfer, self.inner.steps
 
@@ -341,6 +346,25 @@ class RankFileOptimizer(ShardedOptimizer):
     def shard_state_dict(self) -> dict[str, Any]:
         """This rank's file of a checkpoint that loads at any world size (``reshard``); not collective."""
         return self.checkpoint.shard_state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's file (``shard_state_dict()``), for every strategy: the fp32 values and Adam state of the
+        stretches of params the rank holds, and what merges it with the other ranks' files.  ``torch.save`` it
+        on every rank; ``load_state_dict`` takes it back at the same world size, ``load_shards`` takes the
+        files of all ranks at any world size, ``tiermem consolidate`` merges them."""
+        return self.checkpoint.shard_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A rank file (``state_dict()``: this rank's stretches must be in it, so the same world size and
+        layout), params' values and the model's buffers too; or ``torch.optim.AdamW``'s format over the
+        optimizer's params (``full_state_dict()``, ``tiermem consolidate``, ``torch.optim.AdamW``,
+        ``OffloadAdam``: any world size; the params are not touched, torch's rule).  Checked whole before
+        anything changes.  Every rank calls it."""
+        if is_rank_file(state_dict):
+            self.load_shards([state_dict], complete=False)
+            return
+        self.checkpoint.load_full(state_dict)
+        self._after_load()
 
     def save_shard(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``shard_state_dict()`` to ``directory/zero3-rank<r>-of-<n>.pt`` (atomically; every rank
