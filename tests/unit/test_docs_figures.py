@@ -70,8 +70,20 @@ def test_every_headline_row_names_its_json_or_says_it_was_not_kept(what: str) ->
     assert json_cell.startswith("not kept (figures in git:") or cited_json(json_cell), what
 
 
+def cpu_adam_ratios(numel: int) -> tuple[float, float, float]:
+    """tiermem's speed over the probe's, torch fused's and DeepSpeed's, at ``numel`` params."""
+    rows = result("cpu_adam.json")["sizes"][str(numel)]
+    return tuple(rows[name]["tiermem_ratio"] for name in ("bound: same-bytes probe", "torch fused", "deepspeed"))
+
+
 def test_headline_cpu_adam_row() -> None:
-    figures(headline("CPU Adam update"), "cpu_adam.json")
+    figure = figures(headline("CPU Adam update"), "cpu_adam.json")
+    probe, fused, deepspeed = cpu_adam_ratios(64 << 20)
+    assert result("cpu_adam.json")["deepspeed"].startswith("DeepSpeedCPUAdam from deepspeed ")
+    assert (
+        f"{probe:.2f}x the speed of a same-bytes memory probe; {fused:.2f}x torch's fused AdamW, "
+        f"{deepspeed:.2f}x DeepSpeedCPUAdam"
+    ) in figure
 
 
 def test_headline_swap_row() -> None:
@@ -171,6 +183,10 @@ def test_index_rows_shared_with_the_headline_table_agree_with_their_json() -> No
     )
     paged = scale_2g()["offload-nvme-paged"]
     assert f"{paged['largest_params'] / 1e9:.2f}B paged" in index_row("bench_scale.py", "scale.json")
+    cpu_adam = index_row("bench_cpu_adam.py", "cpu_adam.json")
+    for numel, label in ((64 << 20, "64M"), (16 << 20, "16M")):
+        probe, fused, deepspeed = cpu_adam_ratios(numel)
+        assert f"{label}: {probe:.2f}x" in cpu_adam and f"{fused:.2f}x" in cpu_adam and f"{deepspeed:.2f}x" in cpu_adam
 
 
 def test_index_scale_rows_are_their_json() -> None:
