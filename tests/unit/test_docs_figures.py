@@ -86,8 +86,18 @@ def test_headline_cpu_adam_row() -> None:
     ) in figure
 
 
+def swap_ratios(qd: int) -> tuple[float, float, float, float]:
+    """The store's write and read GB/s over fio's and over DeepSpeed's, 1 MiB requests at queue depth ``qd``."""
+    (row,) = [r for r in result("swap.json")["rows"] if r["block"] == 1 << 20 and r["qd"] == qd]
+    store, fio, ds = row["store"], row["fio"], row["deepspeed"]
+    return store[0] / fio[0], store[1] / fio[1], store[0] / ds[0], store[1] / ds[1]
+
+
 def test_headline_swap_row() -> None:
-    figures(headline("swap store"), "swap.json")
+    figure = figures(headline("swap store"), "swap.json")
+    assert result("swap.json")["size"] == 4 << 30
+    fio_w, fio_r, ds_w, ds_r = swap_ratios(32)
+    assert f"{fio_w:.2f}x / {fio_r:.2f}x fio; {ds_w:.2f}x / {ds_r:.2f}x DeepSpeed's aio_handle" in figure
 
 
 def demo_openmp_ratios() -> dict[tuple[str, str], float]:
@@ -183,6 +193,10 @@ def test_index_rows_shared_with_the_headline_table_agree_with_their_json() -> No
     )
     paged = scale_2g()["offload-nvme-paged"]
     assert f"{paged['largest_params'] / 1e9:.2f}B paged" in index_row("bench_scale.py", "scale.json")
+    fio_w, fio_r, ds_w, ds_r = swap_ratios(32)
+    swap = index_row("bench_swap.py", "swap.json")
+    assert f"store {fio_w:.2f}x / {fio_r:.2f}x fio, {ds_w:.2f}x / {ds_r:.2f}x aio_handle" in swap
+    assert "QD8 {:.2f}x / {:.2f}x fio".format(*swap_ratios(8)[:2]) in swap
     cpu_adam = index_row("bench_cpu_adam.py", "cpu_adam.json")
     for numel, label in ((64 << 20, "64M"), (16 << 20, "16M")):
         probe, fused, deepspeed = cpu_adam_ratios(numel)
