@@ -256,6 +256,22 @@ def test_index_launch_and_soak_rows_are_their_json() -> None:
     assert f"(before: {burst['baseline']['connect_failed']})" in row
 
 
+def test_index_infinity_row_is_its_json() -> None:
+    row = index_row("bench_infinity.py", "infinity.json")
+    sizes = result("infinity.json")["sizes"]
+    ratios, peaks = [], []
+    for params in ("100000000", "300000000"):
+        runs = {r["name"]: r for r in sizes[params]["rows"] if "step_s" in r}
+        ours = runs.pop("tiermem")
+        best = min(runs.values(), key=lambda r: r["step_s"])
+        ratios.append(f"{ours['step_s'] / best['step_s']:.2f}x")
+        peaks.append((ours["peak_rss"] / 2**30, best["peak_rss"] / 2**30))
+        assert ours["loss_gap"] < 1e-5 < best["loss_gap"]
+    assert f"step {ratios[0]} DeepSpeed's best at 100M, {ratios[1]} at 300M" in row
+    (ours_100m, its_100m), (ours_300m, its_300m) = peaks
+    assert f"peak RSS {ours_100m:.2f} / {ours_300m:.2f} GiB against its {its_100m:.2f} / {its_300m:.2f}" in row
+
+
 def test_index_gpu_row_is_its_json() -> None:
     paging = result("gpu-check-h200-paging.json")["paging"]
     row = index_row("gpu_check.py", "gpu-check-h200-paging.json")
