@@ -79,11 +79,22 @@ def _count(n: float) -> str:
 def render(now: Sample, before: Sample | None = None, *, socket_path: str = "") -> str:
     """The status screen for ``now`` (rates against ``before`` when given)."""
     node = now.reply.node
-    pool, swap, adam, server, pre = node.pool, node.swap, node.adam, node.server, node.prefetch
     rule = "+" + "-" * (WIDTH - 2) + "+"
     title = f"tiermemd {node.version}" + (f" on {socket_path}" if socket_path else "")
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    out = [f"{title:<{WIDTH - len(stamp)}}{stamp}", rule]
+    return (
+        "\n".join(
+            [f"{title:<{WIDTH - len(stamp)}}{stamp}", rule, *_node_lines(now, before), rule, *_job_lines(now), rule]
+        )
+        + "\n"
+    )
+
+
+def _node_lines(now: Sample, before: Sample | None) -> list[str]:
+    """The node's rows: pool, swap, Adam, budgets, clients, errors (rates against ``before``)."""
+    node = now.reply.node
+    pool, swap, adam, server, pre = node.pool, node.swap, node.adam, node.server, node.prefetch
+    out: list[str] = []
     out.append(
         _line(
             f"Pool     {format_size(pool.capacity_nbytes):>9} used {format_size(pool.used_nbytes)} "
@@ -147,14 +158,19 @@ def render(now: Sample, before: Sample | None = None, *, socket_path: str = "") 
             f"checksum {swap.checksum_failures}  failed ranks {failed}  skipped {adam.skipped_steps}"
         )
     )
-    out.append(rule)
-    out.append(
+    return out
+
+
+def _job_lines(now: Sample) -> list[str]:
+    """The jobs' table: a header, a row per job this user may see, and what it hides."""
+    node = now.reply.node
+    out = [
         _line(
             _job_row(
                 "JOB", "UID", "STATE", "RANKS", "STEP", "WINDOW", "STORAGE", "CPU", "NVME", "ADAM", "DPU", "KERNEL"
             )
         )
-    )
+    ]
     for job in now.reply.jobs:
         out.append(_line(_job_cells(job)))
     shown = len(now.reply.jobs)
@@ -162,8 +178,7 @@ def render(now: Sample, before: Sample | None = None, *, socket_path: str = "") 
         out.append(_line("(no jobs)" if node.jobs == 0 else f"({node.jobs} job(s), none of this user's)"))
     elif node.jobs > shown:
         out.append(_line(f"(+{node.jobs - shown} job(s) of other users)"))
-    out.append(rule)
-    return "\n".join(out) + "\n"
+    return out
 
 
 def _job_row(*cells: str) -> str:

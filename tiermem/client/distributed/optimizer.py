@@ -161,10 +161,7 @@ class ShardedOffloadAdam(RankFileOptimizer):
         check_max_grad_norm(max_grad_norm)
         check_timeout(collective_timeout_s)
         self.state_dtype = check_state_dtype(state_dtype)
-        if bucket_nbytes <= 0:
-            raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
-        if warmup_steps < 0:
-            raise InvalidArgument(f"warmup_steps must be >= 0, got {warmup_steps}")
+        _check_sizes(bucket_nbytes=bucket_nbytes, warmup_steps=warmup_steps)
         self._delayed = (delayed_update, warmup_steps)
         defaults = optimizer_defaults(hyper, foreach=foreach, maximize=maximize, fused=fused, adamw=adamw)
         super().__init__(params, defaults)
@@ -664,6 +661,13 @@ class ShardedOffloadAdam(RankFileOptimizer):
                 "closing with a delayed update the model does not have: its params are one update behind (call "
                 "flush() on every rank before close())"
             )
+
+
+def _check_sizes(*, bucket_nbytes: int, warmup_steps: int) -> None:
+    if bucket_nbytes <= 0:
+        raise InvalidArgument(f"bucket_nbytes must be > 0, got {bucket_nbytes}")
+    if warmup_steps < 0:
+        raise InvalidArgument(f"warmup_steps must be >= 0, got {warmup_steps}")
 
 
 @dataclass
