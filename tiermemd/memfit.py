@@ -7,7 +7,8 @@ the daemon died with no message).  The limits, each read from the kernel:
 - the memory cgroup: cgroup v2 ``memory.max`` minus ``memory.current``, or v1
   ``memory.limit_in_bytes`` minus ``memory.usage_in_bytes`` (inactive page
   cache, reclaimable, not counted as used), for the daemon's cgroup and every
-  ancestor (the tightest wins; "max" and v1's near-2^63 mean no limit);
+  ancestor (the tightest wins; "max" and v1's near-2^63 mean no limit), as
+  ``tiermem.core.cgroups`` reads them (``tiermem estimate`` reads the same);
 - the node's RAM: ``MemAvailable`` of ``/proc/meminfo`` (pre-faulting more
   than that pushes the node into reclaim and swap, or the OOM killer);
 - ``RLIMIT_MEMLOCK`` when the memory will be locked: the pool and the windows
@@ -32,13 +33,11 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiermem.core import cgroups
 from tiermem.core.config import PoolConfig
 from tiermem.core.units import format_size
 
 __all__ = ["DoesNotFit", "MemoryLimit", "cgroup_limits", "check_fit", "fit_pool", "memlock_limit", "read_limits"]
-
-_UNLIMITED = 1 << 60
-"""Cgroup v1 writes "no limit" as the largest page-aligned 63-bit value; anything above this is no limit."""
 
 
 @dataclass(frozen=True)
@@ -53,77 +52,38 @@ class MemoryLimit:
     """How to raise it."""
 
 
-def _read_int(path: Path) -> int | None:
+def _read(path: str) -> str | None:
     try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def _stat(directory: Path, name: str) -> int:
-    """One counter of the cgroup's ``memory.stat`` (0 when missing): inactive page cache is reclaimable."""
-    try:
-        for line in (directory / "memory.stat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == name:
-                return int(value)
+        return Path(path).read_text()
     except (OSError, ValueError):
-        pass
-    return 0
+        return None
 
 
 def cgroup_limits(proc_cgroup: str, cgroup_root: Path) -> list[MemoryLimit]:
     """The memory limits of the cgroup named in ``/proc/self/cgroup`` text and of its ancestors."""
-    out: list[MemoryLimit] = []
-    for line in proc_cgroup.splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and controllers == "":
-            base, limit_name, usage_name, fix = cgroup_root, "memory.max", "memory.current", "MemoryMax="
-            cache_name = "inactive_file"
-            if (cgroup_root / "unified").is_dir() and not (cgroup_root / "cgroup.controllers").exists():
-                base = cgroup_root / "unified"  # hybrid layout: v2 mounted beside the v1 controllers
-        elif "memory" in controllers.split(","):
-            base = cgroup_root / "memory"
-            limit_name, usage_name, fix = "memory.limit_in_bytes", "memory.usage_in_bytes", "MemoryLimit="
-            cache_name = "total_inactive_file"
-        else:
-            continue
-        node = Path(path.strip() or "/")
-        while True:
-            directory = base / str(node).lstrip("/")
-            limit = _read_int(directory / limit_name)
-            if limit is not None and limit < _UNLIMITED:
-                usage = max(0, (_read_int(directory / usage_name) or 0) - _stat(directory, cache_name))
-                out.append(
-                    MemoryLimit(
-                        what=(f"memory cgroup {directory}: limit {format_size(limit)}, {format_size(usage)} in use"),
-                        room=max(0, limit - usage),
-                        fix=f"raise the cgroup's limit ({fix} in the unit)",
-                    )
-                )
-            if node == node.parent:
-                break
-            node = node.parent
-    return out
+    return [
+        MemoryLimit(
+            what=(
+                f"memory cgroup {level.directory}: limit {format_size(level.limit_nbytes)}, "
+                f"{format_size(level.usage_nbytes)} in use"
+            ),
+            room=level.room_nbytes,
+            fix=f"raise the cgroup's limit ({level.unit_setting} in the unit)",
+        )
+        for level in cgroups.memory_limits(proc_cgroup, _read, str(cgroup_root))
+    ]
 
 
 def ram_limit(meminfo: str) -> MemoryLimit | None:
-    for line in meminfo.splitlines():
-        if line.startswith("MemAvailable:"):
-            available = int(line.split()[1]) * 1024
-            return MemoryLimit(
-                what=f"the node's available RAM (MemAvailable) {format_size(available)}",
-                room=available,
-                fix="free memory on the node",
-            )
-    return None
+    """The node's ``MemAvailable``, from the text of ``/proc/meminfo``; None on a kernel that does not report it."""
+    available = cgroups.parse_meminfo(meminfo).get("MemAvailable")
+    if available is None:
+        return None
+    return MemoryLimit(
+        what=f"the node's available RAM (MemAvailable) {format_size(available)}",
+        room=available,
+        fix="free memory on the node",
+    )
 
 
 def memlock_limit() -> int | None:
@@ -134,7 +94,7 @@ def memlock_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def read_limits(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> list[MemoryLimit]:
+def read_limits(proc: Path = Path("/proc"), cgroup_root: Path = Path(cgroups.ROOT)) -> list[MemoryLimit]:
     """Every memory limit that applies to this process now (cgroups, RAM)."""
     limits: list[MemoryLimit] = []
     with contextlib.suppress(OSError):
