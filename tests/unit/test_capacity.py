@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 from stats_samples import sample_node
@@ -11,6 +16,8 @@ from stats_samples import sample_node
 from tiermem.client.capacity import cgroup_headroom, daemon_budget, free_disk, host_available, read_meminfo
 from tiermem.core.errors import TiermemError
 from tiermem.core.protocol import BudgetReport, StatsReply
+from tiermem.core.units import MiB
+from tiermemd.memfit import cgroup_limits
 
 MEMINFO = """\
 MemTotal:       24684084 kB
@@ -76,6 +83,32 @@ def test_host_available_takes_the_lower_of_meminfo_and_the_cgroup(tmp_path):
     assert nbytes == 20000000 * 1024 and source.startswith("MemAvailable")
 
 
+def test_inactive_page_cache_is_not_counted_as_used(tmp_path):
+    proc = write(tmp_path / "cgroup", "4:memory:/job\n")
+    root = tmp_path / "fs"
+    write(root / "memory/job/memory.limit_in_bytes", str(4 << 30))
+    write(root / "memory/job/memory.usage_in_bytes", str(3 << 30))
+    write(root / "memory/job/memory.stat", f"cache {2 << 30}\ntotal_inactive_file {1 << 30}\n")
+    assert cgroup_headroom(proc, root)[0] == 2 << 30  # the kernel reclaims that cache before it OOM-kills
+
+
+def test_the_estimates_headroom_is_the_room_the_daemons_start_up_check_finds(tmp_path):
+    """The same files (a hybrid host: v1 controllers, v2 under unified/) give ``tiermem estimate`` and
+    ``tiermemd.memfit`` the same tightest room."""
+    text = "9:name=systemd:/\n4:memory:/jobs/a\n0::/jobs/a\n"
+    proc = write(tmp_path / "cgroup", text)
+    root = tmp_path / "fs"
+    write(root / "unified/cgroup.controllers", "")
+    write(root / "unified/jobs/memory.max", str(3 << 30))
+    write(root / "unified/jobs/memory.current", str(1 << 30))
+    write(root / "unified/jobs/memory.stat", f"inactive_file {1 << 29}\n")
+    write(root / "memory/jobs/a/memory.limit_in_bytes", str(8 << 30))
+    write(root / "memory/jobs/a/memory.usage_in_bytes", str(1 << 30))
+    room, source = cgroup_headroom(proc, root)
+    assert room == (2 << 30) + (1 << 29) and source.startswith("cgroup /jobs ")
+    assert room == min(limit.room for limit in cgroup_limits(text, root))
+
+
 def test_free_disk_counts_a_filesystem_once_and_measures_missing_dirs_at_their_parent(tmp_path):
     (tmp_path / "a").mkdir()
     vfs = os.statvfs(tmp_path)
@@ -108,3 +141,52 @@ def test_a_reply_without_a_pool_budget_is_an_error_naming_what_it_has():
 def test_without_a_swap_budget_there_is_no_swap_room_and_held_never_goes_negative():
     budget = daemon_budget(reply_with(BudgetReport("pool", 10, 20)), "s")
     assert budget.pool_free_nbytes == 0 and budget.swap_capacity_nbytes == 0
+
+
+V1_MEMORY = Path("/sys/fs/cgroup/memory")
+
+
+def _own_v1_memory_cgroup() -> Path | None:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            directory = V1_MEMORY / path.lstrip("/")
+            if os.access(directory, os.W_OK):
+                return directory
+    return None
+
+
+@pytest.mark.skipif(_own_v1_memory_cgroup() is None, reason="needs a writable cgroup v1 memory controller")
+def test_in_a_real_cgroup_the_estimate_and_the_daemons_check_see_the_same_room() -> None:
+    """A child in a 256 MiB cgroup: ``tiermem estimate``'s headroom is the room the daemon's check finds."""
+    parent = _own_v1_memory_cgroup()
+    assert parent is not None
+    group = parent / f"tiermem-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(256 * MiB))
+        code = (
+            "import os\n"
+            f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
+            "from pathlib import Path\n"
+            "from tiermem.client.capacity import cgroup_headroom\n"
+            "from tiermemd.memfit import cgroup_limits\n"
+            "room, source = cgroup_headroom()\n"
+            "limits = cgroup_limits(Path('/proc/self/cgroup').read_text(), Path('/sys/fs/cgroup'))\n"
+            "tight = min(limits, key=lambda lim: lim.room)\n"
+            "print(room, tight.room, source, '|', tight.what)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        numbers, _, what = out.partition("|")
+        room, daemon_room, *source = numbers.split()
+        assert 0 < int(room) <= 256 * MiB
+        assert abs(int(room) - int(daemon_room)) < 8 * MiB  # two reads, a moment apart
+        assert " ".join(source).startswith(f"cgroup /{group.relative_to(V1_MEMORY)} (limit 268.4 MB)")
+        assert str(group) in what and "limit 256MiB" in what
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:  # the child's exit is still being accounted
+                time.sleep(0.05)

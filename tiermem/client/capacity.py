@@ -2,8 +2,10 @@
 
 Thin readers of the kernel's files, ``statvfs`` and the daemon's STATS reply,
 each returning bytes and a few words saying where the figure came from; the
-arithmetic they feed is ``tiermem.core.estimate``.  Paths are parameters so tests
-read files they wrote.
+arithmetic they feed is ``tiermem.core.estimate``.  The cgroup walk and its
+memory figure are ``tiermem.core.cgroups``'s, which the daemon's start-up
+check (``tiermemd.memfit``) reads too, so an estimate counts a cgroup as the
+daemon will.  Paths are parameters so tests read files they wrote.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tiermem.core import cgroups
 from tiermem.core.errors import DaemonUnavailable, TiermemError
 from tiermem.core.estimate import NodeCapacity, format_gb
 
@@ -32,80 +35,40 @@ __all__ = [
     "read_meminfo",
 ]
 
-_NO_LIMIT = 1 << 62
-"""cgroup v1 writes "no limit" as a huge page-aligned number (9223372036854771712)."""
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except (OSError, ValueError):
+        return None
 
 
 def read_meminfo(path: str | os.PathLike[str] = "/proc/meminfo") -> dict[str, int]:
     """``/proc/meminfo`` as bytes per field (``MemTotal``, ``MemAvailable``, ...)."""
-    out: dict[str, int] = {}
-    for line in Path(path).read_text().splitlines():
-        name, _, rest = line.partition(":")
-        fields = rest.split()
-        if not fields or not fields[0].isdigit():
-            continue
-        scale = 1024 if fields[1:] == ["kB"] else 1
-        out[name.strip()] = int(fields[0]) * scale
-    return out
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return None if value >= _NO_LIMIT else value
+    return cgroups.parse_meminfo(Path(path).read_text())
 
 
 def cgroup_headroom(
-    proc_cgroup: str | os.PathLike[str] = "/proc/self/cgroup", root: str | os.PathLike[str] = "/sys/fs/cgroup"
+    proc_cgroup: str | os.PathLike[str] = "/proc/self/cgroup", root: str | os.PathLike[str] = cgroups.ROOT
 ) -> tuple[int, str] | None:
     """Bytes this process's memory cgroup (and every ancestor) still allows, and which cgroup is the tightest.
 
-    Reads cgroup v1's memory controller (``memory.limit_in_bytes`` - ``memory.usage_in_bytes``) or v2's
-    (``memory.max`` - ``memory.current``); ``None`` when no level sets a limit or none is readable.
+    Counted as the daemon's start-up check counts it (``tiermem.core.cgroups``: v1 and v2, the hybrid layout,
+    inactive page cache not in use); ``None`` when no level sets a limit or none is readable.
     """
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
+    text = _read(os.fspath(proc_cgroup))
+    if text is None:
         return None
-    v1 = v2 = None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            v1 = path
-        elif controllers == "":
-            v2 = path
-    if v1 is not None:  # the memory controller on cgroup v1 (also on hybrid hierarchies)
-        mount, limit_file, usage_file, rel = Path(root) / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", v1
-    elif v2 is not None:
-        mount, limit_file, usage_file, rel = Path(root), "memory.max", "memory.current", v2
-    else:
+    level = cgroups.tightest(cgroups.memory_limits(text, _read, os.fspath(root)))
+    if level is None:
         return None
-    parts = [p for p in rel.split("/") if p]
-    best: tuple[int, str] | None = None
-    for depth in range(len(parts), -1, -1):  # every ancestor's limit applies too
-        directory = mount.joinpath(*parts[:depth])
-        limit = _read_int(directory / limit_file)
-        usage = _read_int(directory / usage_file)
-        if limit is None or usage is None:
-            continue
-        room = max(0, limit - usage)
-        if best is None or room < best[0]:
-            best = (room, f"cgroup /{'/'.join(parts[:depth])} (limit {format_gb(limit)})")
-    return best
+    return level.room_nbytes, f"cgroup {level.path} (limit {format_gb(level.limit_nbytes)})"
 
 
 def host_available(
     meminfo: str | os.PathLike[str] = "/proc/meminfo",
     proc_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
-    cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
+    cgroup_root: str | os.PathLike[str] = cgroups.ROOT,
 ) -> tuple[int, str]:
     """Host memory a new daemon could take now: ``MemAvailable``, or the cgroup's headroom when that is less."""
     info = read_meminfo(meminfo)
