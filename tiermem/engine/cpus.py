@@ -16,9 +16,9 @@ process's cgroup and each of its ancestors (cgroup v2 ``cpu.max``, v1
 Rounding down is the conservative choice: 2.5 CPUs of quota run two workers
 that are never throttled, where three would be throttled every period.
 
-``cpu_limit`` is pure (it reads through the ``read`` callable), so the tests
-feed it the files of any hierarchy; ``usable_cpus`` binds it to ``/proc`` and
-``/sys/fs/cgroup``.
+``cpu_limit`` is pure (it reads through the ``read`` callable, and walks the
+cgroups as ``tiermem.core.cgroups`` does), so the tests feed it the files of
+any hierarchy; ``usable_cpus`` binds it to ``/proc`` and ``/sys/fs/cgroup``.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from pathlib import PurePosixPath
+
+from tiermem.core import cgroups
 
 __all__ = ["cpu_limit", "parse_cpu_max", "parse_v1_quota", "usable_cpus"]
-
-CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 def parse_cpu_max(text: str) -> float | None:
@@ -49,34 +48,22 @@ def parse_v1_quota(quota_text: str, period_text: str) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
 
 
-def _ancestors(path: str) -> list[str]:
-    """``/a/b`` -> ``["/a/b", "/a", "/"]``: a parent's quota caps its children's too."""
-    p = PurePosixPath(path if path.startswith("/") else "/" + path)
-    return [str(p), *(str(a) for a in p.parents)]
-
-
-def cpu_limit(proc_cgroup: str, read: Callable[[str], str | None], root: str = CGROUP_ROOT) -> float | None:
+def cpu_limit(proc_cgroup: str, read: Callable[[str], str | None], root: str = cgroups.ROOT) -> float | None:
     """The tightest CPU quota over this process's cgroups and their ancestors, in CPUs; None when unlimited.
 
     ``proc_cgroup`` is the text of ``/proc/self/cgroup``; ``read(path)`` returns a file's text, or None
     where it cannot be read (no such controller mounted, a path outside this mount namespace)."""
     limits: list[float] = []
-    for line in proc_cgroup.splitlines():
-        hier, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if not hier:
-            continue
-        if hier == "0" and controllers == "":  # cgroup v2's unified hierarchy
-            for p in _ancestors(path):
-                text = read(f"{root}{p.rstrip('/')}/cpu.max")
+    for membership in cgroups.memberships(proc_cgroup):
+        if membership.unified:
+            for _, directory in cgroups.directories(membership, read, root):
+                text = read(f"{directory}/cpu.max")
                 value = parse_cpu_max(text) if text is not None else None
                 if value is not None:
                     limits.append(value)
-        elif "cpu" in controllers.split(","):
-            mount = f"{root}/{controllers}"
-            for p in _ancestors(path):
-                base = f"{mount}{p.rstrip('/')}"
-                quota, period = read(f"{base}/cpu.cfs_quota_us"), read(f"{base}/cpu.cfs_period_us")
+        elif "cpu" in membership.controllers:
+            for _, directory in cgroups.directories(membership, read, root):
+                quota, period = read(f"{directory}/cpu.cfs_quota_us"), read(f"{directory}/cpu.cfs_period_us")
                 value = parse_v1_quota(quota, period) if quota is not None and period is not None else None
                 if value is not None:
                     limits.append(value)
