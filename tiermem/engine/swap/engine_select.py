@@ -42,7 +42,10 @@ def libaio_unavailable() -> str | None:
     """Why the libaio engine cannot load here, or None when it can."""
     if _LIBAIO_MISSING is None:
         return None
-    return f"the libaio package or libaio.so.1 is missing ({_LIBAIO_MISSING}); install python-libaio and libaio1"
+    return (
+        f"the libaio package or libaio.so.1 is missing ({_LIBAIO_MISSING}); install libaio1 (apt) and the libaio "
+        "Python package (pip)"
+    )
 
 
 def direct_io_unsupported(directory: str | os.PathLike[str]) -> str | None:
