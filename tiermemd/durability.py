@@ -36,6 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tiermem.core.errors import CorruptionError, DataLostError, TiermemError
+from tiermem.core.modes import Placement
 from tiermem.engine.swap.manifest import read_manifest
 from tiermemd.jobs import Job
 from tiermemd.nvme import NvmeStateChunks, store_name
@@ -158,7 +159,7 @@ class Durability:
             durable = job.durable.get(rank.rank)
             if durable is not None and durable.generation != generation:
                 durable = None
-            record = rank.export("nvme").pending(generation + 1, durable)
+            record = rank.export(Placement.NVME).pending(generation + 1, durable)
             before = job.filed.get(rank.rank)
             job.filed[rank.rank] = record
             try:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tiermem.core.errors import AdmissionError, AuthError, InvalidState, ProtocolError, UnknownJob
+from tiermem.core.modes import Placement
 from tiermem.core.protocol import (
     Abort,
     Attach,
@@ -260,14 +261,15 @@ class Handlers:
         dtype = msg.tensors[0].dtype if msg.tensors else "float32"
         if rank.restored is not None:
             placement = rank.restored.placement  # its state waits in the swap store
-        elif "nvme" in placements:
-            placement = "nvme"
-        elif placements == {"cpu"}:
-            placement = "cpu"
+        elif Placement.NVME in placements:
+            placement = Placement.NVME
+        elif placements == {Placement.CPU}:
+            placement = Placement.CPU
         else:
-            keys = state_keys_for(dtype, "cpu", msg.grad_buffers, msg.exchange, msg.grads_in_state)
+            keys = state_keys_for(dtype, Placement.CPU, msg.grad_buffers, msg.exchange, msg.grads_in_state)
             state_nbytes = self.service.cpu_state_nbytes(numel, StateFormat(keys, dtype, msg.state_dtype))
-            placement = "cpu" if state_nbytes <= self.ledger.available(Resource.POOL) else "nvme"
+            fits = state_nbytes <= self.ledger.available(Resource.POOL)
+            placement = Placement.CPU if fits else Placement.NVME
         restored = rank.restored
         registration = rank.register(
             msg.tensors,
@@ -291,7 +293,7 @@ class Handlers:
             numel,
             "+".join(registration.state_keys),
             msg.state_dtype,
-            placement,
+            placement.value,
             storage.nbytes if storage is not None else 0,
         )
         return Reply(

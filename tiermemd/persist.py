@@ -36,6 +36,7 @@ from typing import Any
 
 from tiermem.core.errors import ProtocolError
 from tiermem.core.lowbit import STATE_DTYPES
+from tiermem.core.modes import Exchange, Placement
 from tiermem.core.protocol import ParamGroup, TensorSpec
 
 __all__ = [
@@ -87,7 +88,7 @@ class StepCounts:
 @dataclass(frozen=True)
 class RankRecord:
     rank: int
-    placement: str
+    placement: Placement
     specs: tuple[TensorSpec, ...]
     groups: tuple[ParamGroup, ...]
     grad_buffers: int
@@ -97,7 +98,7 @@ class RankRecord:
     """Nonzero: the update of this step failed part-way; the rank comes back FAILED."""
     skipped_steps: int = 0
     """Steps skipped (``GradScaler`` overflows) up to ``last_step``: the rank's skip count survives a restart."""
-    exchange: str = "shared"
+    exchange: Exchange = Exchange.SHARED
     grads_in_state: bool = False
     state_dtype: str = "fp32"
     """How the moments are stored (``tiermem.core.lowbit``): a reopened rank reads its chunks with it."""
@@ -146,7 +147,7 @@ class RankRecord:
     def to_json(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
-            "placement": self.placement,
+            "placement": self.placement.value,
             "specs": [s.to_payload() for s in self.specs],
             "groups": [g.to_payload() for g in self.groups],
             "grad_buffers": self.grad_buffers,
@@ -154,7 +155,7 @@ class RankRecord:
             "last_step": self.last_step,
             "failed_step": self.failed_step,
             "skipped_steps": self.skipped_steps,
-            "exchange": self.exchange,
+            "exchange": self.exchange.value,
             "grads_in_state": self.grads_in_state,
             "state_dtype": self.state_dtype,
             "generation": self.generation,
@@ -174,7 +175,7 @@ class RankRecord:
             raise ValueError(f"state_dtype {state_dtype!r} is not one of {list(STATE_DTYPES)}")
         return cls(
             rank=int(d["rank"]),
-            placement=str(d["placement"]),
+            placement=Placement(d["placement"]),
             specs=specs,
             groups=tuple(ParamGroup.from_payload(x) for x in d["groups"]),
             grad_buffers=int(d["grad_buffers"]),
@@ -182,7 +183,7 @@ class RankRecord:
             last_step=int(d["last_step"]),
             failed_step=int(d.get("failed_step", 0)),
             skipped_steps=int(d.get("skipped_steps", 0)),
-            exchange=str(d.get("exchange", "shared")),
+            exchange=Exchange(d.get("exchange", Exchange.SHARED.value)),
             grads_in_state=bool(d.get("grads_in_state", False)),
             state_dtype=state_dtype,
             generation=int(d["generation"]),

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from tiermem.core.config import DaemonConfig, load_config
 from tiermem.core.errors import ConfigError, TiermemError, UnsafePathError
+from tiermem.core.modes import Placement
 from tiermem.core.statekeys import StateFormat
 from tiermem.core.units import format_size
 from tiermem.engine.pool import BufferPool
@@ -242,9 +243,9 @@ class Service:
         placement), chunked as this daemon chunks it: what registration weighs and what it reserves."""
         return fmt.nbytes(numel, fmt.chunk_numel(self.config.adam.chunk_numel))
 
-    def state_factory(self, job: Job, rank: int, placement: str) -> Callable[[int, StateFormat], StateChunks]:
+    def state_factory(self, job: Job, rank: int, placement: Placement) -> Callable[[int, StateFormat], StateChunks]:
         def make(numel: int, fmt: StateFormat) -> StateChunks:
-            if placement == "cpu":
+            if placement is Placement.CPU:
                 nbytes = self.cpu_state_nbytes(numel, fmt)
                 self.ledger.reserve(job.key, Resource.POOL, nbytes)
                 try:

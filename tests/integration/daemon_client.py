@@ -32,6 +32,7 @@ import numpy as np
 
 from tiermem.client.connection import Connection
 from tiermem.core.errors import TiermemError
+from tiermem.core.modes import Placement
 from tiermem.core.protocol import (
     Attach,
     AttachOk,
@@ -127,7 +128,7 @@ class Trainer:
         os.replace(tmp, self.progress_path)
 
     def _register(self) -> None:
-        specs = tuple(TensorSpec(f"p{i}", (n,), "float32", "cpu", 0) for i, n in enumerate(self.sizes))
+        specs = tuple(TensorSpec(f"p{i}", (n,), "float32", Placement.CPU, 0) for i, n in enumerate(self.sizes))
         ok, fds = self.conn.request_fds(Register(specs, (ParamGroup(lr=LR, weight_decay=WEIGHT_DECAY),), 1))
         assert isinstance(ok, RegisterOk) and len(fds) == 1
         mm = mmap.mmap(fds[0], ok.storage_nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -11,6 +11,7 @@ from conftest import run_tiermem_cli
 from tiermem.client.capacity import probe_daemon
 from tiermem.core.errors import AdmissionError
 from tiermem.core.estimate import NodeCapacity, RunShape, estimate, fit
+from tiermem.core.modes import Exchange, Placement
 from tiermem.core.protocol import ParamGroup, TensorSpec
 
 
@@ -60,8 +61,8 @@ def admit_nvme_rank(daemon, job_id: str, numel: int, state_dtype: str) -> dict[s
     client = daemon.client()
     try:
         client.attach(job_id, window_nbytes=1 << 20)
-        spec = TensorSpec(name="w", shape=(numel,), dtype="float16", placement="nvme")
-        client.register([spec], [ParamGroup(lr=1e-3)], exchange="staged", state_dtype=state_dtype)
+        spec = TensorSpec(name="w", shape=(numel,), dtype="float16", placement=Placement.NVME)
+        client.register([spec], [ParamGroup(lr=1e-3)], exchange=Exchange.STAGED, state_dtype=state_dtype)
         held = {b.resource: b.held_nbytes for b in client.stats().node.budgets}
         client.detach()
         return held

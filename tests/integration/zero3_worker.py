@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     placeholders = [p.numel() for p in model.parameters()]
     pieces = [p.untyped_storage().nbytes() for ps in opt._pieces.values() for p in ps]
     report = opt.inner.stats().rank if opt.inner is not None else None
-    nvme = {} if report is None else {"placement": report.placement, "nbytes": report.nvme_state_nbytes}
+    nvme = (
+        {}
+        if report is None
+        else {"placement": report.placement.value if report.placement else "", "nbytes": report.nvme_state_nbytes}
+    )
     everything: list = [None] * world
     mine = {"rank": rank, "grads": first_grads, "traces": traces, "held": placeholders, "pieces": pieces}
     dist.all_gather_object(everything, {**mine, "nvme": nvme})

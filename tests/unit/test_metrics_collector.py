@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from tiermem.core.figures import ended, zero
 from tiermem.core.histogram import UPDATE_SECONDS, Histogram
+from tiermem.core.modes import Placement
 from tiermem.engine.pool import PoolStats
 from tiermemd.kernel import BuildState, KernelStatus
 from tiermemd.ledger import Ledger, Resource
@@ -29,7 +30,7 @@ def _rank(
     for _ in range(updates):
         h.observe(0.02)
     return RankStats(
-        job_id=job_id, rank=0, placement="cpu", last_step=updates, skipped_steps=0, failed=False,
+        job_id=job_id, rank=0, placement=Placement.CPU, last_step=updates, skipped_steps=0, failed=False,
         overlapped_tensors=0, tensors=2, numel=elements, window_nbytes=1 << 21, storage_nbytes=8192,
         state_keys=2, adopted_elements=0, updates=updates, updated_elements=updates * elements,
         update_s=0.02 * updates, update_seconds=h.snapshot(), grad_stats_s=0.0, wait_s=0.0, staleness_steps=0,

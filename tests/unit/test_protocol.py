@@ -9,6 +9,7 @@ import pytest
 from stats_samples import sample_node, sample_reply
 
 from tiermem.core.errors import BoundsError, PoolExhausted, ProtocolError, SwapIOError, TiermemError, UnknownKey
+from tiermem.core.modes import Placement
 from tiermem.core.protocol import (
     FLAG_FDS,
     FLAG_ONEWAY,
@@ -418,7 +419,9 @@ def test_flags_round_trip():
 
 def test_register_round_trip_with_many_tensors():
     msg = Register(
-        tensors=tuple(TensorSpec(f"layers.{i}.weight", (1024, 1024), "bfloat16", "nvme", i % 2) for i in range(500)),
+        tensors=tuple(
+            TensorSpec(f"layers.{i}.weight", (1024, 1024), "bfloat16", Placement.NVME, i % 2) for i in range(500)
+        ),
         groups=(ParamGroup(lr=1e-3), ParamGroup(lr=1e-4, weight_decay=0.0, adamw=False)),
     )
     assert decode_message(decode_frame(encode_message(msg, 1))) == msg

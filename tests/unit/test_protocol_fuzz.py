@@ -15,11 +15,11 @@ from stats_samples import sample_reply
 from wire_strategies import mutated, shape, valid
 
 from tiermem.core.errors import ProtocolError
+from tiermem.core.modes import Exchange, Placement
 from tiermem.core.protocol import (
     DTYPES,
     HEADER_NBYTES,
     MESSAGE_CLASSES,
-    PLACEMENTS,
     STATE_KEYS,
     Abort,
     Aborted,
@@ -84,7 +84,7 @@ tensor_spec = st.builds(
     name=names,
     shape=st.lists(st.integers(0, (1 << 48) - 1), max_size=16).map(tuple),
     dtype=st.sampled_from(DTYPES),
-    placement=st.sampled_from(PLACEMENTS),
+    placement=st.sampled_from(Placement),
     group=st.just(0),
 )
 
@@ -96,7 +96,7 @@ def registers(draw: st.DrawFn) -> Register:
     tensors = tuple(
         TensorSpec(t.name, t.shape, t.dtype, t.placement, draw(st.integers(0, len(groups) - 1))) for t in specs
     )
-    return Register(tensors, groups, draw(st.integers(1, 2)), "shared")
+    return Register(tensors, groups, draw(st.integers(1, 2)), Exchange.SHARED)
 
 
 @st.composite
@@ -134,7 +134,7 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
         st.lists(
             st.builds(TensorSlot, tensor_id, memref, st.lists(memref, min_size=1, max_size=2).map(tuple)), max_size=5
         ).map(tuple),
-        st.sampled_from(["cpu", "nvme"]),
+        st.sampled_from([Placement.CPU, Placement.NVME]),
         st.sampled_from([("exp_avg", "exp_avg_sq"), STATE_KEYS]),
         u64,
     ),

@@ -22,6 +22,7 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 from wire_strategies import json_values, mutated, passes, shape, valid
 
+from tiermem.core.modes import Placement
 from tiermem.core.protocol import MESSAGE_CLASSES, MemRef, ParamGroup, Step, StepDone, TensorSlot, TensorSpec
 from tiermem.core.protocol.fields import FieldError
 from tiermem.core.protocol.records import MAX_GROUPS, MAX_TENSORS
@@ -287,7 +288,29 @@ def test_errors_name_the_field_and_what_was_expected(change: dict[str, Any], pat
         assert info.value.expected.startswith(expected)
 
 
-@pytest.mark.parametrize("cls", [Pair, Everything], ids=lambda c: c.__name__)
+@wire
+@dataclass(frozen=True, slots=True)
+class Where(Wire):
+    known: Annotated[Placement | None, Choice(Placement, blank=True)]
+    few: Annotated[Placement, Choice((Placement.CPU, Placement.NVME))] = Placement.CPU
+
+
+def test_a_choice_of_enum_members_decodes_to_them_and_encodes_their_values() -> None:
+    for where, payload in [
+        (Where(None), {"known": "", "few": "cpu"}),
+        (Where(Placement.AUTO, Placement.NVME), {"known": "auto", "few": "nvme"}),
+    ]:
+        assert where.to_payload() == payload
+        for decode in (Where.from_payload, lambda d: Where.__wire__.decode_checked(Where, d)):
+            assert decode(payload) == where
+    with pytest.raises(FieldError) as info:
+        Where.from_payload({"known": "", "few": "auto"})
+    assert (info.value.path, info.value.expected) == ("few", "one of cpu, nvme")
+    with pytest.raises(ValueError, match="blank=True"):
+        Choice(("a", "b"), blank=True)
+
+
+@pytest.mark.parametrize("cls", [Pair, Everything, Where], ids=lambda c: c.__name__)
 @settings(max_examples=150)
 @given(st.data())
 def test_generated_decoder_agrees_with_the_checked_one(cls: type, data: st.DataObject) -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tiermem.core.errors import InvalidArgument, InvalidState, StepFailed
+from tiermem.core.modes import Placement
 from tiermem.core.protocol import Abort, BucketReady, ParamGroup, Step, StepDone, TensorSpec
 from tiermem.core.units import PAGE_SIZE, MiB
 from tiermem.engine.optim import AdamEngine
@@ -123,12 +124,15 @@ class Trainer:
 def open_rank(pool: BufferPool, scheduler: CpuScheduler, kernel: AdamKernel, *, grad_buffers: int = 1) -> Trainer:
     window = Arena.create(PAGE_SIZE, name="rank-test-window", mlock=False)
     rank = RankOptimizer(job_id="job", rank=0, window=window, window_id=1, kernel=kernel, scheduler=scheduler)
-    specs = [TensorSpec(f"t{i}", s, "float32", "cpu", g) for i, (s, g) in enumerate(zip(SHAPES, GROUP_OF, strict=True))]
+    specs = [
+        TensorSpec(f"t{i}", s, "float32", Placement.CPU, g)
+        for i, (s, g) in enumerate(zip(SHAPES, GROUP_OF, strict=True))
+    ]
     reg = rank.register(
         specs,
         GROUPS,
         grad_buffers,
-        "cpu",
+        Placement.CPU,
         lambda numel, fmt: CpuStateChunks(
             pool, numel, CHUNK_NUMEL, owner="job/0", keys=fmt.keys, state_dtype=fmt.state_dtype
         ),

@@ -68,6 +68,7 @@ from tiermem.core.errors import (
     TiermemError,
     UnsafePathError,
 )
+from tiermem.core.modes import Exchange
 from tiermem.core.protocol import (
     Abort,
     Aborted,
@@ -395,17 +396,18 @@ class Client:
         groups: Sequence[ParamGroup],
         *,
         grad_buffers: int = 1,
-        exchange: str = "shared",
+        exchange: Exchange | str = Exchange.SHARED,
         grads_in_state: bool = False,
         state_dtype: str = "fp32",
     ) -> RegisterOk:
         """Register the tensors; the daemon's plan comes back and, with the shared exchange, its shared storage
         is mapped as ``storage``.  ``state_dtype``: how the daemon stores the moments (``fp32``, ``bf16``,
-        ``int8``)."""
+        ``int8``); ``exchange``: an ``Exchange`` or its wire spelling."""
+        exchange = Exchange.parse(exchange, "exchange")
         reply, fds = self.conn.request_fds(
             Register(tuple(tensors), tuple(groups), grad_buffers, exchange, grads_in_state, state_dtype)
         )
-        want = 1 if exchange == "shared" else 0
+        want = 1 if exchange is Exchange.SHARED else 0
         if not isinstance(reply, RegisterOk) or len(fds) != want:
             for fd in fds:
                 os.close(fd)

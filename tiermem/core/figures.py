@@ -184,7 +184,7 @@ def rollup(family: Family, kind: Kind, values: Sequence[Any]) -> Any:
 
 
 def zero(cls: type[R]) -> R:
-    """A record of ``cls`` with every figure zero (histograms empty, optional records None)."""
+    """A record of ``cls`` with every figure zero (histograms empty, optional records and facts None)."""
     hints = get_type_hints(cls)
     values: dict[str, Any] = {}
     for f, fig, record in _fields(cls):
@@ -197,6 +197,8 @@ def zero(cls: type[R]) -> R:
             values[f.name] = zero(record) if hint is record else None
         elif fig is not None and fig.kind is Kind.HISTOGRAM:
             values[f.name] = HistogramSnapshot.empty(fig.series[0].family.buckets)
+        elif type(None) in get_args(hints[f.name]):  # an optional fact (``Placement | None``): not known
+            values[f.name] = None
         else:
             values[f.name] = hint()
     return cls(**values)

@@ -26,6 +26,7 @@ import torch
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument
 from tiermem.core.lowbit import BLOCK, STATE_DTYPES, blocks_of, moment_nbytes
+from tiermem.core.modes import Exchange, Placement
 
 __all__ = [
     "ALL_KEYS",
@@ -57,18 +58,25 @@ _MOMENT_DTYPES = {
 
 
 def state_keys_for(
-    dtype: str, placement: str, grad_buffers: int, exchange: str = "shared", grads_in_state: bool = False
+    dtype: str,
+    placement: Placement,
+    grad_buffers: int,
+    exchange: Exchange = Exchange.SHARED,
+    grads_in_state: bool = False,
 ) -> tuple[str, ...]:
     """The state a rank keeps: no master when its fp32 params in the pool-backed storage can be it.
 
     NVMe-placed state keeps the master (what a restarted daemon reopens); a delayed update keeps it
     (the trainer reads the old params while the update writes the new master); the staged exchange
     (params on a device, not in the storage) keeps the master and the grads, and on the NVMe tier, where
-    the params are below fp32, the params in their working dtype too (``param``: what a fetch reads)."""
-    if exchange == "staged":
-        return PAGED_KEYS if placement == "nvme" and dtype != "float32" else STAGED_KEYS
+    the params are below fp32, the params in their working dtype too (``param``: what a fetch reads).
+    ``placement`` and ``exchange`` may also be given by their wire spellings."""
+    placement = Placement.parse(placement, "placement")
+    exchange = Exchange.parse(exchange, "exchange")
+    if exchange is Exchange.STAGED:
+        return PAGED_KEYS if placement is Placement.NVME and dtype != "float32" else STAGED_KEYS
     grad = ("grad",) if grads_in_state else ()
-    if dtype == "float32" and placement == "cpu" and grad_buffers == 1:
+    if dtype == "float32" and placement is Placement.CPU and grad_buffers == 1:
         return (*MOMENTS, *grad)
     return (*ALL_KEYS, *grad)
 

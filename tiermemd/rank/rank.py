@@ -49,6 +49,7 @@ from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState, StepFailed, TiermemError
 from tiermem.core.layout import Layout, plan_layout
 from tiermem.core.layout import TensorSpec as LayoutSpec
+from tiermem.core.modes import Exchange, Placement
 from tiermem.core.protocol import (
     Abort,
     Aborted,
@@ -84,7 +85,7 @@ MakeStorage = Callable[[int], tuple[Arena, int]]
 class Registration:
     slots: tuple[TensorSlot, ...]
     """Empty for the staged exchange (no storage)."""
-    placement: str
+    placement: Placement
     state_keys: tuple[str, ...]
     storage: Arena | None
 
@@ -116,8 +117,9 @@ class RankOptimizer(StateIO):
         self.groups: tuple[ParamGroup, ...] = ()
         self.layout: Layout | None = None
         self.state: StateChunks | None = None
-        self.placement = ""
-        self.exchange = "shared"
+        self.placement: Placement | None = None
+        """Where the state is (``CPU`` or ``NVME``); None before REGISTER."""
+        self.exchange = Exchange.SHARED
         self.storage: Arena | None = None
         self.storage_id = 0
         self._storage_bytes = torch.empty(0, dtype=torch.uint8)
@@ -141,10 +143,10 @@ class RankOptimizer(StateIO):
         specs: Sequence[TensorSpec],
         groups: Sequence[ParamGroup],
         grad_buffers: int,
-        placement: str,
+        placement: Placement,
         make_state: MakeState,
         make_storage: MakeStorage,
-        exchange: str = "shared",
+        exchange: Exchange = Exchange.SHARED,
         grads_in_state: bool = False,
         state_dtype: str = "fp32",
     ) -> Registration:
@@ -199,7 +201,7 @@ class RankOptimizer(StateIO):
         )
         keys = state_keys_for(layout.dtype, placement, grad_buffers, exchange, grads_in_state)
         fmt = StateFormat(keys, layout.dtype, state_dtype)
-        storage, storage_id = make_storage(layout.nbytes) if exchange == "shared" else (None, 0)
+        storage, storage_id = make_storage(layout.nbytes) if exchange is Exchange.SHARED else (None, 0)
         try:
             state = make_state(layout.numel, fmt)
             if state_dtype != "fp32":
@@ -233,11 +235,11 @@ class RankOptimizer(StateIO):
         return self._registration()
 
     def _registration(self) -> Registration:
-        layout, storage = self.layout, self.storage
-        if layout is None or self.state is None:  # pragma: no cover - callers check
+        layout, storage, placement = self.layout, self.storage, self.placement
+        if layout is None or self.state is None or placement is None:  # pragma: no cover - callers check
             raise InvalidState("not registered")
         if storage is None:
-            return Registration((), self.placement, self.state.keys, None)
+            return Registration((), placement, self.state.keys, None)
         slots = tuple(
             TensorSlot(
                 slot.index,
@@ -246,7 +248,7 @@ class RankOptimizer(StateIO):
             )
             for slot in layout.slots
         )
-        return Registration(slots, self.placement, self.state.keys, storage)
+        return Registration(slots, placement, self.state.keys, storage)
 
     def _parts(self) -> tuple[Layout, StateChunks]:
         if self.layout is None or self.state is None:
@@ -568,7 +570,7 @@ class RankOptimizer(StateIO):
             self.storage.close()
             self.storage = None
 
-    def export(self, placement: str) -> RankRecord:
+    def export(self, placement: Placement) -> RankRecord:
         """What a restarted daemon needs to reopen this rank (its state itself is in the swap store)."""
         return RankRecord(
             rank=self.rank,

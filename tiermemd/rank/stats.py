@@ -14,6 +14,7 @@ from typing import Annotated
 
 from tiermem.core.figures import Family, Kind, counter, gauge, histogram
 from tiermem.core.histogram import UPDATE_SECONDS, HistogramSnapshot
+from tiermem.core.modes import Placement
 from tiermemd.state import StateStats
 
 __all__ = ["RankStats"]
@@ -56,8 +57,8 @@ JOB_STALENESS = Family(
 class RankStats:
     job_id: str
     rank: int
-    placement: str
-    """``cpu`` or ``nvme``; empty before REGISTER."""
+    placement: Placement | None
+    """``CPU`` or ``NVME``; None before REGISTER."""
     last_step: Annotated[int, counter(STEPS, JOB_LAST_STEP)]
     skipped_steps: Annotated[int, counter(SKIPPED_STEPS)]
     """Steps skipped (the trainer's GradScaler found an inf/nan grad): never counted in ``last_step``."""

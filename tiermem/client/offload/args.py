@@ -288,7 +288,7 @@ def private_pool_plan(
     includes the gaps an int8 rank's layout leaves (``padded_numel``)."""
     grad_buffers = 2 if mode is StepMode.DELAYED else 1
     released = release_grads and exchange is Exchange.SHARED  # the released grads, in the daemon's grad key
-    keys = state_keys_for(dtype, placement.value, grad_buffers, exchange.value, released)
+    keys = state_keys_for(dtype, placement, grad_buffers, exchange, released)
     fmt = StateFormat(keys, dtype, state_dtype)
     chunk_numel = fmt.chunk_numel(AdamConfig().chunk_numel)
     chunks = [min(chunk_numel, numel - start) for start in range(0, numel, chunk_numel)]

@@ -107,7 +107,7 @@ from tiermem.core.errors import (
     ProtocolError,
     TiermemError,
 )
-from tiermem.core.modes import Exchange, Placement, StepMode
+from tiermem.core.modes import Exchange, StepMode
 from tiermem.core.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
 from tiermem.core.step_rules import StepDecision
 from tiermem.core.units import format_size
@@ -407,7 +407,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         self.exchange = exchange
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         specs = [
-            TensorSpec(str(i), tuple(p.shape), dtype.name, self.placement.value, group_of[id(p)])
+            TensorSpec(str(i), tuple(p.shape), dtype.name, self.placement, group_of[id(p)])
             for i, p in enumerate(params)
         ]
         numel = padded_numel([p.numel() for p in params], self.state_dtype)
@@ -446,12 +446,12 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 specs,
                 [self._wire_group(g) for g in self.param_groups],
                 grad_buffers=self.policy.grad_buffers,
-                exchange=exchange.value,
+                exchange=exchange,
                 grads_in_state=exchange is Exchange.SHARED and self.release_grads,
                 state_dtype=self.state_dtype,
             )
             self.state_keys = reply.state_keys
-            self.placement_used = Placement.parse(reply.placement, "placement")
+            self.placement_used = reply.placement
             self.transfer = StateTransfer(client)
             on_gpu = any(p.is_cuda for p in params) if self._pin_asked is None else self._pin_asked
             self._pinned = self._pin_window(client) if on_gpu else False

@@ -258,15 +258,25 @@ class Str(Kind):
 
 
 class Choice(Kind):
-    """One of a few strings, ``Choice(("cpu", "nvme"))``, or a str-valued ``Enum``'s values (decoded to members)."""
+    """One of a few strings, ``Choice(("fp32", "bf16"))``, or the values of a str-valued ``Enum``, decoded to
+    its members: all of them, ``Choice(Placement)``, or a few, ``Choice((Placement.CPU, Placement.NVME))``.
+
+    ``blank=True`` (members only): the empty string passes too, decoded to ``None``, and ``None`` encodes as
+    ``""`` (a field that is empty until it is known).
+    """
 
     __slots__ = ("members", "names")
 
-    def __init__(self, options: Iterable[str] | type[Enum]) -> None:
-        if isinstance(options, type) and issubclass(options, Enum):
-            members: dict[str, Any] = {m.value: m for m in options}
+    def __init__(self, options: Iterable[str] | Iterable[Enum] | type[Enum], *, blank: bool = False) -> None:
+        items: list[Any] = list(options)
+        if items and all(isinstance(o, Enum) for o in items):
+            members: dict[str, Any] = {m.value: m for m in items}
+            if blank:
+                members = {"": None, **members}
+        elif blank:
+            raise ValueError("Choice: blank=True is for Enum members; list '' among string options instead")
         else:
-            members = {o: o for o in options}
+            members = {o: o for o in items}
         if not members or not all(type(k) is str for k in members):
             raise ValueError(f"Choice needs string options, got {list(members)}")
         self.members = members
@@ -289,7 +299,11 @@ class Choice(Kind):
         return src if self.plain else f"{gen.const(self.members)}[{src}]"
 
     def encode(self, gen: Source, expr: str) -> str:
-        return expr if self.plain else f"{expr}.value"
+        if self.plain:
+            return expr
+        if "" in self.members:
+            return f"('' if {expr} is None else {expr}.value)"
+        return f"{expr}.value"
 
 
 class Opt(Kind):

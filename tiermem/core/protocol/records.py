@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
 from tiermem.core.errors import BoundsError
+from tiermem.core.modes import Placement
 from tiermem.core.protocol.frame import MsgType
 from tiermem.core.protocol.spec import Choice, Float, Int, List, Str, Tuple, Wire, wire
 
 __all__ = [
     "BETA",
     "DTYPES",
-    "EXCHANGES",
     "GRAD_BUFFER",
     "ID_PATTERN",
     "MAX_DIM",
@@ -66,8 +66,8 @@ __all__ = [
 
 # Limits of field values (docs/protocol.md, "Limits").
 DTYPES = ("float32", "float16", "bfloat16")
-PLACEMENTS = ("cpu", "nvme", "auto")
-EXCHANGES = ("shared", "staged")
+PLACEMENTS = tuple(p.value for p in Placement)
+"""The wire spellings of ``Placement`` (fields hold the members; this is for code that needs the names)."""
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "grad", "param")
 MAX_NAME = 256
 MAX_ID = 128
@@ -154,7 +154,7 @@ class TensorSpec(Wire):
     name: Annotated[str, Str(MAX_NAME, min_len=1)]
     shape: Annotated[tuple[int, ...], List(Int(0, MAX_DIM), MAX_NDIM)]
     dtype: Annotated[str, Choice(DTYPES)]
-    placement: Annotated[str, Choice(PLACEMENTS)] = "auto"
+    placement: Annotated[Placement, Choice(Placement)] = Placement.AUTO
     group: Annotated[int, Int(0, MAX_GROUPS - 1)] = 0
 
     @property

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from tiermem.core.modes import STATE_DTYPES
-from tiermem.core.protocol.records import ID_PATTERN, MAX_ID, NBYTES, NON_NEGATIVE, PLACEMENTS, STEP_NO
+from tiermem.core.modes import STATE_DTYPES, Placement
+from tiermem.core.protocol.records import ID_PATTERN, MAX_ID, NBYTES, NON_NEGATIVE, STEP_NO
 from tiermem.core.protocol.spec import Choice, Int, List, Opt, Str, Wire, wire
 
 __all__ = [
@@ -179,8 +179,8 @@ class RankReport(Wire):
     """The caller's own rank (the one its connection is attached to)."""
 
     rank: Count
-    placement: Annotated[str, Choice(("", *PLACEMENTS))]
-    """Where the state is; empty before REGISTER."""
+    placement: Annotated[Placement | None, Choice(Placement, blank=True)]
+    """Where the state is (``cpu`` or ``nvme``); None (empty on the wire) before REGISTER."""
     last_step: Annotated[int, STEP_NO]
     skipped_steps: Count
     failed: bool

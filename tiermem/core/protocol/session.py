@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 from tiermem.core.errors import TiermemError, error_from_wire
-from tiermem.core.modes import STATE_DTYPES
+from tiermem.core.modes import STATE_DTYPES, Exchange, Placement
 from tiermem.core.protocol.fields import FieldError
 from tiermem.core.protocol.frame import MsgType
 from tiermem.core.protocol.kinds import Kind, Source
 from tiermem.core.protocol.records import (
-    EXCHANGES,
     ID_PATTERN,
     MAX_GRAD_BUFFERS,
     MAX_GROUPS,
@@ -174,7 +173,7 @@ class Register(Message):
     tensors: Annotated[tuple[TensorSpec, ...], List(TensorSpec, MAX_TENSORS)]
     groups: Annotated[tuple[ParamGroup, ...], List(ParamGroup, MAX_GROUPS, min_len=1)]
     grad_buffers: Annotated[int, Int(1, MAX_GRAD_BUFFERS)] = 1
-    exchange: Annotated[str, Choice(EXCHANGES)] = "shared"
+    exchange: Annotated[Exchange, Choice((Exchange.SHARED, Exchange.STAGED))] = Exchange.SHARED
     grads_in_state: bool = False
     """The grads go into the daemon's ``grad`` state key as they land (the client releases them), not into
     the storage's grad buffers: with the NVMe placement they are paged like the rest of the state."""
@@ -209,7 +208,7 @@ class RegisterOk(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.REGISTER_OK
     slots: Annotated[tuple[TensorSlot, ...], List(TensorSlot, MAX_TENSORS)]
-    placement: Annotated[str, Choice(("cpu", "nvme"))] = "cpu"
+    placement: Annotated[Placement, Choice((Placement.CPU, Placement.NVME))] = Placement.CPU
     state_keys: Annotated[tuple[str, ...], List(STATE_KEY, len(STATE_KEYS))] = STATE_KEYS[:3]
     storage_nbytes: Annotated[int, NBYTES] = 0
     state_dtype: Annotated[str, Choice(STATE_DTYPES)] = "fp32"
