@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tiermem.client.offload.args import packed_pool_nbytes, private_pool_plan
 from tiermem.core.errors import InvalidArgument
 from tiermem.core.modes import Exchange, Placement, StepMode
+from tiermem.core.pool_plan import packed_pool_nbytes, private_pool_plan
 from tiermem.core.units import MiB
 from tiermem.engine.pool import BufferPool
 

@@ -28,7 +28,7 @@ states leave the device; the fp16 params and grads of the device's stage stay
 (the staged exchange moves grads to the daemon at ``step()``, so the device
 holds them until then).  What tiermem keeps instead, per element of the
 device's optimizer shard (``tiermem.client.offload.staged``; ``offload.args``'s
-``private_pool_plan`` counts the same):
+``tiermem.core.pool_plan.private_pool_plan`` counts the same):
 
 - ``cpu``: fp32 master, exp_avg, exp_avg_sq and an fp32 grad accumulator
   (16 B) in the daemon's pool, plus one staging window per rank;

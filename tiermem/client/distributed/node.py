@@ -23,9 +23,9 @@ from typing import Any
 import torch.distributed as dist
 
 from tiermem.client.link import Client, connect
-from tiermem.client.offload.args import padded_numel, private_pool_plan
 from tiermem.core.errors import DaemonUnavailable, TiermemError
 from tiermem.core.modes import Exchange, Placement, StepMode
+from tiermem.core.pool_plan import padded_numel, private_pool_plan
 
 __all__ = ["PEERS_LINGER_S", "node_client"]
 

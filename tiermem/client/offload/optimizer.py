@@ -83,8 +83,6 @@ from tiermem.client.offload.args import (
     check_torch_flags,
     closure_loss,
     optimizer_defaults,
-    padded_numel,
-    private_pool_plan,
 )
 from tiermem.client.offload.checkpoint import OptimizerState
 from tiermem.client.offload.eager import eager_under_compile
@@ -108,6 +106,7 @@ from tiermem.core.errors import (
     TiermemError,
 )
 from tiermem.core.modes import Exchange, StepMode
+from tiermem.core.pool_plan import padded_numel, private_pool_plan
 from tiermem.core.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
 from tiermem.core.step_rules import StepDecision
 from tiermem.core.units import format_size

@@ -30,7 +30,8 @@ import psutil
 
 from tiermem.core.config import PoolConfig
 from tiermem.core.errors import BoundsError, InvalidArgument, InvalidState, PoolExhausted
-from tiermem.core.units import PAGE_SIZE, GiB, align_up
+from tiermem.core.pool_plan import arena_sizes
+from tiermem.core.units import PAGE_SIZE, GiB
 from tiermem.engine.pool.allocator import Allocator, Block, EvictFn, PoolStats, allocate
 from tiermem.engine.pool.arena import Arena, MlockRefusal, memlock_warning
 from tiermem.engine.pool.compaction import Move
@@ -48,18 +49,6 @@ def auto_pool_size(alignment: int = PAGE_SIZE) -> int:
     """Half of the memory available now, rounded down to ``alignment`` (``pool.size = 0``)."""
     half = int(psutil.virtual_memory().available) // 2
     return half - half % alignment
-
-
-def arena_sizes(total: int, arena_size: int, alignment: int = PAGE_SIZE) -> list[int]:
-    """Split ``total`` (rounded up to ``alignment``) into arenas of at most ``arena_size``."""
-    if total <= 0 or arena_size < alignment:
-        raise InvalidArgument(f"pool of {total} bytes in arenas of {arena_size}: both must be >= {alignment}")
-    total = align_up(total, alignment)
-    arena_size -= arena_size % alignment
-    sizes = [arena_size] * (total // arena_size)
-    if total % arena_size:
-        sizes.append(total % arena_size)
-    return sizes
 
 
 class BufferPool:
