@@ -259,6 +259,10 @@ class NvmeStateChunks:
             raise
         self._shares, self._tenant = shares, tenant
         self._probe, self._replan = probe, replan
+        self._grad_filled: dict[int, int] = {}
+        """Per chunk, the grad elements pushes wrote since its grads were last consumed (``release(filled=)``):
+        a grad part written in pieces is kept resident until it is whole, instead of going out to disk and
+        coming back between two pieces (twice its bytes each way)."""
 
     @property
     def max_acquired(self) -> int:
@@ -299,10 +303,20 @@ class NvmeStateChunks:
             raise
         return ChunkTensors(**sections)
 
-    def release(self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, dirty: bool, consumed: bool = False) -> None:
+    def release(
+        self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, dirty: bool, consumed: bool = False, filled: int = 0
+    ) -> None:
         parts = self._parts_of(keys)
+        keep = False
+        if consumed:
+            self._grad_filled.pop(chunk, None)
+        elif filled:
+            total = self._grad_filled.get(chunk, 0) + filled
+            keep = total < self._chunk_len(chunk)
+            self._grad_filled[chunk] = total
         for part in parts:
-            self.tiers.release(_key(chunk, part), dirty=dirty, discard=consumed and part == "grad")
+            grad = part == "grad"
+            self.tiers.release(_key(chunk, part), dirty=dirty, discard=consumed and grad, keep=keep and grad)
         if chunk == self.nchunks - 1 and dirty and "state" in parts and self._replan:
             self._plan_again()  # the end of an update's pass (not a fetch of the last chunk's params)
 

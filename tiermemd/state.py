@@ -142,9 +142,13 @@ class StateChunks(Protocol):
         whole chunk the caller writes before anyone reads them (the NVMe tier then reads nothing for them)."""
         ...
 
-    def release(self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, dirty: bool, consumed: bool = False) -> None:
+    def release(
+        self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, dirty: bool, consumed: bool = False, filled: int = 0
+    ) -> None:
         """End an ``acquire``; ``dirty``: its tensors were written; ``consumed``: the grads of the chunk are no
-        longer needed (an update took them; the next step writes them anew), so they are not kept."""
+        longer needed (an update took them; the next step writes them anew), so they are not kept;
+        ``filled``: grad elements of the chunk this use wrote (a push), so the NVMe tier keeps a grad part
+        that is not whole yet in memory."""
         ...
 
     def close(self, *, remove: bool = True) -> None: ...
@@ -241,7 +245,9 @@ class CpuStateChunks:
             offset += size
         return out
 
-    def release(self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, dirty: bool, consumed: bool = False) -> None:
+    def release(
+        self, chunk: int, keys: Iterable[str] = UPDATE_KEYS, *, dirty: bool, consumed: bool = False, filled: int = 0
+    ) -> None:
         self.pool.unpin(self._blocks[chunk])
 
     def stats(self) -> StateStats:

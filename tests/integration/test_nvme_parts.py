@@ -110,6 +110,43 @@ def test_fetches_read_the_params_only_and_an_update_moves_each_state_byte_once(
         state.close()
 
 
+def test_a_grad_part_pushed_in_pieces_stays_in_memory_until_it_is_whole(
+    pool_and_store: tuple[BufferPool, SwapStore],
+) -> None:
+    """Backward pushes a chunk's grads in pieces (a window's worth per request) with param fetches between
+    them: the part that is not whole yet is kept resident (``release(filled=)``), so it is never written out
+    and read back between two pieces; once whole it may go out, and the update reads it once."""
+    pool, store = pool_and_store
+    keys, dtype = STAGED_KEYS, torch.float32
+    per_chunk = chunk_nbytes(CHUNK_NUMEL, StateFormat(keys, dtypes.by_torch(dtype).name))
+    plan = plan_cache(None, chunk_nbytes=per_chunk, nchunks=NCHUNKS, memory_nbytes=4 * per_chunk)
+    state = NvmeStateChunks(pool, store, NCHUNKS * CHUNK_NUMEL, CHUNK_NUMEL, plan.cache_nbytes, keys, param_dtype=dtype)
+    io = IoLog(store)
+    half = CHUNK_NUMEL // 2
+    try:
+        for step in range(3):
+            for c in reversed(range(NCHUNKS)):  # backward
+                for piece in range(2):
+                    t = state.acquire(c, ("grad",), advance=False)
+                    assert t.grad is not None
+                    t.grad[piece * half : (piece + 1) * half].fill_(1.0)
+                    state.release(c, ("grad",), dirty=True, filled=half)
+                    for other in range(max(c - 4, 0), c):  # the prefetch of the next submodules' params comes
+                        state.acquire(other, ("master",), advance=False)  # in between: more than the cache
+                        state.release(other, ("master",), dirty=False)
+            reads, _ = io.take()
+            assert not [key for key, _ in reads if key.endswith(".grad")], f"step {step}: grads read back"
+            for c in range(NCHUNKS):  # the update consumes every grad
+                t = state.acquire(c)
+                assert t.grad is not None and torch.equal(t.grad, torch.ones_like(t.grad)), (step, c)
+                state.release(c, dirty=True, consumed=True)
+            reads, _ = io.take()
+            grads = [key for key, _ in reads if key.endswith(".grad")]
+            assert len(grads) == len(set(grads))  # each read back at most once
+    finally:
+        state.close()
+
+
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
 def test_the_state_part_moves_the_compressed_bytes(
     pool_and_store: tuple[BufferPool, SwapStore], state_dtype: str

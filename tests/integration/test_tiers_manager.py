@@ -244,3 +244,43 @@ def test_acquires_outside_the_order_do_not_move_the_prefetch(libaio: LibaioEngin
         while not manager.record(KEYS[10]).resident and time.monotonic() < deadline:
             time.sleep(0.01)
         assert manager.record(KEYS[10]).resident
+
+
+def test_a_kept_tensor_stays_resident_while_others_make_room_and_goes_as_a_last_resort(
+    libaio: LibaioEngine, swap_dir: Path
+) -> None:
+    """``release(keep=True)`` (a grad part more pushes will fill): evictions take every other tensor first;
+    an acquire that finds nothing else to evict takes it; a release without ``keep`` makes it ordinary."""
+    budget = STATE_NBYTES // 4
+    kept = KEYS[0]
+    with tiered(libaio, swap_dir, budget, 2 * MiB) as (_, manager):
+        one_pass(manager, 1, budget)
+        manager.acquire(kept).fill_(5.0)
+        manager.release(kept, dirty=True, keep=True)
+        for key in KEYS[1:]:  # more than the budget holds: every page-in needs victims
+            manager.acquire(key)
+            manager.release(key, dirty=True)
+            assert manager.record(kept).state is TensorState.CPU, key
+        writes = manager.stats().bytes_out
+        # the budget's room taken by tensors in use: the kept one is the only victim left
+        held = []
+        for key in sorted(KEYS[1:], key=lambda k: -manager.record(k).padded_nbytes):
+            if sum(manager.record(k).padded_nbytes for k in [*held, key, kept]) > budget:
+                break
+            manager.acquire(key)
+            held.append(key)
+        free = budget - manager.stats().cpu_nbytes
+        room = free + manager.record(kept).padded_nbytes
+        big = next(  # a page-in only the kept tensor's room makes possible
+            k
+            for k in KEYS[1:]
+            if manager.record(k).state is TensorState.NVME and free < manager.record(k).padded_nbytes <= room
+        )
+        manager.acquire(big)  # would wait forever (or be refused) if a kept tensor were never a victim
+        assert manager.record(kept).state is not TensorState.CPU and manager.stats().bytes_out > writes
+        for key in [*held, big]:
+            manager.release(key, dirty=False)
+        again = manager.acquire(kept)  # its value went to NVMe and came back
+        assert torch.equal(again, torch.full_like(again, 5.0))
+        manager.release(kept, dirty=False)  # no keep: ordinary again
+        assert not manager.record(kept).kept

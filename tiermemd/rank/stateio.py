@@ -196,7 +196,7 @@ class StateIO:
                 if cast:
                     self._key_view("param", a, b, chunk, tensors, storage=storage).copy_(values)
             finally:
-                state.release(chunk, keys, dirty=dirty)
+                state.release(chunk, keys, dirty=dirty, filled=b - a if dirty and key == "grad" else 0)
 
     def _moments(self, tensors: ChunkTensors, chunk: int, a: int, b: int) -> tuple[LowbitMoments, int]:
         """The compressed moments of the whole blocks that hold flat ``[a, b)`` of ``chunk``, and where ``a``

@@ -222,12 +222,14 @@ class TierManager:
                     self._demand.setdefault(key, None)
             self._kick_locked()
 
-    def release(self, key: str, *, dirty: bool = True, discard: bool = False) -> None:
+    def release(self, key: str, *, dirty: bool = True, discard: bool = False, keep: bool = False) -> None:
         """End one ``acquire``; ``dirty`` says the tensor was modified (its NVMe copy is now stale).
 
         ``discard``: its contents are no longer needed (grads an update consumed): once no one else uses
         it, its block is freed and its swap copy dropped without a write, and its next acquire sees zeros
-        (EMPTY) without a read."""
+        (EMPTY) without a read.  ``keep``: it will be acquired again soon (a grad part that more pushes will
+        fill): it stays resident while anything else can make room, instead of going out and coming back
+        in between two pieces; the next release without ``keep`` makes it an ordinary tensor again."""
         with self._lock:
             record = self._get(key)
             if record.state is not T.IN_USE:
@@ -238,6 +240,7 @@ class TierManager:
         with self._cond:
             record.users -= 1
             record.dirty = record.dirty or dirty
+            record.kept = keep and not discard
             record.write_failed = record.write_failed and not dirty
             if record.users == 0:
                 held = self._clock() - record.acquired_at
@@ -316,7 +319,7 @@ class TierManager:
     def evict(self, nbytes_needed: int) -> bool:
         """The pool's callback: page idle tensors out now until ``nbytes_needed`` are freed; True if any was."""
         with self._lock:
-            victims = self._victims(nbytes_needed, protect=set(), sooner_than=None)
+            victims = self._victims(nbytes_needed, protect=set(), sooner_than=None, last_resort=True)
         return self.page_out([v.key for v in victims])
 
     def page_out(self, keys: Sequence[str]) -> bool:
@@ -495,13 +498,25 @@ class TierManager:
         if self._wanted():
             self._kick_locked()
 
-    def _victims(self, nbytes: int, protect: set[str], sooner_than: float | None) -> list[Candidate]:
-        candidates = [
-            Candidate(r.key, r.padded_nbytes, r.last_use, r.on_nvme and not r.dirty)
+    def _victims(
+        self, nbytes: int, protect: set[str], sooner_than: float | None, *, last_resort: bool = False
+    ) -> list[Candidate]:
+        """Tensors to page out for ``nbytes``; kept ones (``release(keep=True)``) only as a ``last_resort`` (an
+        acquire waits) where the others do not make the room, never for a prefetch."""
+        movable = [
+            r
             for r in self._records.values()
             if r.state is T.CPU and r.key not in protect and r.error is None and not r.write_failed and not r.waiters
         ]
-        return choose_victims(candidates, nbytes, self._order, self._position, sooner_than=sooner_than)
+
+        def among(records: list[TensorRecord]) -> list[Candidate]:
+            candidates = [Candidate(r.key, r.padded_nbytes, r.last_use, r.on_nvme and not r.dirty) for r in records]
+            return choose_victims(candidates, nbytes, self._order, self._position, sooner_than=sooner_than)
+
+        victims = among([r for r in movable if not r.kept])
+        if last_resort and sum(v.nbytes for v in victims) < nbytes:
+            victims = among(movable)
+        return victims
 
     def _wanted(self) -> list[str]:
         """Keys to page in, most urgent first: those acquire waits for, then the prefetch window.
@@ -540,7 +555,7 @@ class TierManager:
                 protect |= set(self._order.window(self._position, self._depth, wrap=self._wrap))
                 distance = self._order.distance(key, self._position)
             deficit = self._cpu - self._outgoing + need - limit
-            victims = self._victims(deficit, protect=protect, sooner_than=distance)
+            victims = self._victims(deficit, protect=protect, sooner_than=distance, last_resort=demand)
             if sum(v.nbytes for v in victims) >= deficit or (victims and demand):
                 records = [self._records[v.key] for v in victims]
                 for r in records:

@@ -86,6 +86,9 @@ class TensorRecord:
     skip_read: bool = False
     """The acquire waiting for it overwrites it whole (``acquire(overwrite=True)``): its next page-in gets a
     zeroed block and reads nothing."""
+    kept: bool = False
+    """Its last user will be back soon (``release(keep=True)``: a grad part written in pieces): a victim only
+    when nothing else frees the room."""
 
     @property
     def resident(self) -> bool:
