@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from tiermem.core.modes import Placement
 from tiermem.core.protocol import (
     BucketReady,
     MemRef,
@@ -90,7 +91,8 @@ def messages() -> list[tuple[str, Message]]:
     group = ParamGroup(lr=3e-4, weight_decay=0.1)
     groups = (group, ParamGroup(lr=1e-4, weight_decay=0.0, adamw=False))
     tensors = tuple(
-        TensorSpec(f"model.layers.{i // 8}.mlp.w{i % 8}", (4096, 4096), "bfloat16", "auto", i % 2) for i in range(200)
+        TensorSpec(f"model.layers.{i // 8}.mlp.w{i % 8}", (4096, 4096), "bfloat16", Placement.AUTO, i % 2)
+        for i in range(200)
     )
     slots = tuple(
         TensorSlot(i, MemRef(1, i << 25, 1 << 25), (MemRef(1, (i << 25) + (1 << 24), 1 << 24),)) for i in range(200)
