@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -31,3 +33,30 @@ def test_a_private_daemon_does_not_inherit_how_its_trainers_openmp_workers_wait(
     assert "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ
     assert "TIERMEM_SOCKET_PATH" not in environ
     assert environ["PYTHONHASHSEED"] == "7"  # the rest is inherited
+
+
+def test_a_private_daemon_does_not_take_the_node_services_settings() -> None:
+    """A trainer outside the node service's group gets a private daemon; it must not read the service's
+    /etc/tiermem/tiermemd.toml (whose metrics port the service already serves, whose socket group and kernel
+    cache are the service's): a node file naming a port in use would make it fail to start (exit 5)."""
+    node = Path("/etc/tiermem/tiermemd.toml")
+    if os.geteuid() != 0 or node.parent.exists():
+        pytest.skip("needs root and a node without /etc/tiermem, which this test writes and removes")
+    with socket.socket() as busy:  # the port the node service serves its metrics on
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        node.parent.mkdir()
+        try:
+            node.write_text(f"[metrics]\nport = {port}\n\n[jobs]\nmax_jobs = 3\n")
+            daemon = EmbeddedDaemon(pool_size=64 * MiB)
+            try:
+                cmdline = Path(f"/proc/{daemon.process.pid}/cmdline").read_bytes().split(b"\0")
+                assert daemon.process.poll() is None
+            finally:
+                daemon.stop()
+        finally:
+            node.unlink(missing_ok=True)
+            node.parent.rmdir()
+    config = cmdline[cmdline.index(b"--config") + 1].decode()
+    assert config.startswith(daemon.dir)  # its own settings file, in its private directory

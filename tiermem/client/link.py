@@ -142,11 +142,11 @@ class EmbeddedDaemon:
         privatedir.sweep()  # directories of private daemons killed with their trainers
         # created 0700 by this user (connect() checks it); the lock is held while this process or the daemon lives
         self.dir, self._lock_fd = privatedir.create()
-        config_args: list[str] = []
-        if settings:
-            config_path = os.path.join(self.dir, "tiermemd.toml")
-            Path(config_path).write_text(_settings_toml(settings))
-            config_args = ["--config", config_path]
+        # always a settings file of its own: with none, tiermemd reads the node's /etc/tiermem/tiermemd.toml,
+        # whose metrics port, kernel cache and socket group are the node service's (the private daemon of a
+        # user outside the service's group would fail to start on its port)
+        config_path = os.path.join(self.dir, "tiermemd.toml")
+        Path(config_path).write_text(_settings_toml(settings or {}))
         self.socket = os.path.join(self.dir, "tiermemd.sock")
         notify_path = os.path.join(self.dir, "notify")
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
@@ -166,7 +166,8 @@ class EmbeddedDaemon:
             "--exit-with-parent",
             "--private-dir",
             self.dir,
-            *config_args,
+            "--config",
+            config_path,
             *extra_args,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)}
