@@ -172,6 +172,19 @@ def build(spec: dict[str, Any], *, meta: bool) -> Any:
     return model
 
 
+def torch_step(model: Any, opt: Any) -> Any:
+    """A torch optimizer's training step: forward, backward, update; returns the loss."""
+
+    def step(x: Any, y: Any) -> Any:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
 def setup(spec: dict[str, Any]) -> tuple[Any, Any, int, Any]:
     """The trial's model, its step function (forward, backward, update), the pid whose disk I/O a step counts,
     and what to close after."""
@@ -181,15 +194,7 @@ def setup(spec: dict[str, Any]) -> tuple[Any, Any, int, Any]:
     if system == "adamw":
         model = build(spec, meta=False)
         opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.01)
-
-        def step(x: Any, y: Any) -> Any:
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        return model, step, os.getpid(), None
+        return model, torch_step(model, opt), os.getpid(), None
     if system == "tiermem":
         import tiermem
         from tiermem.client.demo.model import GPT
@@ -198,15 +203,7 @@ def setup(spec: dict[str, Any]) -> tuple[Any, Any, int, Any]:
         client = tiermem.connect(pool_size=spec["pool_size"])  # a private daemon: no node daemon is named
         opt = tiermem.OffloadAdam(model.parameters(), lr=spec["lr"], offload="nvme", exchange="staged", client=client)
         tiermem.offload_params(model, opt, device_budget=spec["device_budget"], prefetch=2, init=GPT._init)
-
-        def step(x: Any, y: Any) -> Any:
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        return model, step, client.daemon.process.pid, opt
+        return model, torch_step(model, opt), client.daemon.process.pid, opt
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=spec["port"])
     import deepspeed
 
