@@ -285,7 +285,10 @@ def test_index_infinity_row_is_its_json() -> None:
         ratios.append(f"{ours['step_s'] / best['step_s']:.2f}x")
         peaks.append((ours["peak_rss"] / 2**30, best["peak_rss"] / 2**30))
         assert ours["loss_gap"] < 1e-5 < best["loss_gap"]
-    assert f"step {ratios[0]} DeepSpeed's best at 100M, {ratios[1]} at 300M" in row
+    rerun = {r["name"]: r for r in result("infinity-300m-rerun.json")["sizes"]["300000000"]["rows"] if "step_s" in r}
+    ours_again = rerun.pop("tiermem")
+    again = ours_again["step_s"] / min(r["step_s"] for r in rerun.values())
+    assert f"step {ratios[0]} DeepSpeed's best at 100M, {ratios[1]} at 300M ({again:.2f}x in the rerun)" in row
     (ours_100m, its_100m), (ours_300m, its_300m) = peaks
     assert f"peak RSS {ours_100m:.2f} / {ours_300m:.2f} GiB against its {its_100m:.2f} / {its_300m:.2f}" in row
 
