@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cgroup_scratch import own_v1_cgroup, scratch_cgroup
 from conftest import daemon_settings, run_daemon_to_exit
 from daemon_client import Trainer
 
@@ -133,17 +134,6 @@ def test_the_ready_status_names_the_socket_the_service_manager_passed(tmp_path: 
         listener.close()
 
 
-def _memory_cgroup() -> Path | None:
-    """This process's v1 memory cgroup directory, when it can have children (root on these machines)."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            directory = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-            if os.access(directory, os.W_OK):
-                return directory
-    return None
-
-
 def test_a_pool_larger_than_the_node_exits_3_naming_the_numbers(tmp_path: Path) -> None:
     done = run_daemon_to_exit(tmp_path, str(tmp_path / "s" / "tiermemd.sock"), {"pool": {"size": "64TiB"}})
     assert done.returncode == 3, done.stderr
@@ -151,13 +141,10 @@ def test_a_pool_larger_than_the_node_exits_3_naming_the_numbers(tmp_path: Path) 
 
 
 def test_a_pool_larger_than_its_memory_cgroup_exits_3_instead_of_being_oom_killed(tmp_path: Path) -> None:
-    parent = _memory_cgroup()
+    parent = own_v1_cgroup("memory")
     if parent is None:
         pytest.skip("no writable cgroup v1 memory controller here")
-    cgroup = parent / f"tiermem-fit-{os.getpid()}"
-    cgroup.mkdir()
-    try:
-        (cgroup / "memory.limit_in_bytes").write_text(str(512 << 20))
+    with scratch_cgroup(parent, {"memory.limit_in_bytes": str(512 << 20)}) as cgroup:
         procs = str(cgroup / "cgroup.procs")
 
         def enter_cgroup() -> None:
@@ -171,10 +158,3 @@ def test_a_pool_larger_than_its_memory_cgroup_exits_3_instead_of_being_oom_kille
         )
         assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
         assert str(cgroup) in done.stderr and "limit 512MiB" in done.stderr and "pool.size 1GiB" in done.stderr
-    finally:
-        for _ in range(50):  # the exited daemon leaves the cgroup a moment later
-            try:
-                cgroup.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)

@@ -6,11 +6,9 @@ import dataclasses
 import os
 import subprocess
 import sys
-import time
-import uuid
-from pathlib import Path
 
 import pytest
+from cgroup_scratch import V1_ROOT, own_v1_cgroup, scratch_cgroup
 from stats_samples import sample_node
 
 from tiermem.client.capacity import cgroup_headroom, daemon_budget, free_disk, host_available, read_meminfo
@@ -143,28 +141,15 @@ def test_without_a_swap_budget_there_is_no_swap_room_and_held_never_goes_negativ
     assert budget.pool_free_nbytes == 0 and budget.swap_capacity_nbytes == 0
 
 
-V1_MEMORY = Path("/sys/fs/cgroup/memory")
+V1_MEMORY = V1_ROOT / "memory"
 
 
-def _own_v1_memory_cgroup() -> Path | None:
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            directory = V1_MEMORY / path.lstrip("/")
-            if os.access(directory, os.W_OK):
-                return directory
-    return None
-
-
-@pytest.mark.skipif(_own_v1_memory_cgroup() is None, reason="needs a writable cgroup v1 memory controller")
+@pytest.mark.skipif(own_v1_cgroup("memory") is None, reason="needs a writable cgroup v1 memory controller")
 def test_in_a_real_cgroup_the_estimate_and_the_daemons_check_see_the_same_room() -> None:
     """A child in a 256 MiB cgroup: ``tiermem estimate``'s headroom is the room the daemon's check finds."""
-    parent = _own_v1_memory_cgroup()
+    parent = own_v1_cgroup("memory")
     assert parent is not None
-    group = parent / f"tiermem-test-{uuid.uuid4().hex[:8]}"
-    group.mkdir()
-    try:
-        (group / "memory.limit_in_bytes").write_text(str(256 * MiB))
+    with scratch_cgroup(parent, {"memory.limit_in_bytes": str(256 * MiB)}) as group:
         code = (
             "import os\n"
             f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
@@ -183,10 +168,3 @@ def test_in_a_real_cgroup_the_estimate_and_the_daemons_check_see_the_same_room()
         assert abs(int(room) - int(daemon_room)) < 8 * MiB  # two reads, a moment apart
         assert " ".join(source).startswith(f"cgroup /{group.relative_to(V1_MEMORY)} (limit 268.4 MB)")
         assert str(group) in what and "limit 256MiB" in what
-    finally:
-        for _ in range(50):
-            try:
-                group.rmdir()
-                break
-            except OSError:  # the child's exit is still being accounted
-                time.sleep(0.05)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
+from cgroup_scratch import own_v1_cgroup, scratch_cgroup
 
 from tiermem.engine.cpus import cpu_limit, parse_cpu_max, parse_v1_quota, usable_cpus
 
@@ -65,20 +63,17 @@ def test_usable_cpus_is_at_most_the_affinity_and_at_least_one() -> None:
     assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
 
 
-V1_CPU = Path("/sys/fs/cgroup/cpu")
+CPU_PARENT = own_v1_cgroup("cpu")
 
 
 @pytest.mark.skipif(
-    os.geteuid() != 0 or not (V1_CPU / "cpu.cfs_quota_us").exists() or not os.access(V1_CPU, os.W_OK),
+    os.geteuid() != 0 or CPU_PARENT is None or not (CPU_PARENT / "cpu.cfs_quota_us").exists(),
     reason="needs root and a writable cgroup v1 cpu controller",
 )
 def test_a_process_in_a_one_cpu_cgroup_sees_one_cpu() -> None:
     """A real cgroup with a 1-CPU quota: a child placed in it counts one CPU, whatever its affinity says."""
-    group = V1_CPU / f"tiermem-test-{uuid.uuid4().hex[:8]}"
-    group.mkdir()
-    try:
-        (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text("100000")
+    assert CPU_PARENT is not None
+    with scratch_cgroup(CPU_PARENT, {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "100000"}) as group:
         code = (
             "import os, sys\n"
             f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
@@ -87,10 +82,3 @@ def test_a_process_in_a_one_cpu_cgroup_sees_one_cpu() -> None:
         )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
         assert out[0] == "1"
-    finally:
-        for _ in range(50):
-            try:
-                group.rmdir()
-                break
-            except OSError:  # the child's exit is still being accounted
-                time.sleep(0.05)
