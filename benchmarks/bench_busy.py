@@ -15,6 +15,17 @@ over AdamW's.  The goal is ``busy ratio`` <= 1.3 with one and with two
 neighbours: the daemon may not suffer from a neighbour much more than torch's
 own optimizer does.
 
+The same from the steps' means (``mean ratio``).  Beside another training job
+(``--neighbour-kind train``) the trainer's and the neighbour's OpenMP teams,
+both spinning at libgomp's default, lock into a fast or a slow phase for
+seconds at a time: one step takes 1.4 s or 4.8 s (100M, batch 1), whatever
+runs in the trainer, AdamW, the CPU tier or no optimizer at all.  A median
+over such steps follows whichever phase most of a mode's steps fell in; the
+mean is the throughput a user gets.  ``--with-none`` adds the trainer's own
+forward and backward with no optimizer (``none``) as a third mode, the floor
+both others stand on; ``--block-steps 2`` alternates the modes every counted
+step, so that each sees both phases.
+
     .venv/bin/python benchmarks/bench_busy.py [--sizes 16M,100M] [--neighbours 0,1,2] [--steps 8] \\
         [--json benchmarks/results/busy.json]
 
@@ -143,7 +154,7 @@ def run_size(args: argparse.Namespace, name: str, cfg: GPTConfig) -> list[dict[s
                 t0 = time.perf_counter()
                 medians = measure(
                     cfg,
-                    ["torch", "cpu"],
+                    ["torch", "cpu", "none"] if args.with_none else ["torch", "cpu"],
                     client.socket_path,
                     steps=args.steps,
                     warmup=args.warmup,
@@ -172,6 +183,13 @@ def run_size(args: argparse.Namespace, name: str, cfg: GPTConfig) -> list[dict[s
                     "cpu_daemon_update_s": medians["cpu"].get("d_rank_update_s"),
                     "cpu_wait_s": medians["cpu"].get("wait_s"),
                     "adamw_opt_step_s": medians["torch"]["opt_step_s"],
+                    "adamw_step_mean_s": medians["torch"]["mean_step_s"],
+                    "cpu_step_mean_s": medians["cpu"]["mean_step_s"],
+                    **(
+                        {"none_step_s": medians["none"]["step_s"], "none_step_mean_s": medians["none"]["mean_step_s"]}
+                        if "none" in medians
+                        else {}
+                    ),
                     "wall_s": wall,
                     "loadavg_1m_after": load,
                 }
@@ -189,13 +207,20 @@ def run_size(args: argparse.Namespace, name: str, cfg: GPTConfig) -> list[dict[s
         r["adamw_slowdown"] = r["adamw_step_s"] / b["adamw_step_s"]
         r["cpu_slowdown"] = r["cpu_step_s"] / b["cpu_step_s"]
         r["busy_ratio"] = r["cpu_slowdown"] / r["adamw_slowdown"]
+        if "adamw_step_mean_s" in b:
+            r["adamw_slowdown_mean"] = r["adamw_step_mean_s"] / b["adamw_step_mean_s"]
+            r["cpu_slowdown_mean"] = r["cpu_step_mean_s"] / b["cpu_step_mean_s"]
+            r["busy_ratio_mean"] = r["cpu_slowdown_mean"] / r["adamw_slowdown_mean"]
+        if "none_step_mean_s" in b:
+            r["none_slowdown_mean"] = r["none_step_mean_s"] / b["none_step_mean_s"]
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
         f"{'size':>6} {'nbrs':>4} {'adamw ms':>9} {'slowdown':>9} {'cpu tier ms':>12} {'slowdown':>9} "
-        f"{'busy ratio':>11} {'opt.step ms':>12} {'d.update ms':>12}"
+        f"{'busy ratio':>11} {'opt.step ms':>12} {'d.update ms':>12} {'mean: adamw':>12} {'cpu tier':>9} "
+        f"{'none':>6} {'ratio':>6}"
     )
     print(head)
     print("-" * len(head))
@@ -208,7 +233,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"{r['size']:>6} {r['neighbours']:>4} {r['adamw_step_s'] * 1e3:>9.1f} {x('adamw_slowdown'):>9} "
             f"{r['cpu_step_s'] * 1e3:>12.1f} {x('cpu_slowdown'):>9} {x('busy_ratio'):>11} "
-            f"{r['cpu_opt_step_s'] * 1e3:>12.1f} {('-' if upd is None else f'{upd * 1e3:.1f}'):>12}"
+            f"{r['cpu_opt_step_s'] * 1e3:>12.1f} {('-' if upd is None else f'{upd * 1e3:.1f}'):>12} "
+            f"{x('adamw_slowdown_mean'):>12} {x('cpu_slowdown_mean'):>9} {x('none_slowdown_mean'):>6} "
+            f"{x('busy_ratio_mean'):>6}"
         )
 
 
@@ -223,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         default="ops",
         help="ops: a loop of torch ops (default); train: another training job (16M GPT, torch AdamW)",
     )
+    ap.add_argument("--with-none", action="store_true", help="a third mode: forward and backward only, no optimizer")
     ap.add_argument("--steps", type=int, default=8, help="measured steps per mode and setting")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--block-steps", type=int, default=3, help="steps per mode per turn")

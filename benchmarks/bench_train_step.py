@@ -13,7 +13,9 @@ in memory at a time, for the largest sizes):
 - ``overlap``: ``OffloadAdam(offload="cpu", overlap_update=True)``, each
   bucket updated as soon as backward produces it;
 - ``dpu``: ``OffloadAdam(offload="cpu", delayed_update=True)``, the update of
-  step t running during the forward and backward of step t+1.
+  step t running during the forward and backward of step t+1;
+- ``none``: forward and backward only, no update (``zero_grad``): the
+  trainer's own compute, the floor every other mode stands on.
 
 The daemon is a private ``tiermemd`` child (what ``tiermem.client.link.connect``
 starts), one per run, with a pool sized for the largest model (per mode and
@@ -75,7 +77,7 @@ from tiermem.client.offload.stats import OptimizerStats
 from tiermem.core.config import AdamConfig
 from tiermem.core.units import GiB, MiB, align_up, format_size, parse_size
 
-MODES = ("torch", "cpu", "overlap", "nvme", "dpu")
+MODES = ("torch", "cpu", "overlap", "nvme", "dpu", "none")
 
 
 def daemon_figures(stats: OptimizerStats) -> dict[str, float]:
@@ -125,7 +127,22 @@ def private_daemon(pool_size: int, compile_adam: bool) -> Iterator[Client]:
         yield client
 
 
-def make_optimizer(mode: str, model: torch.nn.Module, socket_path: str, lr: float) -> torch.optim.Optimizer:
+class NoUpdate:
+    """Mode ``none``: ``step()`` does nothing, ``zero_grad`` drops the grads."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def make_optimizer(mode: str, model: torch.nn.Module, socket_path: str, lr: float) -> Any:
+    if mode == "none":
+        return NoUpdate(model)
     if mode == "torch":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=True)
     return OffloadAdam(
@@ -194,8 +211,14 @@ class Runner:
             self.before = daemon_figures(opt.stats())
 
     def median(self) -> dict[str, float]:
+        """Medians of the recorded steps' figures, and ``mean_step_s`` / ``mean_fwd_bwd_s``: the means (a
+        step time with two modes, as beside another OpenMP job, has a median that follows whichever mode
+        most steps fell in; the mean is the throughput)."""
         keys = sorted({k for r in self.rows for k in r})
-        return {k: statistics.median(r.get(k, 0.0) for r in self.rows) for k in keys}
+        out = {k: statistics.median(r.get(k, 0.0) for r in self.rows) for k in keys}
+        for k in ("step_s", "fwd_bwd_s"):
+            out[f"mean_{k}"] = statistics.fmean(r[k] for r in self.rows)
+        return out
 
     def close(self) -> None:
         if isinstance(self.opt, OffloadAdam):
@@ -297,7 +320,7 @@ def pool_bytes(configs: list[tuple[str, GPTConfig]], modes: list[str], *, sequen
     or NVMe chunk cache, and a 2 MiB staging window."""
     n = max(cfg.num_params() for _, cfg in configs)
     cache = min(12 * n, 6 * AdamConfig().chunk_numel * 12)
-    need = {"torch": 0, "cpu": 8 * n, "overlap": 8 * n, "nvme": cache, "dpu": 12 * n}
+    need = {"torch": 0, "none": 0, "cpu": 8 * n, "overlap": 8 * n, "nvme": cache, "dpu": 12 * n}
     per_mode = [need[m] for m in modes]
     total = max(per_mode) if sequential else sum(per_mode)
     return align_up(int(total * 1.1) + 256 * MiB, GiB)

@@ -315,9 +315,20 @@ def test_index_busy_rows_are_their_json() -> None:
         then = " / ".join(f"{before[size, n]['busy_ratio']:.2f}x" for n in (1, 2))
         assert f"{size} {now} (before {then})" in row
     train, train_before, spin = busy("busy-train.json"), busy("busy-train-before.json"), busy("busy-train-spin20k.json")
-    row = index_row("bench_busy.py", "busy-train.json")
+    row = index_row("bench_busy.py", "busy-train-mean.json")
     assert f"{train['100M', 1]['busy_ratio']:.2f}x (before {train_before['100M', 1]['busy_ratio']:.2f}x)" in row
     assert f"{spin['100M', 1]['busy_ratio']:.2f}x / {spin['100M', 2]['busy_ratio']:.2f}x with" in row
+    mean, block3 = busy("busy-train-mean.json"), busy("busy-train-block3.json")
+
+    def both(rows: dict[tuple[str, int], dict[str, Any]], key: str) -> str:
+        return f"{rows['100M', 1][key]:.2f}x / {rows['100M', 2][key]:.2f}x"
+
+    assert f"busy ratio {both(mean, 'busy_ratio')}, by means {both(mean, 'busy_ratio_mean')}" in row
+    assert f"no optimizer {both(mean, 'none_slowdown_mean')}, AdamW {both(mean, 'adamw_slowdown_mean')}" in row
+    assert f"CPU tier {both(mean, 'cpu_slowdown_mean')}" in row
+    one = block3["100M", 1]
+    assert f"{one['busy_ratio']:.2f}x by medians and {one['busy_ratio_mean']:.2f}x by means" in row
+    assert f"(no optimizer {one['none_slowdown_mean']:.2f}x, CPU tier {one['cpu_slowdown_mean']:.2f}x)" in row
 
 
 def test_index_paged_bytes_row_is_its_json() -> None:
