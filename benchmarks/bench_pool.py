@@ -8,7 +8,7 @@ would page them out) is replayed against:
 - ``pool``: tiermem's BufferPool (one pre-faulted, locked arena of --capacity, default 3 GiB;
   best fit, coalescing, compaction with real memmove);
 - ``first-fit``: a first-fit free list with coalescing and no compaction,
-  bookkeeping only (written here as the baseline);
+  bookkeeping only (the swap files' ``ExtentAllocator``, as the baseline);
 - ``torch.empty``: a fresh tensor per request, dropped on free.
 
 Reported per allocator: the share of requests that fit the total free space
@@ -23,7 +23,6 @@ moved.  A second table gives the bandwidth of the first write into a fresh
 from __future__ import annotations
 
 import argparse
-import bisect
 import heapq
 import json
 import math
@@ -39,6 +38,7 @@ import torch
 
 from tiermem.core.units import PAGE_SIZE, KiB, MiB, align_up, format_size, parse_size
 from tiermem.engine.pool import BufferPool
+from tiermem.engine.swap.extents import ExtentAllocator
 
 MIN_SIZE, MAX_SIZE = 4 * KiB, 256 * MiB
 
@@ -84,47 +84,6 @@ def make_trace(n_ops: int, capacity: int, seed: int, low_watermark: float = 0.85
         ops.append(("a", next_id, nbytes))
         next_id += 1
     return ops[:n_ops]
-
-
-# --------------------------------------------------------------------------- the baseline
-
-
-class FirstFit:
-    """First fit over an offset-ordered free list, coalescing on free, never compacting."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.starts = [0]
-        self.lengths = [capacity]
-        self.free_bytes = capacity
-
-    def alloc(self, nbytes: int) -> tuple[int, int] | None:
-        size = align_up(nbytes, PAGE_SIZE)
-        for i, length in enumerate(self.lengths):
-            if length >= size:
-                offset = self.starts[i]
-                if length == size:
-                    del self.starts[i], self.lengths[i]
-                else:
-                    self.starts[i] += size
-                    self.lengths[i] -= size
-                self.free_bytes -= size
-                return offset, size
-        return None
-
-    def free(self, handle: tuple[int, int]) -> None:
-        offset, size = handle
-        self.free_bytes += size
-        i = bisect.bisect_left(self.starts, offset)
-        if i > 0 and self.starts[i - 1] + self.lengths[i - 1] == offset:
-            i -= 1
-            self.lengths[i] += size
-        else:
-            self.starts.insert(i, offset)
-            self.lengths.insert(i, size)
-        if i + 1 < len(self.starts) and self.starts[i] + self.lengths[i] == self.starts[i + 1]:
-            self.lengths[i] += self.lengths.pop(i + 1)
-            del self.starts[i + 1]
 
 
 # --------------------------------------------------------------------------- replay
@@ -229,8 +188,19 @@ def run_pool(trace: list[tuple[str, int, int]], capacity: int) -> Result:
 
 
 def run_first_fit(trace: list[tuple[str, int, int]], capacity: int) -> Result:
-    ff = FirstFit(capacity)
-    return replay("first-fit", trace, ff.alloc, ff.free, lambda: ff.free_bytes)
+    """The baseline: the swap files' ``ExtentAllocator`` over the pool's bytes (first fit over an offset-ordered
+    free list, coalescing on free, never compacting), bookkeeping only."""
+    extents = ExtentAllocator(align_up(capacity, PAGE_SIZE))
+
+    def alloc(nbytes: int) -> tuple[int, int] | None:
+        nbytes = align_up(nbytes, PAGE_SIZE)
+        offset = extents.alloc(nbytes)
+        return None if offset is None else (offset, nbytes)
+
+    def free(handle: tuple[int, int]) -> None:
+        extents.free(*handle)
+
+    return replay("first-fit", trace, alloc, free, lambda: extents.free_nbytes)
 
 
 def run_torch(trace: list[tuple[str, int, int]], capacity: int) -> Result:
