@@ -53,6 +53,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench_codec import run_us
+
 from tiermem.client.connection import Connection
 from tiermem.core.errors import ConnectionClosed
 from tiermem.core.protocol import (
@@ -378,22 +380,9 @@ def codec_cases() -> list[tuple[str, Message]]:
 
 
 def per_call_us(fn: Callable[[], object], runs: int = 7, run_s: float = 0.05) -> float:
-    """Median over ``runs`` runs of the CPU time per call in a run of at least ``run_s`` of CPU time.
-
-    CPU time of this thread, not wall time: the codec is pure computation, and
-    on a shared machine wall time would mostly measure the other tenants.
-    """
-    means = []
-    for _ in range(runs):
-        count, start = 0, time.thread_time()
-        while True:
-            fn()
-            count += 1
-            elapsed = time.thread_time() - start
-            if elapsed >= run_s:
-                break
-        means.append(elapsed / count * 1e6)
-    return statistics.median(means)
+    """Median over ``runs`` runs of the CPU time per call in a run of at least ``run_s`` of CPU time
+    (``bench_codec.run_us``: CPU time of this thread, not wall time)."""
+    return statistics.median(run_us(fn, run_s) for _ in range(runs))
 
 
 def measure_codec() -> list[dict[str, Any]]:
