@@ -49,8 +49,8 @@ from tiermem.client.distributed.scaler import shard_scaler_inputs
 from tiermem.client.distributed.schedule import Collectives, Probe
 from tiermem.client.link import Client
 from tiermem.client.offload.optimizer import OffloadAdam
+from tiermem.client.offload.options import OffloadOptions
 from tiermem.core.errors import InvalidArgument, InvalidState, RankLost
-from tiermem.core.modes import Placement
 from tiermem.core.step_rules import GradStats, StepDecision, decide
 
 __all__ = ["NotCopyable", "RankGroup", "ShardGrads", "check_max_grad_norm"]
@@ -155,26 +155,19 @@ class RankGroup:
         self.job_id, self.token = agree_identity(self.collective, self.group, self.rank, job_id, token)
         return self.job_id, self.token
 
-    def node_client(self, numels: Sequence[int], *, offload: str | Placement, **plan: Any) -> Client:
-        """This rank's client of its node's daemon, for an inner optimizer of tensors of ``numels`` elements;
-        ``plan``: the inner optimizer's ``dtype``, ``window_nbytes``, ``exchange``, ``mode``,
-        ``release_grads``, ``state_dtype`` (``node``, which sizes a private daemon for every rank of the node)."""
-        placement = Placement.parse(offload, "offload")
-        return node_client(self.collective, self.rank, self.world_size, numels, placement=placement, **plan)
+    def node_client(self, numels: Sequence[int], options: OffloadOptions, *, dtype: str) -> Client:
+        """This rank's client of its node's daemon, for the inner optimizer ``options`` describe, of tensors of
+        ``numels`` elements of ``dtype`` (``node``, which sizes a private daemon for every rank of the node)."""
+        return node_client(self.collective, self.rank, self.world_size, numels, options, dtype=dtype)
 
-    def inner_optimizer(self, params: list[Any], client: Client | None, **options: Any) -> OffloadAdam:
-        """This rank's ``OffloadAdam`` (``options``: its arguments) in the agreed job (``agree_identity``), as
-        rank ``rank`` of ``world_size``; whichever rank attaches first creates the job with the agreed token."""
-        return OffloadAdam(
-            params,
-            client=client,
-            job_id=self.job_id,
-            token=self.token,
-            create_job=True,
-            rank=self.rank,
-            world_size=self.world_size,
-            **options,
+    def inner_optimizer(self, params: list[Any], client: Client | None, options: OffloadOptions) -> OffloadAdam:
+        """This rank's ``OffloadAdam`` with ``options`` (the record its node's daemon was sized by), in the
+        agreed job (``agree_identity``), as rank ``rank`` of ``world_size``; whichever rank attaches first
+        creates the job with the agreed token."""
+        job = options.replace(
+            job_id=self.job_id, token=self.token, create_job=True, rank=self.rank, world_size=self.world_size
         )
+        return OffloadAdam(params, client=client, options=job)
 
     def all_or_none(self, what: str, action: Callable[[], None]) -> None:
         """Run ``action`` on every rank; if it fails on any, every rank raises (none hangs in a collective)."""

@@ -23,8 +23,9 @@ from typing import Any
 import torch.distributed as dist
 
 from tiermem.client.link import Client, connect
-from tiermem.core.errors import DaemonUnavailable, TiermemError
-from tiermem.core.modes import Exchange, Placement, StepMode
+from tiermem.client.offload.options import OffloadOptions
+from tiermem.core.errors import DaemonUnavailable, InvalidArgument, TiermemError
+from tiermem.core.modes import Exchange
 from tiermem.core.pool_plan import padded_numel, private_pool_plan
 
 __all__ = ["PEERS_LINGER_S", "node_client"]
@@ -39,21 +40,20 @@ def node_client(
     rank: int,
     world_size: int,
     numels: Sequence[int],
+    options: OffloadOptions,
     *,
     dtype: str,
-    placement: Placement,
-    window_nbytes: int | None = None,
-    exchange: Exchange = Exchange.SHARED,
-    mode: StepMode = StepMode.SYNC,
-    release_grads: bool = False,
-    state_dtype: str = "fp32",
 ) -> Client:
     """This rank's client of its node's daemon; ``collective(what, fn, *args)`` runs a collective.
 
     Where the node has no daemon, one rank starts a private one with a pool sized for what every rank of
-    the node will ask: each rank's plan for its optimizer of tensors of ``numels`` elements (``exchange``,
-    ``mode``, ``release_grads`` and ``state_dtype`` are the inner ``OffloadAdam``'s, so a paged or staged
-    optimizer gets its 16 bytes per element, and compressed moments their own size)."""
+    the node will ask: each rank's plan for its inner ``OffloadAdam`` of tensors of ``numels`` elements of
+    ``dtype``, made with ``options`` (the record the inner optimizer is built from: its placement, exchange,
+    step mode, released grads, window and moments' format, so a paged or staged optimizer gets its 16 bytes
+    per element, and compressed moments their own size).  ``options.exchange`` is the one the inner
+    optimizer will use (not ``auto``)."""
+    if options.exchange is Exchange.AUTO:
+        raise InvalidArgument("node_client needs the inner optimizer's exchange (shared or staged), not auto")
     found: Client | None = None
     try:
         found = connect(embed=False)
@@ -61,14 +61,14 @@ def node_client(
         found = None
     node = (socket.gethostname(), os.environ.get("TIERMEM_SOCKET_PATH", ""))
     plan = private_pool_plan(
-        max(padded_numel(numels, state_dtype), 1),
+        max(padded_numel(numels, options.state_dtype), 1),
         dtype=dtype,
-        placement=placement,
-        mode=mode,
-        exchange=exchange,
-        release_grads=release_grads,
-        window_nbytes=window_nbytes,
-        state_dtype=state_dtype,
+        placement=options.offload,
+        mode=options.mode,
+        exchange=options.exchange,
+        release_grads=options.release_grads,
+        window_nbytes=options.window_nbytes,
+        state_dtype=options.state_dtype,
     )
     seen: list[Any] = [None] * world_size
     collective("search for the node's daemon", dist.all_gather_object, seen, (node, found is not None, plan))

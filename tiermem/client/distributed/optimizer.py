@@ -94,17 +94,17 @@ from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankFileOpti
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
     check_hyper,
-    check_state_dtype,
     check_torch_flags,
     copy_hyper,
     hyper_of,
     optimizer_defaults,
 )
 from tiermem.client.offload.optimizer import OffloadAdam
+from tiermem.client.offload.options import OffloadOptions
 from tiermem.client.offload.shared import TensorEntry
 from tiermem.core import dtypes
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
-from tiermem.core.modes import Exchange, Placement, StepMode
+from tiermem.core.modes import Exchange, Placement
 from tiermem.core.shard_plan import Piece, ShardLayout, plan_shards
 from tiermem.core.step_rules import GradStats, StepDecision, decide
 from tiermem.core.units import MiB
@@ -160,9 +160,19 @@ class ShardedOffloadAdam(RankFileOptimizer):
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         check_max_grad_norm(max_grad_norm)
         check_timeout(collective_timeout_s)
-        self.state_dtype = check_state_dtype(state_dtype)
         _check_sizes(bucket_nbytes=bucket_nbytes, warmup_steps=warmup_steps)
-        self._delayed = (delayed_update, warmup_steps)
+        self.options = OffloadOptions(
+            offload=Placement.parse(offload, "offload"),
+            exchange=Exchange.SHARED,  # the pieces are host tensors
+            window_nbytes=window_nbytes,
+            delayed_update=delayed_update,
+            warmup_steps=warmup_steps,
+            state_dtype=state_dtype,
+            expected_step=expected_step,
+            rollback=rollback,
+        )
+        """The settings this rank's inner ``OffloadAdam`` is built with, and its node's daemon sized by."""
+        self.state_dtype = self.options.state_dtype
         defaults = optimizer_defaults(hyper, foreach=foreach, maximize=maximize, fused=fused, adamw=adamw)
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
@@ -180,34 +190,30 @@ class ShardedOffloadAdam(RankFileOptimizer):
             self.group.broadcast_from_first(p.data for p in params_)
         self._plan(params_, group_of, bucket_nbytes)
         self.job_id, _ = self.group.agree_identity(job_id, token)
-        inner_groups = self._piece_groups(params_, group_of)
-        if client is None:
-            client = self._node_client(offload, window_nbytes)
-        self._attach_inner(
-            client, lambda: self._make_inner(inner_groups, client, offload, window_nbytes, expected_step, rollback)
-        )
+        self._attach(params_, group_of, client)
         self._transfer_buffers()
         self.overlap_comm = overlap_comm
         self.schedule = self.group.start_schedule(collective_timeout_s, probe)
         """The steps' collectives, each bounded by ``collective_timeout_s`` (their counts: ``last_counts``)."""
         self._start_rounds(params_)
         self._resume(params_)
+        self.checkpoint = self._rank_files(params_)
+        """The rank files (``save_shard``, ``load_shards``: any world size; ``tiermem consolidate``)."""
+
+    def _attach(self, params: list[torch.nn.Parameter], group_of: list[int], client: Client | None) -> None:
+        """Collective: this rank's pieces attached to its node's daemon (found or started for the node where
+        ``client`` is None), on every rank or on none."""
+        inner_groups = self._piece_groups(params, group_of)
+        if client is None:
+            client = self.group.node_client([pc.numel for pc in self.pieces], self.options, dtype=self.dtype.name)
+        self._attach_inner(client, lambda: self._make_inner(inner_groups, client))
+
+    def _rank_files(self, params: list[torch.nn.Parameter]) -> Zero3Checkpoint:
+        """The checkpoints of this rank's share, read from and written to its inner optimizer."""
         store = InnerStore(
             self.job_id, self.param_groups, self.inner, self._sync_hyper, keeps_values=True, refresh=self._refresh
         )
-        self.checkpoint = Zero3Checkpoint(self._share(params_), store, self.group.collective)
-        """The rank files (``save_shard``, ``load_shards``: any world size; ``tiermem consolidate``)."""
-
-    def _node_client(self, offload: str | Placement, window_nbytes: int | None) -> Client:
-        """Collective: the client of this rank's node's daemon, which a private one is sized for."""
-        return self.group.node_client(
-            [pc.numel for pc in self.pieces],
-            dtype=self.dtype.name,
-            offload=offload,
-            window_nbytes=window_nbytes,
-            mode=StepMode.DELAYED if self._delayed[0] else StepMode.SYNC,
-            state_dtype=self.state_dtype,
-        )
+        return Zero3Checkpoint(self._share(params), store, self.group.collective)
 
     def _share(self, params: list[torch.nn.Parameter]) -> RankShare:
         """This rank's pieces in the rank files' terms: param ``i`` is the optimizer's ``i``-th (named by its
@@ -336,31 +342,12 @@ class ShardedOffloadAdam(RankFileOptimizer):
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _make_inner(
-        self,
-        groups: list[dict[str, Any]],
-        client: Client | None,
-        offload: str | Placement,
-        window_nbytes: int | None,
-        expected_step: int | None,
-        rollback: bool,
-    ) -> OffloadAdam | None:
+    def _make_inner(self, groups: list[dict[str, Any]], client: Client | None) -> OffloadAdam | None:
         if not groups:
             if client is not None:
                 client.close()  # this rank owns no element (more ranks than elements): nothing to keep
             return None
-        return self.group.inner_optimizer(
-            groups,  # each with its group's hyper-parameters
-            client,
-            offload=offload,
-            exchange=Exchange.SHARED,
-            window_nbytes=window_nbytes,
-            expected_step=expected_step,
-            rollback=rollback,
-            delayed_update=self._delayed[0],
-            warmup_steps=self._delayed[1],
-            state_dtype=self.state_dtype,
-        )
+        return self.group.inner_optimizer(groups, client, self.options)  # each group with its hyper-parameters
 
     # ----------------------------------------------------------------- the step
 

@@ -90,9 +90,10 @@ from tiermem.client.distributed.schedule import (
 )
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankFileOptimizer, RankShare, Slot, Zero3Checkpoint
 from tiermem.client.link import Client
-from tiermem.client.offload.args import check_hyper, check_state_dtype, copy_hyper, optimizer_defaults
+from tiermem.client.offload.args import check_hyper, copy_hyper, optimizer_defaults
 from tiermem.client.offload.copies import FetchItem, GradItem
 from tiermem.client.offload.optimizer import OffloadAdam
+from tiermem.client.offload.options import OffloadOptions
 from tiermem.client.offload.paging import ParamPager
 from tiermem.client.offload.stats import OptimizerStats
 from tiermem.client.offload.transfer import StateTransfer
@@ -344,12 +345,20 @@ class ShardedPagedAdam(RankFileOptimizer):
         down through it)."""
         self._join(process_group, "ShardedPagedAdam")
         check_max_grad_norm(max_grad_norm)
-        check_state_dtype(state_dtype)
         check_timeout(collective_timeout_s)
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         groups = _model_groups(model, param_groups)
         params = [p for g in groups for p in g["params"]]
         device, dtype = _device_and_dtype(params)
+        self.options = OffloadOptions(
+            offload=Placement.parse(offload, "offload"),
+            exchange=Exchange.STAGED,  # the pager's: params and grads through the window, grads in the daemon
+            release_grads=True,
+            window_nbytes=window_nbytes,
+            pin_window=device.type == "cuda",  # the shards are host tensors; the copies go to and from the GPU
+            state_dtype=state_dtype,
+        )
+        """The settings this rank's inner ``OffloadAdam`` is built with, and its node's daemon sized by."""
         super().__init__(groups, optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw))
         rank, world = self.rank, self.world_size
         self.max_grad_norm = max_grad_norm
@@ -363,21 +372,10 @@ class ShardedPagedAdam(RankFileOptimizer):
         self.copies = ShardCopies(numels, _owners(model, params), rank, world, self.schedule, self.grads, device)
         shards, shard_groups = self._shards_of(params)
         self.job_id, _ = self.group.agree_identity(job_id, token)
-        client = self._node_client(
-            shard_groups, client, dtype, offload=offload, window_nbytes=window_nbytes, state_dtype=state_dtype
-        )
-        self._attach_inner(
-            client,
-            lambda: self.group.inner_optimizer(
-                shard_groups,
-                client,
-                offload=offload,
-                exchange=Exchange.STAGED,
-                window_nbytes=window_nbytes,
-                pin_window=device.type == "cuda",  # the shards are host tensors; the copies go to and from the GPU
-                state_dtype=state_dtype,
-            ),
-        )
+        if client is None:
+            numels = [s.numel() for g in shard_groups for s in g["params"]]
+            client = self.group.node_client(numels, self.options, dtype=dtypes.by_torch(dtype).name)
+        self._attach_inner(client, lambda: self.group.inner_optimizer(shard_groups, client, self.options))
         self.inner: OffloadAdam
         self.pager = ParamPager(
             model,
@@ -404,29 +402,6 @@ class ShardedPagedAdam(RankFileOptimizer):
             shard_groups.append({**g, "params": shards[at : at + n]})
             at += n
         return shards, shard_groups
-
-    def _node_client(
-        self,
-        shard_groups: list[dict[str, Any]],
-        client: Client | None,
-        dtype: torch.dtype,
-        *,
-        offload: str | Placement,
-        window_nbytes: int | None,
-        state_dtype: str,
-    ) -> Client:
-        """The client of this rank's node's daemon (collective where ``client`` is None), sized for its shards."""
-        if client is None:
-            client = self.group.node_client(
-                [s.numel() for g in shard_groups for s in g["params"]],
-                dtype=dtypes.by_torch(dtype).name,
-                offload=offload,
-                window_nbytes=window_nbytes,
-                exchange=Exchange.STAGED,  # the pager's: params and grads through the window, grads in the daemon
-                release_grads=True,
-                state_dtype=state_dtype,
-            )
-        return client
 
     def _share(self, model: nn.Module, params: list[nn.Parameter], device: torch.device) -> RankShare:
         """What this rank holds, in the checkpoints' terms: its stretch of every param, by tensor id."""

@@ -80,15 +80,15 @@ from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankFileOpti
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
     check_hyper,
-    check_state_dtype,
     copy_hyper,
     hyper_of,
     optimizer_defaults,
 )
 from tiermem.client.offload.optimizer import OffloadAdam
+from tiermem.client.offload.options import OffloadOptions
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
-from tiermem.core.modes import Exchange, StepMode
+from tiermem.core.modes import Exchange, Placement
 from tiermem.core.step_rules import StepDecision
 
 __all__ = ["LayerShardedAdam"]
@@ -144,7 +144,6 @@ class LayerShardedAdam(RankFileOptimizer):
         (``schedule.Probe``; tests slow them down through it)."""
         self._join(process_group, "LayerShardedAdam")
         check_max_grad_norm(max_grad_norm)
-        check_state_dtype(state_dtype)
         check_timeout(collective_timeout_s)
         if max_grad_norm is not None and not paged:
             raise InvalidArgument(
@@ -152,6 +151,8 @@ class LayerShardedAdam(RankFileOptimizer):
                 "global norm of all the layers' grads exists"
             )
         self.paged = paged
+        self.options = _owner_options(offload, paged=paged, state_dtype=state_dtype)
+        """The settings the owner's inner ``OffloadAdam`` is built with, and its node's daemon sized by."""
         self.max_grad_norm = max_grad_norm
         self.grads = ShardGrads(clipping=max_grad_norm is not None)
         """This step's statistics of the reduced grads of this owner's layers."""
@@ -174,8 +175,8 @@ class LayerShardedAdam(RankFileOptimizer):
         self.probe = probe
         self.job_id, _ = self.group.agree_identity(job_id, token)
         mine = [u for u in self.units if u.owner == self.rank]
-        client = self._node_client(mine, client, offload=offload, state_dtype=state_dtype)
-        self._attach_inner(client, lambda: self._make_inner(client, offload=offload, state_dtype=state_dtype))
+        client = self._node_client(mine, client)
+        self._attach_inner(client, lambda: self._make_inner(client))
         store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper, keeps_values=not paged)
         self.checkpoint = Zero3Checkpoint(self._share(model, mine), store, self.group.collective)
         self._grads: DaemonGrads | None = None
@@ -200,10 +201,9 @@ class LayerShardedAdam(RankFileOptimizer):
                 piece.data = torch.full((), float("nan"), dtype=piece.dtype).expand(piece.shape)
         return grads
 
-    def _node_client(self, mine: list[_Unit], client: Client | None, *, offload: str, state_dtype: str) -> Client:
+    def _node_client(self, mine: list[_Unit], client: Client | None) -> Client:
         """Copies of this owner's layers' params (``_pieces``, the inner tensors) and the client of its node's
         daemon (collective where ``client`` is None)."""
-        paged = self.paged
         self._pieces = {u.index: [torch.nn.Parameter(p.detach().clone()) for p in u.params] for u in mine}
         self._entry_of: dict[int, list[int]] = {}
         self._flat_pieces: list[torch.nn.Parameter] = []
@@ -212,32 +212,17 @@ class LayerShardedAdam(RankFileOptimizer):
             self._flat_pieces += self._pieces[u.index]
         first = self.units[0].params[0]
         if client is None:
-            client = self.group.node_client(
-                [p.numel() for p in self._flat_pieces],
-                dtype=dtypes.by_torch(first.dtype).name,
-                offload=offload,
-                exchange=Exchange.STAGED if paged or first.device.type != "cpu" else Exchange.SHARED,
-                mode=StepMode.SYNC if paged else StepMode.OVERLAP,
-                release_grads=paged,
-                state_dtype=state_dtype,
-            )
+            numels = [p.numel() for p in self._flat_pieces]
+            client = self.group.node_client(numels, self.options, dtype=dtypes.by_torch(first.dtype).name)
         return client
 
-    def _make_inner(self, client: Client, *, offload: str, state_dtype: str) -> OffloadAdam | None:
+    def _make_inner(self, client: Client) -> OffloadAdam | None:
         """This owner's ``OffloadAdam`` over its pieces, in the agreed job; None on a rank that owns no layer."""
-        paged = self.paged
         if not self._flat_pieces:
             client.close()  # this rank owns no layer
             return None
-        return self.group.inner_optimizer(
-            [{"params": self._flat_pieces, **hyper_of(self.param_groups[0])}],
-            client,
-            offload=offload,
-            overlap_update=not paged,
-            bucket_nbytes=1,  # one bucket per tensor: each layer's update starts when its grads are in
-            exchange=Exchange.STAGED if paged else Exchange.AUTO,
-            state_dtype=state_dtype,
-        )
+        groups = [{"params": self._flat_pieces, **hyper_of(self.param_groups[0])}]
+        return self.group.inner_optimizer(groups, client, self.options)
 
     def _share(self, model: torch.nn.Module, mine: list[_Unit]) -> RankShare:
         """What this rank holds, in the checkpoints' terms: its layers' params whole, by tensor id."""
@@ -468,6 +453,20 @@ class LayerShardedAdam(RankFileOptimizer):
             out += [p.detach().clone() for p in unit.params]
             self._release(unit, log=False)
         return out
+
+
+def _owner_options(offload: str, *, paged: bool, state_dtype: str) -> OffloadOptions:
+    """An owner's inner ``OffloadAdam``'s settings.  Paged: the grads go to the daemon as each layer's reduce
+    lands, through the window.  Else each layer's update starts when its grads are in (one bucket per tensor),
+    during backward, on params in the shared storage."""
+    return OffloadOptions(
+        offload=Placement.parse(offload, "offload"),
+        exchange=Exchange.STAGED if paged else Exchange.SHARED,
+        release_grads=paged,
+        overlap_update=not paged,
+        bucket_nbytes=1,
+        state_dtype=state_dtype,
+    )
 
 
 def _deal_units(model: torch.nn.Module, owners: Iterable[int] | None, world_size: int) -> list[_Unit]:
