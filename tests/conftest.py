@@ -16,6 +16,23 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_node_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every tiermemd the tests start without ``--config`` reads an empty settings file (``TIERMEM_CONFIG``),
+    never the node's ``/etc/tiermem/tiermemd.toml``: on a node with the service installed, its metrics port,
+    swap dirs and socket group would otherwise change what the tests see (a test that means to read the node
+    file removes the variable itself)."""
+    path = tmp_path_factory.mktemp("settings") / "tiermemd.toml"
+    path.write_text("# no settings: every test daemon starts from the defaults\n")
+    before = os.environ.get("TIERMEM_CONFIG")
+    os.environ["TIERMEM_CONFIG"] = str(path)
+    yield
+    if before is None:
+        os.environ.pop("TIERMEM_CONFIG", None)
+    else:
+        os.environ["TIERMEM_CONFIG"] = before
+
+
 @pytest.fixture(scope="module")
 def one_intra_op_thread() -> Iterator[None]:
     """torch on one intra-op thread for a module (``pytestmark = pytest.mark.usefixtures("one_intra_op_thread")``).

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from child_env import child_env
+
 from tiermem.client.connection import Connection
 from tiermem.core.errors import DaemonTimeout
 from tiermem.core.protocol import (
@@ -133,7 +135,7 @@ class ChaosDaemon:
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(notify_path)
         notify.settimeout(0.2)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
+        env = child_env("NOTIFY_SOCKET", "LISTEN_")
         env.update({"NOTIFY_SOCKET": notify_path, "PYTHONUNBUFFERED": "1"})
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(

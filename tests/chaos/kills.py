@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    from child_env import child_env  # the scenarios run under pytest; this file also runs as the processes' script
+
+    env = child_env()
     env["TIERMEM_NO_EMBED"] = "1"
     return env
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from child_env import child_env
 
 from tiermem.client.connection import Connection
 from tiermem.core.protocol import ErrorReply, Frame, NodeReport, Stats, StatsReply, decode_frame, decode_message
@@ -222,14 +223,14 @@ def start_daemon(
     config_path = root / "tiermemd.toml"
     config_path.write_text(to_toml(settings))
     notify = NotifyRecorder(os.path.join(socket_dir, "notify"))
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
-    child_env.update({"NOTIFY_SOCKET": notify.path, "PYTHONUNBUFFERED": "1"})
-    child_env.update(env or {})
+    daemon_env = child_env("NOTIFY_SOCKET", "LISTEN_")
+    daemon_env.update({"NOTIFY_SOCKET": notify.path, "PYTHONUNBUFFERED": "1"})
+    daemon_env.update(env or {})
     log_path = root / "tiermemd.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "tiermemd.main", "--config", str(config_path), "--exit-with-parent"],
-            env=child_env,
+            env=daemon_env,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -255,7 +256,7 @@ def run_daemon_to_exit(
     For start-up failures: the test asserts on the exit code and stderr.  ``run_kwargs`` go to ``subprocess.run``."""
     config = root / "tiermemd.toml"
     config.write_text(to_toml(daemon_settings(root, socket_path, overrides)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
+    env = child_env("NOTIFY_SOCKET", "LISTEN_")
     return subprocess.run(
         [sys.executable, "-m", "tiermemd.main", "--config", str(config)],
         env=env,
@@ -269,7 +270,7 @@ def run_daemon_to_exit(
 
 def run_tiermem_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``tiermem ARGS`` (``python -m tiermem.client.cli``) without the test's ``TIERMEM_*``, plus ``env``."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    clean = child_env()
     return subprocess.run(
         [sys.executable, "-m", "tiermem.client.cli", *args],
         env={**clean, **(env or {})},

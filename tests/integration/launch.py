@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from child_env import child_env
+
 SCENARIOS = str(Path(__file__).with_name("scenarios.py"))
 
 
@@ -47,7 +49,7 @@ class Launch:
             )
         plan_file = self.tmp / "plan.json"
         plan_file.write_text(json.dumps(plan))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+        env = child_env()
         env.update(
             TIERMEM_SOCKET_PATH=self.socket_path,
             TIERMEM_NO_EMBED="1",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from child_env import child_env
 
 from tiermem.core.config import config_to_dict, load_config
 
@@ -20,7 +20,7 @@ INSTALLED = Path(sys.executable).with_name("tiermemd")
 
 def tiermemd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     command = [str(INSTALLED)] if INSTALLED.exists() else [sys.executable, "-m", "tiermemd.main"]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    clean = child_env()
     return subprocess.run(
         [*command, *args], env={**clean, **(env or {})}, capture_output=True, text=True, timeout=120, check=False
     )

@@ -6,7 +6,6 @@ the test's ``NotifyRecorder``.
 
 from __future__ import annotations
 
-import os
 import signal
 import struct
 import subprocess
@@ -14,6 +13,7 @@ import sys
 import time
 
 import pytest
+from child_env import child_env
 from conftest import MAX_CONNECTIONS_PER_UID, NotifyRecorder, RawConn, daemon_settings, error_of, run_daemon_to_exit
 
 from tiermem.core.protocol import MsgType, Stats, StatsReply
@@ -166,7 +166,7 @@ def test_exit_with_parent_follows_the_parent_process_not_the_thread_that_started
     config = root / "tiermemd.toml"
     config.write_text(to_toml(daemon_settings(root, socket_path, None)))
     notify = NotifyRecorder(str(root / "notify"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET"))}
+    env = child_env("NOTIFY_SOCKET")
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT_STARTING_FROM_A_THREAD, str(config), str(root / "log"), socket_path],
         env={**env, "NOTIFY_SOCKET": notify.path},

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from cgroup_scratch import own_v1_cgroup, scratch_cgroup
+from child_env import child_env
 from conftest import daemon_settings, run_daemon_to_exit
 from daemon_client import Trainer
 
@@ -106,7 +107,7 @@ def test_the_ready_status_names_the_socket_the_service_manager_passed(tmp_path: 
     config = tmp_path / "tiermemd.toml"
     config.write_text(to_toml(daemon_settings(tmp_path, configured, None)))
     notify = NotifyRecorder(str(tmp_path / "notify"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
+    env = child_env("NOTIFY_SOCKET", "LISTEN_")
     env.update({"NOTIFY_SOCKET": notify.path, "LISTEN_FDS": "1"})
     env["ACTIVATION_FD"] = str(listener.fileno())
     script = (

@@ -388,7 +388,8 @@ def test_metrics_port_in_use_is_a_startup_error_with_the_socket_code(tmp_path: P
                 sys.executable, "-m", "tiermemd.main", "--socket", str(tmp_path / "d.sock"), "--pool-size", "16MiB",
                 "--state-dir", str(tmp_path / "state"), "--metrics-port", str(port),
             ],
-            env={"PATH": "/usr/bin:/bin", "TIERMEM_ADAM_COMPILE": "false", "HOME": str(tmp_path)},
+            env={"PATH": "/usr/bin:/bin", "TIERMEM_ADAM_COMPILE": "false", "HOME": str(tmp_path),
+                 "TIERMEM_CONFIG": os.environ["TIERMEM_CONFIG"]},
             capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
     assert result.returncode == 5

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 
 import pytest
+from child_env import child_env
 
 
 def demo(*args: str, cwd, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "GOMP_", "OMP_WAIT_"))}
+    env = child_env("GOMP_", "OMP_WAIT_")
     env.update(extra_env or {})
     return subprocess.run(
         [sys.executable, "-m", "tiermem.client.cli", "demo", *args],

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -79,7 +80,7 @@ def script_for(block: str, *, distributed: bool) -> str:
 def run_script(script: str, tmp_path: Path, env_extra: dict[str, str]) -> str:
     path = tmp_path / "example.py"
     path.write_text(script)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    env = child_env()
     env.update(TIERMEM_SOCKET_PATH=str(tmp_path / "no-node-daemon.sock"), PYTHONPATH=str(ROOT), **env_extra)
     proc = subprocess.run(
         [sys.executable, str(path)], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240

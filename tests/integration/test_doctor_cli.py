@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from child_env import child_env
 from conftest import DaemonProcess, run_tiermem_cli
 from forked import Forked
 
@@ -141,7 +142,7 @@ def test_doctor_as_a_user_the_daemon_refuses_with_a_read_only_swap_dir(daemon: D
 
 def test_doctor_runs_under_python_dash_o(tmp_path: Path) -> None:
     """No check hides in an assert: the report is the same without them."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")} | isolated(tmp_path)
+    env = child_env() | isolated(tmp_path)
     done = subprocess.run(
         [sys.executable, "-O", "-m", "tiermem.client.cli", "doctor", "--json"],
         env=env,

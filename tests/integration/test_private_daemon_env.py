@@ -35,13 +35,14 @@ def test_a_private_daemon_does_not_inherit_how_its_trainers_openmp_workers_wait(
     assert environ["PYTHONHASHSEED"] == "7"  # the rest is inherited
 
 
-def test_a_private_daemon_does_not_take_the_node_services_settings() -> None:
+def test_a_private_daemon_does_not_take_the_node_services_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """A trainer outside the node service's group gets a private daemon; it must not read the service's
     /etc/tiermem/tiermemd.toml (whose metrics port the service already serves, whose socket group and kernel
     cache are the service's): a node file naming a port in use would make it fail to start (exit 5)."""
     node = Path("/etc/tiermem/tiermemd.toml")
     if os.geteuid() != 0 or node.parent.exists():
         pytest.skip("needs root and a node without /etc/tiermem, which this test writes and removes")
+    monkeypatch.delenv("TIERMEM_CONFIG", raising=False)  # as on a node: tiermemd's default is the node file
     with socket.socket() as busy:  # the port the node service serves its metrics on
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,7 +40,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_private_daemon_removes_its_directory_when_its_trainer_is_killed(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    env = child_env()
     env.update(TMPDIR=str(tmp_path), TIERMEM_SOCKET_PATH=str(tmp_path / "none" / "tiermemd.sock"))
     trainer = subprocess.Popen(
         [sys.executable, "-c", TRAINER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from child_env import child_env
 from forked import Forked, become, error_fields
 
 from tiermem.client.connection import connect_trusted
@@ -278,7 +279,7 @@ def test_an_untrusted_per_user_candidate_is_skipped_for_a_private_daemon_that_pa
 
 
 def _run_daemon(socket_path: str, state_dir: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "NOTIFY_SOCKET", "LISTEN_"))}
+    env = child_env("NOTIFY_SOCKET", "LISTEN_")
     args = ["--socket", socket_path, "--pool-size", "8MiB", "--no-mlock", "--state-dir", str(state_dir)]
     return subprocess.run(
         [sys.executable, "-m", "tiermemd.main", *args, "--swap-dir", str(state_dir / "swap")],

@@ -14,7 +14,6 @@ within a bound per dtype of AdamW.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from child_env import child_env
 from conftest import DaemonProcess, start_daemon
 from launch import Launch
 
@@ -50,7 +50,7 @@ def torchrun(
     port: int | None = None,
     run_id: str = "zero2",
 ) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    env = child_env()
     env["TMPDIR"] = str(tmp)
     env["TIERMEM_SECRET_FILE"] = str(tmp / "job-secret")  # the user's job secret, kept out of the home directory
     if socket_path is not None:

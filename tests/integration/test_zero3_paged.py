@@ -25,7 +25,6 @@ the three-rank launch), at one (in this process) and in ``torch.optim.AdamW``
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 import zero3_reshard_worker as reshard
+from child_env import child_env
 from conftest import run_tiermem_cli, start_daemon
 from launch import Launch
 
@@ -51,7 +51,7 @@ DAEMON = {"jobs": {"grace_period_s": 60.0, "max_jobs": 16}}
 
 def _torchrun(daemon_factory, tmp_path: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
     d = daemon_factory(DAEMON)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    env = child_env()
     env.update(
         TIERMEM_SOCKET_PATH=d.socket_path,
         TIERMEM_NO_EMBED="1",
