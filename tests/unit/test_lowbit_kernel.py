@@ -14,7 +14,7 @@ from tiermem.core.adam_math import AdamHyper, step_scalars
 from tiermem.core.errors import DTypeError, InvalidArgument
 from tiermem.core.lowbit import BLOCK, LowbitMoments, lowbit_update
 from tiermem.engine.optim import AdamEngine
-from tiermem.engine.optim.lowbit_native import SOURCE, LowbitKernel, build_library
+from tiermem.engine.optim.lowbit_native import LowbitKernel, build_library
 
 HYPER = AdamHyper(lr=1e-3, weight_decay=0.01)
 
@@ -187,12 +187,14 @@ def test_the_build_is_cached_and_a_directory_others_may_write_is_not_used(
 ) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the build goes instead
     (tmp_path / "tmp").mkdir()
-    path = build_library(SOURCE, "lowbit", cache)
+    source = tmp_path / "probe.c"  # the cache's rules, not the kernel: a source that compiles at once
+    source.write_text("int tiermem_probe(void) { return 1; }\n")
+    path = build_library(source, "probe", cache)
     assert os.path.dirname(path) == cache
     before = os.stat(path).st_mtime_ns
-    assert build_library(SOURCE, "lowbit", cache) == path and os.stat(path).st_mtime_ns == before
+    assert build_library(source, "probe", cache) == path and os.stat(path).st_mtime_ns == before
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    elsewhere = build_library(SOURCE, "lowbit", str(shared))
+    elsewhere = build_library(source, "probe", str(shared))
     assert os.path.dirname(elsewhere) != str(shared) and not list(shared.iterdir())
