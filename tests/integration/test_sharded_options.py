@@ -12,7 +12,6 @@ import torch
 
 from tiermem.client.distributed import LayerShardedAdam, ShardedOffloadAdam, ShardedPagedAdam
 from tiermem.core.modes import Exchange, Placement
-from tiermem.core.pool_plan import padded_numel, private_pool_plan
 
 
 def make(kind: str, m: torch.nn.Module) -> Any:
@@ -37,16 +36,7 @@ def test_the_rank_record_builds_the_inner_optimizer_and_sizes_the_node_daemon(
         job = {"job_id": opt.job_id, "token": opt.token, "create_job": True, "rank": 0, "world_size": 1}
         assert inner.options == record.replace(**job)
         numels = [p.numel() for g in inner.param_groups for p in g["params"]]
-        plan = private_pool_plan(
-            padded_numel(numels, record.state_dtype),
-            dtype="float32",
-            placement=record.offload,
-            mode=record.mode,
-            exchange=record.exchange,
-            release_grads=record.release_grads,
-            window_nbytes=record.window_nbytes,
-            state_dtype=record.state_dtype,
-        )
+        plan = record.pool_plan(numels, dtype="float32")
         assert inner.client.stats().node.pool.capacity_nbytes == plan.nbytes
     finally:
         opt.close()

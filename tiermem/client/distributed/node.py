@@ -24,9 +24,7 @@ import torch.distributed as dist
 
 from tiermem.client.link import Client, connect
 from tiermem.client.offload.options import OffloadOptions
-from tiermem.core.errors import DaemonUnavailable, InvalidArgument, TiermemError
-from tiermem.core.modes import Exchange
-from tiermem.core.pool_plan import padded_numel, private_pool_plan
+from tiermem.core.errors import DaemonUnavailable, TiermemError
 
 __all__ = ["PEERS_LINGER_S", "node_client"]
 
@@ -52,24 +50,13 @@ def node_client(
     step mode, released grads, window and moments' format, so a paged or staged optimizer gets its 16 bytes
     per element, and compressed moments their own size).  ``options.exchange`` is the one the inner
     optimizer will use (not ``auto``)."""
-    if options.exchange is Exchange.AUTO:
-        raise InvalidArgument("node_client needs the inner optimizer's exchange (shared or staged), not auto")
+    plan = options.pool_plan(numels, dtype=dtype)
     found: Client | None = None
     try:
         found = connect(embed=False)
     except DaemonUnavailable:
         found = None
     node = (socket.gethostname(), os.environ.get("TIERMEM_SOCKET_PATH", ""))
-    plan = private_pool_plan(
-        max(padded_numel(numels, options.state_dtype), 1),
-        dtype=dtype,
-        placement=options.offload,
-        mode=options.mode,
-        exchange=options.exchange,
-        release_grads=options.release_grads,
-        window_nbytes=options.window_nbytes,
-        state_dtype=options.state_dtype,
-    )
     seen: list[Any] = [None] * world_size
     collective("search for the node's daemon", dist.all_gather_object, seen, (node, found is not None, plan))
     missing = [r for r, (n, ok, _) in enumerate(seen) if n == node and not ok]

@@ -106,7 +106,6 @@ from tiermem.core.errors import (
     TiermemError,
 )
 from tiermem.core.modes import Exchange, StepMode
-from tiermem.core.pool_plan import padded_numel, private_pool_plan
 from tiermem.core.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
 from tiermem.core.step_rules import StepDecision
 from tiermem.core.units import format_size
@@ -409,18 +408,9 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             TensorSpec(str(i), tuple(p.shape), dtype.name, self.placement, group_of[id(p)])
             for i, p in enumerate(params)
         ]
-        numel = padded_numel([p.numel() for p in params], self.state_dtype)
         if client is None:
-            plan = private_pool_plan(
-                numel,
-                dtype=dtype.name,
-                placement=self.placement,
-                mode=self.policy.mode,
-                exchange=exchange,
-                release_grads=self.release_grads,
-                window_nbytes=window_nbytes,
-                state_dtype=self.state_dtype,
-            )
+            sized = self.options.replace(exchange=exchange, window_nbytes=window_nbytes)  # as registered now
+            plan = sized.pool_plan([p.numel() for p in params], dtype=dtype.name)
             client = connect(pool_size=plan.nbytes, settings={"pool.arena_size": plan.arena_size})
         attached = False
         try:

@@ -14,12 +14,14 @@ The connection itself (``client=``) is not an option: it is a resource, passed t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tiermem.client.offload.args import check_state_dtype, step_mode
 from tiermem.core.errors import InvalidArgument
 from tiermem.core.modes import Exchange, Placement, StepMode
+from tiermem.core.pool_plan import PoolPlan, padded_numel, private_pool_plan
 from tiermem.core.units import MiB
 
 __all__ = ["OffloadOptions"]
@@ -87,6 +89,22 @@ class OffloadOptions:
             delayed_update=self.delayed_update,
             max_grad_norm=self.max_grad_norm,
             warmup_steps=self.warmup_steps,
+        )
+
+    def pool_plan(self, numels: Sequence[int], *, dtype: str) -> PoolPlan:
+        """The pool a private daemon needs for an ``OffloadAdam`` made with this record over tensors of
+        ``numels`` elements of ``dtype`` (the exchange must be the one it will use, not ``auto``)."""
+        if self.exchange is Exchange.AUTO:
+            raise InvalidArgument("a pool plan needs the exchange the optimizer will use (shared or staged), not auto")
+        return private_pool_plan(
+            max(padded_numel(numels, self.state_dtype), 1),
+            dtype=dtype,
+            placement=self.offload,
+            mode=self.mode,
+            exchange=self.exchange,
+            release_grads=self.release_grads,
+            window_nbytes=self.window_nbytes,
+            state_dtype=self.state_dtype,
         )
 
     def replace(self, **changes: Any) -> OffloadOptions:
