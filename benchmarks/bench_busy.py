@@ -207,10 +207,9 @@ def run_size(args: argparse.Namespace, name: str, cfg: GPTConfig) -> list[dict[s
         r["adamw_slowdown"] = r["adamw_step_s"] / b["adamw_step_s"]
         r["cpu_slowdown"] = r["cpu_step_s"] / b["cpu_step_s"]
         r["busy_ratio"] = r["cpu_slowdown"] / r["adamw_slowdown"]
-        if "adamw_step_mean_s" in b:
-            r["adamw_slowdown_mean"] = r["adamw_step_mean_s"] / b["adamw_step_mean_s"]
-            r["cpu_slowdown_mean"] = r["cpu_step_mean_s"] / b["cpu_step_mean_s"]
-            r["busy_ratio_mean"] = r["cpu_slowdown_mean"] / r["adamw_slowdown_mean"]
+        r["adamw_slowdown_mean"] = r["adamw_step_mean_s"] / b["adamw_step_mean_s"]
+        r["cpu_slowdown_mean"] = r["cpu_step_mean_s"] / b["cpu_step_mean_s"]
+        r["busy_ratio_mean"] = r["cpu_slowdown_mean"] / r["adamw_slowdown_mean"]
         if "none_step_mean_s" in b:
             r["none_slowdown_mean"] = r["none_step_mean_s"] / b["none_step_mean_s"]
     return rows
