@@ -25,18 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from tiermem import __version__
+from tiermem.client import doctor_facts as facts
 from tiermem.client.doctor import CONNECTED, is_under, read_write_paths, unreachable
-from tiermem.client.doctor_facts import (
-    ConfigFacts,
-    Entry,
-    Facts,
-    KernelFacts,
-    Reach,
-    SocketProbe,
-    SwapDirFacts,
-    TorchFacts,
-    User,
-)
 from tiermem.core.errors import AuthError, DaemonUnavailable, ProtocolError, TiermemError, UnsafePathError
 from tiermem.net.sockpath import Trust
 
@@ -53,7 +43,9 @@ _CAP_IPC_LOCK = 14
 _PIN_NBYTES = 2 << 20
 
 
-def gather(*, socket_path: str | None, config_path: str | None, timeout_s: float, env: Mapping[str, str]) -> Facts:
+def gather(
+    *, socket_path: str | None, config_path: str | None, timeout_s: float, env: Mapping[str, str]
+) -> facts.Facts:
     """Everything the checks need, read now."""
     from tiermem.client.capacity import host_available
     from tiermem.core.protocol import PROTOCOL_VERSION
@@ -65,7 +57,7 @@ def gather(*, socket_path: str | None, config_path: str | None, timeout_s: float
     libaio_error, aio_context_error = gather_aio()
     memlock, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     swap_dirs = config_swap_dirs(config_path, env) if config.path and not config.error else [tempfile.gettempdir()]
-    return Facts(
+    return facts.Facts(
         version=__version__,
         protocol=PROTOCOL_VERSION,
         user=user,
@@ -87,7 +79,7 @@ def gather(*, socket_path: str | None, config_path: str | None, timeout_s: float
 # --------------------------------------------------------------------------- who, and with what settings
 
 
-def gather_user() -> User:
+def gather_user() -> facts.User:
     uid = os.geteuid()
     try:
         name = pwd.getpwuid(uid).pw_name
@@ -98,7 +90,7 @@ def gather_user() -> User:
     for gid in gids:
         with contextlib.suppress(KeyError):
             names[gid] = grp.getgrgid(gid).gr_name
-    return User(uid, name, gids, names)
+    return facts.User(uid, name, gids, names)
 
 
 def _config_path(config_path: str | None, env: Mapping[str, str]) -> str | None:
@@ -110,19 +102,19 @@ def _config_path(config_path: str | None, env: Mapping[str, str]) -> str | None:
     return path
 
 
-def gather_config(config_path: str | None, env: Mapping[str, str]) -> ConfigFacts:
+def gather_config(config_path: str | None, env: Mapping[str, str]) -> facts.ConfigFacts:
     """The node's settings as ``tiermemd`` would read them (the file, then ``TIERMEM_*``)."""
     from tiermem.core.config import load_config
 
     path = _config_path(config_path, env)
     if path is None:
-        return ConfigFacts(None)
+        return facts.ConfigFacts(None)
     try:
         config = load_config(path, env=env)
     except TiermemError as exc:
-        return ConfigFacts(path, error=str(exc))
+        return facts.ConfigFacts(path, error=str(exc))
     server = config.server
-    return ConfigFacts(
+    return facts.ConfigFacts(
         path,
         socket=server.socket,
         socket_group=server.socket_group,
@@ -146,24 +138,24 @@ def config_swap_dirs(config_path: str | None, env: Mapping[str, str]) -> list[st
 # --------------------------------------------------------------------------- daemons
 
 
-def entry_of(path: str) -> Entry:
+def entry_of(path: str) -> facts.Entry:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return Entry(path, missing=True)
+        return facts.Entry(path, missing=True)
     except OSError as exc:
-        return Entry(path, unknown=f"cannot look: {exc.strerror}")
+        return facts.Entry(path, unknown=f"cannot look: {exc.strerror}")
     owner = group = ""
     with contextlib.suppress(KeyError):
         owner = pwd.getpwuid(st.st_uid).pw_name
     with contextlib.suppress(KeyError):
         group = grp.getgrgid(st.st_gid).gr_name
-    return Entry(path, st.st_mode, st.st_uid, st.st_gid, owner_name=owner, group_name=group)
+    return facts.Entry(path, st.st_mode, st.st_uid, st.st_gid, owner_name=owner, group_name=group)
 
 
 def probe_sockets(
-    socket_path: str | None, env: Mapping[str, str], user: User, timeout_s: float
-) -> tuple[tuple[SocketProbe, ...], str]:
+    socket_path: str | None, env: Mapping[str, str], user: facts.User, timeout_s: float
+) -> tuple[tuple[facts.SocketProbe, ...], str]:
     """Each socket a trainer would try (``tiermem.client.link.connect``'s order), up to the first it connects
     to; or why the sockets cannot be told."""
     try:
@@ -172,7 +164,7 @@ def probe_sockets(
         candidates = candidate_sockets(socket_path, env)
     except (ImportError, OSError, TiermemError) as exc:
         return (), f"{type(exc).__name__}: {exc}"
-    probes: list[SocketProbe] = []
+    probes: list[facts.SocketProbe] = []
     for candidate in candidates:
         probes.append(probe_socket(candidate.path, candidate.trust, candidate.explicit, user, timeout_s))
         if probes[-1].reach in CONNECTED:
@@ -180,7 +172,7 @@ def probe_sockets(
     return tuple(probes), ""
 
 
-def probe_socket(path: str, trust: Trust, explicit: bool, user: User, timeout_s: float) -> SocketProbe:
+def probe_socket(path: str, trust: Trust, explicit: bool, user: facts.User, timeout_s: float) -> facts.SocketProbe:
     """One STATS request to the daemon at ``path`` (only if it is ``trust``'s), or why there was none."""
     from tiermem.client.connection import Connection, connect_trusted
     from tiermem.core.protocol import Stats, StatsReply
@@ -188,11 +180,11 @@ def probe_socket(path: str, trust: Trust, explicit: bool, user: User, timeout_s:
     directory = entry_of(os.path.dirname(os.path.abspath(path)))
     sock_entry = entry_of(path)
     whose = "named by --socket or TIERMEM_SOCKET_PATH" if explicit else trust.what
-    base = SocketProbe(path, whose, explicit, Reach.BROKEN, directory=directory, socket=sock_entry)
+    base = facts.SocketProbe(path, whose, explicit, facts.Reach.BROKEN, directory=directory, socket=sock_entry)
     try:
         sock = connect_trusted(path, trust, timeout_s=min(timeout_s, 5.0))
     except UnsafePathError as exc:
-        return replace(base, reach=Reach.UNTRUSTED, detail=str(exc))
+        return replace(base, reach=facts.Reach.UNTRUSTED, detail=str(exc))
     except DaemonUnavailable as exc:
         reach, detail = unreachable(directory, sock_entry, user, str(exc).removeprefix(f"no tiermemd at {path}: "))
         return replace(base, reach=reach, detail=detail)
@@ -200,19 +192,19 @@ def probe_socket(path: str, trust: Trust, explicit: bool, user: User, timeout_s:
     try:
         reply = conn.request(Stats())
     except AuthError as exc:
-        return replace(base, reach=Reach.REFUSED, detail=str(exc))
+        return replace(base, reach=facts.Reach.REFUSED, detail=str(exc))
     except ProtocolError as exc:
-        return replace(base, reach=Reach.INCOMPATIBLE, detail=str(exc))
+        return replace(base, reach=facts.Reach.INCOMPATIBLE, detail=str(exc))
     except TiermemError as exc:
-        return replace(base, reach=Reach.BROKEN, detail=f"{type(exc).__name__}: {exc}")
+        return replace(base, reach=facts.Reach.BROKEN, detail=f"{type(exc).__name__}: {exc}")
     finally:
         conn.close()
     if not isinstance(reply, StatsReply):
-        return replace(base, reach=Reach.BROKEN, detail=f"STATS answered with {reply.TYPE.name}")
+        return replace(base, reach=facts.Reach.BROKEN, detail=f"STATS answered with {reply.TYPE.name}")
     pool = reply.node.pool
     return replace(
         base,
-        reach=Reach.ANSWERED,
+        reach=facts.Reach.ANSWERED,
         version=reply.node.version,
         pool_nbytes=pool.capacity_nbytes,
         locked_nbytes=pool.locked_nbytes,
@@ -252,14 +244,14 @@ def _free_nbytes(path: str) -> int | None:
     return vfs.f_bavail * vfs.f_frsize
 
 
-def probe_swap_dir(path: str, user: User, rw_paths: Sequence[str] | None) -> SwapDirFacts:
+def probe_swap_dir(path: str, user: facts.User, rw_paths: Sequence[str] | None) -> facts.SwapDirFacts:
     """Whether this user can write ``path`` and open files there with O_DIRECT (probed only as its owner or
     root: another user's directory is its daemon's to probe), and its free space."""
     from tiermem.engine.swap.engine_select import direct_io_unsupported
 
     entry = entry_of(path)
     covered = None if rw_paths is None else any(is_under(path, p) for p in rw_paths)
-    base = SwapDirFacts(path, entry, probed=False, free_nbytes=_free_nbytes(path), covered=covered)
+    base = facts.SwapDirFacts(path, entry, probed=False, free_nbytes=_free_nbytes(path), covered=covered)
     if entry.unknown:
         return base
     if entry.missing:
@@ -331,8 +323,8 @@ def _dir_problem(path: str) -> str:
 
 
 def gather_kernels(
-    config: ConfigFacts, rw_paths: Sequence[str] | None, env: Mapping[str, str], timeout_s: float
-) -> KernelFacts:
+    config: facts.ConfigFacts, rw_paths: Sequence[str] | None, env: Mapping[str, str], timeout_s: float
+) -> facts.KernelFacts:
     compiler = shutil.which(env.get("CC") or "cc") or ""
     lowbit_built: str | None = ""
     caches: tuple[str, ...] = ()
@@ -359,7 +351,7 @@ def gather_kernels(
     covered = None
     if rw_paths is not None and config.cache_dir:
         covered = any(is_under(config.cache_dir, p) for p in rw_paths)
-    return KernelFacts(
+    return facts.KernelFacts(
         compiler=compiler,
         caches=tuple((d, _dir_problem(d)) for d in caches),
         lowbit_built=lowbit_built or "",
@@ -391,18 +383,20 @@ def scrape_kernels(address: str, port: int, timeout_s: float) -> tuple[tuple[tup
     return tuple(found), ""
 
 
-def gather_torch() -> TorchFacts:
+def gather_torch() -> facts.TorchFacts:
     try:
         import torch
     except Exception as exc:  # a broken install raises anything
-        return TorchFacts("", error=f"{type(exc).__name__}: {exc}")
+        return facts.TorchFacts("", error=f"{type(exc).__name__}: {exc}")
     cuda = torch.version.cuda or ""
     try:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         devices = tuple(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(count))
     except Exception as exc:  # a driver that breaks under the query
-        return TorchFacts(torch.__version__, cuda=cuda, devices=("cuda",), pin_error=f"{type(exc).__name__}: {exc}")
-    return TorchFacts(torch.__version__, cuda=cuda, devices=devices, pin_error=pin_window() if devices else None)
+        return facts.TorchFacts(
+            torch.__version__, cuda=cuda, devices=("cuda",), pin_error=f"{type(exc).__name__}: {exc}"
+        )
+    return facts.TorchFacts(torch.__version__, cuda=cuda, devices=devices, pin_error=pin_window() if devices else None)
 
 
 def pin_window(nbytes: int = _PIN_NBYTES) -> str:
