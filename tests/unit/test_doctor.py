@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tiermem.client import doctor_facts
 from tiermem.client.doctor import (
     Finding,
     Status,
@@ -28,17 +29,7 @@ from tiermem.client.doctor import (
     unreachable,
     unreachable_summary,
 )
-from tiermem.client.doctor_facts import (
-    ConfigFacts,
-    Entry,
-    Facts,
-    KernelFacts,
-    Reach,
-    SocketProbe,
-    SwapDirFacts,
-    TorchFacts,
-    User,
-)
+from tiermem.client.doctor_facts import Entry, Reach, SocketProbe, SwapDirFacts, TorchFacts, User
 from tiermem.core.units import GiB, MiB
 
 ALICE = User(1000, "alice", frozenset({1000}), {1000: "alice"})
@@ -56,23 +47,25 @@ def probe(reach: Reach, detail: str = "", path: str = NODE, **kw: Any) -> Socket
     return SocketProbe(path, "the node's tiermemd", kw.pop("explicit", False), reach, detail, **kw)
 
 
-def facts(**changes: Any) -> Facts:
+def facts(**changes: Any) -> doctor_facts.Facts:
     """A healthy node: the node daemon answers, libaio, an NVMe swap dir, the kernels built, torch on a CPU."""
-    base = Facts(
+    base = doctor_facts.Facts(
         version="0.1.0",
         protocol=8,
         user=ALICE,
         embed=True,
         sockets=(answered(pool_nbytes=8 * GiB, locked_nbytes=8 * GiB),),
         sockets_error="",
-        config=ConfigFacts("/etc/tiermem/tiermemd.toml", socket=NODE, allowed_gids=(999,), pool_nbytes=8 * GiB),
+        config=doctor_facts.ConfigFacts(
+            "/etc/tiermem/tiermemd.toml", socket=NODE, allowed_gids=(999,), pool_nbytes=8 * GiB
+        ),
         swap_dirs=(SwapDirFacts("/mnt/nvme0/tiermem", Entry("/mnt/nvme0/tiermem", 0o40700, 999), probed=False),),
         libaio_error="",
         aio_context_error="",
         memlock_nbytes=8 * MiB,
         cap_ipc_lock=False,
         available_nbytes=64 * GiB,
-        kernels=KernelFacts(
+        kernels=doctor_facts.KernelFacts(
             compiler="/usr/bin/cc",
             caches=(("/home/alice/.cache/tiermem", ""),),
             lowbit_built="/home/alice/.cache/tiermem/lowbit-abc.so",
@@ -220,21 +213,27 @@ def test_missing_libaio_is_buffered_io_unless_the_engine_insists() -> None:
     assert aio.status is Status.WARN and "fs.aio-max-nr" in aio.fix
 
 
+def swap_dir(entry: Entry | None = None, *, probed: bool = True, **found: Any) -> SwapDirFacts:
+    """The swap directory /s as its probe found it: ``entry`` (by default mode 0700, uid 1000) and ``found``."""
+    return SwapDirFacts("/s", entry or Entry("/s", 0o40700, 1000), probed=probed, **found)
+
+
+MISSING_SWAP_DIR = Entry("/s", missing=True)
+
+
 @pytest.mark.parametrize(
     ("swap", "status", "words"),
     [
-        (SwapDirFacts("/s", Entry("/s", 0o40700, 1000), probed=True, free_nbytes=100 * GiB), Status.OK, "O_DIRECT"),
-        (SwapDirFacts("/s", Entry("/s", 0o40500, 1000), probed=True, write_error="Permission denied"), Status.FAIL,
+        (swap_dir(free_nbytes=100 * GiB), Status.OK, "O_DIRECT"),
+        (swap_dir(Entry("/s", 0o40500, 1000), write_error="Permission denied"), Status.FAIL,
          "not writable: Permission denied"),
-        (SwapDirFacts("/s", Entry("/s", 0o40700, 1000), probed=True, direct_io_error="/s does not support O_DIRECT"),
-         Status.WARN, "buffered"),
-        (SwapDirFacts("/s", Entry("/s", 0o40700, 1000), probed=True, free_nbytes=GiB // 2), Status.WARN, "little"),
-        (SwapDirFacts("/s", Entry("/s", missing=True), probed=True), Status.OK, "creates it"),
-        (SwapDirFacts("/s", Entry("/s", missing=True), probed=True, write_error="/ is not writable"), Status.FAIL,
-         "missing"),
-        (SwapDirFacts("/s", Entry("/s", 0o40700, 999, owner_name="tiermem"), probed=False), Status.SKIP,
+        (swap_dir(direct_io_error="/s does not support O_DIRECT"), Status.WARN, "buffered"),
+        (swap_dir(free_nbytes=GiB // 2), Status.WARN, "little"),
+        (swap_dir(MISSING_SWAP_DIR), Status.OK, "creates it"),
+        (swap_dir(MISSING_SWAP_DIR, write_error="/ is not writable"), Status.FAIL, "missing"),
+        (swap_dir(Entry("/s", 0o40700, 999, owner_name="tiermem"), probed=False), Status.SKIP,
          "owned by uid 999 (tiermem)"),
-        (SwapDirFacts("/s", Entry("/s", 0o40700, 1000), probed=True, covered=False), Status.FAIL, "ReadWritePaths"),
+        (swap_dir(covered=False), Status.FAIL, "ReadWritePaths"),
     ],
 )  # fmt: skip
 def test_a_swap_directory_is_judged_by_what_its_probe_found(swap: SwapDirFacts, status: Status, words: str) -> None:
@@ -245,7 +244,7 @@ def test_a_swap_directory_is_judged_by_what_its_probe_found(swap: SwapDirFacts, 
 
 def test_no_odirect_fails_when_the_engine_insists_on_libaio() -> None:
     f = facts()
-    swap = SwapDirFacts("/s", Entry("/s", 0o40700, 1000), probed=True, direct_io_error="no O_DIRECT")
+    swap = swap_dir(direct_io_error="no O_DIRECT")
     assert check_swap_dir(swap, dataclasses.replace(f, config=dataclasses.replace(f.config, engine="libaio"))).status
     assert check_swap_dir(swap, f).status is Status.WARN
 
