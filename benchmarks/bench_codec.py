@@ -42,25 +42,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from tiermem.core import protocol
 from tiermem.core.modes import Placement
-from tiermem.core.protocol import (
-    BucketReady,
-    MemRef,
-    Message,
-    ParamGroup,
-    Register,
-    RegisterOk,
-    Step,
-    StepDone,
-    TensorSlot,
-    TensorSpec,
-    decode_frame,
-    decode_message,
-    decode_payload,
-    encode_frame,
-    encode_message,
-    encode_payload,
-)
 from tiermem.core.protocol.records import (
     DTYPES,
     MAX_DIM,
@@ -87,31 +70,41 @@ BASELINE = "json only"
 # --------------------------------------------------------------------------- the messages
 
 
-def messages() -> list[tuple[str, Message]]:
-    group = ParamGroup(lr=3e-4, weight_decay=0.1)
-    groups = (group, ParamGroup(lr=1e-4, weight_decay=0.0, adamw=False))
+def tensor_slots(count: int) -> tuple[protocol.TensorSlot, ...]:
+    """A REGISTER_OK's ``count`` slots: tensor ``i``'s param at ``i`` x 32 MiB of window 1, one grad buffer."""
+    return tuple(
+        protocol.TensorSlot(
+            i, protocol.MemRef(1, i << 25, 1 << 25), (protocol.MemRef(1, (i << 25) + (1 << 24), 1 << 24),)
+        )
+        for i in range(count)
+    )
+
+
+def messages() -> list[tuple[str, protocol.Message]]:
+    group = protocol.ParamGroup(lr=3e-4, weight_decay=0.1)
+    groups = (group, protocol.ParamGroup(lr=1e-4, weight_decay=0.0, adamw=False))
     tensors = tuple(
-        TensorSpec(f"model.layers.{i // 8}.mlp.w{i % 8}", (4096, 4096), "bfloat16", Placement.AUTO, i % 2)
+        protocol.TensorSpec(f"model.layers.{i // 8}.mlp.w{i % 8}", (4096, 4096), "bfloat16", Placement.AUTO, i % 2)
         for i in range(200)
     )
-    slots = tuple(
-        TensorSlot(i, MemRef(1, i << 25, 1 << 25), (MemRef(1, (i << 25) + (1 << 24), 1 << 24),)) for i in range(200)
-    )
+    slots = tensor_slots(200)
     return [
         (
             "STEP (1 group, clipping, 64 ids)",
-            Step(step=1000, groups=(group,), loss_scale=65536.0, max_grad_norm=1.0, tensor_ids=tuple(range(64))),
+            protocol.Step(
+                step=1000, groups=(group,), loss_scale=65536.0, max_grad_norm=1.0, tensor_ids=tuple(range(64))
+            ),
         ),
         (
             "BUCKET_READY (64 ids, 1 group)",
-            BucketReady(step=1000, attempt=0, bucket=3, tensor_ids=tuple(range(64)), groups=(group,)),
+            protocol.BucketReady(step=1000, attempt=0, bucket=3, tensor_ids=tuple(range(64)), groups=(group,)),
         ),
         (
             "STEP_DONE (2 timings)",
-            StepDone(step=1000, attempt=0, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312))),
+            protocol.StepDone(step=1000, attempt=0, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312))),
         ),
-        ("REGISTER (200 tensors)", Register(tensors=tensors, groups=groups)),
-        ("REGISTER_OK (200 slots)", RegisterOk(slots=slots, storage_nbytes=200 << 25)),
+        ("REGISTER (200 tensors)", protocol.Register(tensors=tensors, groups=groups)),
+        ("REGISTER_OK (200 slots)", protocol.RegisterOk(slots=slots, storage_nbytes=200 << 25)),
     ]
 
 
@@ -246,21 +239,25 @@ def medians_us(fns: dict[Any, Callable[[], object]], runs: int, run_s: float) ->
 Codec = tuple[Callable[[], bytes] | None, Callable[[bytes], Any], Callable[[Any], Any] | None]
 
 
-def codecs(msg: Message) -> dict[str, Codec]:
+def codecs(msg: protocol.Message) -> dict[str, Codec]:
     """name -> (encode this message to a frame (None: as ``declared``), decode a frame, payload dict -> object)."""
     cls, msg_type = type(msg), msg.TYPE
     payload = json.loads(json.dumps(msg.to_payload()))
     spec = cls.__wire__
 
     def json_decode(data: bytes) -> Any:
-        return decode_payload(decode_frame(data).payload)
+        return protocol.decode_payload(protocol.decode_frame(data).payload)
 
     def checked_decode(data: bytes) -> Any:
-        return spec.decode_checked(cls, decode_payload(decode_frame(data).payload))
+        return spec.decode_checked(cls, protocol.decode_payload(protocol.decode_frame(data).payload))
 
     out: dict[str, Codec] = {
-        BASELINE: (lambda: encode_frame(msg_type, 1, encode_payload(payload)), json_decode, None),
-        "declared": (lambda: encode_message(msg, 1), lambda data: decode_message(decode_frame(data)), cls.from_payload),
+        BASELINE: (lambda: protocol.encode_frame(msg_type, 1, protocol.encode_payload(payload)), json_decode, None),
+        "declared": (
+            lambda: protocol.encode_message(msg, 1),
+            lambda data: protocol.decode_message(protocol.decode_frame(data)),
+            cls.from_payload,
+        ),
         "declared, checks only": (None, checked_decode, lambda d: spec.decode_checked(cls, d)),
     }
     if msgspec is not None:
@@ -269,10 +266,10 @@ def codecs(msg: Message) -> dict[str, Codec]:
         mmsg = msgspec.json.decode(json.dumps(payload), type=mtype)
 
         def msgspec_decode(data: bytes) -> Any:
-            return decoder.decode(decode_frame(data).payload)
+            return decoder.decode(protocol.decode_frame(data).payload)
 
         out["msgspec"] = (
-            lambda: encode_frame(msg_type, 1, encoder.encode(mmsg)),
+            lambda: protocol.encode_frame(msg_type, 1, encoder.encode(mmsg)),
             msgspec_decode,
             lambda d: msgspec.convert(d, mtype),
         )
@@ -292,12 +289,12 @@ def measure(runs: int, run_s: float) -> list[dict[str, Any]]:
     rows = []
     for name, msg in messages():
         table = codecs(msg)
-        reference = encode_message(msg, 1)
-        payload = decode_payload(decode_frame(reference).payload)
+        reference = protocol.encode_message(msg, 1)
+        payload = protocol.decode_payload(protocol.decode_frame(reference).payload)
         fns: dict[tuple[str, str], Callable[[], object]] = {}
         for codec, (encode, decode, from_dict) in table.items():
             frame = encode() if encode is not None else reference
-            expected = _plain(decode_message(decode_frame(reference)))
+            expected = _plain(protocol.decode_message(protocol.decode_frame(reference)))
             if _plain(decode(reference)) != expected or _plain(decode(frame)) != expected:
                 raise SystemExit(f"{codec} decodes {name} differently from the declared codec")
             if encode is not None:

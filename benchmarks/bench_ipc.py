@@ -53,46 +53,34 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_codec import run_us
+from bench_codec import run_us, tensor_slots
 
 from tiermem.client.connection import Connection
+from tiermem.core import protocol
 from tiermem.core.errors import ConnectionClosed
-from tiermem.core.protocol import (
-    BucketReady,
-    MemRef,
-    Message,
-    ParamGroup,
-    Ping,
-    Pong,
-    Register,
-    RegisterOk,
-    Step,
-    StepDone,
-    TensorSlot,
-    TensorSpec,
-    decode_frame,
-    decode_message,
-    encode_message,
-)
 from tiermemd.listener import Listener, Peer
 
 ECHO_NBYTES = 64
-STEP = Step(
-    step=1000, attempt=1000, groups=(ParamGroup(lr=3e-4, weight_decay=0.1),), loss_scale=65536.0, max_grad_norm=1.0
+STEP = protocol.Step(
+    step=1000,
+    attempt=1000,
+    groups=(protocol.ParamGroup(lr=3e-4, weight_decay=0.1),),
+    loss_scale=65536.0,
+    max_grad_norm=1.0,
 )
-STEP_DONE = StepDone(step=1000, attempt=1000, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312)))
+STEP_DONE = protocol.StepDone(step=1000, attempt=1000, grad_norm=0.8731, timings=(("wait", 1.2e-4), ("update", 0.0312)))
 
 
 # --------------------------------------------------------------------------- servers (run in a child process)
 
 
-def handle(msg: Message) -> Message:
-    return STEP_DONE if isinstance(msg, Step) else Pong()
+def handle(msg: protocol.Message) -> protocol.Message:
+    return STEP_DONE if isinstance(msg, protocol.Step) else protocol.Pong()
 
 
 def reply_to(raw: bytes) -> bytes:
-    frame = decode_frame(raw)
-    return encode_message(handle(decode_message(frame)), frame.request_id)
+    frame = protocol.decode_frame(raw)
+    return protocol.encode_message(handle(protocol.decode_message(frame)), frame.request_id)
 
 
 def serve_blocking_echo(path: str, kind: int) -> None:
@@ -138,9 +126,9 @@ async def serve_asyncio_streams(path: str) -> None:
     await asyncio.Event().wait()
 
 
-async def serve_reader(path: str, protocol: bool) -> None:
+async def serve_reader(path: str, framed: bool) -> None:
     loop = asyncio.get_running_loop()
-    if protocol:
+    if framed:
         lst = Listener.bind(path, mode=0o600)
         lst.sock.setblocking(False)
     else:
@@ -150,7 +138,7 @@ async def serve_reader(path: str, protocol: bool) -> None:
         raw_lst.setblocking(False)
 
     def on_accept() -> None:
-        if protocol:
+        if framed:
             peer = lst.accept()
             peer.set_blocking(False)
             loop.add_reader(peer.fileno(), on_peer, peer)
@@ -181,7 +169,7 @@ async def serve_reader(path: str, protocol: bool) -> None:
             return
         peer.send(reply_to(raw))
 
-    loop.add_reader(lst.fileno() if protocol else raw_lst.fileno(), on_accept)
+    loop.add_reader(lst.fileno() if framed else raw_lst.fileno(), on_accept)
     print("ready", flush=True)
     await asyncio.Event().wait()
 
@@ -210,11 +198,11 @@ def run_server(mode: str, path: str) -> None:
     elif mode == "asyncio-streams":
         asyncio.run(serve_asyncio_streams(path))
     elif mode in ("asyncio-reader", "proto-asyncio"):
-        asyncio.run(serve_reader(path, protocol=mode.startswith("proto")))
+        asyncio.run(serve_reader(path, framed=mode.startswith("proto")))
     elif mode in ("uvloop-reader", "proto-uvloop"):
         import uvloop
 
-        uvloop.run(serve_reader(path, protocol=mode.startswith("proto")))
+        uvloop.run(serve_reader(path, framed=mode.startswith("proto")))
     elif mode == "proto-thread":
         serve_proto_threads(path)
     else:
@@ -255,7 +243,7 @@ def echo_client(path: str, kind: int) -> tuple[Callable[[], object], Callable[[]
     return one, sock.close
 
 
-def proto_client(path: str, msg: Message) -> tuple[Callable[[], object], Callable[[], None]]:
+def proto_client(path: str, msg: protocol.Message) -> tuple[Callable[[], object], Callable[[], None]]:
     conn = Connection.open(path, timeout_s=30)
     return (lambda: conn.request(msg)), conn.close
 
@@ -266,11 +254,11 @@ CASES: list[tuple[str, str, Callable[[str], tuple[Callable[[], object], Callable
     ("echo asyncio streams", "asyncio-streams", lambda p: echo_client(p, socket.SOCK_STREAM)),
     ("echo asyncio reader", "asyncio-reader", lambda p: echo_client(p, socket.SOCK_SEQPACKET)),
     ("echo uvloop reader", "uvloop-reader", lambda p: echo_client(p, socket.SOCK_SEQPACKET)),
-    ("proto thread PING", "proto-thread", lambda p: proto_client(p, Ping())),
+    ("proto thread PING", "proto-thread", lambda p: proto_client(p, protocol.Ping())),
     ("proto thread STEP", "proto-thread", lambda p: proto_client(p, STEP)),
-    ("proto asyncio PING", "proto-asyncio", lambda p: proto_client(p, Ping())),
+    ("proto asyncio PING", "proto-asyncio", lambda p: proto_client(p, protocol.Ping())),
     ("proto asyncio STEP", "proto-asyncio", lambda p: proto_client(p, STEP)),
-    ("proto uvloop PING", "proto-uvloop", lambda p: proto_client(p, Ping())),
+    ("proto uvloop PING", "proto-uvloop", lambda p: proto_client(p, protocol.Ping())),
     ("proto uvloop STEP", "proto-uvloop", lambda p: proto_client(p, STEP)),
 ]
 BASELINE = "echo seqpacket blocking"
@@ -322,7 +310,7 @@ def start_daemon() -> tuple[Any, str] | None:
 def measure_round_trips(requests: int, repeats: int, only: str = "", daemon: bool = True) -> list[dict[str, Any]]:
     cases = [c for c in CASES if have_uvloop() or "uvloop" not in c[1]]
     if daemon:
-        cases.append((DAEMON_CASE, "tiermemd", lambda p: proto_client(p, Ping())))
+        cases.append((DAEMON_CASE, "tiermemd", lambda p: proto_client(p, protocol.Ping())))
     if only:
         cases = [c for c in cases if c[0] == BASELINE or any(word in c[0] for word in only.split(","))]
     modes = [m for m in dict.fromkeys(mode for _, mode, _ in cases) if m != "tiermemd"]
@@ -361,21 +349,20 @@ def measure_round_trips(requests: int, repeats: int, only: str = "", daemon: boo
 # --------------------------------------------------------------------------- codec cost
 
 
-def codec_cases() -> list[tuple[str, Message]]:
-    tensors = tuple(TensorSpec(f"model.layers.{i // 8}.mlp.w{i % 8}", (4096, 4096), "bfloat16") for i in range(1000))
-    slots = tuple(
-        TensorSlot(i, MemRef(1, i << 25, 1 << 25), (MemRef(1, (i << 25) + (1 << 24), 1 << 24),)) for i in range(1000)
+def codec_cases() -> list[tuple[str, protocol.Message]]:
+    tensors = tuple(
+        protocol.TensorSpec(f"model.layers.{i // 8}.mlp.w{i % 8}", (4096, 4096), "bfloat16") for i in range(1000)
     )
     return [
-        ("PING", Ping()),
+        ("PING", protocol.Ping()),
         ("STEP (1 group, clipping)", STEP),
         ("STEP_DONE (2 timings)", STEP_DONE),
         (
             "BUCKET_READY (64 tensor ids)",
-            BucketReady(step=1000, attempt=1000, bucket=3, tensor_ids=tuple(range(64)), groups=STEP.groups),
+            protocol.BucketReady(step=1000, attempt=1000, bucket=3, tensor_ids=tuple(range(64)), groups=STEP.groups),
         ),
-        ("REGISTER (1000 tensors)", Register(tensors=tensors, groups=(ParamGroup(lr=3e-4),))),
-        ("REGISTER_OK (1000 slots)", RegisterOk(slots=slots)),
+        ("REGISTER (1000 tensors)", protocol.Register(tensors=tensors, groups=(protocol.ParamGroup(lr=3e-4),))),
+        ("REGISTER_OK (1000 slots)", protocol.RegisterOk(slots=tensor_slots(1000))),
     ]
 
 
@@ -388,15 +375,15 @@ def per_call_us(fn: Callable[[], object], runs: int = 7, run_s: float = 0.05) ->
 def measure_codec() -> list[dict[str, Any]]:
     rows = []
     for name, msg in codec_cases():
-        data = encode_message(msg, 1)
+        data = protocol.encode_message(msg, 1)
         payload = msg.to_payload()
         packed = marshal.dumps(payload)
         rows.append(
             {
                 "message": name,
                 "frame_bytes": len(data),
-                "encode_us": per_call_us(lambda m=msg: encode_message(m, 1)),
-                "decode_us": per_call_us(lambda d=data: decode_message(decode_frame(d))),
+                "encode_us": per_call_us(lambda m=msg: protocol.encode_message(m, 1)),
+                "decode_us": per_call_us(lambda d=data: protocol.decode_message(protocol.decode_frame(d))),
                 "marshal_round_trip_us": per_call_us(lambda p=payload, b=packed: (marshal.dumps(p), marshal.loads(b))),
             }
         )
