@@ -32,11 +32,12 @@ submission order.
 from __future__ import annotations
 
 import collections
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Concatenate, NamedTuple, ParamSpec, Protocol
 
 import torch
 
@@ -122,6 +123,21 @@ def adopt_edits(master: torch.Tensor, params: torch.Tensor) -> int:
     return count
 
 
+_P = ParamSpec("_P")
+
+
+def _pipelined(
+    run: Callable[Concatenate[UpdateRunner, _P], None],
+) -> Callable[Concatenate[UpdateRunner, _P], Future[None]]:
+    """The queued form of ``run``: the same arguments, run on the rank's pipeline thread."""
+
+    def submit(self: UpdateRunner, /, *args: _P.args, **kwargs: _P.kwargs) -> Future[None]:
+        """``run`` on the rank's pipeline thread, after what was submitted before."""
+        return self._on_pipeline(functools.partial(run, self, *args, **kwargs))
+
+    return submit
+
+
 class UpdateRunner:
     def __init__(self, kernel: AdamKernel, scheduler: CpuScheduler, tenant: str) -> None:
         self.kernel = kernel
@@ -191,25 +207,17 @@ class UpdateRunner:
         self.updates += 1 if pieces else 0
         self.updated_elements += sum(piece.hi - piece.lo for piece in pieces)
 
-    def submit(
-        self,
-        state: StateChunks,
-        pieces: Sequence[Piece],
-        target: UpdateTarget,
-        grad_scale: float,
-        *,
-        consume: bool = False,
-    ) -> Future[None]:
-        """``run`` on the rank's pipeline thread, after what was submitted before."""
+    submit = _pipelined(run)
+
+    def _on_pipeline(self, call: Callable[[], None]) -> Future[None]:
+        """``call`` on the rank's pipeline thread, after what was submitted before."""
         if self._pipeline is None:
             self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{self.tenant}")
-        return self._pipeline.submit(self._tracked_run, state, list(pieces), target, grad_scale, consume)
+        return self._pipeline.submit(self._tracked, call)
 
-    def _tracked_run(
-        self, state: StateChunks, pieces: Sequence[Piece], target: UpdateTarget, grad_scale: float, consume: bool
-    ) -> None:
+    def _tracked(self, call: Callable[[], None]) -> None:
         with health.track(f"tiermem-{self.tenant} pipeline"):
-            self.run(state, pieces, target, grad_scale, consume=consume)
+            call()
 
     def install(self, state: StateChunks, ranges: Sequence[tuple[int, int, int]], params: torch.Tensor) -> None:
         """Cast the master of ``(chunk, lo, hi)`` ranges into the storage params."""
