@@ -14,48 +14,10 @@ from hypothesis import strategies as st
 from stats_samples import sample_reply
 from wire_strategies import mutated, shape, valid
 
+from tiermem.core import protocol
 from tiermem.core.errors import ProtocolError
 from tiermem.core.modes import Exchange, Placement
-from tiermem.core.protocol import (
-    DTYPES,
-    HEADER_NBYTES,
-    MESSAGE_CLASSES,
-    STATE_KEYS,
-    Abort,
-    Aborted,
-    Attach,
-    AttachOk,
-    BucketReady,
-    Detach,
-    ErrorReply,
-    FetchParams,
-    Frame,
-    MemRef,
-    Message,
-    MsgType,
-    Ok,
-    ParamGroup,
-    ParamsReady,
-    Ping,
-    Pong,
-    Register,
-    RegisterOk,
-    StateChunk,
-    StateRead,
-    StateReadMany,
-    StateReset,
-    StateSpans,
-    StateWrite,
-    StateWriteMany,
-    Stats,
-    Step,
-    StepDone,
-    TensorSlot,
-    TensorSpec,
-    decode_frame,
-    decode_message,
-    encode_message,
-)
+from tiermem.core.protocol import Message, MsgType, decode_frame, decode_message, encode_message
 from tiermem.core.protocol.fields import FieldError
 from tiermem.core.protocol.step import StateSpan, WriteSpan
 
@@ -68,10 +30,12 @@ job_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,30}", fullmatch=True)
 nonneg = st.floats(0.0, 1e6, allow_nan=False, allow_infinity=False)
 positive = st.floats(1e-12, 1e9, allow_nan=False, allow_infinity=False)
 unit = st.floats(0.0, 1.0, exclude_max=True)
-memref = st.builds(MemRef, st.integers(0, 0xFFFFFFFF), u64, u64)
+state_key = st.sampled_from(protocol.STATE_KEYS)
+dtype_name = st.sampled_from(protocol.DTYPES)
+memref = st.builds(protocol.MemRef, st.integers(0, 0xFFFFFFFF), u64, u64)
 
 param_group = st.builds(
-    ParamGroup,
+    protocol.ParamGroup,
     lr=nonneg,
     betas=st.tuples(unit, unit),
     eps=nonneg,
@@ -80,38 +44,40 @@ param_group = st.builds(
     maximize=st.booleans(),
 )
 tensor_spec = st.builds(
-    TensorSpec,
+    protocol.TensorSpec,
     name=names,
     shape=st.lists(st.integers(0, (1 << 48) - 1), max_size=16).map(tuple),
-    dtype=st.sampled_from(DTYPES),
+    dtype=dtype_name,
     placement=st.sampled_from(Placement),
     group=st.just(0),
 )
 
 
 @st.composite
-def registers(draw: st.DrawFn) -> Register:
+def registers(draw: st.DrawFn) -> protocol.Register:
     groups = tuple(draw(st.lists(param_group, min_size=1, max_size=3)))
     specs = draw(st.lists(tensor_spec, max_size=5, unique_by=lambda t: t.name))
     tensors = tuple(
-        TensorSpec(t.name, t.shape, t.dtype, t.placement, draw(st.integers(0, len(groups) - 1))) for t in specs
+        protocol.TensorSpec(t.name, t.shape, t.dtype, t.placement, draw(st.integers(0, len(groups) - 1))) for t in specs
     )
-    return Register(tensors, groups, draw(st.integers(1, 2)), Exchange.SHARED)
+    return protocol.Register(tensors, groups, draw(st.integers(1, 2)), Exchange.SHARED)
 
 
 @st.composite
-def state_chunks(draw: st.DrawFn) -> StateChunk:
+def state_chunks(draw: st.DrawFn) -> protocol.StateChunk:
     total = draw(u64)
     offset = draw(st.integers(0, total))
     nbytes = draw(st.integers(0, total - offset))
-    return StateChunk(draw(tensor_id), draw(st.sampled_from(STATE_KEYS)), offset, nbytes, total, draw(step_no))
+    return protocol.StateChunk(draw(tensor_id), draw(state_key), offset, nbytes, total, draw(step_no))
 
 
 @st.composite
-def attaches(draw: st.DrawFn) -> Attach:
+def attaches(draw: st.DrawFn) -> protocol.Attach:
     world = draw(st.integers(1, 1 << 20))
     token = draw(st.none() | st.text(max_size=128))
-    return Attach(draw(job_ids), draw(st.integers(0, world - 1)), world, draw(st.integers(1, (1 << 56) - 1)), token)
+    return protocol.Attach(
+        draw(job_ids), draw(st.integers(0, world - 1)), world, draw(st.integers(1, (1 << 56) - 1)), token
+    )
 
 
 scalar = st.none() | st.booleans() | st.integers(-(1 << 60), 1 << 60) | st.text(max_size=20) | nonneg
@@ -120,7 +86,7 @@ wire_key = st.text(max_size=20)
 STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
     MsgType.ATTACH: attaches(),
     MsgType.ATTACH_OK: st.builds(
-        AttachOk,
+        protocol.AttachOk,
         job_token=st.text(max_size=128),
         window_id=st.integers(0, 0xFFFFFFFF),
         window_nbytes=st.integers(1, (1 << 56) - 1),
@@ -130,16 +96,17 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
     ),
     MsgType.REGISTER: registers(),
     MsgType.REGISTER_OK: st.builds(
-        RegisterOk,
+        protocol.RegisterOk,
         st.lists(
-            st.builds(TensorSlot, tensor_id, memref, st.lists(memref, min_size=1, max_size=2).map(tuple)), max_size=5
+            st.builds(protocol.TensorSlot, tensor_id, memref, st.lists(memref, min_size=1, max_size=2).map(tuple)),
+            max_size=5,
         ).map(tuple),
         st.sampled_from([Placement.CPU, Placement.NVME]),
-        st.sampled_from([("exp_avg", "exp_avg_sq"), STATE_KEYS]),
+        st.sampled_from([("exp_avg", "exp_avg_sq"), protocol.STATE_KEYS]),
         u64,
     ),
     MsgType.STEP: st.builds(
-        Step,
+        protocol.Step,
         step=step_no,
         groups=st.lists(param_group, max_size=3).map(tuple),
         loss_scale=positive,
@@ -152,7 +119,7 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
         grad_buffer=st.integers(0, 1),
     ),
     MsgType.BUCKET_READY: st.builds(
-        BucketReady,
+        protocol.BucketReady,
         step=step_no,
         attempt=step_no,
         bucket=st.integers(0, 1 << 20),
@@ -160,11 +127,11 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
         grad_buffer=st.integers(0, 1),
         groups=st.lists(param_group, min_size=1, max_size=3).map(tuple),
     ),
-    MsgType.ABORT: st.builds(Abort, step_no, step_no),
-    MsgType.ABORTED: st.builds(Aborted, step_no, step_no, step_no, st.integers(0, 1 << 20)),
-    MsgType.STATE_RESET: st.builds(StateReset, ids),
+    MsgType.ABORT: st.builds(protocol.Abort, step_no, step_no),
+    MsgType.ABORTED: st.builds(protocol.Aborted, step_no, step_no, step_no, st.integers(0, 1 << 20)),
+    MsgType.STATE_RESET: st.builds(protocol.StateReset, ids),
     MsgType.STEP_DONE: st.builds(
-        StepDone,
+        protocol.StepDone,
         step=step_no,
         attempt=step_no,
         skipped=st.booleans(),
@@ -174,39 +141,39 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
         params_ready=st.booleans(),
         timings=st.dictionaries(st.text(max_size=20), nonneg, max_size=5).map(lambda d: tuple(d.items())),
     ),
-    MsgType.FETCH_PARAMS: st.builds(FetchParams, step_no, ids),
-    MsgType.PARAMS_READY: st.builds(ParamsReady, step_no, ids),
-    MsgType.STATE_READ: st.builds(StateRead, tensor_id, st.sampled_from(STATE_KEYS), u64, memref),
+    MsgType.FETCH_PARAMS: st.builds(protocol.FetchParams, step_no, ids),
+    MsgType.PARAMS_READY: st.builds(protocol.ParamsReady, step_no, ids),
+    MsgType.STATE_READ: st.builds(protocol.StateRead, tensor_id, state_key, u64, memref),
     MsgType.STATE_CHUNK: state_chunks(),
-    MsgType.STATE_WRITE: st.builds(StateWrite, tensor_id, st.sampled_from(STATE_KEYS), u64, memref, step_no),
+    MsgType.STATE_WRITE: st.builds(protocol.StateWrite, tensor_id, state_key, u64, memref, step_no),
     MsgType.STATE_READ_MANY: st.lists(
-        st.builds(StateSpan, tensor_id, st.sampled_from(STATE_KEYS), u64, memref, st.sampled_from(DTYPES)),
+        st.builds(StateSpan, tensor_id, state_key, u64, memref, dtype_name),
         min_size=1,
         max_size=4,
-    ).map(lambda spans: StateReadMany(spans=tuple(spans))),
-    MsgType.STATE_SPANS: st.lists(step_no, max_size=4).map(lambda steps: StateSpans(steps=tuple(steps))),
+    ).map(lambda spans: protocol.StateReadMany(spans=tuple(spans))),
+    MsgType.STATE_SPANS: st.lists(step_no, max_size=4).map(lambda steps: protocol.StateSpans(steps=tuple(steps))),
     MsgType.STATE_WRITE_MANY: st.lists(
         st.builds(
             WriteSpan,
             tensor_id,
-            st.sampled_from(STATE_KEYS),
+            state_key,
             u64,
             memref,
             step_no,
             st.booleans(),
-            st.sampled_from(DTYPES),
+            dtype_name,
         ),
         min_size=1,
         max_size=4,
-    ).map(lambda spans: StateWriteMany(spans=tuple(spans))),
-    MsgType.STATS: st.just(Stats()),
+    ).map(lambda spans: protocol.StateWriteMany(spans=tuple(spans))),
+    MsgType.STATS: st.just(protocol.Stats()),
     MsgType.STATS_REPLY: st.integers(0, 1 << 60).map(lambda n: sample_reply(jobs=n)),
-    MsgType.DETACH: st.builds(Detach, st.booleans()),
-    MsgType.PING: st.just(Ping()),
-    MsgType.PONG: st.just(Pong()),
-    MsgType.OK: st.just(Ok()),
+    MsgType.DETACH: st.builds(protocol.Detach, st.booleans()),
+    MsgType.PING: st.just(protocol.Ping()),
+    MsgType.PONG: st.just(protocol.Pong()),
+    MsgType.OK: st.just(protocol.Ok()),
     MsgType.ERROR: st.builds(
-        ErrorReply,
+        protocol.ErrorReply,
         kind=st.from_regex(r"[A-Za-z][A-Za-z0-9]{0,30}", fullmatch=True),
         message=st.text(max_size=200),
         fields=st.dictionaries(wire_key, scalar | st.lists(scalar, max_size=4), max_size=4).map(
@@ -217,7 +184,7 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
 
 
 def test_every_message_type_has_a_strategy():
-    assert set(STRATEGIES) == set(MESSAGE_CLASSES)
+    assert set(STRATEGIES) == set(protocol.MESSAGE_CLASSES)
 
 
 @settings(max_examples=500)
@@ -245,7 +212,11 @@ def test_random_bytes_raise_only_protocol_error(data: bytes):
 @given(st.sampled_from(list(MsgType)), st.binary(max_size=300))
 def test_random_payload_under_valid_header_raises_only_protocol_error(msg_type: MsgType, payload: bytes):
     decode_all(
-        encode_message(Ping(), 1)[:3] + bytes([msg_type]) + b"\0" * 8 + len(payload).to_bytes(4, "little") + payload
+        encode_message(protocol.Ping(), 1)[:3]
+        + bytes([msg_type])
+        + b"\0" * 8
+        + len(payload).to_bytes(4, "little")
+        + payload
     )
 
 
@@ -285,7 +256,7 @@ def near_valid_payloads(draw: st.DrawFn, types: tuple[MsgType, ...] = tuple(STRA
 def test_wrong_field_values_raise_only_protocol_error(case: tuple[MsgType, dict]):
     msg_type, payload = case
     try:
-        msg = decode_message(Frame(msg_type, 1, json.dumps(payload).encode()))
+        msg = decode_message(protocol.Frame(msg_type, 1, json.dumps(payload).encode()))
     except ProtocolError:
         return
     # Accepted: it must then be a well-formed message that round-trips.
@@ -312,9 +283,9 @@ def test_mutated_frames_raise_only_protocol_error(msg: Message, data: st.DataObj
 
 def test_float_fields_reject_non_finite_where_they_must_be_finite():
     for value in (math.inf, -math.inf, math.nan):
-        payload = dict(Step(step=1).to_payload(), loss_scale=value)
+        payload = dict(protocol.Step(step=1).to_payload(), loss_scale=value)
         try:
-            decode_message(Frame(MsgType.STEP, 1, json.dumps(payload).encode()))
+            decode_message(protocol.Frame(MsgType.STEP, 1, json.dumps(payload).encode()))
         except ProtocolError as exc:
             assert "loss_scale" in str(exc)
         else:
@@ -322,7 +293,7 @@ def test_float_fields_reject_non_finite_where_they_must_be_finite():
 
 
 def test_header_size_is_sixteen():
-    assert HEADER_NBYTES == 16
+    assert protocol.HEADER_NBYTES == 16
 
 
 def _outcome(decode: Callable[[], Any]) -> tuple[str, Any]:
@@ -333,7 +304,7 @@ def _outcome(decode: Callable[[], Any]) -> tuple[str, Any]:
     return "ok", shape(obj)
 
 
-@pytest.mark.parametrize("cls", list(MESSAGE_CLASSES.values()), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", list(protocol.MESSAGE_CLASSES.values()), ids=lambda c: c.__name__)
 @settings(max_examples=60)
 @given(st.data())
 def test_generated_decoder_agrees_with_the_interpreted_checks(cls: type[Message], data: st.DataObject):
