@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from tiermem.client.connection import DEFAULT_TIMEOUT_S, Connection, connect_trusted
+from tiermem.core import protocol
 from tiermem.core.config import default_runtime_dir
 from tiermem.core.errors import (
     ConfigError,
@@ -69,29 +70,6 @@ from tiermem.core.errors import (
     UnsafePathError,
 )
 from tiermem.core.modes import Exchange
-from tiermem.core.protocol import (
-    Abort,
-    Aborted,
-    Attach,
-    AttachOk,
-    BucketReady,
-    Detach,
-    FetchParams,
-    MemRef,
-    Message,
-    ParamGroup,
-    Register,
-    RegisterOk,
-    StateChunk,
-    StateRead,
-    StateReset,
-    StateWrite,
-    Stats,
-    StatsReply,
-    Step,
-    StepDone,
-    TensorSpec,
-)
 from tiermem.core.units import GiB, format_size
 from tiermem.net import privatedir
 from tiermem.net.sockpath import SocketCandidate, Trust, socket_candidates
@@ -361,7 +339,7 @@ class Client:
     ) -> AttachInfo:
         """``create``: ``token`` was agreed by the job's ranks; the first of them to attach creates the job."""
         reply, fds = self.conn.request_fds(
-            Attach(
+            protocol.Attach(
                 job_id=job_id,
                 rank=rank,
                 world_size=world_size,
@@ -370,7 +348,7 @@ class Client:
                 create=create,
             )
         )
-        if not isinstance(reply, AttachOk) or len(fds) != 1:
+        if not isinstance(reply, protocol.AttachOk) or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
             raise ProtocolError(f"expected ATTACH_OK with one window fd, got {type(reply).__name__} with {len(fds)}")
@@ -393,23 +371,23 @@ class Client:
 
     def register(
         self,
-        tensors: Sequence[TensorSpec],
-        groups: Sequence[ParamGroup],
+        tensors: Sequence[protocol.TensorSpec],
+        groups: Sequence[protocol.ParamGroup],
         *,
         grad_buffers: int = 1,
         exchange: Exchange | str = Exchange.SHARED,
         grads_in_state: bool = False,
         state_dtype: str = "fp32",
-    ) -> RegisterOk:
+    ) -> protocol.RegisterOk:
         """Register the tensors; the daemon's plan comes back and, with the shared exchange, its shared storage
         is mapped as ``storage``.  ``state_dtype``: how the daemon stores the moments (``fp32``, ``bf16``,
         ``int8``); ``exchange``: an ``Exchange`` or its wire spelling."""
         exchange = Exchange.parse(exchange, "exchange")
         reply, fds = self.conn.request_fds(
-            Register(tuple(tensors), tuple(groups), grad_buffers, exchange, grads_in_state, state_dtype)
+            protocol.Register(tuple(tensors), tuple(groups), grad_buffers, exchange, grads_in_state, state_dtype)
         )
         want = 1 if exchange is Exchange.SHARED else 0
-        if not isinstance(reply, RegisterOk) or len(fds) != want:
+        if not isinstance(reply, protocol.RegisterOk) or len(fds) != want:
             for fd in fds:
                 os.close(fd)
             raise ProtocolError(
@@ -450,12 +428,12 @@ class Client:
         attempt: int,
         bucket: int,
         tensor_ids: Sequence[int],
-        groups: Sequence[ParamGroup],
+        groups: Sequence[protocol.ParamGroup],
         grad_buffer: int = 0,
     ) -> None:
         """Tell the daemon a bucket's grads are final: it updates them now (the overlapped update)."""
         self.conn.send_oneway(
-            BucketReady(
+            protocol.BucketReady(
                 step=step,
                 attempt=attempt,
                 bucket=bucket,
@@ -465,51 +443,51 @@ class Client:
             )
         )
 
-    def abort(self, step: int, attempt: int) -> Aborted:
-        reply = self.conn.request(Abort(step=step, attempt=attempt))
-        if not isinstance(reply, Aborted):
+    def abort(self, step: int, attempt: int) -> protocol.Aborted:
+        reply = self.conn.request(protocol.Abort(step=step, attempt=attempt))
+        if not isinstance(reply, protocol.Aborted):
             raise ProtocolError(f"expected ABORTED, got {type(reply).__name__}")
         return reply
 
     def reset_state(self, tensor_ids: Sequence[int] = ()) -> None:
-        self.conn.request(StateReset(tensor_ids=tuple(tensor_ids)))
+        self.conn.request(protocol.StateReset(tensor_ids=tuple(tensor_ids)))
 
-    def step(self, msg: Step) -> StepDone:
+    def step(self, msg: protocol.Step) -> protocol.StepDone:
         reply = self.conn.request(msg)
-        if not isinstance(reply, StepDone):
+        if not isinstance(reply, protocol.StepDone):
             raise ProtocolError(f"expected STEP_DONE, got {type(reply).__name__}")
         return reply
 
     def fetch_params(self, tensor_ids: Sequence[int] = ()) -> int:
         """Have the daemon write current params into their slots; returns the step they are from."""
-        reply = self.conn.request(FetchParams(step=0, tensor_ids=tuple(tensor_ids)))
+        reply = self.conn.request(protocol.FetchParams(step=0, tensor_ids=tuple(tensor_ids)))
         return int(reply.step)  # type: ignore[attr-defined]
 
-    def read_state(self, tensor_id: int, key: str, offset: int, dest: MemRef) -> StateChunk:
-        reply = self.conn.request(StateRead(tensor_id=tensor_id, key=key, offset=offset, dest=dest))
-        if not isinstance(reply, StateChunk):
+    def read_state(self, tensor_id: int, key: str, offset: int, dest: protocol.MemRef) -> protocol.StateChunk:
+        reply = self.conn.request(protocol.StateRead(tensor_id=tensor_id, key=key, offset=offset, dest=dest))
+        if not isinstance(reply, protocol.StateChunk):
             raise ProtocolError(f"expected STATE_CHUNK, got {type(reply).__name__}")
         return reply
 
     def write_state(
-        self, tensor_id: int, key: str, offset: int, src: MemRef, step: int, *, accumulate: bool = False
+        self, tensor_id: int, key: str, offset: int, src: protocol.MemRef, step: int, *, accumulate: bool = False
     ) -> None:
         self.conn.request(
-            StateWrite(tensor_id=tensor_id, key=key, offset=offset, src=src, step=step, accumulate=accumulate)
+            protocol.StateWrite(tensor_id=tensor_id, key=key, offset=offset, src=src, step=step, accumulate=accumulate)
         )
 
-    def stats(self) -> StatsReply:
+    def stats(self) -> protocol.StatsReply:
         """The daemon's figures: the node, the jobs this uid may see, and this connection's rank (once attached)."""
-        reply = self.conn.request(Stats())
-        if not isinstance(reply, StatsReply):
+        reply = self.conn.request(protocol.Stats())
+        if not isinstance(reply, protocol.StatsReply):
             raise ProtocolError(f"expected STATS_REPLY, got {type(reply).__name__}")
         return reply
 
-    def request(self, msg: Message) -> Message:
+    def request(self, msg: protocol.Message) -> protocol.Message:
         return self.conn.request(msg)
 
     def detach(self, *, keep_state: bool = False) -> None:
-        self.conn.request(Detach(keep_state=keep_state))
+        self.conn.request(protocol.Detach(keep_state=keep_state))
         self._unmap()
 
     def _unmap(self) -> None:
