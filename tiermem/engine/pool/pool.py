@@ -24,7 +24,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar, overload
 
 import psutil
 
@@ -49,6 +49,24 @@ def auto_pool_size(alignment: int = PAGE_SIZE) -> int:
     """Half of the memory available now, rounded down to ``alignment`` (``pool.size = 0``)."""
     half = int(psutil.virtual_memory().available) // 2
     return half - half % alignment
+
+
+_T = TypeVar("_T")
+
+
+class _Figure(Generic[_T]):
+    """A read-only attribute of a ``BufferPool``: one figure of a fresh ``stats()`` snapshot."""
+
+    def __init__(self, read: Callable[[PoolStats], _T], doc: str | None = None) -> None:
+        self._read = read
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, pool: None, owner: type) -> _Figure[_T]: ...
+    @overload
+    def __get__(self, pool: BufferPool, owner: type) -> _T: ...
+    def __get__(self, pool: BufferPool | None, owner: type) -> _Figure[_T] | _T:
+        return self if pool is None else self._read(pool.stats())
 
 
 class BufferPool:
@@ -235,38 +253,15 @@ class BufferPool:
             combined = PoolStats.combine([a.stats() for a in self._allocators])
         return dataclasses.replace(combined, locked=sum(a.nbytes for a in self._arenas if a.locked))
 
-    @property
-    def capacity(self) -> int:
-        return self.stats().capacity
-
-    @property
-    def used(self) -> int:
-        return self.stats().used
-
-    @property
-    def free_bytes(self) -> int:
-        """Bytes not in any live block (``free`` is the method that returns a block)."""
-        return self.stats().free
-
-    @property
-    def largest_free(self) -> int:
-        return self.stats().largest_free
-
-    @property
-    def fragmentation(self) -> float:
-        return self.stats().fragmentation
-
-    @property
-    def blocks(self) -> int:
-        return self.stats().blocks
-
-    @property
-    def compactions(self) -> int:
-        return self.stats().compactions
-
-    @property
-    def bytes_moved(self) -> int:
-        return self.stats().bytes_moved
+    # Figures of a fresh ``stats()`` each: read ``stats()`` once for several that must agree.
+    capacity = _Figure(lambda s: s.capacity)
+    used = _Figure(lambda s: s.used)
+    free_bytes = _Figure(lambda s: s.free, "Bytes not in any live block (``free`` is the method that returns a block).")
+    largest_free = _Figure(lambda s: s.largest_free)
+    fragmentation = _Figure(lambda s: s.fragmentation)
+    blocks = _Figure(lambda s: s.blocks)
+    compactions = _Figure(lambda s: s.compactions)
+    bytes_moved = _Figure(lambda s: s.bytes_moved)
 
     @property
     def allocators(self) -> list[Allocator]:
