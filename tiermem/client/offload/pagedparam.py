@@ -9,6 +9,8 @@ only through ``move``, which refuses illegal transitions::
 ``BufferCache`` keeps released device buffers for the next fetch of the same
 size and dtype (ZeRO-R's constant, reused buffers).  ``GradUnits`` groups the
 landed grads by submodule: one push per submodule, in an order the model fixes.
+``PagerRecords`` declares the tables over these records that the parts of
+``ParamPager`` share.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -26,7 +28,11 @@ from torch import nn
 from tiermem.core.errors import InvalidState
 from tiermem.core.units import format_size
 
-__all__ = ["BufferCache", "GradUnits", "PagedParam", "Residency", "SavedParam"]
+if TYPE_CHECKING:
+    from tiermem.client.offload.copies import ParamCopies
+    from tiermem.client.offload.transfer import StateTransfer
+
+__all__ = ["BufferCache", "GradUnits", "PagedParam", "PagerRecords", "Residency", "SavedParam"]
 
 T = TypeVar("T")
 
@@ -98,6 +104,29 @@ class SavedParam:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+
+
+class PagerRecords:
+    """The state the parts of ``ParamPager`` (``PageUses``, ``PageIO``, ``PagedState``) share, declared once;
+    ``ParamPager.__init__`` sets it."""
+
+    entries: list[PagedParam]
+    """One per paged tensor, in the optimizer's order (``PagedParam.index``)."""
+    transfer: StateTransfer
+    copies: ParamCopies
+    budget: int
+    """Bytes of params the device may hold (``device_budget``)."""
+    nbytes: int
+    """Bytes of params on the device or being fetched into it."""
+    peak_nbytes: int
+    _by_param: dict[int, PagedParam]
+    """By ``id`` of the model's param."""
+    _by_storage: dict[int, PagedParam]
+    """The resident ones, by their device data's storage pointer (a tensor torch hands back finds its param)."""
+    _present: dict[int, PagedParam]
+    """The ones fetching or resident, by index."""
+    _upcoming: set[int]
+    """Indices of the params the next uses need (``prefetch`` of them ahead): a release keeps them."""
 
 
 class BufferCache:

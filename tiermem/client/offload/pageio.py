@@ -22,24 +22,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tiermem.client.offload.copies import GradItem, ParamCopies
-from tiermem.client.offload.pagedparam import BufferCache, GradUnits, PagedParam, Residency
+from tiermem.client.offload.copies import GradItem
+from tiermem.client.offload.pagedparam import BufferCache, GradUnits, PagedParam, PagerRecords, Residency
 from tiermem.client.offload.pagehooks import Probe, in_backward, probed
-from tiermem.client.offload.transfer import StateTransfer
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 from tiermem.core.units import format_size
 
 __all__ = ["PageIO"]
 
 
-class PageIO:
-    entries: list[PagedParam]
-    transfer: StateTransfer
-    copies: ParamCopies
+class PageIO(PagerRecords):
     probe: Probe | None
-    budget: int
-    nbytes: int
-    peak_nbytes: int
     grad_nbytes: int
     peak_grad_nbytes: int
     accumulated: bool
@@ -48,9 +41,6 @@ class PageIO:
     _io: ThreadPoolExecutor
     _pushes: collections.deque[tuple[Future[None], int]]
     _grad_units: GradUnits[GradItem]
-    _present: dict[int, PagedParam]
-    _by_storage: dict[int, PagedParam]
-    _upcoming: set[int]
     _buffers: BufferCache
 
     if TYPE_CHECKING:

@@ -19,23 +19,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tiermem.client.offload.copies import ParamCopies
-from tiermem.client.offload.pagedparam import PagedParam, Residency
-from tiermem.client.offload.transfer import StateTransfer
+from tiermem.client.offload.pagedparam import PagedParam, PagerRecords, Residency
 from tiermem.core.errors import InvalidArgument, InvalidState
 
 __all__ = ["PagedState"]
 
 
-class PagedState:
-    entries: list[PagedParam]
+class PagedState(PagerRecords):
     units: dict[nn.Module, list[PagedParam]]
-    transfer: StateTransfer
-    copies: ParamCopies
-    nbytes: int
-    peak_nbytes: int
-    _by_param: dict[int, PagedParam]
-    _present: dict[int, PagedParam]
     _loading: dict[int, list[PagedParam]]
 
     if TYPE_CHECKING:

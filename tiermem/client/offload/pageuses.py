@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tiermem.client.offload.pagedparam import GradUnits, PagedParam, Residency, SavedParam
+from tiermem.client.offload.pagedparam import GradUnits, PagedParam, PagerRecords, Residency, SavedParam
 from tiermem.client.offload.pagehooks import CatchParams, Frame, in_backward
 from tiermem.client.offload.trace import FetchTrace
 from tiermem.core.errors import InvalidState
@@ -33,16 +33,9 @@ from tiermem.core.errors import InvalidState
 __all__ = ["PageUses"]
 
 
-class PageUses:
-    entries: list[PagedParam]
+class PageUses(PagerRecords):
     trace: FetchTrace
-    budget: int
     prefetch: int
-    nbytes: int
-    _by_param: dict[int, PagedParam]
-    _by_storage: dict[int, PagedParam]
-    _present: dict[int, PagedParam]
-    _upcoming: set[int]
     _frames: list[Frame]
     _tasks: set[int]
     _mode: CatchParams

@@ -174,7 +174,6 @@ class ParamPager(PageUses, PageIO, PagedState):
         self.events: collections.deque[tuple[str, str]] = collections.deque(maxlen=LOG_EVENTS)
         """``(event, param name)``: fetch (needed now, absent), prefetch, release, grad."""
         self.nbytes = 0
-        """Bytes of params on the device or being fetched into it."""
         self.peak_nbytes = 0
         self.grad_nbytes = 0
         self.peak_grad_nbytes = 0
