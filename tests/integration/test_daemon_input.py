@@ -23,29 +23,15 @@ from daemon_client import Trainer, adamw_reference, grads_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tiermem.core import protocol
 from tiermem.core.errors import BoundsError, InvalidArgument, UnknownKey
-from tiermem.core.protocol import (
-    Attach,
-    AttachOk,
-    BucketReady,
-    Detach,
-    FetchParams,
-    MemRef,
-    MsgType,
-    ParamGroup,
-    Ping,
-    Pong,
-    StateRead,
-    StateWrite,
-    Stats,
-    Step,
-    encode_message,
-    peek_request_id,
-)
-from tiermem.core.protocol.frame import PROTOCOL_VERSION
+from tiermem.core.protocol import MsgType, encode_message
+from tiermem.core.protocol.frame import FLAG_ONEWAY, PROTOCOL_VERSION
 
 HEADER = struct.Struct("<2sBBHHII")
 SENTINEL = 0xFFFFFFFF
+BUCKET = protocol.BucketReady(step=1, attempt=1, bucket=0, tensor_ids=(0,), groups=(protocol.ParamGroup(lr=0.1),))
+"""A BUCKET_READY, sent one-way (``FLAG_ONEWAY``) below."""
 
 
 def frame(
@@ -127,12 +113,12 @@ def test_an_oversize_packet_is_discarded_whole_with_an_error_and_max_frame_is_ex
 
 def test_attach_reports_the_daemons_max_frame(daemon):
     with daemon.connection() as conn:
-        reply, fds = conn.request_fds(Attach(job_id="frame-limit", rank=0, world_size=1, window_nbytes=4096))
+        reply, fds = conn.request_fds(protocol.Attach(job_id="frame-limit", rank=0, world_size=1, window_nbytes=4096))
         for fd in fds:
             os.close(fd)
-        assert isinstance(reply, AttachOk)
+        assert isinstance(reply, protocol.AttachOk)
         assert reply.max_frame == MAX_FRAME
-        conn.request(Detach(keep_state=False))
+        conn.request(protocol.Detach(keep_state=False))
 
 
 def daemon_fd_count(daemon: DaemonProcess) -> int:
@@ -162,10 +148,7 @@ def test_fds_sent_by_a_client_are_closed_and_refused(daemon):
 
 def test_an_error_from_a_one_way_message_fails_the_next_request_instead(daemon):
     with RawConn(daemon.socket_path, timeout_s=0.5) as conn:
-        bucket = encode_message(
-            BucketReady(step=1, attempt=1, bucket=0, tensor_ids=(0,), groups=(ParamGroup(lr=0.1),)), 5, 0x0001
-        )
-        assert conn.send(bucket)
+        assert conn.send(encode_message(BUCKET, 5, FLAG_ONEWAY))
         with pytest.raises(TimeoutError):
             conn.recv()  # no reply to a one-way message, not even an error
         conn.sock.settimeout(10.0)
@@ -177,13 +160,13 @@ def test_an_error_from_a_one_way_message_fails_the_next_request_instead(daemon):
 # --------------------------------------------------------------------------- fuzzing
 
 VALID_BASES = [
-    encode_message(Ping(), 1),
-    encode_message(Stats(), 2),
-    encode_message(Step(step=3, max_grad_norm=1.0), 3),
-    encode_message(FetchParams(step=0, tensor_ids=(1, 2)), 4),
-    encode_message(StateRead(tensor_id=0, key="master", offset=0, dest=MemRef(1, 0, 64)), 5),
-    encode_message(BucketReady(step=1, attempt=1, bucket=0, tensor_ids=(0,), groups=(ParamGroup(lr=0.1),)), 6, 0x0001),
-    encode_message(Attach(job_id="fuzz", rank=0, world_size=1, window_nbytes=1 << 55), 7),
+    encode_message(protocol.Ping(), 1),
+    encode_message(protocol.Stats(), 2),
+    encode_message(protocol.Step(step=3, max_grad_norm=1.0), 3),
+    encode_message(protocol.FetchParams(step=0, tensor_ids=(1, 2)), 4),
+    encode_message(protocol.StateRead(tensor_id=0, key="master", offset=0, dest=protocol.MemRef(1, 0, 64)), 5),
+    encode_message(BUCKET, 6, FLAG_ONEWAY),
+    encode_message(protocol.Attach(job_id="fuzz", rank=0, world_size=1, window_nbytes=1 << 55), 7),
 ]
 
 
@@ -270,8 +253,8 @@ def well_behaved(daemon):
 def check_still_serving(daemon: DaemonProcess, trainer: Trainer, step: int) -> None:
     assert daemon.process.poll() is None, daemon.log_text()[-3000:]
     with daemon.connection() as conn:
-        assert isinstance(conn.request(Ping()), Pong)
-    assert isinstance(trainer.conn.request(Ping()), Pong)
+        assert isinstance(conn.request(protocol.Ping()), protocol.Pong)
+    assert isinstance(trainer.conn.request(protocol.Ping()), protocol.Pong)
     trainer.step(step, grads_for(trainer.seed, step, trainer.sizes))
     expected = adamw_reference(trainer.seed, trainer.sizes, step)
     torch.testing.assert_close(torch.from_numpy(trainer.params()), torch.from_numpy(expected))
@@ -284,7 +267,7 @@ def test_fuzzed_frames_never_stop_the_daemon_serving_others(daemon, well_behaved
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(hostile_frames())
     def fuzz(data: bytes) -> None:
-        if peek_request_id(data) == SENTINEL:
+        if protocol.peek_request_id(data) == SENTINEL:
             return
         prober.probe(data)
 
@@ -328,7 +311,7 @@ def test_state_read_and_write_accept_exactly_the_references_inside_the_window(da
         state_offset=st.integers(0, 4200),
     )
     def check(write, window, offset, length, tensor_id, key, state_offset):
-        ref = MemRef(window, offset, length)
+        ref = protocol.MemRef(window, offset, length)
         valid = (
             window == trainer.window_id
             and offset + length <= window_nbytes
@@ -339,9 +322,9 @@ def test_state_read_and_write_accept_exactly_the_references_inside_the_window(da
             and state_offset + length <= numels[tensor_id] * 4
         )
         msg = (
-            StateWrite(tensor_id=tensor_id, key=key, offset=state_offset, src=ref, step=0)
+            protocol.StateWrite(tensor_id=tensor_id, key=key, offset=state_offset, src=ref, step=0)
             if write
-            else StateRead(tensor_id=tensor_id, key=key, offset=state_offset, dest=ref)
+            else protocol.StateRead(tensor_id=tensor_id, key=key, offset=state_offset, dest=ref)
         )
         if valid:
             trainer.conn.request(msg)
@@ -361,18 +344,18 @@ def test_state_read_and_write_accept_exactly_the_references_inside_the_window(da
             )
     print(f"memory references: {counts}")
     assert counts["served"] >= 2 * len(numels) and counts["refused"] > 10
-    trainer.conn.request(Ping())
+    trainer.conn.request(protocol.Ping())
 
 
 def test_a_state_read_returns_what_a_state_write_stored(daemon, registered):
     trainer = registered
-    ref = MemRef(trainer.window_id, 0, 4000)
+    ref = protocol.MemRef(trainer.window_id, 0, 4000)
     staging = trainer.window[:4000].view(np.float32)
     staging[:] = torch.arange(1000, dtype=torch.float32).numpy()
-    trainer.conn.request(StateWrite(tensor_id=0, key="exp_avg_sq", offset=0, src=ref, step=3))
+    trainer.conn.request(protocol.StateWrite(tensor_id=0, key="exp_avg_sq", offset=0, src=ref, step=3))
     staging[:] = 0
     chunk = trainer.conn.request(
-        StateRead(tensor_id=0, key="exp_avg_sq", offset=400, dest=MemRef(trainer.window_id, 0, 40))
+        protocol.StateRead(tensor_id=0, key="exp_avg_sq", offset=400, dest=protocol.MemRef(trainer.window_id, 0, 40))
     )
     assert (chunk.offset, chunk.nbytes, chunk.total_nbytes, chunk.step) == (400, 40, 4000, 3)
     assert staging[:10].tolist() == list(range(100, 110))
