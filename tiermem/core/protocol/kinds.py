@@ -367,16 +367,7 @@ class List(Kind):
         )
         gen.line(ind, f"if type({src}) is not list or {length}: return FAIL")
         x = gen.var("x")
-        if self.item.plain:
-            gen.line(ind, f"for {x} in {src}:")
-            gen.line(ind + "    ", f"if not ({self.item.test(gen, x)}): return FAIL")
-            return f"tuple({src})"
-        out = gen.var("out")
-        gen.line(ind, f"{out} = []")
-        gen.line(ind, f"for {x} in {src}:")
-        value = self.item.emit(gen, x, ind + "    ")
-        gen.line(ind + "    ", f"{out}.append({value})")
-        return f"tuple({out})"
+        return _emit_each(gen, ind, f"{x} in {src}", src, self.item, x)
 
     def encode(self, gen: Source, expr: str) -> str:
         x = gen.var("x")
@@ -443,17 +434,8 @@ class Map(Kind):
     def emit(self, gen: Source, src: str, ind: str) -> str:
         gen.line(ind, f"if type({src}) is not dict or len({src}) > {self.max_len}: return FAIL")
         k, x = gen.var("k"), gen.var("x")
-        if self.value.plain:
-            gen.line(ind, f"for {k}, {x} in {src}.items():")
-            gen.line(ind + "    ", f"if not ({self.key.test(gen, k)}) or not ({self.value.test(gen, x)}): return FAIL")
-            return f"tuple({src}.items())"
-        out = gen.var("out")
-        gen.line(ind, f"{out} = []")
-        gen.line(ind, f"for {k}, {x} in {src}.items():")
-        gen.line(ind + "    ", f"if not ({self.key.test(gen, k)}): return FAIL")
-        value = self.value.emit(gen, x, ind + "    ")
-        gen.line(ind + "    ", f"{out}.append(({k}, {value}))")
-        return f"tuple({out})"
+        items = f"{src}.items()"
+        return _emit_each(gen, ind, f"{k}, {x} in {items}", items, self.value, x, key=(k, self.key.test(gen, k)))
 
     def encode(self, gen: Source, expr: str) -> str:
         k, x = gen.var("k"), gen.var("x")
@@ -471,3 +453,30 @@ def as_kind(value: Any) -> Kind:
     if not isinstance(spec, Kind):
         raise TypeError(f"{value!r}'s __wire__ is a {type(spec).__name__}, not a field kind")
     return spec
+
+
+def _emit_each(
+    gen: Source, ind: str, loop: str, items: str, kind: Kind, x: str, *, key: tuple[str, str] | None = None
+) -> str:
+    """Decode every element of a list or an object: ``for {loop}:`` binds each value to ``x``, of ``kind``, and
+    for an object each key to ``key[0]``, which must pass the test ``key[1]``.  Returns the decoded elements as
+    a tuple expression: of ``items`` itself when ``kind`` is plain (each value only tested), else of a new list
+    of the decoded values (or ``(key, value)`` pairs)."""
+    body = ind + "    "
+    keys = [] if key is None else [key[1]]
+    if kind.plain:  # each value only tested: the elements are ``items`` as they are
+        gen.line(ind, f"for {loop}:")
+        gen.line(body, _fail_unless([*keys, kind.test(gen, x)]))
+        return f"tuple({items})"
+    out = gen.var("out")
+    gen.line(ind, f"{out} = []")
+    gen.line(ind, f"for {loop}:")
+    if keys:
+        gen.line(body, _fail_unless(keys))
+    value = kind.emit(gen, x, body)
+    gen.line(body, f"{out}.append({value if key is None else f'({key[0]}, {value})'})")
+    return f"tuple({out})"
+
+
+def _fail_unless(tests: list[str]) -> str:
+    return f"if {' or '.join(f'not ({t})' for t in tests)}: return FAIL"
