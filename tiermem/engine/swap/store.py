@@ -41,8 +41,9 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -487,9 +488,7 @@ class SwapStore:
     def _write_done(
         self, record: SwapRecord, version: Version, err: BaseException | None, outer: Future[int], t0: float
     ) -> None:
-        with self._lock:
-            self._inflight -= 1
-            self._write_seconds.observe(time.perf_counter() - t0)
+        with self._transfer_done(self._write_seconds, t0):
             if err is None:
                 old, record.current = record.current, version
                 record.move(S.STORED)
@@ -502,11 +501,7 @@ class SwapStore:
                 record.move(S.STORED if record.current is not None else S.DELETED)
                 self._drop_if_gone(record)
                 self._counts["write_errors"] += 1
-            self._idle.notify_all()
-        if err is None:
-            outer.set_result(version.nbytes)
-        else:
-            outer.set_exception(err)
+        _settle(outer, err, version.nbytes)
 
     def _read_done(
         self,
@@ -542,9 +537,7 @@ class SwapStore:
     def _finish_read(
         self, record: SwapRecord, version: Version, err: BaseException | None, outer: Future[int], t0: float
     ) -> None:
-        with self._lock:
-            self._inflight -= 1
-            self._read_seconds.observe(time.perf_counter() - t0)
+        with self._transfer_done(self._read_seconds, t0):
             version.holds -= 1
             self._release(record, version)
             if err is None:
@@ -552,11 +545,17 @@ class SwapStore:
                 self._counts["bytes_read"] += version.nbytes
             else:
                 self._counts["corruptions" if isinstance(err, CorruptionError) else "read_errors"] += 1
+        _settle(outer, err, version.nbytes)
+
+    @contextmanager
+    def _transfer_done(self, seconds: Histogram, t0: float) -> Iterator[None]:
+        """Under the lock: one transfer less in flight and its duration observed, then the body's bookkeeping,
+        then whoever waits for the store to go idle woken."""
+        with self._lock:
+            self._inflight -= 1
+            seconds.observe(time.perf_counter() - t0)
+            yield
             self._idle.notify_all()
-        if err is None:
-            outer.set_result(version.nbytes)
-        else:
-            outer.set_exception(err)
 
     def _release(self, record: SwapRecord, version: Version | None) -> None:
         """Free ``version``'s extents if nothing needs them any more (lock held)."""
@@ -572,6 +571,14 @@ class SwapStore:
         if record.state is S.DELETED and record.committed is None and self._records.get(record.key) is record:
             del self._records[record.key]
             self._dirty.discard(record.key)
+
+
+def _settle(outer: Future[int], err: BaseException | None, nbytes: int) -> None:
+    """Hand a finished transfer to its caller: ``nbytes`` moved, or the error."""
+    if err is None:
+        outer.set_result(nbytes)
+    else:
+        outer.set_exception(err)
 
 
 def _view(address: int, nbytes: int) -> memoryview:
