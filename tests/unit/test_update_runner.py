@@ -141,6 +141,17 @@ class CountingState:
         self.inner.close(remove=remove)
 
 
+def counting_state(pool: BufferPool, max_acquired: int | None = None) -> CountingState:
+    return CountingState(CpuStateChunks(pool, NUMEL, CHUNK_NUMEL, owner=TENANT), max_acquired)
+
+
+def assert_released(state: CountingState, pool: BufferPool) -> None:
+    """Every chunk ``state`` handed out came back and no block of ``pool`` is pinned; then ``state`` is closed."""
+    assert state.held == 0
+    assert pins(pool) == 0
+    state.close()
+
+
 @dataclass
 class Call:
     lo: int
@@ -392,7 +403,7 @@ def test_run_updates_fp32_params_in_place_when_they_are_the_master(pool: BufferP
 def test_a_failed_piece_is_raised_after_every_other_piece_ended(
     pool: BufferPool, scheduler: CpuScheduler, where: str
 ) -> None:
-    state = CountingState(CpuStateChunks(pool, NUMEL, CHUNK_NUMEL, owner=TENANT))
+    state = counting_state(pool)
     records = make_records("bfloat16")
     tgt = target(torch.bfloat16)
     pieces = advance(records, [0, 1, 2, 3])
@@ -402,14 +413,12 @@ def test_a_failed_piece_is_raised_after_every_other_piece_ended(
         UpdateRunner(kernel, scheduler, TENANT).run(state, pieces, tgt, grad_scale=1.0)
     assert info.value is kernel.error
     assert sorted(kernel.finished) == sorted(p.lo for p in pieces if p is not failing)
-    assert state.held == 0
     assert state.acquires == len(pieces)
-    assert pins(pool) == 0
-    state.close()
+    assert_released(state, pool)
 
 
 def test_run_holds_at_most_max_acquired_chunks(pool: BufferPool, scheduler: CpuScheduler) -> None:
-    state = CountingState(CpuStateChunks(pool, NUMEL, CHUNK_NUMEL, owner=TENANT), max_acquired=2)
+    state = counting_state(pool, max_acquired=2)
     records = make_records("bfloat16")
     tgt = target(torch.bfloat16)
     pieces = advance(records, [0, 1, 2, 3])
@@ -418,14 +427,13 @@ def test_run_holds_at_most_max_acquired_chunks(pool: BufferPool, scheduler: CpuS
     UpdateRunner(kernel, scheduler, TENANT).run(state, pieces, tgt, grad_scale=1.0)
     assert sorted(kernel.finished) == sorted(p.lo for p in pieces)
     assert state.most_held == 2
-    assert state.held == 0
-    state.close()
+    assert_released(state, pool)
 
 
 def test_a_failure_inside_the_window_stops_new_pieces_and_releases_the_rest(
     pool: BufferPool, scheduler: CpuScheduler
 ) -> None:
-    state = CountingState(CpuStateChunks(pool, NUMEL, CHUNK_NUMEL, owner=TENANT), max_acquired=2)
+    state = counting_state(pool, max_acquired=2)
     records = make_records("bfloat16")
     tgt = target(torch.bfloat16)
     pieces = advance(records, [0, 1, 2, 3])
@@ -435,13 +443,11 @@ def test_a_failure_inside_the_window_stops_new_pieces_and_releases_the_rest(
     assert info.value is kernel.error
     assert len(kernel.calls) == len(kernel.finished) + 1  # nothing still running
     assert len(kernel.calls) < len(pieces)
-    assert state.held == 0
-    assert pins(pool) == 0
-    state.close()
+    assert_released(state, pool)
 
 
 def test_cancelled_pieces_release_their_chunks(pool: BufferPool, scheduler: CpuScheduler) -> None:
-    state = CountingState(CpuStateChunks(pool, NUMEL, CHUNK_NUMEL, owner=TENANT))
+    state = counting_state(pool)
     records = make_records("bfloat16")
     tgt = target(torch.bfloat16)
     pieces = advance(records, [0, 1, 2, 3])
@@ -476,13 +482,11 @@ def test_cancelled_pieces_release_their_chunks(pool: BufferPool, scheduler: CpuS
     blocker.result(10)
     assert outcome  # run returned
     assert kernel.calls == []
-    assert state.held == 0
-    assert pins(pool) == 0
-    state.close()
+    assert_released(state, pool)
 
 
 def test_run_on_a_closed_scheduler_releases_what_it_acquired(pool: BufferPool, scheduler: CpuScheduler) -> None:
-    state = CountingState(CpuStateChunks(pool, NUMEL, CHUNK_NUMEL, owner=TENANT))
+    state = counting_state(pool)
     records = make_records("bfloat16")
     tgt = target(torch.bfloat16)
     scheduler.close()
@@ -490,8 +494,7 @@ def test_run_on_a_closed_scheduler_releases_what_it_acquired(pool: BufferPool, s
         UpdateRunner(RecordingKernel(tgt.grads), scheduler, TENANT).run(
             state, advance(records, [0]), tgt, grad_scale=1.0
         )
-    assert state.held == 0
-    assert pins(pool) == 0
+    assert_released(state, pool)
 
 
 def test_submit_reraises_a_failed_piece_from_its_future(pool: BufferPool, scheduler: CpuScheduler) -> None:
