@@ -93,12 +93,28 @@ def _related(a: str, b: str) -> bool:
 # --------------------------------------------------------------------------- the product's records and messages
 
 
-by_class = pytest.mark.parametrize("cls", RECORDS, ids=lambda c: c.__name__)
+def each_record(max_examples: int) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The test as a property of every record and message class ``cls``: ``max_examples`` draws of ``data`` each."""
+
+    def decorate(test: Callable[..., None]) -> Callable[..., None]:
+        by_class = pytest.mark.parametrize("cls", RECORDS, ids=lambda c: c.__name__)
+        return by_class(settings(max_examples=max_examples)(given(st.data())(test)))
+
+    return decorate
 
 
-@by_class
-@settings(max_examples=30)
-@given(st.data())
+def assert_refused_at_or_round_trips(cls: type, payload: Any, places: list[str]) -> None:
+    """A defective ``payload`` is refused naming one of the broken ``places`` (or by a cross-field check), or
+    accepted and then encoded back to the same JSON."""
+    kind, detail = outcome(cls.from_payload, payload)  # type: ignore[attr-defined]
+    event(f"{kind}")
+    if kind == "error":
+        assert any(_related(detail, p) for p in places) or CROSS_FIELD.fullmatch(detail), (detail, places)
+    else:
+        assert_round_trips(cls, payload)
+
+
+@each_record(max_examples=30)
 def test_valid_payloads_decode_and_encode_to_the_same_json(cls: type, data: st.DataObject) -> None:
     payload = data.draw(valid(spec_of(cls)))
     kind, detail = outcome(cls.from_payload, payload)  # type: ignore[attr-defined]
@@ -109,40 +125,25 @@ def test_valid_payloads_decode_and_encode_to_the_same_json(cls: type, data: st.D
     assert_round_trips(cls, payload)
 
 
-@by_class
-@settings(max_examples=80)
-@given(st.data())
+@each_record(max_examples=80)
 def test_one_defect_is_refused_at_that_field_or_accepted(cls: type, data: st.DataObject) -> None:
     payload = data.draw(valid(spec_of(cls)))
     assume(passes(spec_of(cls), payload))  # not refused already by a cross-field check
     payload, at = data.draw(mutated(spec_of(cls), payload, whole=not is_message(cls)))
-    kind, detail = outcome(cls.from_payload, payload)  # type: ignore[attr-defined]
-    event(f"{kind}")
-    if kind == "error":
-        assert _related(detail, at) or CROSS_FIELD.fullmatch(detail), (detail, at)
-    else:
-        assert_round_trips(cls, payload)
+    assert_refused_at_or_round_trips(cls, payload, [at])
 
 
-@by_class
-@settings(max_examples=40)
-@given(st.data())
+@each_record(max_examples=40)
 def test_several_defects_are_refused_naming_a_broken_field(cls: type, data: st.DataObject) -> None:
     payload = data.draw(valid(spec_of(cls)))
     places = []
     for _ in range(data.draw(st.integers(2, 4))):
         payload, at = data.draw(mutated(spec_of(cls), payload, whole=not is_message(cls)))
         places.append(at)
-    kind, detail = outcome(cls.from_payload, payload)  # type: ignore[attr-defined]
-    if kind == "error":
-        assert any(_related(detail, p) for p in places) or CROSS_FIELD.fullmatch(detail), (detail, places)
-    else:
-        assert_round_trips(cls, payload)
+    assert_refused_at_or_round_trips(cls, payload, places)
 
 
-@by_class
-@settings(max_examples=40)
-@given(st.data())
+@each_record(max_examples=40)
 def test_arbitrary_values_raise_only_field_errors(cls: type, data: st.DataObject) -> None:
     """Any JSON value (for a message, any object, its keys mostly the declared ones): every field may be wrong."""
     spec = spec_of(cls)
