@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -41,6 +42,15 @@ def test_free_coalesces_with_both_neighbors() -> None:
     alloc.free(tail)
     assert alloc.free_extents() == [(0, 8 * A)]
     assert alloc.largest_free == 8 * A and alloc.blocks == 0
+
+
+def full_pages(pages: int, *, free: Sequence[int] = (), **options: Any) -> tuple[Allocator, list[Block]]:
+    """An allocator of ``pages`` pages, each holding a one-page block, then the blocks at ``free`` freed."""
+    alloc = Allocator(pages * A, **options)
+    blocks = [alloc.alloc(A) for _ in range(pages)]
+    for i in free:
+        alloc.free(blocks[i])
+    return alloc, blocks
 
 
 def one_block() -> tuple[Allocator, Block]:
@@ -103,10 +113,7 @@ def test_allocator_rejects_bad_capacity_or_alignment(capacity: int, alignment: i
 
 
 def test_exhausted_pool_reports_requested_free_and_largest_free() -> None:
-    alloc = Allocator(8 * A)
-    blocks = [alloc.alloc(A) for _ in range(8)]
-    alloc.free(blocks[2])
-    alloc.free(blocks[5])
+    alloc, blocks = full_pages(8, free=(2, 5))
     alloc.pin(blocks[3])
     alloc.pin(blocks[4])
     with pytest.raises(PoolExhausted) as info:
@@ -124,10 +131,7 @@ def test_request_larger_than_capacity_fails_without_compacting() -> None:
 
 def test_compaction_makes_room_when_total_free_space_suffices() -> None:
     moved: list[Move] = []
-    alloc = Allocator(8 * A, mover=moved.extend)
-    blocks = [alloc.alloc(A) for _ in range(8)]
-    for block in blocks[::2]:
-        alloc.free(block)
+    alloc, blocks = full_pages(8, free=range(0, 8, 2), mover=moved.extend)
     assert alloc.largest_free == A and alloc.fragmentation == pytest.approx(0.75)
     big = alloc.alloc(4 * A)
     assert alloc.compactions == 1 and alloc.bytes_moved == sum(m.nbytes for m in moved) > 0
@@ -136,20 +140,13 @@ def test_compaction_makes_room_when_total_free_space_suffices() -> None:
 
 
 def test_compaction_moves_only_what_the_request_needs() -> None:
-    alloc = Allocator(16 * A)
-    blocks = [alloc.alloc(A) for _ in range(16)]
-    alloc.free(blocks[0])
-    alloc.free(blocks[2])
-    alloc.free(blocks[15])
+    alloc, _ = full_pages(16, free=(0, 2, 15))
     alloc.alloc(2 * A)
     assert alloc.bytes_moved == A  # sliding blocks[1] down opens the two-page hole
 
 
 def test_compaction_never_moves_pinned_blocks() -> None:
-    alloc = Allocator(8 * A)
-    blocks = [alloc.alloc(A) for _ in range(8)]
-    for i in (0, 2, 4, 6):
-        alloc.free(blocks[i])
+    alloc, blocks = full_pages(8, free=(0, 2, 4, 6))
     alloc.pin(blocks[3])
     alloc.compact()
     assert blocks[3].offset == 3 * A
@@ -245,10 +242,7 @@ def test_evacuation_never_moves_pinned_blocks_and_gives_up_without_room() -> Non
 
 
 def test_allocator_picks_the_cheaper_plan() -> None:
-    alloc = Allocator(16 * A)
-    blocks = [alloc.alloc(A) for _ in range(16)]
-    for i in (0, 9, 11, 13, 15):
-        alloc.free(blocks[i])
+    alloc, _ = full_pages(16, free=(0, 9, 11, 13, 15))
     alloc.alloc(2 * A)  # sliding would move 9 blocks; evacuating [9A, 11A) moves one
     assert alloc.bytes_moved == A
 
