@@ -93,20 +93,12 @@ def gather_user() -> facts.User:
     return facts.User(uid, name, gids, names)
 
 
-def _config_path(config_path: str | None, env: Mapping[str, str]) -> str | None:
-    from tiermem.client.estimate_cli import DEFAULT_NODE_CONFIG
-
-    path = config_path or env.get("TIERMEM_CONFIG")
-    if path is None and Path(DEFAULT_NODE_CONFIG).exists():
-        path = DEFAULT_NODE_CONFIG
-    return path
-
-
 def gather_config(config_path: str | None, env: Mapping[str, str]) -> facts.ConfigFacts:
     """The node's settings as ``tiermemd`` would read them (the file, then ``TIERMEM_*``)."""
+    from tiermem.client.estimate_cli import node_config_path
     from tiermem.core.config import load_config
 
-    path = _config_path(config_path, env)
+    path = node_config_path(config_path, env)
     if path is None:
         return facts.ConfigFacts(None)
     try:
@@ -130,9 +122,10 @@ def gather_config(config_path: str | None, env: Mapping[str, str]) -> facts.Conf
 
 
 def config_swap_dirs(config_path: str | None, env: Mapping[str, str]) -> list[str]:
+    from tiermem.client.estimate_cli import node_config_path
     from tiermem.core.config import load_config
 
-    return list(load_config(_config_path(config_path, env), env=env).swap.dirs)
+    return list(load_config(node_config_path(config_path, env), env=env).swap.dirs)
 
 
 # --------------------------------------------------------------------------- daemons

@@ -9,14 +9,25 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from tiermem.core.errors import TiermemError
 
-__all__ = ["add_estimate_command"]
+__all__ = ["add_estimate_command", "node_config_path"]
 
 DEFAULT_NODE_CONFIG = "/etc/tiermem/tiermemd.toml"
 """The node daemon's settings when neither --config nor TIERMEM_CONFIG names a file (as ``tiermemd`` reads)."""
+
+
+def node_config_path(config_path: str | None, env: Mapping[str, str]) -> str | None:
+    """The node daemon's settings file as ``tiermemd`` finds it: ``config_path`` (``--config``), else
+    ``$TIERMEM_CONFIG``, else ``DEFAULT_NODE_CONFIG`` where it exists; None: no file (the defaults)."""
+    path = config_path or env.get("TIERMEM_CONFIG")
+    if path is None and Path(DEFAULT_NODE_CONFIG).exists():
+        path = DEFAULT_NODE_CONFIG
+    return path
+
 
 DESCRIPTION = """\
 Model-state bytes of mixed-precision Adam (fp16 params and grads, fp32 master, momentum
@@ -136,11 +147,8 @@ def _run(args: argparse.Namespace) -> int:
 
     parser: argparse.ArgumentParser = args.parser
     env = os.environ
-    config_path = args.config or env.get("TIERMEM_CONFIG")
-    if config_path is None and Path(DEFAULT_NODE_CONFIG).exists():
-        config_path = DEFAULT_NODE_CONFIG
     try:
-        config = load_config(config_path, env=env)
+        config = load_config(node_config_path(args.config, env), env=env)
         shape = RunShape(
             params=args.params,
             gpus=args.gpus,
