@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tiermem.core.errors import AdmissionError, AuthError, InvalidState, ProtocolError, UnknownJob
 from tiermem.core.modes import Placement
@@ -82,12 +82,12 @@ class Handlers:
             BucketReady: self._bucket_ready,  # type: ignore[dict-item]
             Step: self._step,  # type: ignore[dict-item]
             FetchParams: self._fetch_params,  # type: ignore[dict-item]
-            StateRead: self._state_read,  # type: ignore[dict-item]
-            StateWrite: self._state_write,  # type: ignore[dict-item]
-            StateReadMany: self._state_read_many,  # type: ignore[dict-item]
-            StateWriteMany: self._state_write_many,  # type: ignore[dict-item]
-            StateReset: self._state_reset,  # type: ignore[dict-item]
-            Abort: self._abort,  # type: ignore[dict-item]
+            StateRead: self._rank_request(RankOptimizer.read_state),
+            StateWrite: self._rank_request(RankOptimizer.write_state),
+            StateReadMany: self._rank_request(RankOptimizer.read_many),
+            StateWriteMany: self._rank_request(RankOptimizer.write_many),
+            StateReset: self._rank_request(lambda rank, msg: rank.reset_state(msg.tensor_ids)),
+            Abort: self._rank_request(RankOptimizer.abort),
             Stats: self._stats,  # type: ignore[dict-item]
             Detach: self._detach,  # type: ignore[dict-item]
             Ping: lambda _s, _m: Reply(Pong()),
@@ -334,32 +334,15 @@ class Handlers:
         rank.write_params(msg.tensor_ids)
         return Reply(ParamsReady(step=rank.last_step, tensor_ids=msg.tensor_ids))
 
-    def _state_read(self, session: Session, msg: StateRead) -> Reply:
-        _, rank = self._bound(session)
-        return Reply(rank.read_state(msg))
+    def _rank_request(self, op: Callable[[RankOptimizer, Any], Message | None]) -> Callable[[Session, Message], Reply]:
+        """The handler of a request the session's rank serves alone: ``op``'s reply, or ``Ok`` where it has none."""
 
-    def _state_write(self, session: Session, msg: StateWrite) -> Reply:
-        _, rank = self._bound(session)
-        rank.write_state(msg)
-        return Reply(Ok())
+        def handle(session: Session, msg: Message) -> Reply:
+            _, rank = self._bound(session)
+            reply = op(rank, msg)
+            return Reply(Ok() if reply is None else reply)
 
-    def _state_read_many(self, session: Session, msg: StateReadMany) -> Reply:
-        _, rank = self._bound(session)
-        return Reply(rank.read_many(msg))
-
-    def _state_write_many(self, session: Session, msg: StateWriteMany) -> Reply:
-        _, rank = self._bound(session)
-        rank.write_many(msg)
-        return Reply(Ok())
-
-    def _state_reset(self, session: Session, msg: StateReset) -> Reply:
-        _, rank = self._bound(session)
-        rank.reset_state(msg.tensor_ids)
-        return Reply(Ok())
-
-    def _abort(self, session: Session, msg: Abort) -> Reply:
-        _, rank = self._bound(session)
-        return Reply(rank.abort(msg))
+        return handle
 
     def _stats(self, session: Session, msg: Stats) -> Reply:
         """The node's figures, the jobs of the caller's uid (every job for root and the daemon's uid), and the
