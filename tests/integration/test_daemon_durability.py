@@ -112,6 +112,10 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.Tanh(), torch.nn.Linear(96, 48))
 
 
+Snapshot = tuple[dict[str, torch.Tensor], dict[str, object]]
+"""The reference model's and optimizer's state dicts at one step."""
+
+
 class Run:
     """The offloaded model and a torch AdamW reference trained side by side on fixed data."""
 
@@ -140,12 +144,23 @@ class Run:
                 opt.step()
                 opt.zero_grad()
 
-    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    def snapshot(self) -> Snapshot:
         return copy.deepcopy(self.reference.state_dict()), copy.deepcopy(self.ref_opt.state_dict())
 
-    def rewind(self, snap: tuple[dict[str, torch.Tensor], dict[str, object]]) -> None:
+    def rewind(self, snap: Snapshot) -> None:
         self.reference.load_state_dict(snap[0])
         self.ref_opt.load_state_dict(snap[1])
+
+    def roll_back(
+        self, client: Client, token: str | None, *, client_step: int, commit: Snapshot, commit_step: int
+    ) -> OffloadAdam:
+        """Attach at ``client_step`` accepting the roll-back: the job comes back at its commit of ``commit_step``,
+        the reference is rewound to ``commit`` (its snapshot then), and the two are equal."""
+        opt = self.attach(client, token=token, expected_step=client_step, rollback=True)
+        assert (opt.steps, opt.state_from) == (commit_step, "commit")
+        self.rewind(commit)
+        self.assert_equal()
+        return opt
 
     def assert_equal(self) -> None:
         for a, b in zip(self.model.parameters(), self.reference.parameters(), strict=True):
@@ -180,10 +195,7 @@ def test_a_killed_daemon_serves_its_last_commit_and_the_client_refuses_it_unless
     assert (err.state_step, err.client_step) == (6, 8)
     assert "steps 7..8" in str(err)
     # the refusal left the state as it was: a client that accepts the roll-back gets step 6
-    opt = run.attach(client, token=token, expected_step=8, rollback=True)
-    assert (opt.steps, opt.state_from) == (6, "commit")
-    run.rewind(at_six)
-    run.assert_equal()
+    opt = run.roll_back(client, token, client_step=8, commit=at_six, commit_step=6)
     run.train(4)
     run.assert_equal()
     saved = opt.state_dict()["state"]
@@ -212,10 +224,7 @@ def test_without_periodic_commits_a_kill_after_a_reopen_comes_back_at_the_last_c
     client = node.start()
     with pytest.raises(StaleStateError, match="at step 5, older than this client's step 9"):
         run.attach(client, token=token, expected_step=9)
-    opt = run.attach(client, token=token, rollback=True, expected_step=9)
-    assert (opt.steps, opt.state_from) == (5, "commit")
-    run.rewind(at_five)
-    run.assert_equal()
+    opt = run.roll_back(client, token, client_step=9, commit=at_five, commit_step=5)
     opt.close()
     assert node.stop() == 0
 
@@ -268,10 +277,7 @@ def test_a_failed_commit_at_shutdown_exits_6_and_the_next_start_serves_the_last_
     client = node.start()
     with pytest.raises(StaleStateError, match="at step 4, older than this client's step 5"):
         run.attach(client, token=token, expected_step=5)
-    opt = run.attach(client, token=token, expected_step=5, rollback=True)
-    assert (opt.steps, opt.state_from) == (4, "commit")
-    run.rewind(at_four)
-    run.assert_equal()
+    opt = run.roll_back(client, token, client_step=5, commit=at_four, commit_step=4)
     run.train(2)
     run.assert_equal()
     opt.close()
