@@ -63,19 +63,10 @@ class FaultyEngine:
 
     def __init__(self, inner: IOEngine) -> None:
         self.inner = inner
+        self.name = f"faulty-{inner.name}"
+        self.direct = inner.direct  # requests reach ``inner`` unchanged: its alignment and block size hold
+        self.block_size = inner.block_size
         self.faults: list[Fault] = []
-
-    @property
-    def name(self) -> str:
-        return f"faulty-{self.inner.name}"
-
-    @property
-    def direct(self) -> bool:
-        return self.inner.direct
-
-    @property
-    def block_size(self) -> int:
-        return self.inner.block_size
 
     def inject(self, fault: Fault) -> Fault:
         self.faults.append(fault)
