@@ -7,6 +7,19 @@
 #define BLOCK 256
 #define AHEAD 2
 
+/* One block [b0, end) of moments of type T: the master negated, the grad copied out, both moments' sign bits
+ * (SIGN) flipped; each byte read and written once, no arithmetic. */
+#define TOUCH_BLOCK(T, SIGN)                       \
+    do {                                           \
+        T *restrict a = m, *restrict b = v;        \
+        for (int64_t i = b0; i < end; i++) {       \
+            p[i] = -p[i];                          \
+            out[i] = g[i];                         \
+            a[i] ^= (SIGN);                        \
+            b[i] ^= (SIGN);                        \
+        }                                          \
+    } while (0)
+
 /* state_kind 1: bf16 moments (2 + 2 bytes); 2: int8 codes (1 + 1 bytes) and fp32 scales per block */
 void tm_probe(int64_t n, float *restrict p, const uint16_t *restrict g, uint16_t *restrict out, int state_kind,
               void *restrict m, void *restrict v, float *restrict ms, float *restrict vs) {
@@ -26,21 +39,9 @@ void tm_probe(int64_t n, float *restrict p, const uint16_t *restrict g, uint16_t
             }
         }
         if (state_kind == 1) {
-            uint16_t *restrict a = m, *restrict b = v;
-            for (int64_t i = b0; i < end; i++) {
-                p[i] = -p[i];
-                out[i] = g[i];
-                a[i] ^= 0x8000u;
-                b[i] ^= 0x8000u;
-            }
+            TOUCH_BLOCK(uint16_t, 0x8000u);
         } else {
-            uint8_t *restrict a = m, *restrict b = v;
-            for (int64_t i = b0; i < end; i++) {
-                p[i] = -p[i];
-                out[i] = g[i];
-                a[i] ^= 0x80u;
-                b[i] ^= 0x80u;
-            }
+            TOUCH_BLOCK(uint8_t, 0x80u);
             ms[b0 / BLOCK] = -ms[b0 / BLOCK];
             vs[b0 / BLOCK] = -vs[b0 / BLOCK];
         }
