@@ -27,18 +27,29 @@ the ``evict`` callback to free something and start again; else give up.
 
 from __future__ import annotations
 
+import abc
 import bisect
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Generic, TypeVar, overload
 
 from tiermem.core.errors import InvalidArgument, InvalidState, PoolExhausted
 from tiermem.core.figures import Family, counter, gauge
 from tiermem.core.units import PAGE_SIZE, align_up, format_size
 from tiermem.engine.pool.compaction import Move, plan_compaction, plan_for
 
-__all__ = ["Allocator", "Block", "BlockState", "EvictFn", "MoverFn", "PoolStats", "allocate", "fragmentation"]
+__all__ = [
+    "Allocator",
+    "Block",
+    "BlockState",
+    "EvictFn",
+    "MoverFn",
+    "PoolFigures",
+    "PoolStats",
+    "allocate",
+    "fragmentation",
+]
 
 EvictFn = Callable[[int], bool]
 """``evict(nbytes_needed) -> bool``: free some blocks; True when something was freed."""
@@ -135,7 +146,42 @@ class PoolStats:
         )
 
 
-class Allocator:
+_T = TypeVar("_T")
+
+
+class _Figure(Generic[_T]):
+    """A read-only attribute of a ``PoolFigures``: one figure of a fresh ``stats()`` snapshot."""
+
+    def __init__(self, read: Callable[[PoolStats], _T], doc: str | None = None) -> None:
+        self._read = read
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Figure[_T]: ...
+    @overload
+    def __get__(self, obj: PoolFigures, owner: type) -> _T: ...
+    def __get__(self, obj: PoolFigures | None, owner: type) -> _Figure[_T] | _T:
+        return self if obj is None else self._read(obj.stats())
+
+
+class PoolFigures(abc.ABC):
+    """The figures of ``stats()`` as read-only attributes, an allocator's or a whole pool's; each is read from
+    a fresh snapshot, so read ``stats()`` once for several that must agree.  (``capacity`` is each owner's own
+    property: the allocation path reads it.)"""
+
+    @abc.abstractmethod
+    def stats(self) -> PoolStats: ...
+
+    used = _Figure(lambda s: s.used)
+    free_bytes = _Figure(lambda s: s.free, "Bytes not in any live block (``free`` is the method that returns a block).")
+    largest_free = _Figure(lambda s: s.largest_free)
+    fragmentation = _Figure(lambda s: s.fragmentation)
+    blocks = _Figure(lambda s: s.blocks)
+    compactions = _Figure(lambda s: s.compactions)
+    bytes_moved = _Figure(lambda s: s.bytes_moved)
+
+
+class Allocator(PoolFigures):
     """Best-fit allocation over ``capacity`` bytes with coalescing, compaction and eviction."""
 
     def __init__(
@@ -180,41 +226,12 @@ class Allocator:
     def index(self) -> int:
         return self._index
 
-    @property
-    def used(self) -> int:
-        return self._used
-
-    @property
-    def free_bytes(self) -> int:
-        """Bytes not in any live block (``free`` is the method that returns a block)."""
-        return self._capacity - self._used
-
-    @property
-    def largest_free(self) -> int:
-        return self._by_size[-1][0] if self._by_size else 0
-
-    @property
-    def fragmentation(self) -> float:
-        return fragmentation(self.free_bytes, self.largest_free)
-
-    @property
-    def blocks(self) -> int:
-        return len(self._live)
-
-    @property
-    def compactions(self) -> int:
-        return self._compactions
-
-    @property
-    def bytes_moved(self) -> int:
-        return self._bytes_moved
-
     def stats(self) -> PoolStats:
         return PoolStats(
             capacity=self._capacity,
             used=self._used,
-            free=self.free_bytes,
-            largest_free=self.largest_free,
+            free=self._capacity - self._used,
+            largest_free=self._by_size[-1][0] if self._by_size else 0,
             blocks=len(self._live),
             compactions=self._compactions,
             bytes_moved=self._bytes_moved,
@@ -264,7 +281,8 @@ class Allocator:
         """Like ``try_alloc`` but raises ``PoolExhausted(requested, free, largest_free)``."""
         block = self.try_alloc(nbytes, owner=owner)
         if block is None:
-            raise PoolExhausted(nbytes, self.free_bytes, self.largest_free, what="allocator")
+            stats = self.stats()
+            raise PoolExhausted(nbytes, stats.free, stats.largest_free, what="allocator")
         return block
 
     def free(self, block: Block) -> None:

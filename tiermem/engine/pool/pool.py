@@ -24,7 +24,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import TYPE_CHECKING, Generic, TypeVar, overload
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -32,7 +32,7 @@ from tiermem.core.config import PoolConfig
 from tiermem.core.errors import BoundsError, InvalidArgument, InvalidState, PoolExhausted
 from tiermem.core.pool_plan import arena_sizes
 from tiermem.core.units import PAGE_SIZE, GiB
-from tiermem.engine.pool.allocator import Allocator, Block, EvictFn, PoolStats, allocate
+from tiermem.engine.pool.allocator import Allocator, Block, EvictFn, PoolFigures, PoolStats, allocate
 from tiermem.engine.pool.arena import Arena, MlockRefusal, memlock_warning
 from tiermem.engine.pool.compaction import Move
 from tiermem.engine.pool.pinning import Pinner, PinResult
@@ -51,25 +51,7 @@ def auto_pool_size(alignment: int = PAGE_SIZE) -> int:
     return half - half % alignment
 
 
-_T = TypeVar("_T")
-
-
-class _Figure(Generic[_T]):
-    """A read-only attribute of a ``BufferPool``: one figure of a fresh ``stats()`` snapshot."""
-
-    def __init__(self, read: Callable[[PoolStats], _T], doc: str | None = None) -> None:
-        self._read = read
-        self.__doc__ = doc
-
-    @overload
-    def __get__(self, pool: None, owner: type) -> _Figure[_T]: ...
-    @overload
-    def __get__(self, pool: BufferPool, owner: type) -> _T: ...
-    def __get__(self, pool: BufferPool | None, owner: type) -> _Figure[_T] | _T:
-        return self if pool is None else self._read(pool.stats())
-
-
-class BufferPool:
+class BufferPool(PoolFigures):
     """Thread-safe block allocation over one or more arenas, with pins, compaction and eviction."""
 
     def __init__(
@@ -253,15 +235,9 @@ class BufferPool:
             combined = PoolStats.combine([a.stats() for a in self._allocators])
         return dataclasses.replace(combined, locked=sum(a.nbytes for a in self._arenas if a.locked))
 
-    # Figures of a fresh ``stats()`` each: read ``stats()`` once for several that must agree.
-    capacity = _Figure(lambda s: s.capacity)
-    used = _Figure(lambda s: s.used)
-    free_bytes = _Figure(lambda s: s.free, "Bytes not in any live block (``free`` is the method that returns a block).")
-    largest_free = _Figure(lambda s: s.largest_free)
-    fragmentation = _Figure(lambda s: s.fragmentation)
-    blocks = _Figure(lambda s: s.blocks)
-    compactions = _Figure(lambda s: s.compactions)
-    bytes_moved = _Figure(lambda s: s.bytes_moved)
+    @property
+    def capacity(self) -> int:
+        return self.stats().capacity
 
     @property
     def allocators(self) -> list[Allocator]:
