@@ -100,8 +100,10 @@ class TwoBranches(nn.Module):
 
 # ----------------------------------------------------------------------------- Hugging Face models
 
+LLAMA_VOCAB = 64
 
-def tiny_llama(vocab_size: int = 64) -> nn.Module:
+
+def tiny_llama(vocab_size: int = LLAMA_VOCAB) -> nn.Module:
     """A Llama of 2 layers, width 32 (norms of 32 elements), no attention biases and an untied head."""
     import transformers
 
@@ -141,6 +143,11 @@ def token_batch(seed: int, vocab_size: int, shape: tuple[int, int]) -> Batch:
     """Random token ids from a generator seeded ``seed``: a causal LM's input, and its labels."""
     ids = torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
     return ids, ids
+
+
+def llama_batch(step: int) -> Batch:
+    """Batch ``step`` of a ``tiny_llama()`` training run: 4 sequences of 12 tokens (``token_batch`` seeded ``step``)."""
+    return token_batch(step, LLAMA_VOCAB, (4, 12))
 
 
 def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from offload_helpers import OffloadDaemon, max_param_diff
-from small_models import lm_loss, tiny_llama, token_batch
+from offload_helpers import OffloadDaemon, assert_params_equal, max_param_diff
+from small_models import llama_batch, lm_loss, tiny_llama
 from torch import nn
 
 accelerate = pytest.importorskip("accelerate")
@@ -30,7 +30,6 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 OFFLOAD_DAEMON: dict[str, Any] = {"pool_size": 256 << 20}
 HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.01}
-VOCAB = 64
 STEPS = 6
 TOLERANCE = 1e-5
 
@@ -49,7 +48,7 @@ def _train(
 ) -> list[torch.Tensor]:
     losses = []
     for step in steps:
-        loss = lm_loss(model, token_batch(step, VOCAB, (4, 12)))
+        loss = lm_loss(model, llama_batch(step))
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -60,7 +59,7 @@ def _train(
 
 
 def test_an_accelerate_loop_trains_like_adamw(offload: OffloadDaemon) -> None:
-    model = tiny_llama(VOCAB)
+    model = tiny_llama()
     reference = copy.deepcopy(model)
     ours = _prepared(model, offload.make(model.parameters(), offload="cpu", **HYPER))
     theirs = _prepared(reference, torch.optim.AdamW(reference.parameters(), **HYPER))
@@ -74,21 +73,20 @@ def test_an_accelerate_loop_trains_like_adamw(offload: OffloadDaemon) -> None:
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
 def test_save_state_and_load_state_resume_bitwise(offload: OffloadDaemon, tmp_path: Path, state_dtype: str) -> None:
     options = {"offload": "cpu", "state_dtype": state_dtype, "window_nbytes": 4096, **HYPER}
-    whole = tiny_llama(VOCAB)
+    whole = tiny_llama()
     _train(*_prepared(whole, offload.make(whole.parameters(), **options)), range(STEPS))
 
-    first = tiny_llama(VOCAB)
+    first = tiny_llama()
     accelerator, _, first_opt, _ = prepared = _prepared(first, offload.make(first.parameters(), **options))
     _train(*prepared, range(STEPS // 2))
     accelerator.save_state(str(tmp_path))
     first_opt.optimizer.close()
 
     # a new process's worth of objects: the model at its initial values, the optimizer without state
-    resumed = tiny_llama(VOCAB)
+    resumed = tiny_llama()
     accelerator, _, resumed_opt, sched = prepared = _prepared(resumed, offload.make(resumed.parameters(), **options))
     accelerator.load_state(str(tmp_path))
     assert sched.scheduler.last_epoch == STEPS // 2
     _train(*prepared, range(STEPS // 2, STEPS))
-    for (name, p), q in zip(resumed.named_parameters(), whole.parameters(), strict=True):
-        assert torch.equal(p, q), (name, float((p - q).abs().max()))
+    assert_params_equal(resumed, whole)
     assert resumed_opt.optimizer.steps == STEPS // 2

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from offload_helpers import OffloadDaemon, max_param_diff, train
-from small_models import Batch, lm_loss, tiny_llama, token_batch
+from offload_helpers import OffloadDaemon, assert_params_equal, max_param_diff, train
+from small_models import llama_batch, lm_loss, tiny_llama
 from torch import nn
 
 pytest.importorskip("transformers")
@@ -28,7 +28,6 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 OFFLOAD_DAEMON: dict[str, Any] = {"pool_size": 256 << 20}
 HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.01}
-VOCAB = 64
 STEPS = 6
 TOLERANCE = 1e-5
 
@@ -39,20 +38,16 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()  # the module's compiled graphs hold its models' params
 
 
-def _batch(step: int) -> Batch:
-    return token_batch(step, VOCAB, (4, 12))
-
-
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
-    train(model, opt, [_batch(step) for step in steps], lm_loss)
+    train(model, opt, [llama_batch(step) for step in steps], lm_loss)
 
 
 def test_a_compiled_model_trains_like_adamw(offload: OffloadDaemon) -> None:
-    model = tiny_llama(VOCAB)
+    model = tiny_llama()
     reference = copy.deepcopy(model)
     compiled, compiled_ref = torch.compile(model), torch.compile(reference)
     for m in (compiled, compiled_ref):  # compiled and run before the optimizer moves the params
-        lm_loss(m, _batch(-1)).backward()
+        lm_loss(m, llama_batch(-1)).backward()
         m.zero_grad()
     opt = offload.make(compiled.parameters(), offload="cpu", **HYPER)
     adamw = torch.optim.AdamW(compiled_ref.parameters(), **HYPER)
@@ -60,7 +55,7 @@ def test_a_compiled_model_trains_like_adamw(offload: OffloadDaemon) -> None:
     _train(compiled_ref, adamw, range(STEPS))
     gap = max_param_diff(model, reference)
     assert gap <= TOLERANCE, gap  # 8.3e-7 here
-    assert not torch.equal(model.lm_head.weight, tiny_llama(VOCAB).lm_head.weight)
+    assert not torch.equal(model.lm_head.weight, tiny_llama().lm_head.weight)
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
@@ -69,10 +64,10 @@ def test_a_compiled_model_resumes_bitwise(offload: OffloadDaemon, tmp_path: Path
     and optimizer loaded from the file, and 3 more; through the smallest window (its 512-element slots cut
     the int8 blocks of the tensors after the 32-element norms)."""
     options = {"offload": "cpu", "state_dtype": state_dtype, "window_nbytes": 4096, **HYPER}
-    whole = torch.compile(tiny_llama(VOCAB))
+    whole = torch.compile(tiny_llama())
     _train(whole, offload.make(whole.parameters(), **options), range(STEPS))
 
-    first = torch.compile(tiny_llama(VOCAB))
+    first = torch.compile(tiny_llama())
     first_opt = offload.make(first.parameters(), **options)
     _train(first, first_opt, range(STEPS // 2))
     path = tmp_path / "checkpoint.pt"
@@ -80,10 +75,9 @@ def test_a_compiled_model_resumes_bitwise(offload: OffloadDaemon, tmp_path: Path
     first_opt.close()
 
     checkpoint = torch.load(path)
-    resumed = torch.compile(tiny_llama(VOCAB))
+    resumed = torch.compile(tiny_llama())
     resumed.load_state_dict(checkpoint["model"])
     resumed_opt = offload.make(resumed.parameters(), **options)
     resumed_opt.load_state_dict(checkpoint["optimizer"])
     _train(resumed, resumed_opt, range(STEPS // 2, STEPS))
-    for (name, p), q in zip(resumed.named_parameters(), whole.parameters(), strict=True):
-        assert torch.equal(p, q), (name, float((p - q).abs().max()))
+    assert_params_equal(resumed, whole)
