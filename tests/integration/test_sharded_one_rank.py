@@ -209,19 +209,35 @@ def test_loss_scaling_of_layers_updated_during_backward_is_refused(daemon, one_r
         opt.close()
 
 
+MAKERS = (
+    lambda m, c: ShardedOffloadAdam(m.parameters(), client=c),
+    lambda m, c: LayerShardedAdam(m, client=c),
+    lambda m, c: ShardedPagedAdam(m, offload="cpu", device_budget="1MiB", client=c),
+)
+"""Each sharded optimizer over a model and a connection to the test's daemon."""
+
+
 def test_the_sharded_optimizers_refuse_deepcopy_and_pickle_naming_what_to_save(daemon, one_rank_group):
-    makers = (
-        lambda m, c: ShardedOffloadAdam(m.parameters(), client=c),
-        lambda m, c: LayerShardedAdam(m, client=c),
-        lambda m, c: ShardedPagedAdam(m, offload="cpu", device_budget="1MiB", client=c),
-    )
-    for make in makers:
+    for make in MAKERS:
         opt = make(model(), connect(daemon.socket_path))
         try:
             with pytest.raises(TypeError, match=rf"{type(opt).__name__} holds a connection.*full_state_dict\(\)"):
                 copy.deepcopy(opt)
             with pytest.raises(TypeError, match=r"full_state_dict\(\)"):
                 pickle.dumps(opt)
+        finally:
+            opt.close()
+
+
+def test_every_sharded_optimizer_refuses_a_group_added_after_it_was_made(daemon, one_rank_group):
+    """Each strategy sharded the groups it was given: a later one would never be stepped (ZeRO-2 once took it
+    silently)."""
+    for make in MAKERS:
+        opt = make(model(), connect(daemon.socket_path))
+        try:
+            with pytest.raises(InvalidArgument, match=rf"^{type(opt).__name__} .*make a new one$"):
+                opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+            assert len(opt.param_groups) == 1
         finally:
             opt.close()
 

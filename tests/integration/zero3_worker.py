@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             first_grads = {i: g.tolist() for i, g in opt.reduced.items()}
     final = [float(p) for p in opt.gathered_params()]
     placeholders = [p.numel() for p in model.parameters()]
-    pieces = [p.untyped_storage().nbytes() for ps in opt._pieces.values() for p in ps]
+    pieces = [p.untyped_storage().nbytes() for ps in opt.strategy._pieces.values() for p in ps]
     report = opt.inner.stats().rank if opt.inner is not None else None
     nvme = (
         {}

@@ -1,7 +1,8 @@
 """Many ranks, one daemon per node: ZeRO sharding over ``torch.distributed``.
 
 One facade, ``ShardedOptimizer`` (``sharded``), owns the start, the step, the
-counters and ``close()``; the three optimizers below are its strategies.
+counters, the checkpoints and ``close()``; the three optimizers below are
+thin constructors that hand it their strategy object (``ShardStrategy``).
 
 ``ShardedOffloadAdam`` shards the Adam state across the process group's ranks
 (each rank's shard in its node's tiermemd); ``ShardedGradScaler`` is

@@ -1,8 +1,8 @@
 """``RankGroup``: the sharding strategies' one view of their process group, and the global half of a step.
 
 Each sharded optimizer (``ShardedOffloadAdam``, ``LayerShardedAdam``,
-``ShardedPagedAdam``) is a strategy of the one facade, ``ShardedOptimizer``
-(``sharded``: the start, the step, the counters, ``close()``), over an
+``ShardedPagedAdam``) is the one facade, ``ShardedOptimizer`` (``sharded``:
+the start, the step, the counters, ``close()``), with its strategy, over an
 ``OffloadAdam`` per rank (its daemon link and its update).  What every
 strategy needs of the group lives here once:
 

@@ -87,10 +87,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiermem.client.distributed.group import check_max_grad_norm
+from tiermem.client.distributed.group import RankGroup, check_max_grad_norm
 from tiermem.client.distributed.reshard import describe_params
 from tiermem.client.distributed.schedule import ALL_GATHER, DEFAULT_TIMEOUT_S, REDUCE_SCATTER, Probe, check_timeout
-from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankFileOptimizer, RankShare, Slot, Zero3Checkpoint
+from tiermem.client.distributed.sharded import InnerPlan, ShardedOptimizer, ShardStrategy
+from tiermem.client.distributed.zero3_checkpoint import RankShare, Slot
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
     check_hyper,
@@ -99,7 +100,6 @@ from tiermem.client.offload.args import (
     hyper_of,
     optimizer_defaults,
 )
-from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
 from tiermem.client.offload.shared import TensorEntry
 from tiermem.core import dtypes
@@ -109,15 +109,18 @@ from tiermem.core.shard_plan import Piece, ShardLayout, plan_shards
 from tiermem.core.step_rules import GradStats, StepDecision, decide
 from tiermem.core.units import MiB
 
-__all__ = ["ShardedOffloadAdam"]
+__all__ = ["ShardedOffloadAdam", "Zero2Strategy"]
 
 log = logging.getLogger(__name__)
 
 
-class ShardedOffloadAdam(RankFileOptimizer):
+class ShardedOffloadAdam(ShardedOptimizer):
     """AdamW (``adamw=False``: Adam) sharded ZeRO-2 style across ``process_group``; see the module docstring.
-    ``state_dtype``: how each rank's daemon stores its shard's moments (``OffloadAdam``'s).  The ZeRO-2
-    strategy of ``ShardedOptimizer``, which owns the step, the counters and ``close()``."""
+    ``state_dtype``: how each rank's daemon stores its shard's moments (``OffloadAdam``'s).  A thin constructor:
+    ``ShardedOptimizer`` (the start, the step, the counters, the checkpoints, ``close()``) with the ZeRO-2
+    strategy (``Zero2Strategy``, ``strategy``)."""
+
+    strategy: Zero2Strategy
 
     def __init__(
         self,
@@ -155,13 +158,12 @@ class ShardedOffloadAdam(RankFileOptimizer):
         """``collective_timeout_s``: how long a collective of a step waits for the other ranks before it raises
         ``RankLost`` naming it (``schedule``; the start and the checkpoints keep ``process_group``'s timeout).
         ``probe``: told of each collective (``schedule.Probe``)."""
-        self._join(process_group, "ShardedOffloadAdam", alone_hint="; for one process use OffloadAdam")
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         check_max_grad_norm(max_grad_norm)
         check_timeout(collective_timeout_s)
         _check_sizes(bucket_nbytes=bucket_nbytes, warmup_steps=warmup_steps)
-        self.options = OffloadOptions(
+        options = OffloadOptions(
             offload=Placement.parse(offload, "offload"),
             exchange=Exchange.SHARED,  # the pieces are host tensors
             window_nbytes=window_nbytes,
@@ -171,64 +173,151 @@ class ShardedOffloadAdam(RankFileOptimizer):
             expected_step=expected_step,
             rollback=rollback,
         )
-        """The settings this rank's inner ``OffloadAdam`` is built with, and its node's daemon sized by."""
-        self.state_dtype = self.options.state_dtype
         defaults = optimizer_defaults(hyper, foreach=foreach, maximize=maximize, fused=fused, adamw=adamw)
-        super().__init__(params, defaults)
+        strategy = Zero2Strategy(
+            params,
+            defaults,
+            options,
+            max_grad_norm=max_grad_norm,
+            bucket_nbytes=bucket_nbytes,
+            overlap_comm=overlap_comm,
+            broadcast_params=broadcast_params,
+        )
+        super().__init__(
+            strategy,
+            process_group=process_group,
+            client=client,
+            job_id=job_id,
+            token=token,
+            collective_timeout_s=collective_timeout_s,
+            probe=probe,
+        )
+
+    # ----------------------------------------------------------------- the strategy's own, by name
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self.strategy.max_grad_norm
+
+    @property
+    def overlap_comm(self) -> bool:
+        return self.strategy.overlap_comm
+
+    @property
+    def state_dtype(self) -> str:
+        return self.strategy.options.state_dtype
+
+    @property
+    def layout(self) -> ShardLayout:
+        """Who owns which elements (``tiermem.core.shard_plan``)."""
+        return self.strategy.layout
+
+    @property
+    def pieces(self) -> list[Piece]:
+        """This rank's pieces of params."""
+        return self.strategy.pieces
+
+    @property
+    def dtype(self) -> dtypes.WorkingDType:
+        return self.strategy.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
+
+    @property
+    def params_behind(self) -> bool:
+        """Whether this rank's daemon holds an update that the model does not have yet (``flush()``)."""
+        return self.strategy.params_behind
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside reduce nothing (DDP's ``no_sync``; see ``Zero2Strategy.no_sync``)."""
+        return self.strategy.no_sync()
+
+    def flush(self) -> None:
+        """Collective: wait for a delayed update, install its params and gather them into every rank's model
+        (``delayed_update=True``; a no-op's worth of copies otherwise)."""
+        self.strategy.flush()
+
+    def take_found_inf(self, per_device: dict[torch.device, torch.Tensor]) -> None:
+        """``ShardedGradScaler``'s found-inf flags of this step, already global (all-reduced over the group);
+        ``step()`` sets them too when the reduced grads overflow, so the scaler backs off as every rank does."""
+        self.strategy.take_found_inf(per_device)
+
+
+class Zero2Strategy(ShardStrategy):
+    """ZeRO-2 (see the module docstring): every rank keeps the whole model and its pieces of the Adam state;
+    grads are reduce-scattered at ``step()`` (or during backward, ``overlap_comm``), params all-gathered after
+    each update."""
+
+    name = "ShardedOffloadAdam"
+    alone_hint = "; for one process use OffloadAdam"
+    keeps_values = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        options: OffloadOptions,
+        *,
+        max_grad_norm: float | None,
+        bucket_nbytes: int,
+        overlap_comm: bool,
+        broadcast_params: bool,
+    ) -> None:
+        self._given = (params, defaults)
+        self.options = options
         self.max_grad_norm = max_grad_norm
+        self.bucket_nbytes = bucket_nbytes
+        self.overlap_comm = overlap_comm
+        self.broadcast_params = broadcast_params
         self._global_found_inf: dict[torch.device, torch.Tensor] | None = None
         """This step's found-inf flags from ``ShardedGradScaler`` (``take_found_inf``)."""
         self._reduced: list[torch.Tensor] = []
-        """This step's mean grads of the rank's pieces (``_decide``), and per param whether any rank had one."""
+        """This step's mean grads of the rank's pieces (``decide``), and per param whether any rank had one."""
         self._has_grad: list[bool] | None = None
-        params_ = self._params()
-        self.dtype, self.device = _one_dtype_and_device(params_)
+
+    # ----------------------------------------------------------------- the start
+
+    def param_groups_for(self, group: RankGroup) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        params, defaults = self._given
+        del self._given
+        return params, defaults  # type: ignore[return-value]  # torch's Optimizer takes either form
+
+    def prepare(self) -> None:
+        """One dtype and one device for every param, remembered with the shapes (``_check_params``)."""
+        params = self.params()
+        self.dtype, self.device = _one_dtype_and_device(params)
+        self._shapes = [tuple(p.shape) for p in params]
+
+    def plan(self) -> InnerPlan:
+        """Who owns which elements (``layout``), this rank's ``pieces`` as host params and the inner groups over
+        them."""
+        params = self.params()
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        self._shapes = [tuple(p.shape) for p in params_]
-        self._agree_on_model(params_, group_of)
-        if broadcast_params:
-            self.group.broadcast_from_first(p.data for p in params_)
-        self._plan(params_, group_of, bucket_nbytes)
-        self.job_id, _ = self.group.agree_identity(job_id, token)
-        self._attach(params_, group_of, client)
+        self._plan(params, group_of, self.bucket_nbytes)
+        return InnerPlan(self._piece_groups(params, group_of), self.dtype.name)
+
+    def attached(self) -> None:
+        """The transfer buffers, the reduce rounds (and their hooks), and where the job's state is."""
+        params = self.params()
         self._transfer_buffers()
-        self.overlap_comm = overlap_comm
-        self.schedule = self.group.start_schedule(collective_timeout_s, probe)
-        """The steps' collectives, each bounded by ``collective_timeout_s`` (their counts: ``last_counts``)."""
-        self._start_rounds(params_)
-        self._resume(params_)
-        self.checkpoint = self._rank_files(params_)
-        """The rank files (``save_shard``, ``load_shards``: any world size; ``tiermem consolidate``)."""
+        self._start_rounds(params)
+        self._resume(params)
 
-    def _attach(self, params: list[torch.nn.Parameter], group_of: list[int], client: Client | None) -> None:
-        """Collective: this rank's pieces attached to its node's daemon (found or started for the node where
-        ``client`` is None), on every rank or on none."""
-        inner_groups = self._piece_groups(params, group_of)
-        if client is None:
-            client = self.group.node_client([pc.numel for pc in self.pieces], self.options, dtype=self.dtype.name)
-        self._attach_inner(client, lambda: self._make_inner(inner_groups, client))
-
-    def _rank_files(self, params: list[torch.nn.Parameter]) -> Zero3Checkpoint:
-        """The checkpoints of this rank's share, read from and written to its inner optimizer."""
-        store = InnerStore(
-            self.job_id, self.param_groups, self.inner, self._sync_hyper, keeps_values=True, refresh=self._refresh
-        )
-        return Zero3Checkpoint(self._share(params), store, self.group.collective)
-
-    def _share(self, params: list[torch.nn.Parameter]) -> RankShare:
+    def share(self) -> RankShare:
         """This rank's pieces in the rank files' terms: param ``i`` is the optimizer's ``i``-th (named by its
         index: the optimizer sees params, not the module)."""
+        params = self.params()
         holder = torch.nn.ParameterList(params)
         slots = tuple(Slot(pc.param, pc.lo, pc.hi, i, pc.numel) for i, pc in enumerate(self.pieces))
         order = tuple(range(len(params)))
         infos = tuple(describe_params(holder))
-        return RankShare(
-            "ShardedOffloadAdam", self.rank, self.world_size, infos, order, slots, (), holder, self.group.device
-        )
+        return RankShare(self.name, self.rank, self.world_size, infos, order, slots, (), holder, self.group.device)
 
-    def _values_loaded(self) -> None:
+    def values_loaded(self) -> None:
         """Loaded rank files gave the pieces their values: every rank's model gets them (collective)."""
-        self._all_gather(self._params())
+        self._all_gather(self.params())
 
     def _plan(self, params: list[torch.nn.Parameter], group_of: list[int], bucket_nbytes: int) -> None:
         """Who owns which elements (``layout``), this rank's ``pieces`` and which of them each bucket holds."""
@@ -267,7 +356,7 @@ class ShardedOffloadAdam(RankFileOptimizer):
         if self.overlap_comm:
             for index, p in enumerate(params):
                 if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
+                    self.keep_hook(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
 
     def _piece_groups(self, params: list[torch.nn.Parameter], group_of: list[int]) -> list[dict[str, Any]]:
         """This rank's pieces as host params (``_piece_params``) and the inner optimizer's groups over them (the
@@ -333,21 +422,9 @@ class ShardedOffloadAdam(RankFileOptimizer):
                 f"the ranks' states disagree ({where}): a rank died between its update and another's; "
                 "load a checkpoint into every rank (load_state_dict) to go on"
             )
-        self.outcome.applied, self.outcome.skipped = counts.pop()
-        self.group.steps = self.outcome.applied + self.outcome.skipped
+        self.opt.outcome.applied, self.opt.outcome.skipped = counts.pop()
+        self.group.steps = self.opt.outcome.applied + self.opt.outcome.skipped
         self._all_gather(params)
-
-    # ----------------------------------------------------------------- construction
-
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for g in self.param_groups for p in g["params"]]
-
-    def _make_inner(self, groups: list[dict[str, Any]], client: Client | None) -> OffloadAdam | None:
-        if not groups:
-            if client is not None:
-                client.close()  # this rank owns no element (more ranks than elements): nothing to keep
-            return None
-        return self.group.inner_optimizer(groups, client, self.options)  # each group with its hyper-parameters
 
     # ----------------------------------------------------------------- the step
 
@@ -356,12 +433,12 @@ class ShardedOffloadAdam(RankFileOptimizer):
         ``step()`` sets them too when the reduced grads overflow, so the scaler backs off as every rank does."""
         self._global_found_inf = per_device
 
-    def _decide(self) -> StepDecision:
+    def decide(self) -> StepDecision:
         """Where ZeRO-2's grads come from: the trainer's, reduce-scattered now (or during backward, with
         ``overlap_comm``); their statistics and the per-param grad flags all-reduced in one call; the scaler's
         rule and the clip over them, the same on every rank."""
-        grad_scale = getattr(self, "grad_scale", False)
-        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self.opt, "grad_scale", False)
+        found_inf = getattr(self.opt, "found_inf", None)
         scaled = grad_scale is not False
         global_flags, self._global_found_inf = self._global_found_inf, None
         if scaled and global_flags is None:
@@ -369,7 +446,7 @@ class ShardedOffloadAdam(RankFileOptimizer):
                 "a torch.amp.GradScaler checks only this rank's grads for inf/nan, so the ranks would skip "
                 "different steps; use tiermem.distributed.ShardedGradScaler (the same API)"
             )
-        params = self._params()
+        params = self.params()
         self._check_params(params)
         need_norm = scaled or self.max_grad_norm is not None
         flags = [0.0] + [0.0 if p.grad is None else 1.0 for p in params]
@@ -401,25 +478,24 @@ class ShardedOffloadAdam(RankFileOptimizer):
                 flag.fill_(1.0)  # the reduced grads overflowed: the scaler backs off as every rank does
         return decision
 
-    def _hand_over(self, decision: StepDecision) -> None:
+    def hand_over(self, decision: StepDecision) -> None:
         """The pieces' params from the model (in-place edits since the last step) and their reduced grads."""
-        params = self._params()
+        params = self.params()
         self._pull_params_into_pieces(params)
         has_grad = self._has_grad
         for piece, pp, grad in zip(self.pieces, self._piece_params, self._reduced, strict=True):
             pp.grad = grad if has_grad is not None and has_grad[piece.param] else None
 
-    def _sync_hyper(self) -> None:
+    def sync_hyper(self) -> None:
         if self.inner is not None:
             copy_hyper(self.param_groups, self.inner.param_groups, self._inner_of_group.items())
 
-    def _after_update(self, decision: StepDecision) -> None:
+    def after_update(self, decision: StepDecision) -> None:
         """Every bucket's updated slices all-gathered into every rank's params (a skip changed nothing)."""
         if not decision.skip:
-            self._all_gather(self._params())
+            self._all_gather(self.params())
 
-    def _end_step(self) -> None:
-        self.schedule.end_step()
+    def end_step(self) -> None:
         self._reduced = []
         self._has_grad = None
 
@@ -474,7 +550,7 @@ class ShardedOffloadAdam(RankFileOptimizer):
         self._left[self._bucket_of[index]] -= 1
         if self._next < 0 or self._left[self._next] > 0:
             return  # most grads: their bucket, or one after it, is not whole yet
-        params = self._params()
+        params = self.params()
         while self._next >= 0 and self._left[self._next] <= 0:
             self._reduces[self._next] = self._launch(params, self._next, async_op=True, own=True)
             self._next -= 1
@@ -622,19 +698,19 @@ class ShardedOffloadAdam(RankFileOptimizer):
         (``delayed_update=True``; a no-op's worth of copies otherwise)."""
         if self.inner is not None:
             self.inner.flush()
-        self._all_gather(self._params())
+        self._all_gather(self.params())
 
     @property
     def params_behind(self) -> bool:
         """Whether this rank's daemon holds an update that the model does not have yet (``flush()``)."""
         return self.inner is not None and self.inner.update_in_flight
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
         """Before a checkpoint reads the pieces: the model's params, edited in place since the last step, into
         them, as a step would take them; not while an update is in flight, whose pieces are newer than the
         model (``flush()``)."""
         if not self.params_behind:
-            self._pull_params_into_pieces(self._params())
+            self._pull_params_into_pieces(self.params())
 
     def _pull_params_into_pieces(self, params: list[torch.nn.Parameter]) -> None:
         for piece, pp in zip(self.pieces, self._piece_params, strict=True):
@@ -642,7 +718,7 @@ class ShardedOffloadAdam(RankFileOptimizer):
 
     # ----------------------------------------------------------------- life
 
-    def _before_close(self) -> None:
+    def before_close(self) -> None:
         if self.params_behind:
             log.warning(
                 "closing with a delayed update the model does not have: its params are one update behind (call "

@@ -33,7 +33,7 @@ offline into one model and one ``torch.optim.AdamW`` state dict.
 which ``opt.load_state_dict`` takes at any world size (the model's params
 then come from ``model.load_state_dict``: torch's keys, gathered by
 ``model.state_dict()``, loadable at any world size too).  ``opt.state_dict()``
-is this rank's file, as for every sharded optimizer (``RankFileOptimizer``):
+is this rank's file, as for every sharded optimizer (``ShardedOptimizer``):
 ``load_state_dict`` takes it back at the same world size.
 
 The collectives run on the pager's one I/O thread, in the order the trainer
@@ -78,7 +78,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiermem.client.distributed.group import ShardGrads, check_max_grad_norm
+from tiermem.client.distributed.group import RankGroup, ShardGrads, check_max_grad_norm
 from tiermem.client.distributed.reshard import describe_params
 from tiermem.client.distributed.schedule import (
     ALL_GATHER,
@@ -88,7 +88,8 @@ from tiermem.client.distributed.schedule import (
     Probe,
     check_timeout,
 )
-from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankFileOptimizer, RankShare, Slot, Zero3Checkpoint
+from tiermem.client.distributed.sharded import InnerPlan, ShardedOptimizer, ShardStrategy
+from tiermem.client.distributed.zero3_checkpoint import RankShare, Slot
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper, copy_hyper, optimizer_defaults
 from tiermem.client.offload.copies import FetchItem, GradItem
@@ -102,7 +103,7 @@ from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement
 from tiermem.core.step_rules import StepDecision
 
-__all__ = ["ShardCopies", "ShardedPagedAdam"]
+__all__ = ["PagedStrategy", "ShardCopies", "ShardedPagedAdam"]
 
 
 def shard_numel(numel: int, world_size: int) -> int:
@@ -306,13 +307,17 @@ def _owners(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
     return [owner[id(p)] for p in params]
 
 
-class ShardedPagedAdam(RankFileOptimizer):
+class ShardedPagedAdam(ShardedOptimizer):
     """AdamW (``adamw=False``: Adam) over a model paged and sharded across ``process_group``; see the module
     docstring.  A ``torch.optim.Optimizer`` over the model's params (LR schedulers and edits of the groups'
-    hyper-parameters reach the daemon with the next step), composed of this rank's ``OffloadAdam`` over its
-    shards (``inner``), the model's ``ParamPager`` (``pager``; its figures: ``pager.stats()``), the group
-    (``group``) and the checkpoints (``checkpoint``).  ``state_dtype``: how the daemons store the shards'
-    moments (``OffloadAdam``'s); checkpoints stay AdamW's fp32 format."""
+    hyper-parameters reach the daemon with the next step).  A thin constructor: ``ShardedOptimizer`` (this
+    rank's ``OffloadAdam`` over its shards, ``inner``; the group; the checkpoints) with the paged strategy
+    (``PagedStrategy``, ``strategy``: the model's ``ParamPager``, ``pager``; its figures: ``pager.stats()``).
+    ``state_dtype``: how the daemons store the shards' moments (``OffloadAdam``'s); checkpoints stay AdamW's
+    fp32 format."""
+
+    strategy: PagedStrategy
+    inner: OffloadAdam
 
     def __init__(
         self,
@@ -343,14 +348,12 @@ class ShardedPagedAdam(RankFileOptimizer):
         collective of a step waits for the other ranks before it raises ``RankLost`` (``schedule``).
         ``probe``: told of each fetch, grad, transfer and collective (``schedule.Probe``; tests slow them
         down through it)."""
-        self._join(process_group, "ShardedPagedAdam")
         check_max_grad_norm(max_grad_norm)
         check_timeout(collective_timeout_s)
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         groups = _model_groups(model, param_groups)
-        params = [p for g in groups for p in g["params"]]
-        device, dtype = _device_and_dtype(params)
-        self.options = OffloadOptions(
+        device, dtype = _device_and_dtype([p for g in groups for p in g["params"]])
+        options = OffloadOptions(
             offload=Placement.parse(offload, "offload"),
             exchange=Exchange.STAGED,  # the pager's: params and grads through the window, grads in the daemon
             release_grads=True,
@@ -358,38 +361,134 @@ class ShardedPagedAdam(RankFileOptimizer):
             pin_window=device.type == "cuda",  # the shards are host tensors; the copies go to and from the GPU
             state_dtype=state_dtype,
         )
-        """The settings this rank's inner ``OffloadAdam`` is built with, and its node's daemon sized by."""
-        super().__init__(groups, optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw))
-        rank, world = self.rank, self.world_size
-        self.max_grad_norm = max_grad_norm
-        """``max_grad_norm`` over the unsharded model (the daemon gets the coefficient, not the norm)."""
-        self.grads = ShardGrads(clipping=max_grad_norm is not None)
-        self._agree_on_model(params, [g for g, group in enumerate(self.param_groups) for _ in group["params"]])
-        self.group.broadcast_from_first(p.data for p in params)
-        self.schedule = self.group.start_schedule(collective_timeout_s, probe)
-        """The steps' collectives (their counts: ``schedule.last_counts``)."""
-        numels = [p.numel() for p in params]
-        self.copies = ShardCopies(numels, _owners(model, params), rank, world, self.schedule, self.grads, device)
-        shards, shard_groups = self._shards_of(params)
-        self.job_id, _ = self.group.agree_identity(job_id, token)
-        if client is None:
-            numels = [s.numel() for g in shard_groups for s in g["params"]]
-            client = self.group.node_client(numels, self.options, dtype=dtypes.by_torch(dtype).name)
-        self._attach_inner(client, lambda: self.group.inner_optimizer(shard_groups, client, self.options))
-        self.inner: OffloadAdam
-        self.pager = ParamPager(
+        defaults = optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw)
+        strategy = PagedStrategy(
             model,
-            self.inner,
+            groups,
+            defaults,
+            options,
+            device=device,
+            dtype=dtype,
+            max_grad_norm=max_grad_norm,
             device_budget=device_budget,
             prefetch=prefetch,
-            params=params,
-            copies=self.copies,
             probe=probe,
         )
-        for shard in shards:  # the daemon has them as masters now: no copy stays here, only the shape
+        super().__init__(
+            strategy,
+            process_group=process_group,
+            client=client,
+            job_id=job_id,
+            token=token,
+            collective_timeout_s=collective_timeout_s,
+            probe=probe,
+        )
+
+    # ----------------------------------------------------------------- the strategy's own, by name
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """``max_grad_norm`` over the unsharded model (the daemon gets the coefficient, not the norm)."""
+        return self.strategy.max_grad_norm
+
+    @property
+    def grads(self) -> ShardGrads:
+        return self.strategy.grads
+
+    @property
+    def pager(self) -> ParamPager:
+        return self.strategy.pager
+
+    @property
+    def copies(self) -> ShardCopies:
+        return self.strategy.copies
+
+    @property
+    def client(self) -> Client:
+        return self.inner.client
+
+    def stats(self) -> OptimizerStats:
+        return self.inner.stats()
+
+    def flush(self) -> None:
+        self.inner.flush()  # the pager's transfers drained too: it is the inner optimizer's feed
+
+    def unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+        """``ShardedGradScaler``'s check of this rank's reduced shards (``ShardGrads.check``)."""
+        return self.strategy.unscale_shards(inv_scale, found_inf)
+
+
+class PagedStrategy(ShardStrategy):
+    """ZeRO-3 paged (see the module docstring): every param sharded across the ranks, each shard only in its
+    rank's daemon; the pager all-gathers a submodule's params before use and reduce-scatters its grads into
+    the daemons."""
+
+    name = "ShardedPagedAdam"
+    groups_rule = (
+        "shards the model it was made with; give every group to the constructor (param_groups=), or make a new one"
+    )
+
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: list[dict[str, Any]],
+        defaults: dict[str, Any],
+        options: OffloadOptions,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_grad_norm: float | None,
+        device_budget: int | str,
+        prefetch: int,
+        probe: Probe | None,
+    ) -> None:
+        self.model = model
+        self._given = (groups, defaults)
+        self.options = options
+        self.device = device
+        self.dtype = dtype
+        self.max_grad_norm = max_grad_norm
+        self.device_budget = device_budget
+        self.prefetch = prefetch
+        self.probe = probe
+        self.grads = ShardGrads(clipping=max_grad_norm is not None)
+
+    @property
+    def inner(self) -> OffloadAdam:
+        """Every rank holds a shard of every param, so every rank has an inner optimizer once attached."""
+        return self.opt.inner  # type: ignore[return-value]
+
+    # ----------------------------------------------------------------- the start
+
+    def param_groups_for(self, group: RankGroup) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        groups, defaults = self._given
+        del self._given
+        return groups, defaults
+
+    def plan(self) -> InnerPlan:
+        """The collective copies, and this rank's shard of each param (tensor i: param i's) in the same groups."""
+        params = self.params()
+        numels = [p.numel() for p in params]
+        self.copies = ShardCopies(
+            numels, _owners(self.model, params), self.rank, self.world_size, self.schedule, self.grads, self.device
+        )
+        self._shards, shard_groups = self._shards_of(params)
+        return InnerPlan(shard_groups, dtypes.by_torch(self.dtype).name)
+
+    def attached(self) -> None:
+        """The model's pager over the inner optimizer; the shards' copies here dropped (the daemon has them as
+        masters now: only the shape stays)."""
+        self.pager = ParamPager(
+            self.model,
+            self.inner,
+            device_budget=self.device_budget,
+            prefetch=self.prefetch,
+            params=self.params(),
+            copies=self.copies,
+            probe=self.probe,
+        )
+        for shard in self._shards:
             shard.data = torch.full((), float("nan"), dtype=shard.dtype).expand(shard.shape)
-        store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper)
-        self.checkpoint = Zero3Checkpoint(self._share(model, params, device), store, self.group.collective)
 
     def _shards_of(self, params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[dict[str, Any]]]:
         """This rank's shard of each param (tensor i: param i's), and the optimizer's groups over them."""
@@ -403,8 +502,9 @@ class ShardedPagedAdam(RankFileOptimizer):
             at += n
         return shards, shard_groups
 
-    def _share(self, model: nn.Module, params: list[nn.Parameter], device: torch.device) -> RankShare:
+    def share(self) -> RankShare:
         """What this rank holds, in the checkpoints' terms: its stretch of every param, by tensor id."""
+        model, params, device = self.model, self.params(), self.device
         rank, world = self.group.rank, self.group.world_size
         index = {id(p): i for i, p in enumerate(model.parameters())}
         order = tuple(index[id(p)] for p in params)
@@ -413,31 +513,9 @@ class ShardedPagedAdam(RankFileOptimizer):
             n = shard_numel(numel, world)
             lo = min(rank * n, numel)
             slots.append(Slot(param, lo, min(lo + n, numel), tid, n))
-        return RankShare(
-            "ShardedPagedAdam", rank, world, tuple(describe_params(model)), order, tuple(slots), (), model, device
-        )
+        return RankShare(self.name, rank, world, tuple(describe_params(model)), order, tuple(slots), (), model, device)
 
-    # ----------------------------------------------------------------- what the inner optimizer counts
-
-    @property
-    def client(self) -> Client:
-        return self.inner.client
-
-    def stats(self) -> OptimizerStats:
-        return self.inner.stats()
-
-    def flush(self) -> None:
-        self.inner.flush()  # the pager's transfers drained too: it is the inner optimizer's feed
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if hasattr(self, "checkpoint"):  # after construction
-            raise InvalidArgument(
-                "ShardedPagedAdam shards the model it was made with; give every group to the constructor "
-                "(param_groups=), or make a new one"
-            )
-        super().add_param_group(param_group)
-
-    def _sync_hyper(self) -> None:
+    def sync_hyper(self) -> None:
         """The groups' hyper-parameters (a scheduler or the user may have changed them) into the inner groups."""
         copy_hyper(self.param_groups, self.inner.param_groups)
 
@@ -448,28 +526,27 @@ class ShardedPagedAdam(RankFileOptimizer):
         self.pager.check()  # grads set by hand land now, every push is done
         return self.grads.check(inv_scale, found_inf)
 
-    def _decide(self) -> StepDecision:
+    def decide(self) -> StepDecision:
         """Where ZeRO-3 paged's grads come from: reduce-scattered into the daemons as each submodule's landed
         (the pager's pushes, drained now); their statistics (``ShardGrads``) all-reduced where clipping asks."""
         self.pager.drain()
         try:
             if self.max_grad_norm is not None:
                 self.pager.check()  # grads set by hand land now, every push is done
-            return self.grads.decide(self.group, self, self.max_grad_norm)
+            return self.grads.decide(self.group, self.opt, self.max_grad_norm)
         except InvalidState:
             self.grads.new_step()  # the step is refused
             raise
 
-    def _hand_over(self, decision: StepDecision) -> None:
+    def hand_over(self, decision: StepDecision) -> None:
         """Nothing: the reduced shards are in the daemon."""
 
-    def _after_update(self, decision: StepDecision) -> None:
+    def after_update(self, decision: StepDecision) -> None:
         """Nothing to gather: the pager fetches a submodule's params when it runs."""
 
-    def _end_step(self) -> None:
+    def end_step(self) -> None:
         self.grads.new_step()
-        self.schedule.end_step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
         self.grads.new_step()

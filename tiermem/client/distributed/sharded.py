@@ -1,14 +1,25 @@
-"""``ShardedOptimizer``: the one sharded optimizer; ZeRO-2, ZeRO-3 by layer and ZeRO-3 paged are its strategies.
+"""``ShardedOptimizer``: the one sharded optimizer, and ``ShardStrategy``, the plug-in point its strategies fill.
 
 A sharded optimizer is a ``torch.optim.Optimizer`` per rank composed of the
 rank's ``OffloadAdam`` (``inner``, over the share this rank keeps; None on a
-rank that keeps nothing), its process group (``RankGroup``) and a strategy.
-This facade owns what does not depend on the strategy, once:
+rank that keeps nothing), its process group (``RankGroup``), the rank files
+(``Zero3Checkpoint``) and a strategy object (``strategy``): ZeRO-2
+(``optimizer.Zero2Strategy``), ZeRO-3 by layer (``zero3.LayerStrategy``) or
+ZeRO-3 paged (``paged.PagedStrategy``).  ``ShardedOffloadAdam``,
+``LayerShardedAdam`` and ``ShardedPagedAdam`` are thin constructors: each
+checks its arguments, makes its strategy and hands it to this facade, and
+names the strategy's own public methods (``no_sync``, ``unscale_shards``...).
 
-- the start: the group (``_join``), the job's identity (``RankGroup.
-  agree_identity``), the model every rank must agree on (``_agree_on_model``)
-  and the attach of the inner optimizers, on every rank or on none
-  (``_attach_inner``);
+The facade owns what does not depend on the strategy, once:
+
+- the start (``_start``), in one order on every rank: this rank's place in the
+  group (``_join``), the model every rank must agree on (``_agree_on_model``)
+  and rank 0's values broadcast, the schedule of the steps' collectives, the
+  strategy's plan of this rank's share (``plan``), the job's identity
+  (``RankGroup.agree_identity``), the node's daemon sized by the strategy's
+  ``OffloadOptions``, the inner optimizers attached on every rank or on none
+  (``_attach_inner``), the rank files over the strategy's ``share``, the
+  strategy's own start over the inner optimizers (``attached``);
 - the step: the strategy's decision over the global grad statistics
   (collective), then the inner step with that decision, then the strategy's
   gather (``step``);
@@ -25,43 +36,55 @@ This facade owns what does not depend on the strategy, once:
     decided alone; never the figure of an earlier step;
   - ``last_found_inf``, ``last_skipped``: whether the last step saw an inf/nan
     grad, and whether it was skipped;
+- the checkpoints, one format for every strategy: ``state_dict()`` is this
+  rank's file (``zero3_checkpoint``), loading at any world size
+  (``load_shards``) and merged by ``tiermem consolidate``;
 - ``close()``: the hooks taken off the model, the job id released, the inner
   optimizer detached, the schedule's group given back; twice is once, and a
   closed optimizer refuses ``step()``.
 
-What a strategy declares (``ShardStrategy``, implemented by the subclasses
-``ShardedOffloadAdam``, ``LayerShardedAdam`` and ``ShardedPagedAdam``):
+What a strategy declares (``ShardStrategy``):
 
-- where grads come from and the decision over them (``_decide``): ZeRO-2
+- its param groups over the model (``param_groups_for``) and this rank's share
+  of them as the inner optimizer's groups (``plan``), and that share in the
+  rank files' terms (``share``);
+- where grads come from and the decision over them (``decide``): ZeRO-2
   reduce-scatters the trainer's grads at ``step()``; ZeRO-3 reduced them into
   the daemons as they landed and keeps their statistics (``ShardGrads``);
-- what the inner optimizer gets before its step (``_hand_over``) and its
-  hyper-parameters (``_sync_hyper``);
-- how params are gathered after an update (``_after_update``): ZeRO-2
-  all-gathers every bucket; ZeRO-3 gathers at use, so it only ends the step's
-  schedule;
-- which share this rank keeps: ZeRO-2's ``ShardLayout`` pieces, ZeRO-3's
-  ``RankShare`` slots (``zero3_checkpoint``).
+- what the inner optimizer gets before its step (``hand_over``) and its
+  hyper-parameters (``sync_hyper``);
+- how params are gathered after an update (``after_update``): ZeRO-2
+  all-gathers every bucket; ZeRO-3 gathers at use, so it does nothing.
+
+A strategy reads the facade's state (the group, the inner optimizer, the
+param groups, the schedule) through ``ShardStrategy``'s properties and owns
+only its own: the facade is the one owner of each.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from tiermem.client.distributed.group import NotCopyable, RankGroup
 from tiermem.client.distributed.identity import release_job_id
+from tiermem.client.distributed.reshard import ShardSet, Source, is_rank_file, open_shards
+from tiermem.client.distributed.schedule import Collectives, Probe
+from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Zero3Checkpoint
 from tiermem.client.link import Client
 from tiermem.client.offload.args import closure_loss
 from tiermem.client.offload.optimizer import OffloadAdam
+from tiermem.client.offload.options import OffloadOptions
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.step_rules import StepDecision
 
-__all__ = ["ShardStrategy", "ShardedOptimizer", "StepOutcome"]
+__all__ = ["InnerPlan", "ShardStrategy", "ShardedOptimizer", "StepOutcome"]
 
 
 @dataclass
@@ -91,30 +114,134 @@ class StepOutcome:
             self.applied, self.skipped = inner.steps, inner.skipped_steps
 
 
-class ShardStrategy(Protocol):
-    """What a sharding strategy gives the facade (see the module docstring)."""
+@dataclass(frozen=True)
+class InnerPlan:
+    """This rank's share as its inner ``OffloadAdam`` takes it: torch param groups over the rank's host tensors
+    (each with its group's hyper-parameters; none: the rank keeps nothing), and what sizes the node's daemon."""
 
-    def _decide(self) -> StepDecision:
+    groups: list[dict[str, Any]]
+    dtype: str
+    """The working dtype's name (``tiermem.core.dtypes``)."""
+
+    @property
+    def numels(self) -> list[int]:
+        return [p.numel() for g in self.groups for p in g["params"]]
+
+
+class ShardStrategy:
+    """What a sharding strategy gives the facade (see the module docstring).  The defaults are a strategy's
+    that has nothing to do at that point.  ``opt`` is the facade, bound by its start."""
+
+    name: ClassVar[str]
+    """The optimizer's name, as errors, logs and the rank files say it."""
+    alone_hint: ClassVar[str] = ""
+    """What to use instead, said where the optimizer is made outside a process group."""
+    keeps_values: bool = False
+    """The inner tensors hold the params' values in the trainer (not paged): a checkpoint load writes them."""
+    groups_rule: ClassVar[str] = (
+        "shards the params it was made with; give every group to its constructor, or make a new one"
+    )
+    """Why a param group cannot be added once the optimizer is made, and what to do instead."""
+    broadcast_params: bool = True
+    """Rank 0's values become every rank's at the start."""
+    options: OffloadOptions
+    """The settings this rank's inner ``OffloadAdam`` is built with, and its node's daemon sized by."""
+    opt: ShardedOptimizer
+
+    # ----------------------------------------------------------------- the facade's state, read
+
+    @property
+    def group(self) -> RankGroup:
+        return self.opt.group
+
+    @property
+    def inner(self) -> OffloadAdam | None:
+        return self.opt.inner
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.opt.param_groups
+
+    @property
+    def schedule(self) -> Collectives:
+        return self.opt.schedule
+
+    @property
+    def rank(self) -> int:
+        return self.opt.group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.opt.group.world_size
+
+    def params(self) -> list[torch.nn.Parameter]:
+        """The optimizer's params, in its groups' order."""
+        return [p for g in self.opt.param_groups for p in g["params"]]
+
+    def keep_hook(self, handle: Any) -> None:
+        """A hook this strategy put on the model or its params: removed at ``close()``."""
+        self.opt._hooks.append(handle)
+
+    # ----------------------------------------------------------------- the start
+
+    def param_groups_for(self, group: RankGroup) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The optimizer's torch param groups and defaults (local: no collective)."""
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """Local checks of the params, once the param groups are made, before any collective."""
+
+    def plan(self) -> InnerPlan:
+        """This rank's share, after the model was agreed on and broadcast (local)."""
+        raise NotImplementedError
+
+    def attached(self) -> None:
+        """Collective: the strategy's own start once the inner optimizers are attached on every rank."""
+
+    def share(self) -> RankShare:
+        """What this rank holds, in the rank files' terms; asked once attached, before ``attached``."""
+        raise NotImplementedError
+
+    def refresh(self) -> None:
+        """Before a checkpoint reads the rank's share: bring it up to the model (ZeRO-2: in-place edits)."""
+
+    # ----------------------------------------------------------------- the step
+
+    def decide(self) -> StepDecision:
         """Collective: this step's grads reduced (or their statistics taken as they landed) and the decision every
         rank applies.  A refused step raises here, with the strategy's per-step state reset."""
+        raise NotImplementedError
 
-    def _hand_over(self, decision: StepDecision) -> None:
-        """Before the inner step: what the inner optimizer needs of the trainer (ZeRO-2: edited params, the
-        reduced grads); only on a rank with an inner optimizer."""
+    def hand_over(self, decision: StepDecision) -> None:
+        """Before an applied inner step: what the inner optimizer needs of the trainer (ZeRO-2: edited params,
+        the reduced grads); only on a rank with an inner optimizer."""
 
-    def _sync_hyper(self) -> None:
+    def sync_hyper(self) -> None:
         """The groups' hyper-parameters (a scheduler or the user may have changed them) into the inner groups."""
+        raise NotImplementedError
 
-    def _after_update(self, decision: StepDecision) -> None:
+    def after_update(self, decision: StepDecision) -> None:
         """After the inner step on every rank (also one without an inner optimizer): the params gathered where
         the strategy gathers them after an update."""
 
-    def _end_step(self) -> None:
+    def end_step(self) -> None:
         """The step is over, applied, skipped or failed: the strategy's per-step state starts afresh."""
+
+    # ----------------------------------------------------------------- the rest of an optimizer's life
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        torch.optim.Optimizer.zero_grad(self.opt, set_to_none=set_to_none)
+
+    def values_loaded(self) -> None:
+        """Loaded rank files gave the rank's share its values (ZeRO-2 gathers them into every rank's model)."""
+
+    def before_close(self) -> None:
+        """The strategy's last word before it detaches (a warning, say)."""
 
 
 class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
-    """The facade of the sharded optimizers; see the module docstring.  Subclasses are the strategies."""
+    """The facade of the sharded optimizers; see the module docstring.  Made by the thin constructors
+    (``ShardedOffloadAdam``, ``LayerShardedAdam``, ``ShardedPagedAdam``), each with its strategy."""
 
     _step_supports_amp_scaling = True
     """``GradScaler.step`` hands the scale and the found-inf flag over as attributes and always calls
@@ -122,23 +249,84 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
 
     inner: OffloadAdam | None
     group: RankGroup
+    schedule: Collectives
+    """The steps' collectives, each bounded by ``collective_timeout_s`` (their counts: ``last_counts``)."""
+    checkpoint: Zero3Checkpoint
+    """The rank files (``save_shard``, ``load_shards``: any world size; ``tiermem consolidate``)."""
     job_id: str = ""
 
-    def _join(self, process_group: Any, who: str, *, alone_hint: str = "") -> None:
-        """The first thing a strategy's constructor does: this rank's place in ``process_group`` and the facade's
-        own state (no collective)."""
-        self.group = RankGroup(process_group, who, alone_hint=alone_hint)
+    def __init__(
+        self,
+        strategy: ShardStrategy,
+        *,
+        process_group: Any,
+        client: Client | None,
+        job_id: str | None,
+        token: str | None,
+        collective_timeout_s: float,
+        probe: Probe | None,
+    ) -> None:
+        """The start (see the module docstring); collective from the model's check on.  ``client``: this rank's
+        connection to its node's daemon (None: found, or started for the node)."""
+        self._join(process_group, strategy)
+        groups, defaults = strategy.param_groups_for(self.group)
+        super().__init__(groups, defaults)
+        self._start(client, job_id, token, collective_timeout_s, probe)
+
+    def _join(self, process_group: Any, strategy: ShardStrategy) -> None:
+        """This rank's place in ``process_group`` and the facade's own state (no collective)."""
+        self.group = RankGroup(process_group, strategy.name, alone_hint=strategy.alone_hint)
         self.process_group = process_group
         """The group the optimizer is sharded over (what ``ShardedGradScaler`` all-reduces its flags over)."""
         self.rank = self.group.rank
         self.world_size = self.group.world_size
+        self.strategy = strategy
+        strategy.opt = self
         self.inner = None
         self.outcome = StepOutcome()
         self._hooks: list[Any] = []
         """The handles of the hooks on the model or its params, removed at ``close()``."""
+        self._started = False
         self._closed = False
 
+    @property
+    def options(self) -> OffloadOptions:
+        """The settings this rank's inner ``OffloadAdam`` is built with, and its node's daemon sized by."""
+        return self.strategy.options
+
     # ----------------------------------------------------------------- the start
+
+    def _start(
+        self, client: Client | None, job_id: str | None, token: str | None, timeout_s: float, probe: Probe | None
+    ) -> None:
+        strategy = self.strategy
+        strategy.prepare()
+        params = strategy.params()
+        self._agree_on_model(params, [g for g, group in enumerate(self.param_groups) for _ in group["params"]])
+        if strategy.broadcast_params:
+            self.group.broadcast_from_first(p.data for p in params)
+        self.schedule = self.group.start_schedule(timeout_s, probe)
+        try:
+            plan = strategy.plan()
+            self.job_id, _ = self.group.agree_identity(job_id, token)
+            if client is None:
+                client = self.group.node_client(plan.numels, strategy.options, dtype=plan.dtype)
+            self._attach_inner(client, plan)
+            share = strategy.share()  # while the model still holds whole params (``attached`` may release them)
+            strategy.attached()
+        except BaseException:
+            self.close(keep_state=True)  # a rank attached while another failed leaves the job's state waiting
+            raise
+        store = InnerStore(
+            self.job_id,
+            self.param_groups,
+            self.inner,
+            strategy.sync_hyper,
+            keeps_values=strategy.keeps_values,
+            refresh=strategy.refresh,
+        )
+        self.checkpoint = Zero3Checkpoint(share, store, self.group.collective)
+        self._started = True
 
     def _agree_on_model(self, params: Sequence[torch.Tensor], group_of: Sequence[int]) -> None:
         """Collective: every rank holds the same model (dtypes, shapes, param groups), or every rank raises."""
@@ -152,13 +340,16 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
                     f"differ: {len(theirs[1])} params against {len(mine[1])}); every rank must build the same model"
                 )
 
-    def _attach_inner(self, client: Client | None, make: Callable[[], OffloadAdam | None]) -> None:
-        """Collective: ``inner = make()`` on every rank, or on none: a rank attached here while another failed
-        detaches, leaving the job's state waiting, and the job id is released.  ``make`` closes ``client``
-        itself when it returns None (a rank that keeps nothing)."""
+    def _attach_inner(self, client: Client, plan: InnerPlan) -> None:
+        """Collective: the rank's inner optimizer over ``plan`` on every rank, or on none: a rank attached here
+        while another failed detaches, leaving the job's state waiting, and the job id is released.  A rank
+        that keeps nothing (more ranks than elements) has no inner optimizer and closes ``client``."""
 
         def attach() -> None:
-            self.inner = make()
+            if not plan.groups:
+                client.close()
+                return
+            self.inner = self.group.inner_optimizer(plan.groups, client, self.strategy.options)
 
         try:
             self.group.all_or_none("attach", attach)
@@ -166,11 +357,16 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
             if self.inner is not None:
                 self.inner.close(keep_state=True)
                 self.inner = None
-            elif client is not None:
+            else:
                 client.close()
-            release_job_id(self.job_id)
             raise
         self.outcome.adopt(self.inner)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, while the optimizer is made; after, refused: the strategy sharded the groups it was given."""
+        if self._started:
+            raise InvalidArgument(f"{self.strategy.name} {self.strategy.groups_rule}")
+        super().add_param_group(param_group)
 
     # ----------------------------------------------------------------- counters
 
@@ -211,33 +407,75 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         """Decide on the global grad statistics (collective), apply that decision in the rank's daemon, gather."""
         loss = closure_loss(closure)
         self._check_open()
-        decision = self._decide()  # type: ignore[attr-defined]
+        strategy = self.strategy
+        decision = strategy.decide()
         try:
             if self.inner is not None:
                 if not decision.skip:
-                    self._hand_over(decision)  # type: ignore[attr-defined]
-                self._sync_hyper()  # type: ignore[attr-defined]
+                    strategy.hand_over(decision)
+                strategy.sync_hyper()
                 # the daemon scales the grads by the decision's factor (unscaled, then clipped), or counts the skip
                 self.inner.step(decision=decision)
-            self._after_update(decision)  # type: ignore[attr-defined]
+            strategy.after_update(decision)
         finally:
-            self._end_step()  # type: ignore[attr-defined]
+            strategy.end_step()
+            self.schedule.end_step()
             self.group.steps += 1
         self.outcome.record(decision)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.strategy.zero_grad(set_to_none)
 
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidState(f"this {type(self).__name__} is closed")
 
-    def _after_load(self) -> None:
-        """A checkpoint was loaded: the counters are the daemon's."""
+    # ----------------------------------------------------------------- checkpoints
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """This rank's file of a checkpoint that loads at any world size (``reshard``); not collective."""
+        return self.checkpoint.shard_state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's file (``shard_state_dict()``), for every strategy: the fp32 values and Adam state of the
+        stretches of params the rank holds, and what merges it with the other ranks' files.  ``torch.save`` it
+        on every rank; ``load_state_dict`` takes it back at the same world size, ``load_shards`` takes the
+        files of all ranks at any world size, ``tiermem consolidate`` merges them."""
+        return self.checkpoint.shard_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A rank file (``state_dict()``: this rank's stretches must be in it, so the same world size and
+        layout), params' values and the model's buffers too; or ``torch.optim.AdamW``'s format over the
+        optimizer's params (``full_state_dict()``, ``tiermem consolidate``, ``torch.optim.AdamW``,
+        ``OffloadAdam``: any world size; the params are not touched, torch's rule).  Checked whole before
+        anything changes.  Every rank calls it."""
+        if is_rank_file(state_dict):
+            self.load_shards([state_dict], complete=False)
+            return
+        self.checkpoint.load_full(state_dict)
         self.outcome.adopt(self.inner)
 
-    # ----------------------------------------------------------------- life
+    def save_shard(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``shard_state_dict()`` to ``directory/zero3-rank<r>-of-<n>.pt`` (atomically; every rank
+        calls it); returns the path."""
+        return self.checkpoint.save_shard(directory)
 
-    def _before_close(self) -> None:
-        """A strategy's last word before it detaches (a warning, say)."""
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective: ``torch.optim.AdamW``'s format over the whole model, on every rank."""
+        return self.checkpoint.full_state_dict()
+
+    def load_shards(self, source: Source | ShardSet, *, complete: bool = True) -> None:
+        """This rank's stretches of the rank files of a save at any world size (params and buffers too); the
+        counters go on from the save's applied steps."""
+        shards = source if isinstance(source, ShardSet) else open_shards(source)
+        self.checkpoint.load_shards(shards, complete=complete)
+        self.strategy.values_loaded()
+        self.outcome.adopt(self.inner)
+        if shards.steps is not None:
+            self.outcome.applied = shards.steps
+
+    # ----------------------------------------------------------------- life
 
     def close(self, *, keep_state: bool = False) -> None:
         """Take the hooks off the model, detach from the daemon (this rank's share is freed unless
@@ -245,7 +483,8 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         again does nothing."""
         if self._closed:
             return
-        self._before_close()
+        if self._started:
+            self.strategy.before_close()
         self._closed = True
         for handle in self._hooks:
             handle.remove()

@@ -73,10 +73,11 @@ import torch
 import torch.distributed as dist
 
 from tiermem.client.distributed.daemon_grads import DaemonGrads
-from tiermem.client.distributed.group import ShardGrads, check_max_grad_norm
+from tiermem.client.distributed.group import RankGroup, ShardGrads, check_max_grad_norm
 from tiermem.client.distributed.reshard import describe_params
 from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Probe, check_timeout
-from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankFileOptimizer, RankShare, Slot, Zero3Checkpoint
+from tiermem.client.distributed.sharded import InnerPlan, ShardedOptimizer, ShardStrategy
+from tiermem.client.distributed.zero3_checkpoint import RankShare, Slot
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
     check_hyper,
@@ -91,7 +92,7 @@ from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement
 from tiermem.core.step_rules import StepDecision
 
-__all__ = ["LayerShardedAdam"]
+__all__ = ["LayerShardedAdam", "LayerStrategy"]
 
 
 class _Unit:
@@ -110,12 +111,15 @@ class _Unit:
         self.grads_left = 0
 
 
-class LayerShardedAdam(RankFileOptimizer):
+class LayerShardedAdam(ShardedOptimizer):
     """See the module docstring.  A ``torch.optim.Optimizer`` over the model's params (one param group: LR
     schedulers and edits of ``param_groups[0]["lr"]`` reach the owners' daemons with the next update);
-    ``step()``, ``zero_grad()``, ``close()``.  Composed of the owner's ``OffloadAdam`` over its layers
-    (``inner``; None on a rank that owns none), the group (``group``) and the checkpoints (``checkpoint``).
-    ``state_dtype``: how the owners' daemons store the moments (``OffloadAdam``'s)."""
+    ``step()``, ``zero_grad()``, ``close()``.  A thin constructor: ``ShardedOptimizer`` (the owner's
+    ``OffloadAdam`` over its layers, ``inner``, None on a rank that owns none; the group; the checkpoints)
+    with the by-layer strategy (``LayerStrategy``, ``strategy``).  ``state_dtype``: how the owners' daemons
+    store the moments (``OffloadAdam``'s)."""
+
+    strategy: LayerStrategy
 
     def __init__(
         self,
@@ -142,7 +146,6 @@ class LayerShardedAdam(RankFileOptimizer):
         """``collective_timeout_s``: how long a collective of a step waits for the other ranks before it
         raises ``RankLost`` (``schedule``).  ``probe``: told of each gather, grad and collective
         (``schedule.Probe``; tests slow them down through it)."""
-        self._join(process_group, "LayerShardedAdam")
         check_max_grad_norm(max_grad_norm)
         check_timeout(collective_timeout_s)
         if max_grad_norm is not None and not paged:
@@ -150,46 +153,130 @@ class LayerShardedAdam(RankFileOptimizer):
                 "max_grad_norm needs paged=True: without it a layer is updated during backward, before the "
                 "global norm of all the layers' grads exists"
             )
+        hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
+        defaults = optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw)
+        options = _owner_options(offload, paged=paged, state_dtype=state_dtype)
+        strategy = LayerStrategy(
+            model, defaults, options, owners=owners, paged=paged, max_grad_norm=max_grad_norm, trace=trace, probe=probe
+        )
+        super().__init__(
+            strategy,
+            process_group=process_group,
+            client=client,
+            job_id=job_id,
+            token=token,
+            collective_timeout_s=collective_timeout_s,
+            probe=probe,
+        )
+
+    # ----------------------------------------------------------------- the strategy's own, by name
+
+    @property
+    def paged(self) -> bool:
+        return self.strategy.paged
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self.strategy.max_grad_norm
+
+    @property
+    def grads(self) -> ShardGrads:
+        """This step's statistics of the reduced grads of this owner's layers."""
+        return self.strategy.grads
+
+    @property
+    def units(self) -> list[_Unit]:
+        return self.strategy.units
+
+    @property
+    def events(self) -> list[tuple[str, int]] | None:
+        """With ``trace``: the events (``gather``, ``release``, ``reduce``, ``update``) per unit index."""
+        return self.strategy.events
+
+    @property
+    def reduced(self) -> dict[int, torch.Tensor]:
+        """With ``trace``: the last reduced (mean) grads of the units this rank owns, flat."""
+        return self.strategy.reduced
+
+    def unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+        """``ShardedGradScaler``'s check of this owner's reduced grads (``ShardGrads.check``)."""
+        return self.strategy.unscale_shards(inv_scale, found_inf)
+
+    def gathered_params(self) -> list[torch.Tensor]:
+        """Collective: every unit's params, gathered (copies), in the model's order."""
+        return self.strategy.gathered_params()
+
+
+class LayerStrategy(ShardStrategy):
+    """ZeRO-3 by layer (see the module docstring): each unit's params and Adam state on its owner, gathered
+    for use by the facade's hooks, reduced to the owner as its grads complete."""
+
+    name = "LayerShardedAdam"
+    groups_rule = "takes the model's params as one param group; make a new one"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        defaults: dict[str, Any],
+        options: OffloadOptions,
+        *,
+        owners: Iterable[int] | None,
+        paged: bool,
+        max_grad_norm: float | None,
+        trace: bool,
+        probe: Probe | None,
+    ) -> None:
+        self.model = model
+        self._owners = owners
+        self._defaults = defaults
+        self.options = options
         self.paged = paged
-        self.options = _owner_options(offload, paged=paged, state_dtype=state_dtype)
-        """The settings the owner's inner ``OffloadAdam`` is built with, and its node's daemon sized by."""
+        self.keeps_values = not paged
         self.max_grad_norm = max_grad_norm
+        self.probe = probe
         self.grads = ShardGrads(clipping=max_grad_norm is not None)
         """This step's statistics of the reduced grads of this owner's layers."""
         self._early = False
         """The inner step of this step updates what was not updated during backward (``trace``)."""
-        self.units = _deal_units(model, owners, self.world_size)
-        hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
-        defaults = optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw)
-        super().__init__([{"params": [p for unit in self.units for p in unit.params]}], defaults)
         self.events: list[tuple[str, int]] | None = [] if trace else None
         self.reduced: dict[int, torch.Tensor] = {}
         """With ``trace``: the last reduced (mean) grads of the units this rank owns, flat."""
         self._order: list[int] = []
         self._recording = True
-        trained = [p for unit in self.units for p in unit.params]
-        self._agree_on_model(trained, [0] * len(trained))
-        self.group.broadcast_from_first(p.data for unit in self.units for p in unit.params)
-        self.schedule = self.group.start_schedule(collective_timeout_s, probe)
-        """The steps' collectives (their counts: ``schedule.last_counts``)."""
-        self.probe = probe
-        self.job_id, _ = self.group.agree_identity(job_id, token)
-        mine = [u for u in self.units if u.owner == self.rank]
-        client = self._node_client(mine, client)
-        self._attach_inner(client, lambda: self._make_inner(client))
-        store = InnerStore(self.job_id, self.param_groups, self.inner, self._sync_hyper, keeps_values=not paged)
-        self.checkpoint = Zero3Checkpoint(self._share(model, mine), store, self.group.collective)
         self._grads: DaemonGrads | None = None
-        if paged and self.inner is not None:
+
+    # ----------------------------------------------------------------- the start
+
+    def param_groups_for(self, group: RankGroup) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """One group of the units' trained params (the units dealt to the ranks)."""
+        self.units = _deal_units(self.model, self._owners, group.world_size)
+        return [{"params": [p for unit in self.units for p in unit.params]}], self._defaults
+
+    def plan(self) -> InnerPlan:
+        """Copies of this owner's layers' params (``_pieces``, the inner tensors), in one group."""
+        self._mine = [u for u in self.units if u.owner == self.rank]
+        self._pieces = {u.index: [torch.nn.Parameter(p.detach().clone()) for p in u.params] for u in self._mine}
+        self._entry_of: dict[int, list[int]] = {}
+        flat_pieces: list[torch.nn.Parameter] = []
+        for u in self._mine:
+            self._entry_of[u.index] = list(range(len(flat_pieces), len(flat_pieces) + len(u.params)))
+            flat_pieces += self._pieces[u.index]
+        groups = [{"params": flat_pieces, **hyper_of(self.param_groups[0])}] if flat_pieces else []
+        return InnerPlan(groups, dtypes.by_torch(self.units[0].params[0].dtype).name)
+
+    def attached(self) -> None:
+        """``paged``: the inner optimizer's feed taken over; every unit released and hooked."""
+        if self.paged and self.inner is not None:
             self._grads = self._page(self.inner)
         for unit in self.units:
             self._release(unit, log=False)
-            self._hooks += [
+            for handle in (
                 unit.module.register_forward_pre_hook(self._make_hook(unit, self._before_forward)),
                 unit.module.register_forward_hook(self._make_hook(unit, self._after_forward)),
                 unit.module.register_full_backward_pre_hook(self._make_hook(unit, self._before_backward)),
                 *(p.register_post_accumulate_grad_hook(self._make_grad_hook(unit)) for p in unit.params),
-            ]
+            ):
+                self.keep_hook(handle)
 
     def _page(self, inner: OffloadAdam) -> DaemonGrads:
         """``paged``: the daemon has the values now (the staged exchange wrote them as masters): every copy here
@@ -201,31 +288,9 @@ class LayerShardedAdam(RankFileOptimizer):
                 piece.data = torch.full((), float("nan"), dtype=piece.dtype).expand(piece.shape)
         return grads
 
-    def _node_client(self, mine: list[_Unit], client: Client | None) -> Client:
-        """Copies of this owner's layers' params (``_pieces``, the inner tensors) and the client of its node's
-        daemon (collective where ``client`` is None)."""
-        self._pieces = {u.index: [torch.nn.Parameter(p.detach().clone()) for p in u.params] for u in mine}
-        self._entry_of: dict[int, list[int]] = {}
-        self._flat_pieces: list[torch.nn.Parameter] = []
-        for u in mine:
-            self._entry_of[u.index] = list(range(len(self._flat_pieces), len(self._flat_pieces) + len(u.params)))
-            self._flat_pieces += self._pieces[u.index]
-        first = self.units[0].params[0]
-        if client is None:
-            numels = [p.numel() for p in self._flat_pieces]
-            client = self.group.node_client(numels, self.options, dtype=dtypes.by_torch(first.dtype).name)
-        return client
-
-    def _make_inner(self, client: Client) -> OffloadAdam | None:
-        """This owner's ``OffloadAdam`` over its pieces, in the agreed job; None on a rank that owns no layer."""
-        if not self._flat_pieces:
-            client.close()  # this rank owns no layer
-            return None
-        groups = [{"params": self._flat_pieces, **hyper_of(self.param_groups[0])}]
-        return self.group.inner_optimizer(groups, client, self.options)
-
-    def _share(self, model: torch.nn.Module, mine: list[_Unit]) -> RankShare:
+    def share(self) -> RankShare:
         """What this rank holds, in the checkpoints' terms: its layers' params whole, by tensor id."""
+        model, mine = self.model, self._mine
         infos = describe_params(model)
         index = {id(p): i for i, p in enumerate(model.parameters())}
         order = tuple(index[id(p)] for unit in self.units for p in unit.params)
@@ -237,15 +302,7 @@ class LayerShardedAdam(RankFileOptimizer):
         sharded = set(order)
         frozen = tuple(i for i in range(len(infos)) if i not in sharded)  # whole in every rank's module
         return RankShare(
-            "LayerShardedAdam",
-            self.rank,
-            self.world_size,
-            tuple(infos),
-            order,
-            slots,
-            frozen,
-            model,
-            torch.device("cpu"),
+            self.name, self.rank, self.world_size, tuple(infos), order, slots, frozen, model, torch.device("cpu")
         )
 
     # ----------------------------------------------------------------- collectives
@@ -353,7 +410,7 @@ class LayerShardedAdam(RankFileOptimizer):
         self._release(unit)
         if unit.owner != self.rank or self.inner is None:
             return
-        self._sync_hyper()  # an overlapped update of this layer starts now, with the current hyper-parameters
+        self.sync_hyper()  # an overlapped update of this layer starts now, with the current hyper-parameters
         flat.div_(self.world_size)
         if self.paged:  # the global norm and the overflow check of this step, at step() (the grads go now)
             self.grads.add(unit.index, flat)
@@ -397,34 +454,31 @@ class LayerShardedAdam(RankFileOptimizer):
         if drop_grads and self._grads is not None:
             self._grads.reset()
 
-    def _decide(self) -> StepDecision:
+    def decide(self) -> StepDecision:
         """Where ZeRO-3 by layer's grads come from: reduced to their owners during backward (paged: into the
         daemon); their statistics (``ShardGrads``) all-reduced where clipping asks, the scaler's flags global."""
         self._recording = False
         try:
             accumulated = self._grads is not None and self._grads.accumulated
-            decision = self.grads.decide(self.group, self, self.max_grad_norm, accumulated=accumulated)
+            decision = self.grads.decide(self.group, self.opt, self.max_grad_norm, accumulated=accumulated)
         except InvalidState:
             self._new_step()  # the step is refused
             raise
         self._new_step(drop_grads=False)
         return decision
 
-    def _hand_over(self, decision: StepDecision) -> None:
+    def hand_over(self, decision: StepDecision) -> None:
         """The grads are in the daemon already; only what the trace records is noted (the first step: every
         update runs now)."""
         self._early = self.inner is not None and self.inner.policy.overlap_now
 
-    def _after_update(self, decision: StepDecision) -> None:
+    def after_update(self, decision: StepDecision) -> None:
         """Nothing to gather: a layer is gathered when it is used."""
         if self.inner is not None and not self._early and not decision.skip and self.events is not None:
             for index in self._entry_of:
                 self.events.append(("update", index))
 
-    def _end_step(self) -> None:
-        self.schedule.end_step()
-
-    def _sync_hyper(self) -> None:
+    def sync_hyper(self) -> None:
         """The group's hyper-parameters (a scheduler or the user may have changed them) into the inner
         optimizer's group, which the daemon's updates read."""
         if self.inner is not None:
@@ -432,12 +486,7 @@ class LayerShardedAdam(RankFileOptimizer):
                 self.param_groups, self.inner.param_groups, ((0, j) for j in range(len(self.inner.param_groups)))
             )
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if self.param_groups:
-            raise InvalidArgument("LayerShardedAdam takes the model's params as one param group; make a new one")
-        super().add_param_group(param_group)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool) -> None:
         for unit in self.units:
             for p in unit.params:
                 p.grad = None

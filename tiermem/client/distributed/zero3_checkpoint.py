@@ -1,7 +1,7 @@
 """Rank-file checkpoints of the sharded optimizers in ``reshard``'s format, at any world size: ``Zero3Checkpoint``,
-a part ``ShardedOffloadAdam``, ``ShardedPagedAdam`` and ``LayerShardedAdam`` are composed with (their methods:
-``RankFileOptimizer``), over ``RankShare`` (what the rank holds) and a ``RankStore`` (the rank's state:
-``InnerStore``, its inner ``OffloadAdam``).
+the part every sharded optimizer (``ShardedOptimizer``, whatever its strategy) is composed with, over
+``RankShare`` (what the rank holds) and a ``RankStore`` (the rank's state: ``InnerStore``, its inner
+``OffloadAdam``).
 
 - ``shard_state_dict()`` (not collective): this rank's file: the fp32 values and Adam state of the
   stretches of params it holds, with the metadata to merge it with the others (``reshard``);
@@ -44,17 +44,15 @@ from tiermem.client.distributed.reshard import (
     ShardSet,
     Source,
     build_adamw,
-    is_rank_file,
     open_shards,
     persistent_buffers,
     save_file,
 )
-from tiermem.client.distributed.sharded import ShardedOptimizer
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups, packed_groups, plan_load
 from tiermem.core.errors import InvalidArgument
 
-__all__ = ["InnerStore", "RankFileOptimizer", "RankShare", "RankStore", "Slot", "Zero3Checkpoint"]
+__all__ = ["InnerStore", "RankShare", "RankStore", "Slot", "Zero3Checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -334,56 +332,3 @@ class Zero3Checkpoint:
                 f"the checkpoint's param groups hold params {saved_groups}, this optimizer's {my_groups}; make the "
                 "optimizer with the same groups"
             )
-
-
-class RankFileOptimizer(ShardedOptimizer):
-    """The rank-file checkpoints every sharding strategy offers (ZeRO-2's and both ZeRO-3's: one format,
-    loading at any world size, merged by ``tiermem consolidate``), through the ``Zero3Checkpoint`` it is
-    composed with (``checkpoint``, made by the strategy)."""
-
-    checkpoint: Zero3Checkpoint
-
-    def shard_state_dict(self) -> dict[str, Any]:
-        """This rank's file of a checkpoint that loads at any world size (``reshard``); not collective."""
-        return self.checkpoint.shard_state_dict()
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's file (``shard_state_dict()``), for every strategy: the fp32 values and Adam state of the
-        stretches of params the rank holds, and what merges it with the other ranks' files.  ``torch.save`` it
-        on every rank; ``load_state_dict`` takes it back at the same world size, ``load_shards`` takes the
-        files of all ranks at any world size, ``tiermem consolidate`` merges them."""
-        return self.checkpoint.shard_state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """A rank file (``state_dict()``: this rank's stretches must be in it, so the same world size and
-        layout), params' values and the model's buffers too; or ``torch.optim.AdamW``'s format over the
-        optimizer's params (``full_state_dict()``, ``tiermem consolidate``, ``torch.optim.AdamW``,
-        ``OffloadAdam``: any world size; the params are not touched, torch's rule).  Checked whole before
-        anything changes.  Every rank calls it."""
-        if is_rank_file(state_dict):
-            self.load_shards([state_dict], complete=False)
-            return
-        self.checkpoint.load_full(state_dict)
-        self._after_load()
-
-    def save_shard(self, directory: str | os.PathLike[str]) -> Path:
-        """Write ``shard_state_dict()`` to ``directory/zero3-rank<r>-of-<n>.pt`` (atomically; every rank
-        calls it); returns the path."""
-        return self.checkpoint.save_shard(directory)
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """Collective: ``torch.optim.AdamW``'s format over the whole model, on every rank."""
-        return self.checkpoint.full_state_dict()
-
-    def load_shards(self, source: Source | ShardSet, *, complete: bool = True) -> None:
-        """This rank's stretches of the rank files of a save at any world size (params and buffers too); the
-        counters go on from the save's applied steps."""
-        shards = source if isinstance(source, ShardSet) else open_shards(source)
-        self.checkpoint.load_shards(shards, complete=complete)
-        self._values_loaded()
-        self._after_load()
-        if shards.steps is not None:
-            self.outcome.applied = shards.steps
-
-    def _values_loaded(self) -> None:
-        """The params' values were loaded into the rank's share (ZeRO-2 gathers them into the model)."""
