@@ -89,8 +89,8 @@ import torch.distributed as dist
 
 from tiermem.client.distributed.group import RankGroup, check_max_grad_norm
 from tiermem.client.distributed.reshard import describe_params
-from tiermem.client.distributed.schedule import ALL_GATHER, DEFAULT_TIMEOUT_S, REDUCE_SCATTER, Probe, check_timeout
-from tiermem.client.distributed.sharded import InnerPlan, ShardedOptimizer, ShardStrategy
+from tiermem.client.distributed.schedule import ALL_GATHER, DEFAULT_TIMEOUT_S, REDUCE_SCATTER, Probe
+from tiermem.client.distributed.sharded import InnerPlan, ShardedOptimizer, ShardStrategy, of_strategy
 from tiermem.client.distributed.zero3_checkpoint import RankShare, Slot
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
@@ -161,7 +161,6 @@ class ShardedOffloadAdam(ShardedOptimizer):
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         check_torch_flags(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         check_max_grad_norm(max_grad_norm)
-        check_timeout(collective_timeout_s)
         _check_sizes(bucket_nbytes=bucket_nbytes, warmup_steps=warmup_steps)
         options = OffloadOptions(
             offload=Placement.parse(offload, "offload"),
@@ -183,66 +182,24 @@ class ShardedOffloadAdam(ShardedOptimizer):
             overlap_comm=overlap_comm,
             broadcast_params=broadcast_params,
         )
-        super().__init__(
-            strategy,
-            process_group=process_group,
-            client=client,
-            job_id=job_id,
-            token=token,
-            collective_timeout_s=collective_timeout_s,
-            probe=probe,
-        )
+        super().__init__(strategy, process_group, client, job_id, token, collective_timeout_s, probe)
 
     # ----------------------------------------------------------------- the strategy's own, by name
 
-    @property
-    def max_grad_norm(self) -> float | None:
-        return self.strategy.max_grad_norm
-
-    @property
-    def overlap_comm(self) -> bool:
-        return self.strategy.overlap_comm
+    max_grad_norm = of_strategy()
+    overlap_comm = of_strategy()
+    layout = of_strategy("Who owns which elements (``tiermem.core.shard_plan.ShardLayout``).")
+    pieces = of_strategy("This rank's pieces of params (``Piece``).")
+    dtype = of_strategy("The params' working dtype (``tiermem.core.dtypes.WorkingDType``).")
+    device = of_strategy()
+    params_behind = of_strategy("Whether this rank's daemon holds an update the model does not have yet (``flush()``).")
+    no_sync = of_strategy("Backward passes inside reduce nothing (DDP's ``no_sync``; ``Zero2Strategy.no_sync``).")
+    flush = of_strategy("Collective: a delayed update installed and gathered into every rank's model.")
+    take_found_inf = of_strategy("``ShardedGradScaler``'s found-inf flags of this step, already global.")
 
     @property
     def state_dtype(self) -> str:
         return self.strategy.options.state_dtype
-
-    @property
-    def layout(self) -> ShardLayout:
-        """Who owns which elements (``tiermem.core.shard_plan``)."""
-        return self.strategy.layout
-
-    @property
-    def pieces(self) -> list[Piece]:
-        """This rank's pieces of params."""
-        return self.strategy.pieces
-
-    @property
-    def dtype(self) -> dtypes.WorkingDType:
-        return self.strategy.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.strategy.device
-
-    @property
-    def params_behind(self) -> bool:
-        """Whether this rank's daemon holds an update that the model does not have yet (``flush()``)."""
-        return self.strategy.params_behind
-
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Backward passes inside reduce nothing (DDP's ``no_sync``; see ``Zero2Strategy.no_sync``)."""
-        return self.strategy.no_sync()
-
-    def flush(self) -> None:
-        """Collective: wait for a delayed update, install its params and gather them into every rank's model
-        (``delayed_update=True``; a no-op's worth of copies otherwise)."""
-        self.strategy.flush()
-
-    def take_found_inf(self, per_device: dict[torch.device, torch.Tensor]) -> None:
-        """``ShardedGradScaler``'s found-inf flags of this step, already global (all-reduced over the group);
-        ``step()`` sets them too when the reduced grads overflow, so the scaler backs off as every rank does."""
-        self.strategy.take_found_inf(per_device)
 
 
 class Zero2Strategy(ShardStrategy):

@@ -86,9 +86,8 @@ from tiermem.client.distributed.schedule import (
     REDUCE_SCATTER,
     Collectives,
     Probe,
-    check_timeout,
 )
-from tiermem.client.distributed.sharded import InnerPlan, ShardedOptimizer, ShardStrategy
+from tiermem.client.distributed.sharded import InnerPlan, ShardedOptimizer, ShardStrategy, of_strategy
 from tiermem.client.distributed.zero3_checkpoint import RankShare, Slot
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper, copy_hyper, optimizer_defaults
@@ -349,7 +348,6 @@ class ShardedPagedAdam(ShardedOptimizer):
         ``probe``: told of each fetch, grad, transfer and collective (``schedule.Probe``; tests slow them
         down through it)."""
         check_max_grad_norm(max_grad_norm)
-        check_timeout(collective_timeout_s)
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         groups = _model_groups(model, param_groups)
         device, dtype = _device_and_dtype([p for g in groups for p in g["params"]])
@@ -374,34 +372,15 @@ class ShardedPagedAdam(ShardedOptimizer):
             prefetch=prefetch,
             probe=probe,
         )
-        super().__init__(
-            strategy,
-            process_group=process_group,
-            client=client,
-            job_id=job_id,
-            token=token,
-            collective_timeout_s=collective_timeout_s,
-            probe=probe,
-        )
+        super().__init__(strategy, process_group, client, job_id, token, collective_timeout_s, probe)
 
     # ----------------------------------------------------------------- the strategy's own, by name
 
-    @property
-    def max_grad_norm(self) -> float | None:
-        """``max_grad_norm`` over the unsharded model (the daemon gets the coefficient, not the norm)."""
-        return self.strategy.max_grad_norm
-
-    @property
-    def grads(self) -> ShardGrads:
-        return self.strategy.grads
-
-    @property
-    def pager(self) -> ParamPager:
-        return self.strategy.pager
-
-    @property
-    def copies(self) -> ShardCopies:
-        return self.strategy.copies
+    max_grad_norm = of_strategy("``max_grad_norm`` over the unsharded model (the daemon gets the coefficient).")
+    grads = of_strategy("This step's statistics of the rank's reduced shards (``ShardGrads``).")
+    pager = of_strategy("The model's ``ParamPager`` (its figures: ``pager.stats()``).")
+    copies = of_strategy("The pager's collective copies (``ShardCopies``).")
+    unscale_shards = of_strategy("``ShardedGradScaler``'s check of this rank's reduced shards.")
 
     @property
     def client(self) -> Client:
@@ -412,10 +391,6 @@ class ShardedPagedAdam(ShardedOptimizer):
 
     def flush(self) -> None:
         self.inner.flush()  # the pager's transfers drained too: it is the inner optimizer's feed
-
-    def unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
-        """``ShardedGradScaler``'s check of this rank's reduced shards (``ShardGrads.check``)."""
-        return self.strategy.unscale_shards(inv_scale, found_inf)
 
 
 class PagedStrategy(ShardStrategy):

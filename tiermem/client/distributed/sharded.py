@@ -75,7 +75,7 @@ import torch.distributed as dist
 from tiermem.client.distributed.group import NotCopyable, RankGroup
 from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.distributed.reshard import ShardSet, Source, is_rank_file, open_shards
-from tiermem.client.distributed.schedule import Collectives, Probe
+from tiermem.client.distributed.schedule import Collectives, Probe, check_timeout
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Zero3Checkpoint
 from tiermem.client.link import Client
 from tiermem.client.offload.args import closure_loss
@@ -84,7 +84,7 @@ from tiermem.client.offload.options import OffloadOptions
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.step_rules import StepDecision
 
-__all__ = ["InnerPlan", "ShardStrategy", "ShardedOptimizer", "StepOutcome"]
+__all__ = ["InnerPlan", "ShardStrategy", "ShardedOptimizer", "StepOutcome", "of_strategy"]
 
 
 @dataclass
@@ -239,6 +239,20 @@ class ShardStrategy:
         """The strategy's last word before it detaches (a warning, say)."""
 
 
+class of_strategy:
+    """An attribute or method of a thin constructor's optimizer that is its strategy's, by the same name:
+    ``no_sync = of_strategy()`` in the class body reads ``opt.strategy.no_sync``.  Read-only."""
+
+    def __init__(self, doc: str = "") -> None:
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, opt: Any, owner: type | None = None) -> Any:
+        return self if opt is None else getattr(opt.strategy, self.name)
+
+
 class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
     """The facade of the sharded optimizers; see the module docstring.  Made by the thin constructors
     (``ShardedOffloadAdam``, ``LayerShardedAdam``, ``ShardedPagedAdam``), each with its strategy."""
@@ -258,16 +272,18 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
     def __init__(
         self,
         strategy: ShardStrategy,
-        *,
         process_group: Any,
         client: Client | None,
         job_id: str | None,
         token: str | None,
         collective_timeout_s: float,
         probe: Probe | None,
+        /,
     ) -> None:
-        """The start (see the module docstring); collective from the model's check on.  ``client``: this rank's
-        connection to its node's daemon (None: found, or started for the node)."""
+        """The start (see the module docstring); collective from the model's check on.  The thin constructors'
+        arguments of the same names, in this order: ``client`` this rank's connection to its node's daemon
+        (None: found, or started for the node); ``job_id``, ``token`` (None: agreed, ``identity``)."""
+        check_timeout(collective_timeout_s)
         self._join(process_group, strategy)
         groups, defaults = strategy.param_groups_for(self.group)
         super().__init__(groups, defaults)

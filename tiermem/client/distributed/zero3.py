@@ -75,8 +75,8 @@ import torch.distributed as dist
 from tiermem.client.distributed.daemon_grads import DaemonGrads
 from tiermem.client.distributed.group import RankGroup, ShardGrads, check_max_grad_norm
 from tiermem.client.distributed.reshard import describe_params
-from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Probe, check_timeout
-from tiermem.client.distributed.sharded import InnerPlan, ShardedOptimizer, ShardStrategy
+from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Probe
+from tiermem.client.distributed.sharded import InnerPlan, ShardedOptimizer, ShardStrategy, of_strategy
 from tiermem.client.distributed.zero3_checkpoint import RankShare, Slot
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
@@ -147,7 +147,6 @@ class LayerShardedAdam(ShardedOptimizer):
         raises ``RankLost`` (``schedule``).  ``probe``: told of each gather, grad and collective
         (``schedule.Probe``; tests slow them down through it)."""
         check_max_grad_norm(max_grad_norm)
-        check_timeout(collective_timeout_s)
         if max_grad_norm is not None and not paged:
             raise InvalidArgument(
                 "max_grad_norm needs paged=True: without it a layer is updated during backward, before the "
@@ -159,52 +158,18 @@ class LayerShardedAdam(ShardedOptimizer):
         strategy = LayerStrategy(
             model, defaults, options, owners=owners, paged=paged, max_grad_norm=max_grad_norm, trace=trace, probe=probe
         )
-        super().__init__(
-            strategy,
-            process_group=process_group,
-            client=client,
-            job_id=job_id,
-            token=token,
-            collective_timeout_s=collective_timeout_s,
-            probe=probe,
-        )
+        super().__init__(strategy, process_group, client, job_id, token, collective_timeout_s, probe)
 
     # ----------------------------------------------------------------- the strategy's own, by name
 
-    @property
-    def paged(self) -> bool:
-        return self.strategy.paged
-
-    @property
-    def max_grad_norm(self) -> float | None:
-        return self.strategy.max_grad_norm
-
-    @property
-    def grads(self) -> ShardGrads:
-        """This step's statistics of the reduced grads of this owner's layers."""
-        return self.strategy.grads
-
-    @property
-    def units(self) -> list[_Unit]:
-        return self.strategy.units
-
-    @property
-    def events(self) -> list[tuple[str, int]] | None:
-        """With ``trace``: the events (``gather``, ``release``, ``reduce``, ``update``) per unit index."""
-        return self.strategy.events
-
-    @property
-    def reduced(self) -> dict[int, torch.Tensor]:
-        """With ``trace``: the last reduced (mean) grads of the units this rank owns, flat."""
-        return self.strategy.reduced
-
-    def unscale_shards(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
-        """``ShardedGradScaler``'s check of this owner's reduced grads (``ShardGrads.check``)."""
-        return self.strategy.unscale_shards(inv_scale, found_inf)
-
-    def gathered_params(self) -> list[torch.Tensor]:
-        """Collective: every unit's params, gathered (copies), in the model's order."""
-        return self.strategy.gathered_params()
+    paged = of_strategy()
+    max_grad_norm = of_strategy()
+    grads = of_strategy("This step's statistics of the reduced grads of this owner's layers (``ShardGrads``).")
+    units = of_strategy("The model's units (submodules that own params), each with its owner rank.")
+    events = of_strategy("With ``trace``: the events (``gather``, ``release``, ``reduce``, ``update``) per unit.")
+    reduced = of_strategy("With ``trace``: the last reduced (mean) grads of the units this rank owns, flat.")
+    unscale_shards = of_strategy("``ShardedGradScaler``'s check of this owner's reduced grads.")
+    gathered_params = of_strategy("Collective: every unit's params, gathered (copies), in the model's order.")
 
 
 class LayerStrategy(ShardStrategy):
