@@ -104,10 +104,7 @@ def test_a_build_past_its_time_limit_kills_the_compilers_children_too(
     compiler = tmp_path / "slowcc"
     # a driver that answers --version at once, and otherwise starts a long-running child and waits for it
     compiler.write_text(
-        "#!/bin/sh\n"
-        'if [ "$1" = --version ]; then echo slowcc 1; exit 0; fi\n'
-        f"sleep 60 & echo $! > {pidfile}\n"
-        "wait\n"
+        f'#!/bin/sh\nif [ "$1" = --version ]; then echo slowcc 1; exit 0; fi\nsleep 60 & echo $! > {pidfile}\nwait\n'
     )
     compiler.chmod(0o755)
     monkeypatch.setenv("CC", str(compiler))
