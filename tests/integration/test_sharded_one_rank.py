@@ -494,3 +494,34 @@ def test_a_rank_file_holds_the_params_as_they_are_stepped_edited_or_never_steppe
         assert all(torch.equal(a, p.detach()) for a, p in zip(before, params, strict=True))
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["synchronous", "delayed"])
+def test_zero2_collectives_use_the_daemons_storage_as_the_buckets_slices(daemon, one_rank_group, delayed: bool):
+    """Where a bucket's pieces fill this rank's slice side by side in the daemon's shared storage, the
+    reduce-scatter writes the daemon's grad buffer and the all-gather reads its params, with no copy through
+    the transfer buffer; the delayed update alternates two grad buffers, so there the slices are copies.
+    The training matches AdamW's."""
+    ours, ref = model(), model()
+    opt = ShardedOffloadAdam(
+        ours.parameters(), lr=0.02, client=connect(daemon.socket_path), delayed_update=delayed, warmup_steps=0
+    )
+    try:
+        buckets = opt.strategy.rounds.buckets
+        assert buckets and all(b.pieces for b in buckets)
+        for bucket in buckets:
+            first = bucket.pieces[0].entry
+            assert first is not None  # the shared exchange: every piece is in the daemon's storage
+            if delayed:
+                assert bucket.grad_slice is None and bucket.param_slice is None
+            else:
+                assert bucket.param_slice is not None and bucket.grad_slice is not None
+                assert bucket.param_slice.data_ptr() == first.view.data_ptr()
+                assert bucket.grad_slice.data_ptr() == first.grad_views[0].data_ptr()
+                assert bucket.grad_slice.numel() == bucket.plan.slice_numel
+        if not delayed:
+            adamw = torch.optim.AdamW(ref.parameters(), lr=0.02)
+            train_alike([(ours, opt), (ref, adamw)], range(3))
+            assert biggest_diff(ours, ref) <= 1e-6
+    finally:
+        opt.close()

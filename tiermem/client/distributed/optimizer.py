@@ -5,7 +5,8 @@ optimizer state: the params are cut into buckets and each bucket into one
 slice per rank (``tiermem.core.shard_plan``); rank ``r``'s pieces of params
 are registered with its node's daemon as the tensors of an ``OffloadAdam``
 (rank ``r`` of one job), so the node's ranks share one pool, one set of NVMe
-swap files and one CPU-Adam scheduler.  A step:
+swap files and one CPU-Adam scheduler.  The rank's buckets and pieces are one
+record each (``zero2_buckets.BucketRounds``, ``strategy.rounds``).  A step:
 
 1. reduce-scatter: per bucket, the flat grads (zeros for a param without a
    grad) are summed across the ranks with ``reduce_scatter_tensor`` and divided
@@ -80,8 +81,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -89,8 +89,9 @@ import torch.distributed as dist
 
 from tiermem.client.distributed.group import RankGroup, check_max_grad_norm
 from tiermem.client.distributed.reshard import describe_params
-from tiermem.client.distributed.schedule import ALL_GATHER, DEFAULT_TIMEOUT_S, REDUCE_SCATTER, Probe
+from tiermem.client.distributed.schedule import DEFAULT_TIMEOUT_S, Probe
 from tiermem.client.distributed.sharded import InnerPlan, ShardedOptimizer, ShardStrategy, of_strategy
+from tiermem.client.distributed.zero2_buckets import BucketRounds
 from tiermem.client.distributed.zero3_checkpoint import RankShare, Slot
 from tiermem.client.link import Client
 from tiermem.client.offload.args import (
@@ -101,7 +102,6 @@ from tiermem.client.offload.args import (
     optimizer_defaults,
 )
 from tiermem.client.offload.options import OffloadOptions
-from tiermem.client.offload.shared import TensorEntry
 from tiermem.core import dtypes
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement
@@ -205,11 +205,12 @@ class ShardedOffloadAdam(ShardedOptimizer):
 class Zero2Strategy(ShardStrategy):
     """ZeRO-2 (see the module docstring): every rank keeps the whole model and its pieces of the Adam state;
     grads are reduce-scattered at ``step()`` (or during backward, ``overlap_comm``), params all-gathered after
-    each update."""
+    each update, through the rank's buckets (``BucketRounds``, ``rounds``)."""
 
     name = "ShardedOffloadAdam"
     alone_hint = "; for one process use OffloadAdam"
     keeps_values = True
+    rounds: BucketRounds
 
     def __init__(
         self,
@@ -230,9 +231,8 @@ class Zero2Strategy(ShardStrategy):
         self.broadcast_params = broadcast_params
         self._global_found_inf: dict[torch.device, torch.Tensor] | None = None
         """This step's found-inf flags from ``ShardedGradScaler`` (``take_found_inf``)."""
-        self._reduced: list[torch.Tensor] = []
-        """This step's mean grads of the rank's pieces (``decide``), and per param whether any rank had one."""
         self._has_grad: list[bool] | None = None
+        """This step's: per param, whether any rank had a grad."""
 
     # ----------------------------------------------------------------- the start
 
@@ -248,19 +248,46 @@ class Zero2Strategy(ShardStrategy):
         self._shapes = [tuple(p.shape) for p in params]
 
     def plan(self) -> InnerPlan:
-        """Who owns which elements (``layout``), this rank's ``pieces`` as host params and the inner groups over
-        them."""
+        """Who owns which elements (``layout``), this rank's buckets and pieces, and the inner optimizer's groups
+        over the pieces (the groups that have a piece here: ``_inner_of_group``)."""
         params = self.params()
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        self._plan(params, group_of, self.bucket_nbytes)
-        return InnerPlan(self._piece_groups(params, group_of), self.dtype.name)
+        self.layout: ShardLayout = plan_shards(
+            [p.numel() for p in params], group_of, self.world_size, max(1, self.bucket_nbytes // self.dtype.itemsize)
+        )
+        self.rounds = BucketRounds(
+            self.layout, self.rank, params, dtype=self.dtype, device=self.device, schedule=self.schedule
+        )
+        inner_groups: list[dict[str, Any]] = []
+        self._inner_of_group: dict[int, int] = {}
+        for g, group in enumerate(self.param_groups):
+            members = [p.param for p in self.rounds.pieces if group_of[p.plan.param] == g]
+            if members:
+                self._inner_of_group[g] = len(inner_groups)
+                inner_groups.append({"params": members, **hyper_of(group)})
+        return InnerPlan(inner_groups, self.dtype.name)
 
     def attached(self) -> None:
-        """The transfer buffers, the reduce rounds (and their hooks), and where the job's state is."""
+        """The buckets bound to the daemon's storage, the hooks that reduce during backward (``overlap_comm``),
+        and where the job's state is."""
         params = self.params()
-        self._transfer_buffers()
-        self._start_rounds(params)
+        self.rounds.attach(self.inner)
+        if self.overlap_comm:
+            for index, p in enumerate(params):
+                if p.requires_grad:
+                    self.keep_hook(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
         self._resume(params)
+
+    def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self.rounds.grad_landed(index, self.params())
+
+        return hook
+
+    @property
+    def pieces(self) -> list[Piece]:
+        """This rank's pieces of params, in the layout's terms."""
+        return [p.plan for p in self.rounds.pieces]
 
     def share(self) -> RankShare:
         """This rank's pieces in the rank files' terms: param ``i`` is the optimizer's ``i``-th (named by its
@@ -274,92 +301,7 @@ class Zero2Strategy(ShardStrategy):
 
     def values_loaded(self) -> None:
         """Loaded rank files gave the pieces their values: every rank's model gets them (collective)."""
-        self._all_gather(self.params())
-
-    def _plan(self, params: list[torch.nn.Parameter], group_of: list[int], bucket_nbytes: int) -> None:
-        """Who owns which elements (``layout``), this rank's ``pieces`` and which of them each bucket holds."""
-        self.layout: ShardLayout = plan_shards(
-            [p.numel() for p in params], group_of, self.world_size, max(1, bucket_nbytes // self.dtype.itemsize)
-        )
-        self.pieces: list[Piece] = self.layout.pieces(self.rank)
-        self._by_bucket: list[list[int]] = [[] for _ in self.layout.buckets]
-        for i, piece in enumerate(self.pieces):
-            self._by_bucket[piece.bucket].append(i)
-
-    def _transfer_buffers(self) -> None:
-        """The buffers a bucket's collectives go through, and where this rank's slices can be the daemon's
-        storage itself (``_storage_slices``)."""
-        largest = self.layout.largest_bucket()
-        self._flat = torch.empty(largest, dtype=self.dtype.torch, device=self.device)
-        self._slice = torch.empty(-(-largest // self.world_size), dtype=self.dtype.torch, device=self.device)
-        self._shared: list[TensorEntry] = []
-        """The inner optimizer's tensors in the shared storage (the shared exchange), one per piece."""
-        if self.inner is not None and self.inner.shared_feed is not None:
-            self._shared = self.inner.shared_feed.entries
-        self._param_slices, self._grad_slices = self._storage_slices()
-
-    def _start_rounds(self, params: list[torch.nn.Parameter]) -> None:
-        """The reduce rounds' bookkeeping, and with ``overlap_comm`` the hooks that start a bucket's reduce
-        during backward."""
-        self._bucket_of = [0] * len(params)
-        for b, bucket in enumerate(self.layout.buckets):
-            for index in bucket.params:
-                self._bucket_of[index] = b
-        self._wanted = [sum(params[i].requires_grad for i in bucket.params) for bucket in self.layout.buckets]
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._holding = False
-        self._told_accumulation = False
-        self._new_round()
-        if self.overlap_comm:
-            for index, p in enumerate(params):
-                if p.requires_grad:
-                    self.keep_hook(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
-
-    def _piece_groups(self, params: list[torch.nn.Parameter], group_of: list[int]) -> list[dict[str, Any]]:
-        """This rank's pieces as host params (``_piece_params``) and the inner optimizer's groups over them (the
-        groups that have a piece here: ``_inner_of_group``)."""
-        flat = [p.detach().reshape(-1) for p in params]
-        self._piece_params = [
-            torch.nn.Parameter(flat[pc.param][pc.lo : pc.hi].to("cpu", copy=True)) for pc in self.pieces
-        ]
-        inner_groups: list[dict[str, Any]] = []
-        self._inner_of_group: dict[int, int] = {}
-        for g, group in enumerate(self.param_groups):
-            members = [pp for pp, pc in zip(self._piece_params, self.pieces, strict=True) if group_of[pc.param] == g]
-            if members:
-                self._inner_of_group[g] = len(inner_groups)
-                inner_groups.append({"params": members, **hyper_of(group)})
-        return inner_groups
-
-    def _storage_slices(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """Per bucket, this rank's slice of params and of grads as one tensor of the daemon's shared storage,
-        where its pieces fill the slice (no padding) side by side there (the storage packs tensors densely in
-        registration order, ``tiermem.core.layout``); else None.  The reduce-scatter then writes the grads
-        straight into the daemon's grad buffer and the all-gather reads the updated params straight from
-        the storage, with no copy through the transfer buffer (one pass over the shard each, per step)."""
-        buckets = len(self.layout.buckets)
-        params: list[torch.Tensor | None] = [None] * buckets
-        grads: list[torch.Tensor | None] = [None] * buckets
-        entries = self._shared
-        if self.device.type != "cpu" or not entries or len(entries[0].grad_views) != 1 or self.inner is None:
-            return params, grads  # device params: the collectives run on the device; two grad buffers: alternated
-        base = self.inner.client.storage
-        for b, bucket in enumerate(self.layout.buckets):
-            members = self._by_bucket[b]
-            if not members or sum(self.pieces[i].numel for i in members) != bucket.slice_numel:
-                continue
-            first = entries[members[0]]
-            runs = [
-                _run_from(base, first.view, bucket.slice_numel),
-                _run_from(base, first.grad_views[0], bucket.slice_numel),
-            ]
-            if all(
-                view.data_ptr() == run.data_ptr() + self.pieces[i].at * run.element_size()
-                for i in members
-                for view, run in zip((entries[i].view, entries[i].grad_views[0]), runs, strict=True)
-            ):
-                params[b], grads[b] = runs
-        return params, grads
+        self.rounds.all_gather(self.params())
 
     def _resume(self, params: list[torch.nn.Parameter]) -> None:
         """Agree on where the job's state is: new on every rank, or reattached at one step on every rank
@@ -381,7 +323,7 @@ class Zero2Strategy(ShardStrategy):
             )
         self.opt.outcome.applied, self.opt.outcome.skipped = counts.pop()
         self.group.steps = self.opt.outcome.applied + self.opt.outcome.skipped
-        self._all_gather(params)
+        self.rounds.all_gather(params)
 
     # ----------------------------------------------------------------- the step
 
@@ -408,13 +350,13 @@ class Zero2Strategy(ShardStrategy):
         need_norm = scaled or self.max_grad_norm is not None
         flags = [0.0] + [0.0 if p.grad is None else 1.0 for p in params]
         stats = torch.tensor(flags, dtype=torch.float64).to(self.device)
+        buffer = self.inner.feed.buffer if self.inner is not None else 0
         try:
-            self._reduced = self._reduce_scatter(params, stats if need_norm else None)
+            self.rounds.reduce_scatter(
+                params, stats if need_norm else None, grad_buffer=buffer, overlap=self.overlap_comm
+            )
         finally:
-            # the next backward's buckets are whole once the params that had a grad this step have one (an
-            # unused layer's params would otherwise hold back every bucket before it until step())
-            self._wanted = [sum(params[i].grad is not None for i in b.params) for b in self.layout.buckets]
-            self._new_round()
+            self.rounds.new_round(params)
         self.schedule.run("all-reduce", "the grad statistics", dist.all_reduce, stats)
         values = self.group.read_back(stats)  # the step's one read of its grad statistics
         total_sq = values[0]
@@ -437,11 +379,10 @@ class Zero2Strategy(ShardStrategy):
 
     def hand_over(self, decision: StepDecision) -> None:
         """The pieces' params from the model (in-place edits since the last step) and their reduced grads."""
-        params = self.params()
-        self._pull_params_into_pieces(params)
+        self.rounds.pull_params(self.params())
         has_grad = self._has_grad
-        for piece, pp, grad in zip(self.pieces, self._piece_params, self._reduced, strict=True):
-            pp.grad = grad if has_grad is not None and has_grad[piece.param] else None
+        for piece in self.rounds.pieces:
+            piece.param.grad = piece.grad if has_grad is not None and has_grad[piece.plan.param] else None
 
     def sync_hyper(self) -> None:
         if self.inner is not None:
@@ -450,10 +391,10 @@ class Zero2Strategy(ShardStrategy):
     def after_update(self, decision: StepDecision) -> None:
         """Every bucket's updated slices all-gathered into every rank's params (a skip changed nothing)."""
         if not decision.skip:
-            self._all_gather(self.params())
+            self.rounds.all_gather(self.params())
 
     def end_step(self) -> None:
-        self._reduced = []
+        self.rounds.drop_grads()
         self._has_grad = None
 
     def _check_params(self, params: list[torch.nn.Parameter]) -> None:
@@ -467,195 +408,18 @@ class Zero2Strategy(ShardStrategy):
             if p.grad is not None and (p.grad.dtype != p.dtype or p.grad.is_sparse):
                 raise DTypeError(f"param {i} got a {p.grad.dtype} {p.grad.layout} grad; it needs a dense {p.dtype} one")
 
-    # ----------------------------------------------------------------- the reduce-scatter
+    # ----------------------------------------------------------------- between steps
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside reduce nothing (DDP's ``no_sync``): accumulate micro-batches in it and run
-        the last backward of the step outside.  Needed only for speed, with ``overlap_comm``: without it an
-        accumulated bucket is reduced again at ``step()``, correct but twice."""
-        before, self._holding = self._holding, True
-        try:
-            yield
-        finally:
-            self._holding = before
-
-    def _new_round(self) -> None:
-        """A new step: no param has landed, no bucket is reduced or in flight."""
-        self._landed = [False] * len(self._shapes)
-        self._left = list(self._wanted)
-        self._next = len(self.layout.buckets) - 1
-        """The next bucket to reduce: the last first (backward makes the last params' grads first), so every
-        rank issues the collectives in one order, whichever of them ran during backward."""
-        self._reduces: dict[int, _Reduce] = {}
-        self._accumulated = False
-
-    def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            self._grad_landed(index)
-
-        return hook
-
-    def _grad_landed(self, index: int) -> None:
-        """``overlap_comm``: a param's grad is complete for this backward; reduce every bucket that is whole."""
-        if self._holding:
-            return
-        if self._landed[index]:
-            self._accumulated = True  # a second backward: step() sees the changed grad and reduces it again
-            return
-        self._landed[index] = True
-        self._left[self._bucket_of[index]] -= 1
-        if self._next < 0 or self._left[self._next] > 0:
-            return  # most grads: their bucket, or one after it, is not whole yet
-        params = self.params()
-        while self._next >= 0 and self._left[self._next] <= 0:
-            self._reduces[self._next] = self._launch(params, self._next, async_op=True, own=True)
-            self._next -= 1
-
-    def _buffers_of(self, b: int, *, own: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bucket ``b``'s flat grads and reduced slice: the shared transfer buffers, or (``own``: its collective
-        runs while others are issued) buffers of its own, kept for the next steps."""
-        bucket = self.layout.buckets[b]
-        padded = self.layout.padded_numel(bucket)
-        if not own:
-            return self._flat[:padded], self._slice[: bucket.slice_numel]
-        if b not in self._buffers:
-            self._buffers[b] = (
-                torch.empty(padded, dtype=self.dtype.torch, device=self.device),
-                torch.empty(bucket.slice_numel, dtype=self.dtype.torch, device=self.device),
-            )
-        return self._buffers[b]
-
-    def _launch(self, params: list[torch.nn.Parameter], b: int, *, async_op: bool, own: bool) -> _Reduce:
-        """Copy bucket ``b``'s grads (zeros for a param without one) and issue its reduce-scatter, into the
-        shared transfer buffers (``own`` False: the caller consumes the result before the next launch) or
-        the bucket's own."""
-        bucket = self.layout.buckets[b]
-        direct = self._grad_slices[b]
-        alone = self.world_size == 1
-        flat, out = self._buffers_of(b, own=own)
-        if alone and direct is not None:
-            flat = direct  # one rank: its slice is the whole bucket, and the grads go straight to the daemon
-        seen: list[tuple[torch.Tensor | None, int]] = []
-        for index, offset in zip(bucket.params, bucket.offsets, strict=True):
-            grad = params[index].grad
-            dst = flat[offset : offset + params[index].numel()]
-            if grad is None:
-                dst.zero_()
-            else:
-                dst.copy_(grad.reshape(-1))
-            seen.append((grad, -1 if grad is None else grad._version))
-        flat[bucket.numel :].zero_()
-        if alone:
-            return _Reduce(None, flat[: bucket.slice_numel], seen, b)
-        if direct is not None:
-            out = direct  # the mean grads land in the daemon's grad buffer
-        work = self.schedule.run("reduce-scatter", f"bucket {b}", REDUCE_SCATTER, out, flat, async_op=async_op)
-        return _Reduce(work if async_op else None, out, seen, b)
-
-    def _changed(self, params: list[torch.nn.Parameter], b: int, reduce: _Reduce) -> bool:
-        """A grad of bucket ``b`` was replaced or changed in place after its reduce was issued (a further
-        backward, ``GradScaler.unscale_``, an edit; edits through ``.data`` are not seen)."""
-        bucket = self.layout.buckets[b]
-        for index, (grad, version) in zip(bucket.params, reduce.seen, strict=True):
-            now = params[index].grad
-            if now is not grad or (now is not None and now._version != version):
-                return True
-        return False
-
-    def _reduce_scatter(self, params: list[torch.nn.Parameter], stats: torch.Tensor | None) -> list[torch.Tensor]:
-        """The mean grads of this rank's pieces (in the pieces' grad tensors), bucket by bucket; adds the
-        slices' sums of squares to ``stats[0]``.  With ``overlap_comm`` the buckets reduced during backward
-        are waited for, and those whose grads changed since (on any rank: one all-reduce of the flags, so
-        every rank issues the same collectives) are reduced again."""
-        grads: list[torch.Tensor] = []
-        buffer = self.inner.feed.buffer if self.inner is not None else 0
-        for i, pp in enumerate(self._piece_params):
-            if self._grad_slices[self.pieces[i].bucket] is not None:
-                grads.append(self._shared[i].grad_views[0])  # the reduce-scatter writes it in place
-                continue
-            if self._shared:
-                # this step's grad buffer of the daemon's storage, never the one a delayed update still reads
-                # (pp.grad is left pointing at the last step's buffer by the inner optimizer)
-                grads.append(self._shared[i].grad_views[buffer])
-                continue
-            if pp.grad is None:
-                pp.grad = torch.empty_like(pp)
-            grads.append(pp.grad)
-        if not self.overlap_comm:
-            while self._next >= 0:  # bucket by bucket through the shared buffers
-                reduce = self._launch(params, self._next, async_op=False, own=False)
-                self._finish_reduce(reduce, self._next, stats, grads)
-                self._next -= 1
-            return grads
-        order = range(len(self.layout.buckets) - 1, -1, -1)
-        while self._next >= 0:  # what backward did not reduce (a param without a grad on this rank)
-            self._reduces[self._next] = self._launch(params, self._next, async_op=True, own=True)
-            self._next -= 1
-        for b in order:
-            self._wait(self._reduces[b])
-        flags = torch.tensor(
-            [float(self._changed(params, b, self._reduces[b])) for b in range(len(self.layout.buckets))],
-            device=self.device,
-        )
-        self.schedule.run("all-reduce", "the overlapped reduces' check", dist.all_reduce, flags, op=dist.ReduceOp.MAX)
-        again = [b for b in order if float(flags[b]) > 0]
-        if again and self._accumulated and not self._told_accumulation:
-            self._told_accumulation = True
-            log.warning(
-                "grads were accumulated over several backward passes with overlap_comm=True: %d bucket(s) were "
-                "reduced once per pass and again at step(); run all but the last micro-batch's backward inside "
-                "optimizer.no_sync() to reduce each once",
-                len(again),
-            )
-        for b in again:
-            self._reduces[b] = self._launch(params, b, async_op=False, own=True)
-        for b in order:
-            self._finish_reduce(self._reduces[b], b, stats, grads)
-        return grads
-
-    def _finish_reduce(self, reduce: _Reduce, b: int, stats: torch.Tensor | None, grads: list[torch.Tensor]) -> None:
-        """Bucket ``b``'s reduce landed: the mean (DDP's), the slice's sum of squares into ``stats[0]``, and the
-        pieces' grads (copied out of the transfer buffer unless it was the daemon's grad buffer itself)."""
-        out = reduce.out
-        if self.world_size > 1:
-            out.div_(self.world_size)
-        if stats is not None:
-            stats[0] += out.double().square().sum()
-        if self._grad_slices[b] is None:
-            for i in self._by_bucket[b]:
-                piece = self.pieces[i]
-                grads[i].copy_(out[piece.at : piece.at + piece.numel])
-
-    def _wait(self, reduce: _Reduce) -> None:
-        if reduce.work is not None:
-            self.schedule.wait("reduce-scatter", f"bucket {reduce.bucket}", reduce.work)
-            reduce.work = None
-
-    def _all_gather(self, params: list[torch.nn.Parameter]) -> None:
-        for b, bucket in enumerate(self.layout.buckets):
-            mine = self._param_slices[b]
-            if mine is None:
-                mine = self._slice[: bucket.slice_numel]
-                mine.zero_()
-                for i in self._by_bucket[b]:
-                    piece = self.pieces[i]
-                    mine[piece.at : piece.at + piece.numel].copy_(self._piece_params[i].detach())
-            if self.world_size == 1:
-                flat = mine  # the slice is the whole bucket
-            else:
-                flat = self._flat[: self.layout.padded_numel(bucket)]
-                self.schedule.run("all-gather", f"bucket {b}", ALL_GATHER, flat, mine)
-            for index, offset in zip(bucket.params, bucket.offsets, strict=True):
-                p = params[index]
-                p.data.copy_(flat[offset : offset + p.numel()].view(p.shape))
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside reduce nothing (DDP's ``no_sync``; ``BucketRounds.no_sync``)."""
+        return self.rounds.no_sync()
 
     def flush(self) -> None:
         """Collective: wait for a delayed update, install its params and gather them into every rank's model
         (``delayed_update=True``; a no-op's worth of copies otherwise)."""
         if self.inner is not None:
             self.inner.flush()
-        self._all_gather(self.params())
+        self.rounds.all_gather(self.params())
 
     @property
     def params_behind(self) -> bool:
@@ -667,11 +431,7 @@ class Zero2Strategy(ShardStrategy):
         them, as a step would take them; not while an update is in flight, whose pieces are newer than the
         model (``flush()``)."""
         if not self.params_behind:
-            self._pull_params_into_pieces(self.params())
-
-    def _pull_params_into_pieces(self, params: list[torch.nn.Parameter]) -> None:
-        for piece, pp in zip(self.pieces, self._piece_params, strict=True):
-            pp.data.copy_(params[piece.param].detach().reshape(-1)[piece.lo : piece.hi])
+            self.rounds.pull_params(self.params())
 
     # ----------------------------------------------------------------- life
 
@@ -690,17 +450,6 @@ def _check_sizes(*, bucket_nbytes: int, warmup_steps: int) -> None:
         raise InvalidArgument(f"warmup_steps must be >= 0, got {warmup_steps}")
 
 
-@dataclass
-class _Reduce:
-    """One bucket's reduce-scatter: its collective while in flight, where the slice lands, and the grads it
-    read with their versions (``_changed``)."""
-
-    work: Any
-    out: torch.Tensor
-    seen: list[tuple[torch.Tensor | None, int]]
-    bucket: int
-
-
 def _one_dtype_and_device(params: list[torch.nn.Parameter]) -> tuple[dtypes.WorkingDType, torch.device]:
     if not params:
         raise InvalidArgument("ShardedOffloadAdam got an empty parameter list")
@@ -712,10 +461,3 @@ def _one_dtype_and_device(params: list[torch.nn.Parameter]) -> tuple[dtypes.Work
             f"{sorted(str(d) for d in kinds)} on {sorted(str(d) for d in devices)}"
         )
     return dtypes.by_torch(kinds.pop()), devices.pop()
-
-
-def _run_from(base: torch.Tensor, first: torch.Tensor, numel: int) -> torch.Tensor:
-    """``numel`` elements of the shared storage ``base`` (uint8) from where ``first`` starts: a flat view across
-    the tensors laid out after it (each of which has a torch storage of its own over the same mapping)."""
-    offset = first.data_ptr() - base.data_ptr()
-    return base[offset : offset + numel * first.element_size()].view(first.dtype)
