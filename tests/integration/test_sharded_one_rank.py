@@ -242,6 +242,18 @@ def test_every_sharded_optimizer_refuses_a_group_added_after_it_was_made(daemon,
             opt.close()
 
 
+def test_what_a_thin_constructor_names_of_its_strategy_reads_it_and_cannot_be_assigned(daemon, one_rank_group):
+    """``opt.max_grad_norm`` is the strategy's: an assignment would otherwise shadow it and change nothing."""
+    opt = ShardedOffloadAdam(model().parameters(), max_grad_norm=1.0, client=connect(daemon.socket_path))
+    try:
+        assert opt.max_grad_norm == opt.strategy.max_grad_norm == 1.0
+        with pytest.raises(AttributeError, match=r"opt\.strategy\.max_grad_norm"):
+            opt.max_grad_norm = 2.0
+        assert opt.strategy.max_grad_norm == 1.0
+    finally:
+        opt.close()
+
+
 def test_a_model_on_the_meta_device_is_refused_naming_it(one_rank_group):
     with torch.device("meta"):
         m = model()

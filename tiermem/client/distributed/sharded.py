@@ -252,6 +252,9 @@ class of_strategy:
     def __get__(self, opt: Any, owner: type | None = None) -> Any:
         return self if opt is None else getattr(opt.strategy, self.name)
 
+    def __set__(self, opt: Any, value: Any) -> None:
+        raise AttributeError(f"{type(opt).__name__}.{self.name} is its strategy's (opt.strategy.{self.name})")
+
 
 class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
     """The facade of the sharded optimizers; see the module docstring.  Made by the thin constructors
