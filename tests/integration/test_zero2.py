@@ -220,6 +220,38 @@ def test_two_nodes_of_two_ranks_each_talk_to_their_own_daemon(daemon_factory, tm
             assert _attached(log, job, r, 4) == (r in mine), f"daemon {k}, rank {r}:\n{log[-2000:]}"
 
 
+def test_an_attach_refused_on_one_node_fails_every_rank_at_the_start_and_none_hangs(daemon_factory, tmp_path):
+    """The inner optimizers attach on every rank or on none: node 1's daemon already holds the job under another
+    token, so rank 1's attach is refused; rank 0 attached on its own node, and must fail too (not go on into a
+    step the other rank never takes), naming rank 1, and detach leaving the job's state for a relaunch."""
+    import torch
+
+    from tiermem.client.link import connect
+    from tiermem.client.offload.optimizer import OffloadAdam
+
+    daemons = [daemon_factory(LONG_GRACE) for _ in range(2)]
+    squatter = OffloadAdam(
+        [torch.nn.Parameter(torch.zeros(4))],
+        client=connect(daemons[1].socket_path),
+        job_id="refused",
+        token="another run's token, not this one's: " + "0" * 32,
+        create_job=True,
+    )
+    squatter.close(keep_state=True)
+    port = _free_port()
+    args = ["--steps", "2", "--job-id", "refused"]
+    procs = [
+        torchrun(tmp_path, 1, args, socket_path=d.socket_path, nnodes=2, node_rank=k, port=port, run_id="refused")
+        for k, d in enumerate(daemons)
+    ]
+    codes = finish(tmp_path, *procs, timeout_s=120)  # a hang would time out here
+    assert codes[0] != 0 and codes[1] != 0, logs(tmp_path)  # torchrun's code for a rank that returned 4
+    first, second = results(tmp_path, 2)
+    assert second["error"] == "AuthError", second
+    assert first["error"] == "InvalidState" and "the attach failed on rank 1" in first["message"], first
+    assert _attached(daemons[0].log_text(), "refused", 0, 2), daemons[0].log_text()[-2000:]
+
+
 def test_without_a_node_daemon_the_ranks_of_a_node_share_one_private_daemon(tmp_path):
     """...and the rank that started it, closing first, stops it only once the other rank has closed."""
     args = ["--steps", "4", "--late-close", "1.5"]

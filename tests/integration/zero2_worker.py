@@ -29,7 +29,7 @@ from offload_helpers import scaled_step
 from scenarios import end_run, join_group, leave, write_json
 
 from tiermem.client.distributed import ShardedGradScaler, ShardedOffloadAdam
-from tiermem.core.errors import RankLost
+from tiermem.core.errors import RankLost, TiermemError
 
 DIM, HIDDEN, BATCH = 24, 40, 16
 
@@ -78,6 +78,23 @@ def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
 
 
+def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> ShardedOffloadAdam:
+    return ShardedOffloadAdam(
+        model.parameters(),
+        lr=2e-2,
+        weight_decay=0.01,
+        offload=args.tier,
+        max_grad_norm=args.clip or None,
+        bucket_nbytes=args.bucket_nbytes,
+        job_id=args.job_id,
+        token=args.token,
+        overlap_comm=args.overlap,
+        delayed_update=args.delayed >= 0,
+        warmup_steps=max(args.delayed, 0),
+        state_dtype=args.state_dtype,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
@@ -102,20 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     warned = _Warnings()
     logging.getLogger("tiermem").addHandler(warned)
     model = make_model(7)
-    opt = ShardedOffloadAdam(
-        model.parameters(),
-        lr=2e-2,
-        weight_decay=0.01,
-        offload=args.tier,
-        max_grad_norm=args.clip or None,
-        bucket_nbytes=args.bucket_nbytes,
-        job_id=args.job_id,
-        token=args.token,
-        overlap_comm=args.overlap,
-        delayed_update=args.delayed >= 0,
-        warmup_steps=max(args.delayed, 0),
-        state_dtype=args.state_dtype,
-    )
+    try:
+        opt = make_optimizer(model, args)
+    except TiermemError as exc:  # the start failed: on every rank, none hangs
+        write_json(f"{args.out}.{rank}", {"rank": rank, "error": type(exc).__name__, "message": str(exc)})
+        return 4
     sched = schedule(opt)
     start = opt.steps  # a relaunch reattached to the job's state continues where it is
     for _ in range(start):
