@@ -32,12 +32,11 @@ submission order.
 from __future__ import annotations
 
 import collections
-import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Concatenate, NamedTuple, ParamSpec, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -123,21 +122,6 @@ def adopt_edits(master: torch.Tensor, params: torch.Tensor) -> int:
     return count
 
 
-_P = ParamSpec("_P")
-
-
-def _pipelined(
-    run: Callable[Concatenate[UpdateRunner, _P], None],
-) -> Callable[Concatenate[UpdateRunner, _P], Future[None]]:
-    """The queued form of ``run``: the same arguments, run on the rank's pipeline thread."""
-
-    def submit(self: UpdateRunner, /, *args: _P.args, **kwargs: _P.kwargs) -> Future[None]:
-        """``run`` on the rank's pipeline thread, after what was submitted before."""
-        return self._on_pipeline(functools.partial(run, self, *args, **kwargs))
-
-    return submit
-
-
 class UpdateRunner:
     def __init__(self, kernel: AdamKernel, scheduler: CpuScheduler, tenant: str) -> None:
         self.kernel = kernel
@@ -207,17 +191,25 @@ class UpdateRunner:
         self.updates += 1 if pieces else 0
         self.updated_elements += sum(piece.hi - piece.lo for piece in pieces)
 
-    submit = _pipelined(run)
-
-    def _on_pipeline(self, call: Callable[[], None]) -> Future[None]:
-        """``call`` on the rank's pipeline thread, after what was submitted before."""
+    def submit(
+        self,
+        state: StateChunks,
+        pieces: Sequence[Piece],
+        target: UpdateTarget,
+        grad_scale: float,
+        *,
+        consume: bool = False,
+    ) -> Future[None]:
+        """``run`` on the rank's pipeline thread, after what was submitted before."""
         if self._pipeline is None:
             self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{self.tenant}")
-        return self._pipeline.submit(self._tracked, call)
+        return self._pipeline.submit(self._tracked_run, state, list(pieces), target, grad_scale, consume)
 
-    def _tracked(self, call: Callable[[], None]) -> None:
+    def _tracked_run(
+        self, state: StateChunks, pieces: Sequence[Piece], target: UpdateTarget, grad_scale: float, consume: bool
+    ) -> None:
         with health.track(f"tiermem-{self.tenant} pipeline"):
-            call()
+            self.run(state, pieces, target, grad_scale, consume=consume)
 
     def install(self, state: StateChunks, ranges: Sequence[tuple[int, int, int]], params: torch.Tensor) -> None:
         """Cast the master of ``(chunk, lo, hi)`` ranges into the storage params."""

@@ -57,7 +57,7 @@ import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any, Concatenate, ParamSpec
+from typing import Any
 
 import torch
 
@@ -110,34 +110,6 @@ class PendingUpdate:
                 error = exc
         if error is not None:
             raise error
-
-
-_P = ParamSpec("_P")
-
-
-def _waited(
-    dispatch: Callable[Concatenate[AdamEngine, bool, _P], PendingUpdate], doc: str
-) -> Callable[Concatenate[AdamEngine, _P], None]:
-    """The blocking form of a dispatch: the calling thread runs the first piece itself (it is going to wait
-    anyway), then waits for the rest."""
-
-    def update(self: AdamEngine, /, *args: _P.args, **kwargs: _P.kwargs) -> None:
-        dispatch(self, True, *args, **kwargs).wait()
-
-    update.__doc__ = doc
-    return update
-
-
-def _queued(
-    dispatch: Callable[Concatenate[AdamEngine, bool, _P], PendingUpdate], doc: str
-) -> Callable[Concatenate[AdamEngine, _P], PendingUpdate]:
-    """The queued form of a dispatch: every piece goes to the engine's threads; the caller waits on the handle."""
-
-    def submit(self: AdamEngine, /, *args: _P.args, **kwargs: _P.kwargs) -> PendingUpdate:
-        return dispatch(self, False, *args, **kwargs)
-
-    submit.__doc__ = doc
-    return submit
 
 
 class AdamEngine:
@@ -222,10 +194,32 @@ class AdamEngine:
 
     # ----------------------------------------------------------------------- update
 
-    def _dispatch(
+    def update(
         self,
-        inline_first: bool,
-        /,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        group: Any,
+        step: int,
+        grad_scale: float = 1.0,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> None:
+        """One Adam step of elements [start, stop) of the operands; returns when it is written.
+
+        ``group`` is an ``AdamHyper`` or anything ``AdamHyper.of`` reads (a
+        torch param-group dict, a protocol ``ParamGroup``); ``step`` is the step
+        count of these elements after this update (1 for the first);
+        ``grad_scale`` multiplies the raw gradient (``inv_scale * clip_coef``).
+        """
+        operands = (master, exp_avg, exp_avg_sq, grad, out)
+        self._dispatch(*operands, group, step, grad_scale, start, stop, inline_first=True).wait()
+
+    def submit(
+        self,
         master: torch.Tensor,
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
@@ -238,8 +232,25 @@ class AdamEngine:
         start: int = 0,
         stop: int | None = None,
     ) -> PendingUpdate:
-        """Start one Adam step of elements [start, stop) of the operands (``update``, ``submit``); with
-        ``inline_first`` the calling thread runs the first piece before this returns."""
+        """``update`` without waiting: the pieces are queued on the engine's threads."""
+        operands = (master, exp_avg, exp_avg_sq, grad, out)
+        return self._dispatch(*operands, group, step, grad_scale, start, stop, inline_first=False)
+
+    def _dispatch(
+        self,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        out: torch.Tensor | None,
+        group: Any,
+        step: int,
+        grad_scale: float,
+        start: int,
+        stop: int | None,
+        *,
+        inline_first: bool,
+    ) -> PendingUpdate:
         stop = _check_range(start, stop, _check_operands(master, exp_avg, exp_avg_sq, grad, out))
         hyper = AdamHyper.of(group)
         if self._runs_native(grad.dtype, None if out is None else out.dtype, grad_scale):
@@ -257,18 +268,6 @@ class AdamEngine:
         return self._launch(
             [functools.partial(_run_piece, rec, piece, scalars, coef) for piece in pieces], inline_first
         )
-
-    update = _waited(
-        _dispatch,
-        """One Adam step of elements [start, stop) of the operands; returns when it is written.
-
-        ``group`` is an ``AdamHyper`` or anything ``AdamHyper.of`` reads (a
-        torch param-group dict, a protocol ``ParamGroup``); ``step`` is the step
-        count of these elements after this update (1 for the first);
-        ``grad_scale`` multiplies the raw gradient (``inv_scale * clip_coef``).
-        """,
-    )
-    submit = _queued(_dispatch, "``update`` without waiting: the pieces are queued on the engine's threads.")
 
     def _launch(self, calls: Sequence[Callable[[], None]], inline_first: bool) -> PendingUpdate:
         """Run the pieces' ``calls``: without a pool all here; else on the pool, the caller's thread taking the
@@ -298,10 +297,28 @@ class AdamEngine:
             self._lowbit = LowbitKernel.load(self._kernels.cache_dir, build=self._kernels.compile)
         return self._lowbit
 
-    def _dispatch_lowbit(
+    def update_lowbit(
         self,
-        inline_first: bool,
-        /,
+        master: torch.Tensor,
+        moments: LowbitMoments,
+        grad: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        group: Any,
+        step: int,
+        grad_scale: float = 1.0,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> None:
+        """``update`` over compressed moments (``state_dtype`` bf16 or int8): one fused pass per piece.
+
+        ``start`` must begin a block of int8 moments (a multiple of ``lowbit.BLOCK``); the rounding of
+        element ``i`` hashes ``moments.start + i`` and ``step``."""
+        operands = (master, moments, grad, out)
+        self._dispatch_lowbit(*operands, group, step, grad_scale, start, stop, inline_first=True).wait()
+
+    def submit_lowbit(
+        self,
         master: torch.Tensor,
         moments: LowbitMoments,
         grad: torch.Tensor,
@@ -313,7 +330,24 @@ class AdamEngine:
         start: int = 0,
         stop: int | None = None,
     ) -> PendingUpdate:
-        """``_dispatch`` over compressed moments."""
+        """``update_lowbit`` without waiting: the pieces are queued on the engine's threads."""
+        operands = (master, moments, grad, out)
+        return self._dispatch_lowbit(*operands, group, step, grad_scale, start, stop, inline_first=False)
+
+    def _dispatch_lowbit(
+        self,
+        master: torch.Tensor,
+        moments: LowbitMoments,
+        grad: torch.Tensor,
+        out: torch.Tensor | None,
+        group: Any,
+        step: int,
+        grad_scale: float,
+        start: int,
+        stop: int | None,
+        *,
+        inline_first: bool,
+    ) -> PendingUpdate:
         stop = _check_range(start, stop, _check_lowbit_operands(master, moments, grad, out))
         moments.piece(start, stop)  # refuses an int8 start off a block before any piece runs
         scalars = step_scalars(AdamHyper.of(group), step, grad_scale)
@@ -324,17 +358,6 @@ class AdamEngine:
             for a, b in itertools.pairwise(self._cuts(start, stop, compiled=kernel.native, align=BLOCK))
         ]
         return self._launch(calls, inline_first)
-
-    update_lowbit = _waited(
-        _dispatch_lowbit,
-        """``update`` over compressed moments (``state_dtype`` bf16 or int8): one fused pass per piece.
-
-        ``start`` must begin a block of int8 moments (a multiple of ``lowbit.BLOCK``); the rounding of
-        element ``i`` hashes ``moments.start + i`` and ``step``.""",
-    )
-    submit_lowbit = _queued(
-        _dispatch_lowbit, "``update_lowbit`` without waiting: the pieces are queued on the engine's threads."
-    )
 
 
 def _run_here(call: Callable[[], None]) -> Future[None]:
