@@ -280,7 +280,7 @@ class Zero2Strategy(ShardStrategy):
 
     def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            self.rounds.grad_landed(index, self.params())
+            self.rounds.grad_landed(index, self.params)
 
         return hook
 

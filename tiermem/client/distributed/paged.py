@@ -396,7 +396,7 @@ class ShardedPagedAdam(ShardedOptimizer):
 class PagedStrategy(ShardStrategy):
     """ZeRO-3 paged (see the module docstring): every param sharded across the ranks, each shard only in its
     rank's daemon; the pager all-gathers a submodule's params before use and reduce-scatters its grads into
-    the daemons."""
+    the daemons, so there is nothing to hand over before the inner step nor to gather after it."""
 
     name = "ShardedPagedAdam"
     groups_rule = (
@@ -512,12 +512,6 @@ class PagedStrategy(ShardStrategy):
         except InvalidState:
             self.grads.new_step()  # the step is refused
             raise
-
-    def hand_over(self, decision: StepDecision) -> None:
-        """Nothing: the reduced shards are in the daemon."""
-
-    def after_update(self, decision: StepDecision) -> None:
-        """Nothing to gather: the pager fetches a submodule's params when it runs."""
 
     def end_step(self) -> None:
         self.grads.new_step()

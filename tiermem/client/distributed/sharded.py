@@ -63,6 +63,7 @@ only its own: the facade is the one owner of each.
 
 from __future__ import annotations
 
+import abc
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -128,9 +129,10 @@ class InnerPlan:
         return [p.numel() for g in self.groups for p in g["params"]]
 
 
-class ShardStrategy:
-    """What a sharding strategy gives the facade (see the module docstring).  The defaults are a strategy's
-    that has nothing to do at that point.  ``opt`` is the facade, bound by its start."""
+class ShardStrategy(abc.ABC):
+    """What a sharding strategy gives the facade (see the module docstring): the abstract methods every
+    strategy implements, and optional hooks that do nothing unless a strategy has something to do there.  ``opt`` is the
+    facade, bound by its start."""
 
     name: ClassVar[str]
     """The optimizer's name, as errors, logs and the rank files say it."""
@@ -184,47 +186,47 @@ class ShardStrategy:
 
     # ----------------------------------------------------------------- the start
 
+    @abc.abstractmethod
     def param_groups_for(self, group: RankGroup) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The optimizer's torch param groups and defaults (local: no collective)."""
-        raise NotImplementedError
 
-    def prepare(self) -> None:
+    def prepare(self) -> None:  # noqa: B027 (an optional hook)
         """Local checks of the params, once the param groups are made, before any collective."""
 
+    @abc.abstractmethod
     def plan(self) -> InnerPlan:
         """This rank's share, after the model was agreed on and broadcast (local)."""
-        raise NotImplementedError
 
-    def attached(self) -> None:
+    def attached(self) -> None:  # noqa: B027 (an optional hook)
         """Collective: the strategy's own start once the inner optimizers are attached on every rank."""
 
+    @abc.abstractmethod
     def share(self) -> RankShare:
         """What this rank holds, in the rank files' terms; asked once attached, before ``attached``."""
-        raise NotImplementedError
 
-    def refresh(self) -> None:
+    def refresh(self) -> None:  # noqa: B027 (an optional hook)
         """Before a checkpoint reads the rank's share: bring it up to the model (ZeRO-2: in-place edits)."""
 
     # ----------------------------------------------------------------- the step
 
+    @abc.abstractmethod
     def decide(self) -> StepDecision:
         """Collective: this step's grads reduced (or their statistics taken as they landed) and the decision every
         rank applies.  A refused step raises here, with the strategy's per-step state reset."""
-        raise NotImplementedError
 
-    def hand_over(self, decision: StepDecision) -> None:
+    def hand_over(self, decision: StepDecision) -> None:  # noqa: B027 (an optional hook)
         """Before an applied inner step: what the inner optimizer needs of the trainer (ZeRO-2: edited params,
         the reduced grads); only on a rank with an inner optimizer."""
 
+    @abc.abstractmethod
     def sync_hyper(self) -> None:
         """The groups' hyper-parameters (a scheduler or the user may have changed them) into the inner groups."""
-        raise NotImplementedError
 
-    def after_update(self, decision: StepDecision) -> None:
+    def after_update(self, decision: StepDecision) -> None:  # noqa: B027 (an optional hook)
         """After the inner step on every rank (also one without an inner optimizer): the params gathered where
         the strategy gathers them after an update."""
 
-    def end_step(self) -> None:
+    def end_step(self) -> None:  # noqa: B027 (an optional hook)
         """The step is over, applied, skipped or failed: the strategy's per-step state starts afresh."""
 
     # ----------------------------------------------------------------- the rest of an optimizer's life
@@ -232,10 +234,10 @@ class ShardStrategy:
     def zero_grad(self, set_to_none: bool) -> None:
         torch.optim.Optimizer.zero_grad(self.opt, set_to_none=set_to_none)
 
-    def values_loaded(self) -> None:
+    def values_loaded(self) -> None:  # noqa: B027 (an optional hook)
         """Loaded rank files gave the rank's share its values (ZeRO-2 gathers them into every rank's model)."""
 
-    def before_close(self) -> None:
+    def before_close(self) -> None:  # noqa: B027 (an optional hook)
         """The strategy's last word before it detaches (a warning, say)."""
 
 

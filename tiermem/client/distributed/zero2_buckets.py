@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,9 +184,9 @@ class BucketRounds:
         rank issues the collectives in one order, whichever of them ran during backward."""
         self._accumulated = False
 
-    def grad_landed(self, index: int, params: Sequence[torch.nn.Parameter]) -> None:
+    def grad_landed(self, index: int, params: Callable[[], Sequence[torch.nn.Parameter]]) -> None:
         """``overlap_comm``: param ``index``'s grad is complete for this backward; reduce every bucket that is
-        whole."""
+        whole (``params()``, the optimizer's params, is asked only then: most grads complete no bucket)."""
         if self.holding:
             return
         if index in self._landed:
@@ -194,9 +194,12 @@ class BucketRounds:
             return
         self._landed.add(index)
         self._bucket_of[index].left -= 1
+        if self._next < 0 or self.buckets[self._next].left > 0:
+            return  # most grads: their bucket, or one after it, is not whole yet
+        current = params()
         while self._next >= 0 and self.buckets[self._next].left <= 0:
             bucket = self.buckets[self._next]
-            bucket.reduce = self._launch(params, bucket, async_op=True, own=True)
+            bucket.reduce = self._launch(current, bucket, async_op=True, own=True)
             self._next -= 1
 
     def reduce_scatter(
