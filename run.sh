@@ -102,12 +102,23 @@ setup() {
     ensure_promtool
 }
 
+# pytest-xdist workers for ./run.sh test: one per core, at most 4 (many tests start a daemon and
+# several ranks of their own, so more workers than cores only makes them wait); 0 runs in-process.
+# TIERMEM_TEST_WORKERS overrides it.
+test_workers() {
+    local n
+    n=${TIERMEM_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
+    if [ -z "${TIERMEM_TEST_WORKERS:-}" ] && [ "$n" -gt 4 ]; then n=4; fi
+    if [ "$n" -le 1 ]; then n=0; fi
+    echo "$n"
+}
+
 cmd=${1:-help}
 shift || true
 case "$cmd" in
     setup) setup ;;
     demo) setup; exec "$VENV/bin/tiermem" demo "$@" ;;
-    test) setup; exec "$VENV/bin/python" -m pytest -q -m 'not slow and not gpu' "$@" ;;
+    test) setup; exec "$VENV/bin/python" -m pytest -q -n "$(test_workers)" -m 'not slow and not gpu' "$@" ;;
     test-all) setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
     bench) setup; name=$1; shift; exec "$VENV/bin/python" "benchmarks/bench_$name.py" "$@" ;;
     lint) setup; "$VENV/bin/ruff" check tiermem tiermemd tests benchmarks; "$VENV/bin/mypy" ;;
