@@ -33,25 +33,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import selectors
 import signal
 import socket
-import struct
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from tiermem.core.errors import TiermemError
 from tiermem.net.frames import PeerCred, peer_cred
-from tiermemd.server import (
+from tiermemd.admission import (
+    CONN,
+    COUNTS,
+    COUNTS_EVERY_S,
     EXPLAINED_REFUSALS_PER_S,
     MAX_LINGERING,
     REFUSAL_LINGER_S,
     REFUSAL_LOG_EVERY_S,
+    Policy,
     RefusalLog,
     TokenBuckets,
     not_allowed,
@@ -60,48 +61,9 @@ from tiermemd.server import (
     uid_allowed,
 )
 
-__all__ = ["COUNTS", "COUNTS_EVERY_S", "Policy", "main"]
+__all__ = ["Acceptor", "main"]
 
 log = logging.getLogger("tiermemd.acceptor")
-
-COUNTS_EVERY_S = 0.5
-COUNTS = struct.Struct("<4sQQ")
-"""The ``counts`` message: b"CNTS", refusals of a disallowed uid, refusals over the per-uid limit (totals)."""
-CONN = b"CONN"
-"""The message that carries a passed connection's fd."""
-
-
-@dataclass(frozen=True)
-class Policy:
-    """Who may connect: what the daemon's ``server`` configuration says, as JSON on the command line."""
-
-    allowed_uids: tuple[int, ...]
-    allowed_gids: tuple[int, ...]
-    daemon_uid: int
-    max_per_uid: int
-    max_frame: int
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "allowed_uids": list(self.allowed_uids),
-                "allowed_gids": list(self.allowed_gids),
-                "daemon_uid": self.daemon_uid,
-                "max_per_uid": self.max_per_uid,
-                "max_frame": self.max_frame,
-            }
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> Policy:
-        raw = json.loads(text)
-        return cls(
-            tuple(raw["allowed_uids"]),
-            tuple(raw["allowed_gids"]),
-            int(raw["daemon_uid"]),
-            int(raw["max_per_uid"]),
-            int(raw["max_frame"]),
-        )
 
 
 class Acceptor:

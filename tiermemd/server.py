@@ -65,7 +65,6 @@ import enum
 import itertools
 import logging
 import os
-import pwd
 import select
 import selectors
 import signal
@@ -80,14 +79,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tiermem.core.config import ServerConfig
-from tiermem.core.errors import AdmissionError, AuthError, ConnectionClosed, ProtocolError, TiermemError
+from tiermem.core.errors import AdmissionError, ConnectionClosed, ProtocolError, TiermemError
 from tiermem.core.protocol import (
     FLAG_FDS,
     FLAG_ONEWAY,
     HEADER_NBYTES,
     MAGIC,
     SUPPORTED_VERSIONS,
-    ErrorReply,
     Message,
     decode_frame,
     decode_message,
@@ -96,44 +94,33 @@ from tiermem.core.protocol import (
 )
 from tiermem.net.frames import HEARTBEAT, PeerCred, peer_cred, set_send_timeout
 from tiermemd import health
+from tiermemd.admission import (
+    CONN,
+    COUNTS,
+    EXPLAINED_REFUSALS_PER_S,
+    MAX_LINGERING,
+    REFUSAL_LINGER_S,
+    REFUSAL_LOG_EVERY_S,
+    Policy,
+    RefusalLog,
+    TokenBuckets,
+    error_frame,
+    not_allowed,
+    over_limit,
+    send_refusal,
+    uid_allowed,
+)
 from tiermemd.health import REGISTRY, Health
 from tiermemd.listener import Listener, Peer
 from tiermemd.serverstats import DisconnectReason, ServerCounters, ServerStats
 
-__all__ = [
-    "EXPLAINED_REFUSALS_PER_S",
-    "MAX_ERROR_CHARS",
-    "MAX_LINGERING",
-    "REFUSAL_LINGER_S",
-    "REFUSAL_LOG_EVERY_S",
-    "RefusalLog",
-    "Reply",
-    "Server",
-    "Session",
-    "SessionState",
-    "TokenBuckets",
-    "error_frame",
-    "header_readable",
-    "not_allowed",
-    "over_limit",
-    "send_refusal",
-    "uid_allowed",
-]
+__all__ = ["Handlers", "Reply", "Server", "Session", "SessionState", "header_readable"]
 
 log = logging.getLogger(__name__)
 
-REFUSAL_LINGER_S = 2.0
-MAX_LINGERING = 512
-"""Refused sockets kept lingering at once; past it a refused socket is closed at once."""
-REFUSAL_LOG_EVERY_S = 10.0
-EXPLAINED_REFUSALS_PER_S = 50.0
-"""Refused connections per uid and second answered with the reason (a storm's others are just closed, so the
-accept thread keeps draining the backlog for everyone else)."""
 HEARTBEAT_S = 0.5
 """Heartbeat period to clients whose request runs longer than this; the watcher's longest sleep.  A client
 therefore hears from a healthy daemon at least every ~1 s (``tiermem.client.connection.DEFAULT_TIMEOUT_S`` is 60 s)."""
-MAX_ERROR_CHARS = 16384
-"""The wire limit on ``ERROR.message`` (docs/protocol.md, Limits); longer ones are clipped."""
 
 
 class SessionState(enum.Enum):
@@ -317,137 +304,9 @@ class Session:
         self.peer.send(error_frame(request_id, exc, self.peer.frames.max_frame))
 
 
-def uid_allowed(cred: PeerCred, allowed_uids: tuple[int, ...], allowed_gids: tuple[int, ...], own_uid: int) -> bool:
-    """Whether ``cred`` may use a daemon running as ``own_uid``: root, that uid, an allowed uid, or a member of
-    an allowed gid."""
-    if cred.uid in (0, own_uid) or cred.uid in allowed_uids:
-        return True
-    if not allowed_gids:
-        return False
-    groups = {cred.gid}
-    with contextlib.suppress(KeyError):
-        entry = pwd.getpwuid(cred.uid)
-        groups.update(os.getgrouplist(entry.pw_name, entry.pw_gid))
-    return bool(groups & set(allowed_gids))
-
-
-def send_refusal(conn: socket.socket, exc: TiermemError, max_frame: int) -> None:
-    """Send a refused peer why, never blocking, and end our side of the stream (the socket then lingers)."""
-    with contextlib.suppress(OSError):
-        conn.setblocking(False)
-        conn.send(error_frame(0, exc, max_frame))
-        conn.shutdown(socket.SHUT_WR)
-
-
-def not_allowed(cred: PeerCred) -> tuple[AuthError, str]:
-    """The refusal of a uid the daemon does not allow: the error its peer gets, and the log's reason."""
-    return (
-        AuthError(f"uid {cred.uid} is not allowed to use this tiermemd (server.allowed_uids/allowed_gids)"),
-        "refused a connection: uid not allowed",
-    )
-
-
-def over_limit(cred: PeerCred, limit: int) -> tuple[AdmissionError, str]:
-    """The refusal of a uid at ``server.max_connections_per_uid``: the error, and the log's reason."""
-    return (
-        AdmissionError(f"uid {cred.uid} already holds {limit} connections (server.max_connections_per_uid)"),
-        "refused a connection: over server.max_connections_per_uid",
-    )
-
-
 def header_readable(data: bytes) -> bool:
     """Whether a frame's header can be trusted enough to keep reading the stream after it."""
     return len(data) >= HEADER_NBYTES and data[:2] == MAGIC and data[2] in SUPPORTED_VERSIONS
-
-
-def error_frame(request_id: int, exc: TiermemError, max_frame: int) -> bytes:
-    """An ERROR frame for ``exc`` that the peer can decode: the message clipped to the wire limit, and
-    cut further (facts dropped) when the frame would exceed ``max_frame``."""
-    reply = ErrorReply.from_exception(exc)
-    if len(reply.message) > MAX_ERROR_CHARS:
-        reply = ErrorReply(reply.kind, reply.message[: MAX_ERROR_CHARS - 3] + "...", reply.fields)
-    try:
-        return encode_message(reply, request_id, 0, max_frame=max_frame)
-    except ProtocolError:
-        # JSON may spend 6 bytes per character; max_frame >= 4 KiB leaves room for this much
-        short = reply.message[: max_frame // 8 - 3] + "..."
-        return encode_message(ErrorReply(reply.kind, short, ()), request_id, 0, max_frame=max_frame)
-
-
-class TokenBuckets:
-    """One token bucket per key (``rate`` tokens a second, as many at most): ``take`` is False when empty.
-    Bounded: past ``_MAX_KEYS`` keys the buckets start afresh."""
-
-    _MAX_KEYS = 1024
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self._buckets: dict[int, tuple[float, float]] = {}
-
-    def take(self, key: int, now: float) -> bool:
-        tokens, since = self._buckets.get(key, (self.rate, now))
-        tokens = min(self.rate, tokens + (now - since) * self.rate)
-        ok = tokens >= 1.0
-        if len(self._buckets) >= self._MAX_KEYS and key not in self._buckets:
-            self._buckets.clear()
-        self._buckets[key] = (tokens - 1.0 if ok else tokens, now)
-        return ok
-
-
-class RefusalLog:
-    """Refused connections and failed token guesses, logged without a line each.
-
-    The first of each (what, uid) is logged at once; the ones after it are counted and summarised in
-    one line per ``every_s`` (``flush``).  Bounded: at most ``_MAX_KEYS`` kinds are remembered."""
-
-    _MAX_KEYS = 1024
-
-    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.every_s = every_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._seen: set[tuple[str, int]] = set()
-        self._counts: Counter[tuple[str, int]] = Counter()
-        self._since = clock()
-        self.total = 0
-
-    def note(self, what: str, cred: PeerCred, detail: str = "") -> None:
-        key = (what, cred.uid)
-        with self._lock:
-            self.total += 1
-            first = key not in self._seen
-            if first:
-                if len(self._seen) >= self._MAX_KEYS:
-                    self._seen.clear()
-                self._seen.add(key)
-            else:
-                self._counts[key] += 1
-        if first:
-            log.warning(
-                "%s: pid %d uid %d gid %d%s (more of these are counted and logged every %.0fs)",
-                what,
-                cred.pid,
-                cred.uid,
-                cred.gid,
-                f" ({detail})" if detail else "",
-                self.every_s,
-            )
-
-    def flush(self, now: float | None = None) -> dict[tuple[str, int], int]:
-        """Log (and return) the counts since the last summary, once ``every_s`` has passed."""
-        now = self._clock() if now is None else now
-        with self._lock:
-            if now - self._since < self.every_s:
-                return {}
-            counts, self._counts = dict(self._counts), Counter()
-            period, self._since = now - self._since, now
-        if counts:
-            log.warning(
-                "in the last %.0fs: %s",
-                period,
-                "; ".join(f"{what} x{n} (uid {uid})" for (what, uid), n in sorted(counts.items())),
-            )
-        return counts
 
 
 @dataclass(frozen=True)
@@ -527,8 +386,6 @@ class Server:
     # ----------------------------------------------------------------- the acceptor process
 
     def _policy(self, config: ServerConfig) -> str:
-        from tiermemd.acceptor import Policy
-
         return Policy(
             config.allowed_uids, config.allowed_gids, self._own_uid, config.max_connections_per_uid, config.max_frame
         ).to_json()
@@ -617,8 +474,6 @@ class Server:
             log.error("the acceptor (pid %d) ended with status %s; starting it again", acceptor.pid, code)
 
     def _from_acceptor(self, data: bytes, fds: list[int]) -> None:
-        from tiermemd.acceptor import CONN, COUNTS
-
         if data.startswith(b"CNTS") and len(data) == COUNTS.size:
             _, auth, admission = COUNTS.unpack(data)
             self.counters.add_refused(auth - self._counted[0], admission - self._counted[1])

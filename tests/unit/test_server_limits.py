@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from tiermem.net.frames import PeerCred
-from tiermemd.server import RefusalLog, TokenBuckets
+from tiermemd.admission import RefusalLog, TokenBuckets
 
 
 def test_a_bucket_allows_its_rate_then_refills_with_time_and_keys_are_apart() -> None:
@@ -30,7 +30,7 @@ class Clock:
 def test_refusals_are_logged_once_per_uid_and_reason_then_counted(caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     refusals = RefusalLog(every_s=10, clock=clock)
-    with caplog.at_level(logging.WARNING, logger="tiermemd.server"):
+    with caplog.at_level(logging.WARNING, logger="tiermemd.admission"):
         for _ in range(1000):
             refusals.note("refused a connection: uid not allowed", PeerCred(pid=5, uid=1001, gid=1001))
         refusals.note("refused a connection: uid not allowed", PeerCred(pid=6, uid=1002, gid=1002))
