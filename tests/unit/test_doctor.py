@@ -20,16 +20,23 @@ from tiermem.client.doctor import (
     check_swap_dir,
     check_torch,
     exit_code,
-    is_under,
-    permits,
-    read_write_paths,
     render,
     run_checks,
     to_json,
-    unreachable,
     unreachable_summary,
 )
-from tiermem.client.doctor_facts import Entry, Reach, SocketProbe, SwapDirFacts, TorchFacts, User
+from tiermem.client.doctor_facts import (
+    Entry,
+    Reach,
+    SocketProbe,
+    SwapDirFacts,
+    TorchFacts,
+    User,
+    is_under,
+    permits,
+    read_write_paths,
+    unreachable,
+)
 from tiermem.core.units import GiB, MiB
 
 ALICE = User(1000, "alice", frozenset({1000}), {1000: "alice"})

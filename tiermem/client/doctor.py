@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from typing import TextIO
 
 from tiermem.client.doctor_facts import (
+    CONNECTED,
     Entry,
     Facts,
     KernelFacts,
@@ -52,19 +53,17 @@ from tiermem.client.doctor_facts import (
     SocketProbe,
     SwapDirFacts,
     User,
+    owner,
 )
 from tiermem.core.units import GiB, format_size
 
 __all__ = [
-    "CONNECTED",
     "EXIT_FAILED",
     "EXIT_OK",
     "Finding",
     "Status",
     "add_parser",
     "exit_code",
-    "is_under",
-    "read_write_paths",
     "render",
     "run_checks",
     "run_doctor",
@@ -99,62 +98,6 @@ class Finding:
 # --------------------------------------------------------------------------- pure checks
 
 
-def read_write_paths(unit_text: str) -> tuple[str, ...]:
-    """The paths a unit's ``ReadWritePaths=`` lines leave writable (an empty assignment resets the list; a
-    leading ``-`` or ``+`` is dropped)."""
-    paths: list[str] = []
-    for line in unit_text.splitlines():
-        key, sep, value = line.strip().partition("=")
-        if not sep or key.strip() != "ReadWritePaths":
-            continue
-        if not value.strip():
-            paths.clear()
-        paths += [p.lstrip("-+") for p in value.split()]
-    return tuple(paths)
-
-
-def is_under(path: str, base: str) -> bool:
-    """Whether ``path`` is ``base`` or inside it (both made absolute, not resolved)."""
-    path, base = os.path.abspath(path), os.path.abspath(base)
-    return os.path.commonpath([path, base]) == base
-
-
-def permits(entry: Entry, user: User, bit: int) -> bool:
-    """Whether ``user`` has ``bit`` (0o2 write, 0o1 search) on ``entry`` by its mode (root: always)."""
-    if user.uid == 0:
-        return True
-    if entry.uid == user.uid:
-        return bool(entry.mode & (bit << 6))
-    if entry.gid in user.gids:
-        return bool(entry.mode & (bit << 3))
-    return bool(entry.mode & bit)
-
-
-def describe(entry: Entry, user: User) -> str:
-    """``mode 0660, owner 999 (tiermem), group 999 (tiermem)``."""
-    group = f"{entry.gid} ({entry.group_name})" if entry.group_name else user.group(entry.gid)
-    return f"mode {entry.mode & 0o7777:04o}, owner {_owner(entry)}, group {group}"
-
-
-def _owner(entry: Entry) -> str:
-    return f"{entry.uid} ({entry.owner_name})" if entry.owner_name else str(entry.uid)
-
-
-def unreachable(directory: Entry, sock: Entry, user: User, reason: str) -> tuple[Reach, str]:
-    """Why a socket that connect(2) could not reach is out of reach, from the modes on the way."""
-    if directory.missing:
-        return Reach.MISSING, f"no directory {directory.path}"
-    if not directory.unknown and not permits(directory, user, 0o1):
-        return Reach.NO_ACCESS, f"{directory.path} ({describe(directory, user)}) is not searchable by {user.label}"
-    if sock.missing:
-        return Reach.MISSING, "no socket file"
-    if not sock.unknown and not permits(sock, user, 0o2):
-        return Reach.NO_ACCESS, f"the socket ({describe(sock, user)}) admits neither {user.label} nor its groups"
-    return Reach.NOT_LISTENING, reason
-
-
-CONNECTED = (Reach.ANSWERED, Reach.REFUSED, Reach.INCOMPATIBLE, Reach.BROKEN)
-"""A trainer connected there and goes no further: that daemon is the one it uses, or fails with."""
 _SKIPPED = (Reach.NO_ACCESS, Reach.UNTRUSTED)
 """A daemon is there, but a trainer of this user passes it by (a named socket it does not: see ``_decisive``)."""
 _SAME_TIERMEM = "install the same tiermem for the service and the trainers, then systemctl restart tiermemd"
@@ -370,7 +313,7 @@ def check_swap_dir(d: SwapDirFacts, facts: Facts) -> Finding:
             f"add {d.path} to ReadWritePaths= in tiermemd.service",
         )
     if not d.probed:
-        whose = d.entry.unknown or ("missing" if d.entry.missing else f"owned by uid {_owner(d.entry)}")
+        whose = d.entry.unknown or ("missing" if d.entry.missing else f"owned by uid {owner(d.entry)}")
         return Finding("swap", Status.SKIP, f"{where}: {whose}: for its daemon's user to probe{free}")
     if d.entry.missing:
         if d.write_error:

@@ -1,16 +1,20 @@
 """What ``tiermem doctor`` knows about a node: plain records, filled by ``tiermem.client.doctor_probe``.
 
-Pure: the records and nothing else; the checks over them are ``tiermem.client.doctor``'s, so that
-a unit test builds any node it likes (a refused uid, a read-only swap directory, a GPU that does
-not pin) out of these and runs the checks on it.
+Pure: the records, and the readings of them that both the gathering and the checks need (who may
+search a directory or write a socket by its mode, what a unit's ``ReadWritePaths=`` covers, why a
+socket is out of reach).  The checks are ``tiermem.client.doctor``'s, so that a unit test builds any
+node it likes (a refused uid, a read-only swap directory, a GPU that does not pin) out of these and
+runs the checks on it.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 
 __all__ = [
+    "CONNECTED",
     "ConfigFacts",
     "Entry",
     "Facts",
@@ -20,6 +24,12 @@ __all__ = [
     "SwapDirFacts",
     "TorchFacts",
     "User",
+    "describe",
+    "is_under",
+    "owner",
+    "permits",
+    "read_write_paths",
+    "unreachable",
 ]
 
 
@@ -167,3 +177,65 @@ class Facts:
     available_nbytes: int
     kernels: KernelFacts
     torch: TorchFacts
+
+
+# --------------------------------------------------------------------------- pure readings of the records
+# (used by the gathering to classify what it found, and by the checks)
+
+
+def read_write_paths(unit_text: str) -> tuple[str, ...]:
+    """The paths a unit's ``ReadWritePaths=`` lines leave writable (an empty assignment resets the list; a
+    leading ``-`` or ``+`` is dropped)."""
+    paths: list[str] = []
+    for line in unit_text.splitlines():
+        key, sep, value = line.strip().partition("=")
+        if not sep or key.strip() != "ReadWritePaths":
+            continue
+        if not value.strip():
+            paths.clear()
+        paths += [p.lstrip("-+") for p in value.split()]
+    return tuple(paths)
+
+
+def is_under(path: str, base: str) -> bool:
+    """Whether ``path`` is ``base`` or inside it (both made absolute, not resolved)."""
+    path, base = os.path.abspath(path), os.path.abspath(base)
+    return os.path.commonpath([path, base]) == base
+
+
+def permits(entry: Entry, user: User, bit: int) -> bool:
+    """Whether ``user`` has ``bit`` (0o2 write, 0o1 search) on ``entry`` by its mode (root: always)."""
+    if user.uid == 0:
+        return True
+    if entry.uid == user.uid:
+        return bool(entry.mode & (bit << 6))
+    if entry.gid in user.gids:
+        return bool(entry.mode & (bit << 3))
+    return bool(entry.mode & bit)
+
+
+def describe(entry: Entry, user: User) -> str:
+    """``mode 0660, owner 999 (tiermem), group 999 (tiermem)``."""
+    group = f"{entry.gid} ({entry.group_name})" if entry.group_name else user.group(entry.gid)
+    return f"mode {entry.mode & 0o7777:04o}, owner {owner(entry)}, group {group}"
+
+
+def owner(entry: Entry) -> str:
+    return f"{entry.uid} ({entry.owner_name})" if entry.owner_name else str(entry.uid)
+
+
+def unreachable(directory: Entry, sock: Entry, user: User, reason: str) -> tuple[Reach, str]:
+    """Why a socket that connect(2) could not reach is out of reach, from the modes on the way."""
+    if directory.missing:
+        return Reach.MISSING, f"no directory {directory.path}"
+    if not directory.unknown and not permits(directory, user, 0o1):
+        return Reach.NO_ACCESS, f"{directory.path} ({describe(directory, user)}) is not searchable by {user.label}"
+    if sock.missing:
+        return Reach.MISSING, "no socket file"
+    if not sock.unknown and not permits(sock, user, 0o2):
+        return Reach.NO_ACCESS, f"the socket ({describe(sock, user)}) admits neither {user.label} nor its groups"
+    return Reach.NOT_LISTENING, reason
+
+
+CONNECTED = (Reach.ANSWERED, Reach.REFUSED, Reach.INCOMPATIBLE, Reach.BROKEN)
+"""A trainer connected there and goes no further: that daemon is the one it uses, or fails with."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tiermem import __version__
 from tiermem.client import doctor_facts as facts
-from tiermem.client.doctor import CONNECTED, is_under, read_write_paths, unreachable
+from tiermem.client.doctor_facts import CONNECTED, is_under, read_write_paths, unreachable
 from tiermem.core.errors import AuthError, DaemonUnavailable, ProtocolError, TiermemError, UnsafePathError
 from tiermem.net.sockpath import Trust
 
