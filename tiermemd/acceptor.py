@@ -44,22 +44,7 @@ from typing import Any
 
 from tiermem.core.errors import TiermemError
 from tiermem.net.frames import PeerCred, peer_cred
-from tiermemd.admission import (
-    CONN,
-    COUNTS,
-    COUNTS_EVERY_S,
-    EXPLAINED_REFUSALS_PER_S,
-    MAX_LINGERING,
-    REFUSAL_LINGER_S,
-    REFUSAL_LOG_EVERY_S,
-    Policy,
-    RefusalLog,
-    TokenBuckets,
-    not_allowed,
-    over_limit,
-    send_refusal,
-    uid_allowed,
-)
+from tiermemd import admission
 
 __all__ = ["Acceptor", "main"]
 
@@ -67,13 +52,13 @@ log = logging.getLogger("tiermemd.acceptor")
 
 
 class Acceptor:
-    def __init__(self, listener: socket.socket, channel: socket.socket, policy: Policy) -> None:
+    def __init__(self, listener: socket.socket, channel: socket.socket, policy: admission.Policy) -> None:
         self.listener = listener
         self.channel = channel
         self.policy = policy
         self.selector = selectors.DefaultSelector()
-        self.refusals = RefusalLog(REFUSAL_LOG_EVERY_S)
-        self.explain = TokenBuckets(EXPLAINED_REFUSALS_PER_S)
+        self.refusals = admission.RefusalLog(admission.REFUSAL_LOG_EVERY_S)
+        self.explain = admission.TokenBuckets(admission.EXPLAINED_REFUSALS_PER_S)
         self.silent: dict[int, tuple[socket.socket, PeerCred]] = {}
         self.per_uid: dict[int, int] = {}
         self.lingering: dict[int, tuple[socket.socket, float]] = {}
@@ -90,7 +75,7 @@ class Acceptor:
         self.selector.register(self.listener, selectors.EVENT_READ, "listener")
         self.selector.register(self.channel, selectors.EVENT_READ, "channel")
         while self.running:
-            events = self.selector.select(timeout=COUNTS_EVERY_S)
+            events = self.selector.select(timeout=admission.COUNTS_EVERY_S)
             for key, _ in events:
                 if key.data == "listener":
                     self._accept_all()
@@ -105,7 +90,7 @@ class Acceptor:
                 else:
                     self._first_frame(key.fileobj)  # type: ignore[arg-type]
             now = time.monotonic()
-            if now - self._counts_at >= COUNTS_EVERY_S:
+            if now - self._counts_at >= admission.COUNTS_EVERY_S:
                 self._flush_counts()
                 self._end_lingering(now)
                 self.refusals.flush(now)
@@ -139,13 +124,13 @@ class Acceptor:
 
     def _admit(self, conn: socket.socket, cred: PeerCred) -> None:
         policy = self.policy
-        if not uid_allowed(cred, policy.allowed_uids, policy.allowed_gids, policy.daemon_uid):
+        if not admission.uid_allowed(cred, policy.allowed_uids, policy.allowed_gids, policy.daemon_uid):
             self.refused_auth += 1
-            self._refuse(conn, cred, *not_allowed(cred))
+            self._refuse(conn, cred, *admission.not_allowed(cred))
             return
         if self.per_uid.get(cred.uid, 0) >= policy.max_per_uid:
             self.refused_admission += 1
-            self._refuse(conn, cred, *over_limit(cred, policy.max_per_uid))
+            self._refuse(conn, cred, *admission.over_limit(cred, policy.max_per_uid))
             return
         conn.setblocking(False)
         self.silent[conn.fileno()] = (conn, cred)
@@ -176,7 +161,7 @@ class Acceptor:
             return
         self._flush_counts()  # the daemon counts refusals before it admits what came after them
         try:
-            socket.send_fds(self.channel, [CONN], [conn.fileno()])
+            socket.send_fds(self.channel, [admission.CONN], [conn.fileno()])
         except OSError as exc:
             log.error("passing a connection to tiermemd failed (%s); ending", exc)
             self.running = False
@@ -187,11 +172,11 @@ class Acceptor:
 
     def _refuse(self, conn: socket.socket, cred: PeerCred, exc: TiermemError, why: str) -> None:
         self.refusals.note(why, cred)
-        if not self.explain.take(cred.uid, time.monotonic()) or len(self.lingering) >= MAX_LINGERING:
+        if not self.explain.take(cred.uid, time.monotonic()) or len(self.lingering) >= admission.MAX_LINGERING:
             conn.close()  # a storm from this uid: past its explained refusals, a refusal is one close
             return
-        send_refusal(conn, exc, self.policy.max_frame)
-        self.lingering[conn.fileno()] = (conn, time.monotonic() + REFUSAL_LINGER_S)
+        admission.send_refusal(conn, exc, self.policy.max_frame)
+        self.lingering[conn.fileno()] = (conn, time.monotonic() + admission.REFUSAL_LINGER_S)
         self.selector.register(conn, selectors.EVENT_READ, "linger")
 
     def _drain_refused(self, conn: socket.socket, *, hang_up: bool = False) -> None:
@@ -219,7 +204,7 @@ class Acceptor:
         if counts == self._sent_counts:
             return
         try:
-            self.channel.send(COUNTS.pack(b"CNTS", *counts))
+            self.channel.send(admission.COUNTS.pack(b"CNTS", *counts))
             self._sent_counts = counts
         except BlockingIOError:
             pass  # the daemon is behind: the next flush carries the totals
@@ -231,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="tiermemd's acceptor (started by tiermemd)")
     ap.add_argument("--listen-fd", type=int, required=True)
     ap.add_argument("--channel-fd", type=int, required=True)
-    ap.add_argument("--policy", required=True, help="JSON (Policy)")
+    ap.add_argument("--policy", required=True, help="JSON (admission.Policy)")
     args = ap.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -241,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     acceptor = Acceptor(
         socket.socket(fileno=args.listen_fd),
         socket.socket(fileno=args.channel_fd),
-        Policy.from_json(args.policy),
+        admission.Policy.from_json(args.policy),
     )
 
     def stop(*_: Any) -> None:
