@@ -230,6 +230,108 @@ def test_keyboard_interrupt_leaves_the_optimizer_usable_and_every_step_whole(
     assert_state_close(saved, ref.state_dict())
 
 
+def twice_interrupted(calls: list[Callable[[], object]], first_s: float, second_s: float) -> int:
+    """Run ``calls`` one after another with a KeyboardInterrupt due after ``first_s`` and a second one
+    ``second_s`` after the first (an impatient Ctrl-C, Ctrl-C); an interrupt ends the call it lands in and the
+    next one runs; one that comes between the calls is dropped.  Waits for both; returns how many landed in
+    a call."""
+    fired: list[float] = []
+    landed = 0
+
+    def interrupt(signum: int, frame: Any) -> None:
+        fired.append(time.monotonic())
+        if len(fired) == 1:
+            signal.setitimer(signal.ITIMER_REAL, second_s)
+        if frame is not None and frame.f_code.co_filename == __file__:
+            return  # it came between the calls, in this harness (its own except clause included): dropped
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, first_s)
+        pending = list(calls)
+        while True:
+            try:
+                while pending:
+                    pending.pop(0)()
+                deadline = time.monotonic() + first_s + second_s + 0.05
+                while len(fired) < 2 and time.monotonic() < deadline:
+                    time.sleep(1e-4)
+                break
+            except KeyboardInterrupt:
+                landed += 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return landed
+
+
+def adamw_trajectory(batch: Any, steps: int, width: int = 64) -> list[list[torch.Tensor]]:
+    """AdamW's params after 0, 1, ..., ``steps`` steps on one fixed batch."""
+    model = mlp(width=width)
+    ref = torch.optim.AdamW(model.parameters(), **HYPER)
+    out = [[p.detach().clone() for p in model.parameters()]]
+    for _ in range(steps):
+        train(model, ref, [batch], mlp_loss)
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_a_second_interrupt_while_step_waits_for_the_first_ones_outcome_leaves_the_optimizer_usable(
+    offload: OffloadDaemon, tier: str
+) -> None:
+    """Ctrl-C twice (the second 0-2 ms after the first, so it lands in the handler that records the step, in
+    the wait for its outcome, or in the next call, ``zero_grad()``, while that reads the outcome): whatever
+    each hit, training goes on, each step is applied whole, and the params end as AdamW's after as many steps
+    as the daemon counts."""
+    batch = mlp_batches(1)[0]
+    width = 1024  # 1M params: a step long enough that the second interrupt can land in the wait for it
+    model = mlp(width=width)
+    opt = offload.make(model.parameters(), offload=tier, **HYPER)
+    hits = 0
+    with interrupt_timer(), torch.enable_grad():
+        for k, delay_s in enumerate(INTERRUPT_DELAYS_S[8:]):
+            mlp_loss(model, batch).backward()
+            hits += twice_interrupted([opt.step, opt.zero_grad], delay_s, 1e-6 if k % 2 else 1e-3 * (k % 3))
+            torch.set_grad_enabled(True)  # an interrupt inside torch's no_grad() can leave grad mode off
+            opt.zero_grad()
+    assert hits >= 3, "the sweep should interrupt some steps"
+    train(model, opt, [batch] * 2, mlp_loss)  # before the fix: "step N was already applied" for good
+    saved = opt.state_dict()
+    steps = {int(s["step"]) for s in saved["state"].values()}
+    assert steps == {opt.steps}, (steps, opt.steps)
+    expected = adamw_trajectory(batch, opt.steps, width)[-1]
+    for p, want in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.detach(), want)
+
+
+def test_the_interrupt_handler_finds_the_params_of_one_whole_step_that_steps_counts(
+    offload: OffloadDaemon, tier: str
+) -> None:
+    """A trainer that saves on Ctrl-C: in its handler the model holds AdamW's params after exactly
+    ``opt.steps`` steps, and nothing changes them after it (the daemon wrote them before the interrupt came
+    out of step())."""
+    batch = mlp_batches(1)[0]
+    model = mlp()
+    opt = offload.make(model.parameters(), offload=tier, **HYPER)
+    trajectory = adamw_trajectory(batch, len(INTERRUPT_DELAYS_S) + 1)
+    hits = 0
+    with interrupt_timer(), torch.enable_grad():
+        for delay_s in INTERRUPT_DELAYS_S:
+            mlp_loss(model, batch).backward()
+            if interrupted(opt.step, delay_s):
+                hits += 1
+                seen = [p.detach().clone() for p in model.parameters()]
+                steps = opt.steps
+                time.sleep(0.02)
+                for p, was, want in zip(model.parameters(), seen, trajectory[steps], strict=True):
+                    assert torch.equal(p.detach(), was), "the params changed after the interrupt came out"
+                    torch.testing.assert_close(was, want)
+                torch.set_grad_enabled(True)
+            opt.zero_grad()
+    assert hits >= 3, "the sweep should interrupt some steps"
+
+
 # ----------------------------------------------------------------------------- torch.compile
 
 

@@ -31,8 +31,12 @@ step's global norm (when one was computed) is ``last_grad_norm``;
 daemon), ``last_skipped`` whether it was skipped.
 
 Interrupts: a ``KeyboardInterrupt`` while the daemon works on a step leaves
-that step to finish there; the next call reads its outcome, so each step is
-applied fully or not at all and the optimizer stays usable.  An update that
+that step to finish there, and ``step()`` waits for its outcome before the
+interrupt reaches the trainer: each step is applied fully or not at all, and
+a handler that saves on Ctrl-C finds the params and ``steps`` of one step.  A
+second interrupt during that wait ends it; the next call then reads the
+outcome (an interrupt there too leaves it to the call after), so the
+optimizer stays usable however often it is interrupted.  An update that
 fails part-way makes the daemon refuse the rank (``StepFailed``) until a
 checkpoint is loaded.
 
@@ -124,8 +128,11 @@ class _SentStep:
     ids: list[int]
     delayed: bool
     request_id: int
+    """The connection's last request id when the interrupt came (-1: not noted yet)."""
     before_id: int
     skip: bool = False
+    failure: TiermemError | None = None
+    """The daemon's error for it, read while settling after the interrupt: raised by the next call."""
 
 
 @dataclass
@@ -708,16 +715,19 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
 
     def _send(self, msg: Step, ids: list[int], delayed: bool) -> None:
         conn = self.client.conn
-        before = conn.last_request_id
+        # recorded before it is sent and forgotten once its outcome is in: an interrupt landing anywhere between
+        # (a second one in the handler below included) leaves the step to be settled, never sent again
+        sent = self._sent = _SentStep(msg.step, msg.attempt, ids, delayed, -1, conn.last_request_id, msg.skip)
         try:
             done = self.client.step(msg)
-            # in the same try: an interrupt landing after the reply was read, before its outcome is recorded,
-            # must leave the step to be settled too (else the next step() sends an applied step again)
             self._finish(done, ids, delayed)
+            self._sent = None
         except KeyboardInterrupt:
-            self._sent = _SentStep(msg.step, msg.attempt, ids, delayed, conn.last_request_id, before, msg.skip)
+            sent.request_id = conn.last_request_id
+            self._settle_interrupted()
             raise
         except TiermemError:
+            self._sent = None
             self._open = None
             self._new_step()
             raise
@@ -766,24 +776,34 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             reply = self.client.abort(attempt.step, attempt.attempt)
             self._steps_sent = max(self._steps_sent, reply.last_step)
 
-    def _settle(self) -> None:
+    def _settle(self, *, defer_failure: bool = False) -> None:
         """Read the outcome of an interrupted STEP (and wait for the param pager's transfers) before anything
-        else goes to the daemon."""
+        else goes to the daemon.  The record of that STEP goes only once its outcome is taken in, so an
+        interrupt in here leaves it to the next call."""
+        sent = self._sent
+        if sent is not None and sent.request_id < 0:  # an interrupt came before _send's handler could note it
+            sent.request_id = self.client.conn.last_request_id  # nothing was sent since the STEP
         feed: Feed | None = getattr(self, "feed", None)
         if feed is not None:
             feed.drain()
-        sent, self._sent = self._sent, None
         if sent is None:
             return
-        conn = self.client.conn
-        late = conn.take_late(sent.request_id) if sent.request_id != sent.before_id else None
-        if isinstance(late, StepDone):
-            self._finish(late, sent.ids, sent.delayed)
-            return
-        if isinstance(late, TiermemError):
+        if sent.failure is None:
+            conn = self.client.conn
+            late = conn.take_late(sent.request_id) if sent.request_id != sent.before_id else None
+            if isinstance(late, StepDone):
+                self._finish(late, sent.ids, sent.delayed)
+                self._sent = None
+                return
+            if isinstance(late, TiermemError):
+                sent.failure = late
+        if sent.failure is not None:
+            if defer_failure:
+                return
+            self._sent = None
             self._open = None
             self._new_step()
-            raise late
+            raise sent.failure
         # the reply was read before the interrupt landed, or the request never left: ask the daemon
         report = _rank_report(self.client)
         last = report.last_step
@@ -801,6 +821,20 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         elif self._open is not None and self._open.attempt == sent.attempt:
             self._abort_open()
             self._new_step()
+        self._sent = None
+
+    def _settle_interrupted(self) -> None:
+        """After a ``KeyboardInterrupt`` in ``step()``: wait for that step's outcome before the interrupt
+        reaches the trainer, so that its handler finds the params and ``steps`` whole (the daemon no longer
+        writes them).  A second interrupt ends the wait; an error of the step's is raised by the next call;
+        either way the next call settles what is left."""
+        step = self._sent.step
+        try:
+            self._settle(defer_failure=True)
+        except KeyboardInterrupt:
+            log.warning("interrupted again while waiting for step %d's outcome; the next call reads it", step)
+        except TiermemError as exc:
+            log.warning("could not read the interrupted step's outcome (%s); the next call tries again", exc)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._settle()
