@@ -6,7 +6,7 @@ sharded optimizers (one rank of a gloo group, a real daemon):
   after a skipped step it is that step's non-finite norm, or None where none was taken, never an earlier
   step's figure;
 - ``state_dict()`` is a snapshot (later steps leave it alone) whose ``param_groups`` a load restores, as
-  torch's are;
+  torch's are (every key: a scheduler's ``initial_lr`` and the trainer's own too);
 - ``close()`` takes every hook off the model; closing twice is once; a closed optimizer refuses ``step()``.
 """
 
@@ -113,6 +113,8 @@ def test_steps_norm_state_dict_and_close_mean_the_same_for_every_optimizer(daemo
         assert (opt.steps, opt.skipped_steps, opt.last_found_inf) == (1, 1, True)
         assert opt.last_grad_norm is None or not math.isfinite(opt.last_grad_norm), opt.last_grad_norm
 
+        # a scheduler's key and the trainer's own are saved and come back with the group, as torch's do
+        opt.param_groups[0].update(initial_lr=LR, name="all")
         saved = opt.state_dict()
         kept = copy.deepcopy(saved)
         norm = expected_norm(2, current_params(kind, m, opt))
@@ -121,9 +123,15 @@ def test_steps_norm_state_dict_and_close_mean_the_same_for_every_optimizer(daemo
         assert opt.last_grad_norm == pytest.approx(norm, rel=1e-5)
         assert same(saved, kept)  # a snapshot: the step after it changed nothing in it
 
-        opt.param_groups[0]["lr"] = 0.5
+        opt.param_groups[0].update(lr=0.5, initial_lr=0.5, name="changed")
         opt.load_state_dict(saved)
-        assert opt.param_groups[0]["lr"] == LR  # torch's rule: the saved hyper-parameters come back
+        # torch's rule: the saved hyper-parameters come back
+        assert (opt.param_groups[0]["lr"], opt.param_groups[0]["initial_lr"], opt.param_groups[0]["name"]) == (
+            LR,
+            LR,
+            "all",
+        )
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5**k, last_epoch=1)  # a schedule resumed after a load
     finally:
         opt.close()
     assert hooks_on(m) == hooks_before

@@ -48,6 +48,7 @@ from tiermem.core.protocol.step import MAX_SPANS, StateSpan, WriteSpan
 from tiermem.core.statekeys import MOMENTS
 
 __all__ = [
+    "FIXED_GROUP_KEYS",
     "RING_SLOTS",
     "Crossings",
     "PullItem",
@@ -72,13 +73,18 @@ def packed_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]
     return groups
 
 
+FIXED_GROUP_KEYS = frozenset({"params", "amsgrad", "capturable", "differentiable"})
+"""Group keys a load leaves as they are: the params, and torch flags tiermem refuses when true."""
+
+
 def adopt_saved_groups(mine: Sequence[dict[str, Any]], saved: Sequence[dict[str, Any]]) -> None:
-    """Take the hyper-parameters of a loaded state dict's groups (checked by ``plan_load``) into ``mine``;
+    """Take a loaded state dict's groups (checked by ``plan_load``) into ``mine``, as torch does: every saved
+    key but ``FIXED_GROUP_KEYS``, a scheduler's ``initial_lr`` and the trainer's own keys included;
     ``adamw`` from ``adamw`` or torch's ``decoupled_weight_decay``."""
     for group, loaded in zip(mine, saved, strict=True):
-        for name in ("lr", "betas", "eps", "weight_decay", "maximize", "foreach", "fused"):
-            if name in loaded:
-                group[name] = tuple(loaded[name]) if name == "betas" else loaded[name]
+        for name, value in loaded.items():
+            if name not in FIXED_GROUP_KEYS:
+                group[name] = tuple(value) if name == "betas" else value
         if "adamw" in loaded:
             group["adamw"] = bool(loaded["adamw"])
         elif "decoupled_weight_decay" in loaded:
