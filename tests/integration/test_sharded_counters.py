@@ -1,7 +1,8 @@
 """``steps``, ``last_grad_norm``, ``state_dict()`` and ``close()`` mean the same for ``OffloadAdam`` and the three
 sharded optimizers (one rank of a gloo group, a real daemon):
 
-- ``steps`` counts applied steps, as torch's ``state["step"]``; a skipped one is ``skipped_steps``;
+- ``steps`` counts applied steps, as torch's ``state["step"]`` (a load of an earlier step's state goes back to
+  it); a skipped one is ``skipped_steps``;
 - ``last_grad_norm`` is the last step's global norm of the unscaled grads (``clip_grad_norm_``'s figure);
   after a skipped step it is that step's non-finite norm, or None where none was taken, never an earlier
   step's figure;
@@ -125,6 +126,7 @@ def test_steps_norm_state_dict_and_close_mean_the_same_for_every_optimizer(daemo
 
         opt.param_groups[0].update(lr=0.5, initial_lr=0.5, name="changed")
         opt.load_state_dict(saved)
+        assert opt.steps == 1  # the loaded step, as torch's state["step"]
         # torch's rule: the saved hyper-parameters come back
         assert (opt.param_groups[0]["lr"], opt.param_groups[0]["initial_lr"], opt.param_groups[0]["name"]) == (
             LR,

@@ -41,6 +41,8 @@ class OptimizerState:
         frozen: list[torch.nn.Parameter]
         _index: dict[int, int]
         _open: Any
+        _steps_sent: int
+        _step_lag: int
         feed: Feed
         param_groups: list[dict[str, Any]]
         state_keys: tuple[str, ...]
@@ -159,6 +161,13 @@ class OptimizerState:
         # checked: now change things
         self.flush()
         self._abort_open()
+        # steps counts as torch's state["step"] does: from the loaded step.  The daemon's STEP sequence goes on
+        # from it when it is ahead (a resume, so a reattach finds the trainer's step), else it stays ahead
+        loaded = max((step for _, _, step in loads), default=0)
+        if loaded >= self._steps_sent:
+            self._steps_sent, self._step_lag = loaded, 0
+        else:
+            self._step_lag = self._steps_sent - loaded
         self._new_step()
         adopt_saved_groups(self.param_groups, groups)
         holders = {id(flat[t]) for t, _, _ in loads}

@@ -96,6 +96,9 @@ class OffloadHandle:
     state_from: str = "new"
     pinned: bool = False
     steps_sent: int = 0
+    """The last step the daemon numbered (its STEP sequence)."""
+    step_lag: int = 0
+    """How far that sequence is ahead of ``steps`` after a checkpoint of an earlier step was loaded."""
     skipped: int = 0
     attempts: Any = field(default_factory=lambda: itertools.count(1))
     sent: Any = None

@@ -170,6 +170,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
     state_from = InHandle()
     _pinned = InHandle()
     _steps_sent = InHandle()
+    _step_lag = InHandle()
     _skipped = InHandle()
     _attempts = InHandle()
     _sent = InHandle()
@@ -457,7 +458,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 self._bind_shared(client, params, reply.slots, dtype, reattached=info.reattached)
             if info.reattached:
                 report = _rank_report(client)
-                self._steps_sent, self._skipped = report.last_step, report.skipped_steps
+                self._steps_sent, self._skipped, self._step_lag = report.last_step, report.skipped_steps, 0
                 self.feed.buffer = self._next_buffer()
         except BaseException:
             if self._own_client:
@@ -626,8 +627,9 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
 
     @property
     def steps(self) -> int:
-        """Steps applied so far (the daemon's count; skipped steps are ``skipped_steps``)."""
-        return self._steps_sent
+        """Steps applied so far, as torch's ``state["step"]`` counts them (skipped steps are ``skipped_steps``):
+        the daemon's count, from the loaded step after ``load_state_dict``."""
+        return self._steps_sent - self._step_lag
 
     @property
     def update_in_flight(self) -> bool:
@@ -887,7 +889,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         return OptimizerStats(
             rank=reply.rank,
             node=reply.node,
-            steps=self._steps_sent,
+            steps=self.steps,
             client_skipped_steps=self._skipped,
             staleness_steps=1 if self._inflight else 0,
             last_grad_norm=self.last_grad_norm,
