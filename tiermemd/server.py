@@ -67,7 +67,6 @@ import logging
 import os
 import select
 import selectors
-import signal
 import socket
 import subprocess
 import sys
@@ -330,6 +329,8 @@ class Server:
         self._counted = (0, 0)
         """The acceptor's refusal totals already added to the counters (disallowed uid, over the limit)."""
         self._acceptor_lock = threading.Lock()
+        self._stopped_pids: set[int] = set()
+        """Acceptors this server stopped itself (a SIGHUP's new policy, a stop): their end is no error."""
         """Orders the acceptor's start (the channel thread, after a crash) with its stop (``stop_accepting``)."""
         self._ids = itertools.count(1)
         self._sessions: dict[int, Session] = {}
@@ -427,8 +428,9 @@ class Server:
     def _stop_acceptor(self) -> None:
         with self._acceptor_lock:
             acceptor = self._acceptor
-        if acceptor is None:
-            return
+            if acceptor is None:
+                return
+            self._stopped_pids.add(acceptor.pid)
         with contextlib.suppress(OSError):
             acceptor.terminate()
         try:
@@ -469,8 +471,13 @@ class Server:
     def _acceptor_ended(self, channel: socket.socket) -> None:
         acceptor, self._acceptor, self._channel = self._acceptor, None, None
         channel.close()
-        code = acceptor.wait() if acceptor is not None else None
-        if self._accepting and acceptor is not None and acceptor.returncode != -signal.SIGTERM:
+        if acceptor is None:
+            return
+        code = acceptor.wait()
+        with self._acceptor_lock:
+            stopped = acceptor.pid in self._stopped_pids
+            self._stopped_pids.discard(acceptor.pid)
+        if self._accepting and not stopped:
             log.error("the acceptor (pid %d) ended with status %s; starting it again", acceptor.pid, code)
 
     def _from_acceptor(self, data: bytes, fds: list[int]) -> None:

@@ -78,6 +78,9 @@ def test_ready_comes_after_the_pool_then_watchdog_reloads_and_stopping(daemon_fa
     reload_index, _ = d.notify.wait_for("RELOADING", 10.0, after=mark)
     _, again = d.notify.wait_for("READY", 10.0, after=reload_index)
     assert again["STATUS"] == "reloaded"
+    # the acceptor restarted with the new policy: a restart the daemon asked for is no error in its log
+    assert "acceptor started" in d.log_text()
+    assert "the acceptor (pid" not in d.log_text(), d.log_text()[-3000:]
     held = []
     try:
         for i in range(2):
