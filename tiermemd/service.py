@@ -20,6 +20,7 @@ the others need a restart and are reported as such.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import queue
@@ -68,6 +69,37 @@ class StartupError(Exception):
         self.code = code
 
 
+DIR_LOCK = ".tiermemd.lock"
+"""Held (``flock``) in the state directory and each swap directory for the daemon's life."""
+
+
+def lock_dirs(dirs: list[Path]) -> list[int]:
+    """Lock ``dirs`` (each once, however named) for this daemon: a second daemon given the same state or swap
+    directory would take this one's live swap files for orphans and remove them, and restore its jobs as its
+    own.  The lock files hold the holder's pid, for the message; the locks go with the process."""
+    fds: list[int] = []
+    for directory in dict.fromkeys(d.resolve() for d in dirs):
+        fd = os.open(directory / DIR_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            from tiermemd.main import EXIT_SWAP
+
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            for held in fds:
+                os.close(held)
+            raise StartupError(
+                EXIT_SWAP,
+                f"{directory} is in use by another tiermemd (pid {holder}); give each daemon its own "
+                "server.state_dir and swap.dirs",
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        fds.append(fd)
+    return fds
+
+
 class Service:
     """Owns every long-lived part of the daemon."""
 
@@ -110,6 +142,11 @@ class Service:
         except OSError as exc:
             self.pool.close()
             raise StartupError(EXIT_SWAP, f"swap directory unusable: {exc}") from exc
+        try:
+            self.dir_locks = lock_dirs([*self.swap_dirs, Path(config.server.state_dir)])
+        except StartupError:
+            self.pool.close()
+            raise
         try:
             self.io_engine = open_engine(config.swap, self.swap_dirs)
         except ConfigError as exc:
@@ -372,6 +409,8 @@ class Service:
         self.scheduler.close()
         self.io_engine.close()
         self.pool.close()
+        for fd in self.dir_locks:
+            os.close(fd)
         self.notifier.close()
         log.info("stopped")
 

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from child_env import child_env
@@ -213,3 +214,25 @@ def test_start_up_failures_exit_with_their_documented_codes(daemon, tmp_path, ca
     assert done.returncode == expected, done.stderr[-2000:]
     with daemon.connection() as conn:  # a failed second daemon left the live one's socket alone
         assert isinstance(conn.request(Stats()), StatsReply)
+
+
+@pytest.mark.parametrize("shared", ["state_dir", "swap dir"])
+def test_a_second_daemon_on_a_live_daemons_directories_exits_4_naming_it(daemon_factory, tmp_path, shared):
+    """Given the state or a swap directory of a live daemon (and a socket of its own), a second daemon would take
+    the live one's swap files for orphans and remove them: it refuses to start instead, naming the holder."""
+    first = daemon_factory()
+    root = tmp_path / "second"
+    root.mkdir()
+    if shared == "state_dir":
+        overrides = {"server": {"state_dir": first.settings["server"]["state_dir"]}}
+        directory = first.settings["server"]["state_dir"]
+    else:
+        overrides = {"swap": {"dirs": [str(root / "own-swap"), *first.settings["swap"]["dirs"]]}}
+        directory = first.settings["swap"]["dirs"][0]
+    done = run_daemon_to_exit(root, str(root / "tiermemd.sock"), overrides)
+    assert done.returncode == 4, done.stderr[-2000:]
+    assert f"{Path(directory).resolve()} is in use by another tiermemd (pid {first.pid})" in done.stderr
+    assert "Traceback" not in done.stderr
+    with first.connection() as conn:
+        assert isinstance(conn.request(Stats()), StatsReply)
+    assert not (root / "tiermemd.sock").exists()
