@@ -282,5 +282,7 @@ def run_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except (KeyboardInterrupt, BrokenPipeError):  # Ctrl-C, or a reader that stopped (``| head``)
         return 0
     except TiermemError as exc:
-        print(f"tiermem status: the daemon stopped answering: {exc}", file=sys.stderr)
+        # the first request is refused (a uid the daemon does not allow, say), or a watched daemon went away
+        what = "the daemon stopped answering" if before is not None else f"the daemon at {client.socket_path}"
+        print(f"tiermem status: {what}: {exc}", file=sys.stderr)
         return 1
