@@ -39,7 +39,7 @@ from tiermem.engine.swap import open_engine
 from tiermem.engine.tiers import PoolShares
 from tiermem.net.sockpath import SecureDir, Trust, remove_socket, uid_label
 from tiermemd import health, memfit
-from tiermemd.durability import Durability
+from tiermemd.durability import Durability, SwapDirsChanged
 from tiermemd.jobs import Job, JobTable
 from tiermemd.ledger import Ledger, Resource
 from tiermemd.listener import Listener, adopt_listener
@@ -69,35 +69,42 @@ class StartupError(Exception):
         self.code = code
 
 
-DIR_LOCK = ".tiermemd.lock"
-"""Held (``flock``) in the state directory and each swap directory for the daemon's life."""
-
-
 def lock_dirs(dirs: list[Path]) -> list[int]:
     """Lock ``dirs`` (each once, however named) for this daemon: a second daemon given the same state or swap
     directory would take this one's live swap files for orphans and remove them, and restore its jobs as its
-    own.  The lock files hold the holder's pid, for the message; the locks go with the process."""
+    own.  An ``flock`` of the directory itself, so nothing is added to it; it goes with the process."""
     fds: list[int] = []
     for directory in dict.fromkeys(d.resolve() for d in dirs):
-        fd = os.open(directory / DIR_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             from tiermemd.main import EXIT_SWAP
 
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            for held in fds:
+            holder = _flock_holder(os.fstat(fd))
+            for held in [fd, *fds]:
                 os.close(held)
             raise StartupError(
                 EXIT_SWAP,
                 f"{directory} is in use by another tiermemd (pid {holder}); give each daemon its own "
                 "server.state_dir and swap.dirs",
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         fds.append(fd)
     return fds
+
+
+def _flock_holder(st: os.stat_result) -> str:
+    """The pid holding an flock of the file ``st`` describes, from ``/proc/locks`` ('unknown' if not found)."""
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if "FLOCK" in fields and dev in fields:
+                    return fields[fields.index(dev) - 1]
+    except OSError:
+        pass
+    return "unknown"
 
 
 class Service:
@@ -208,7 +215,15 @@ class Service:
         self.durability = Durability(
             jobs_dir=self.jobs_dir, swap_dirs=self.swap_dirs, commit_every=config.jobs.commit_every
         )
-        self._restore_jobs()
+        try:
+            self._restore_jobs()
+        except SwapDirsChanged as exc:
+            if self.metrics is not None:
+                self.metrics.close()
+            self.server.close()
+            self.scheduler.close()
+            self.pool.close()
+            raise StartupError(EXIT_SWAP, str(exc)) from exc
         self.orphans = Orphans(
             swap_dirs=self.swap_dirs, jobs_dir=self.jobs_dir, grace_period_s=config.jobs.grace_period_s
         )
