@@ -23,9 +23,12 @@ ends the daemon with ``EXIT_DATA_LOST``.
 
 At start (``restore``) every job file is resolved against its manifests: a
 rank whose manifest is missing, unreadable or of a generation the file does
-not describe is lost, logged then, and its reattach gets ``DataLostError``
+not describe, or whose swap files are missing or shorter than its manifest
+says, is lost, logged then, and its reattach gets ``DataLostError``
 (``lost_error``); a file written by a daemon that did not stop cleanly is
-reported with the step each rank comes back at.
+reported with the step each rank comes back at.  A manifest found in another
+swap directory than the first means ``swap.dirs`` was reordered: the daemon
+refuses to start (``SwapDirsChanged``) rather than lose the state.
 """
 
 from __future__ import annotations
@@ -37,16 +40,20 @@ from pathlib import Path
 
 from tiermem.core.errors import CorruptionError, DataLostError, TiermemError
 from tiermem.core.modes import Placement
-from tiermem.engine.swap.manifest import read_manifest
+from tiermem.engine.swap.manifest import Manifest, read_manifest
 from tiermemd.jobs import Job
 from tiermemd.nvme import NvmeStateChunks, store_name
 from tiermemd.persist import JobRecord, RankRecord, job_file_path, write_job_file
 from tiermemd.rank import RankOptimizer
 from tiermemd.rank.records import RankPhase
 
-__all__ = ["Durability"]
+__all__ = ["Durability", "SwapDirsChanged"]
 
 log = logging.getLogger(__name__)
+
+
+class SwapDirsChanged(TiermemError):
+    """``swap.dirs`` no longer lists a restored job's swap directory first (the daemon refuses to start)."""
 
 
 class Durability:
@@ -63,11 +70,14 @@ class Durability:
         return self.swap_dirs[0] / f"{store_name(job_id, rank, uid)}.manifest"
 
     def restore(self, records: Sequence[JobRecord]) -> list[JobRecord]:
-        """Each job file with every rank resolved against its manifest (lost ranks marked, all reported)."""
+        """Each job file with every rank resolved against its manifest and the swap files it names (lost ranks
+        marked, all reported).  ``SwapDirsChanged`` when a manifest stands in another swap directory than the
+        first: the directories were reordered or one was added in front, and starting would lose the state."""
         out = []
         for record in records:
             ranks = []
             for rank in record.ranks:
+                self._check_dirs(record, rank.rank)
                 path = self.manifest_path(record.job_id, record.owner_uid, rank.rank)
                 try:
                     manifest = read_manifest(path)
@@ -76,6 +86,8 @@ class Durability:
                 else:
                     if manifest is None:
                         resolved = rank.resolve(None, f"its swap manifest {path} is missing")
+                    elif short := self._short_files(manifest):
+                        resolved = rank.resolve(None, short)
                     else:
                         resolved = rank.resolve(manifest.generation)
                 if resolved.lost:
@@ -100,6 +112,40 @@ class Durability:
                 )
             out.append(replace(record, ranks=tuple(ranks)))
         return out
+
+    def _check_dirs(self, record: JobRecord, rank: int) -> None:
+        name = f"{store_name(record.job_id, rank, record.owner_uid)}.manifest"
+        if (self.swap_dirs[0] / name).exists():
+            return
+        elsewhere = [d for d in self.swap_dirs[1:] if (d / name).exists()]
+        if elsewhere:
+            raise SwapDirsChanged(
+                f"job {record.job_id!r} (uid {record.owner_uid}) rank {rank}: its swap manifest is in "
+                f"{elsewhere[0]}, but the first of swap.dirs is {self.swap_dirs[0]}: the swap directories were "
+                "reordered or one was added in front, and starting so would lose the job's state; list them in "
+                "their earlier order (a new one at the end)"
+            )
+
+    def _short_files(self, manifest: Manifest) -> str:
+        """Why the swap files ``manifest`` names cannot hold what it says they do ('' when they can)."""
+        if len(manifest.files) != len(self.swap_dirs):
+            return (
+                f"its manifest names {len(manifest.files)} swap file(s), one per swap directory, and "
+                f"swap.dirs lists {len(self.swap_dirs)}"
+            )
+        for index, (directory, name) in enumerate(zip(self.swap_dirs, manifest.files, strict=True)):
+            need = max(
+                (e.offset + e.nbytes for r in manifest.records.values() for e in r.extents if e.file == index),
+                default=0,
+            )
+            path = directory / name
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                return f"its swap file {path} is missing"
+            if size < need:
+                return f"its swap file {path} holds {size} bytes, and its manifest needs {need}"
+        return ""
 
     # ----------------------------------------------------------------- attach and register
 

@@ -47,15 +47,22 @@ class Node:
     def swap(self) -> Path:
         return self.root / "swap"
 
-    def start(self) -> Client:
+    def write_config(self, swap_dirs: list[Path] | None = None) -> Path:
+        """The daemon's settings file: this node's directories (``swap_dirs`` in place of its swap directory)."""
         sock = self.root / "tiermemd.sock"
         config = self.root / "tiermemd.toml"
+        dirs = ", ".join(f'"{d}"' for d in swap_dirs or [self.swap])
         config.write_text(
-            f'[pool]\nsize = "96MiB"\n[swap]\ndirs = ["{self.swap}"]\n'
+            f'[pool]\nsize = "96MiB"\n[swap]\ndirs = [{dirs}]\n'
             f"[adam]\nchunk_numel = 1024\ncompile = false\n"
             f"[jobs]\ngrace_period_s = {self.grace_period_s}\ncommit_every = {self.commit_every}\n"
             f'[server]\nsocket = "{sock}"\nstate_dir = "{self.root / "state"}"\n'
         )
+        return config
+
+    def start(self) -> Client:
+        sock = self.root / "tiermemd.sock"
+        config = self.write_config()
         with open(self.root / "daemon.log", "ab") as log:
             log.write(f"---- start {self.starts}\n".encode())
             log.flush()
@@ -244,6 +251,36 @@ def test_a_deleted_manifest_is_data_lost_at_start_and_at_reattach_never_zeros(no
     assert node.store_files() == []
     opt = run.attach(client)
     assert (opt.steps, opt.state_from) == (0, "new")
+    opt.close()
+    assert node.stop() == 0
+
+
+def test_a_deleted_swap_file_is_data_lost_at_start_and_at_reattach_not_a_checksum_error(node: Node) -> None:
+    run, token = trained_and_stopped(node, 3)
+    (swap_file,) = [p for p in node.store_files() if p.suffix == ".swap"]
+    swap_file.unlink()
+
+    client = node.start()
+    assert "is lost" in node.log and f"its swap file {swap_file} is missing" in node.log
+    with pytest.raises(DataLostError, match=r"cannot be reopened: its swap file .* is missing"):
+        run.attach(client, token=token)
+    assert node.stop() == 0
+
+
+def test_swap_dirs_reordered_refuse_to_start_and_the_state_comes_back_in_the_old_order(node: Node) -> None:
+    run, token = trained_and_stopped(node, 3)
+    kept = {p.name: p.read_bytes() for p in node.store_files()}
+    new = node.root / "new-swap"
+    done = subprocess.run(
+        [sys.executable, "-m", "tiermemd.main", "--config", str(node.write_config([new, node.swap]))],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 4, done.stderr[-2000:]
+    assert f"its swap manifest is in {node.swap}, but the first of swap.dirs is {new}" in done.stderr
+    assert {p.name: p.read_bytes() for p in node.store_files()} == kept  # nothing was removed or rewritten
+
+    opt = run.attach(node.start(), token=token)  # the old order: the job comes back whole
+    assert (opt.steps, opt.state_from) == (3, "shutdown")
     opt.close()
     assert node.stop() == 0
 
