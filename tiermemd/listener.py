@@ -72,7 +72,7 @@ def bind_listener(path: str | os.PathLike[str], *, mode: int = 0o660, group: str
     too_long = socket_path_problem(target)
     if too_long is not None:
         raise ConfigError("server.socket", too_long)
-    gid = _gid_of(group) if group is not None and group != "" else None
+    gid = gid_of(group) if group is not None and group != "" else None
     directory, name = os.path.split(target)
     uid = os.geteuid()
     fix = f"remove it, or create it as {uid_label(uid)} with mode 0700"
@@ -112,7 +112,8 @@ def adopt_listener(fd: int) -> socket.socket:
     return sock
 
 
-def _gid_of(group: str | int) -> int:
+def gid_of(group: str | int) -> int:
+    """The gid ``server.socket_group`` names (a name or a number); ``ConfigError`` when no group has it."""
     if isinstance(group, int):
         return group
     try:

@@ -128,6 +128,31 @@ def resolve_config(args: argparse.Namespace, env: dict[str, str]) -> DaemonConfi
     return load_config(path, env=env, overrides=flag_overrides(args))
 
 
+def check_names(config: DaemonConfig, env: dict[str, str]) -> None:
+    """What the settings name on this node, checked before anything starts (and by ``--check-config``): the
+    socket path fits ``AF_UNIX``, the socket's group exists, the metrics address resolves.  Each would
+    otherwise fail the start later with exit 5, which a service manager restarts in a loop; a configuration
+    error (exit 2) is not restarted."""
+    import socket
+
+    from tiermem.net.sockpath import socket_path_problem
+    from tiermemd.listener import gid_of
+
+    if not env.get("LISTEN_FDS"):  # socket activation: the service manager made the socket
+        problem = socket_path_problem(config.server.socket) if config.server.socket else None
+        if problem is not None:
+            raise ConfigError("server.socket", problem)
+        if config.server.socket_group:
+            gid_of(config.server.socket_group)
+    if config.metrics.port:
+        try:
+            socket.getaddrinfo(config.metrics.address, config.metrics.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise ConfigError(
+                "metrics.address", f"{config.metrics.address!r} does not resolve on this node ({exc.strerror})"
+            ) from None
+
+
 def to_toml(tables: dict[str, dict[str, Any]]) -> str:
     """TOML text for plain tables of str/int/float/bool/tuple values."""
 
@@ -171,12 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         config = resolve_config(args, env)
+        if args.print_config:
+            sys.stdout.write(to_toml(config_to_dict(config)))
+            return EXIT_OK
+        check_names(config, env)
     except ConfigError as exc:
         print(f"tiermemd: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    if args.print_config:
-        sys.stdout.write(to_toml(config_to_dict(config)))
-        return EXIT_OK
     if args.check_config:
         print("tiermemd: configuration is valid", file=sys.stderr)
         return EXIT_OK
