@@ -90,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", metavar="N", type=int, help="Prometheus port, 0 = off (metrics.port)")
     parser.add_argument("--state-dir", metavar="DIR", help="manifests and default swap location (server.state_dir)")
     parser.add_argument("--no-mlock", action="store_true", help="do not lock the pool in memory (pool.mlock=false)")
-    parser.add_argument("--check-config", action="store_true", help="validate the settings and exit (0 if valid)")
+    parser.add_argument(
+        "--check-config",
+        action="store_true",
+        help="validate the settings, and the names they give on this node, and exit (0 if valid)",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the effective settings as TOML and exit")
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default: INFO"
