@@ -154,10 +154,9 @@ def test_damaged_swap_files_give_typed_errors_and_leave_the_other_job_exact(daem
         print(f"\nchaos damaged swap files: {json.dumps(figures)}")
     assert detected == {
         "flipped": "CorruptionError",
-        "truncated": detected.get("truncated", ""),
+        "truncated": "DataLostError",  # the start finds the file shorter than its manifest's extents
         "unlisted": "DataLostError",
     }
-    assert detected["truncated"] in ("CorruptionError", "SwapIOError")
     assert silent == 0 and figures["other_job_exact"]
     assert daemon.stop() == 0
 
