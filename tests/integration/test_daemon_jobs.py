@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -194,3 +195,45 @@ def test_stats_answers_promptly_while_another_client_runs_a_large_update(daemon,
     assert during > first, "the large client made no progress while STATS was measured"
     assert result["last_step"] >= during
     assert latencies[-1] < 2.0
+
+
+UNCLOSED_TRAINER = """
+import sys, torch, tiermem
+model = torch.nn.Linear(16, 16)
+opt = tiermem.OffloadAdam(model.parameters(), job_id=sys.argv[1])
+model(torch.randn(4, 16)).sum().backward()
+opt.step()
+if sys.argv[2] == "fails":
+    raise RuntimeError("the trainer fails after a step")
+"""
+
+
+def _job_ids(daemon) -> set[str]:
+    with daemon.connection() as conn:
+        reply = conn.request(Stats())
+    return {j.job_id for j in reply.jobs}
+
+
+def test_a_trainer_that_ends_without_close_frees_its_job_and_one_that_crashes_keeps_it(daemon_factory, tmp_path):
+    """A script that ends normally without ``opt.close()`` frees its job at once (it held it, and a slot of
+    ``jobs.max_jobs_per_uid``, for the whole grace period before); one that ends on an unhandled exception
+    leaves it for a reattach, as a killed trainer does."""
+    from child_env import child_env
+
+    daemon = daemon_factory({"jobs": {"grace_period_s": 120.0}})
+    script = tmp_path / "unclosed.py"
+    script.write_text(UNCLOSED_TRAINER)
+    env = {**child_env(), "TIERMEM_SOCKET_PATH": daemon.socket_path, "TIERMEM_NO_EMBED": "1"}
+    for outcome, job in (("ends", "unclosed-ends"), ("fails", "unclosed-fails")):
+        done = subprocess.run(
+            [sys.executable, str(script), job, outcome],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == (1 if outcome == "fails" else 0), done.stderr[-2000:]
+    jobs = _job_ids(daemon)
+    assert "unclosed-ends" not in jobs  # detached at exit, before the process ended: no grace period
+    assert "unclosed-fails" in jobs  # kept for a reattach within jobs.grace_period_s

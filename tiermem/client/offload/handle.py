@@ -16,7 +16,10 @@ descriptors on the optimizer's class, so an optimizer, its shallow copies and
 its wrappers read and write the same values.  The connection is closed by the
 optimizer's ``close()`` or, when the last owner of the handle is gone, by a
 ``weakref.finalize`` (which also runs at interpreter exit); never by
-``__del__`` on an object others copy.
+``__del__`` on an object others copy.  The finalizer detaches as ``close()``
+does, so a script that ends without ``close()`` frees its job at once instead
+of holding it (and a slot of ``jobs.max_jobs_per_uid``) for the grace period;
+a program ending on an unhandled exception leaves it for a reattach.
 
 Invariant: ``client`` is not None exactly while a registration is live or
 being made; the finalizer, when armed, closes that one client and only when
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,12 +62,25 @@ def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _ending_on_an_error() -> bool:
+    """Whether an unhandled exception reached the top of the program (the interpreter set ``sys.last_value``
+    when it printed it, before the exit's finalizers run)."""
+    return getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+
+
 def _close_client(client: Client, feed: Feed | None) -> None:
-    """The finalizer: unhook the feed from the model and close a connection whose owner is gone (a private
-    daemon stops with it)."""
+    """The finalizer: unhook the feed from the model, detach as ``close()`` does (the job's state is freed),
+    and close a connection whose owner is gone (a private daemon stops with it).  After an unhandled exception
+    (a crash, Ctrl-C included) the job is not detached: like a killed trainer's, its state waits
+    ``jobs.grace_period_s`` for a reattach with its token."""
     try:
         if feed is not None:
             feed.unhook()
+        if not _ending_on_an_error():
+            client.detach(keep_state=False)
+    except Exception as exc:  # a finalizer must not raise
+        log.debug("detaching an abandoned tiermemd connection failed: %s", exc)
+    try:
         client.close()
     except Exception as exc:  # a finalizer must not raise
         log.debug("closing an abandoned tiermemd connection failed: %s", exc)
