@@ -10,6 +10,7 @@ are skipped without it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pwd
 import select
@@ -29,7 +30,7 @@ from child_env import child_env
 from forked import Forked, become, error_fields
 
 from tiermem.client.connection import connect_trusted
-from tiermem.client.link import connect
+from tiermem.client.link import NODE_SOCKET, connect
 from tiermem.core.errors import ConfigError, UnsafePathError
 from tiermem.core.protocol import Stats, StatsReply
 from tiermem.net.sockpath import Trust, remove_socket
@@ -273,6 +274,32 @@ def test_an_untrusted_per_user_candidate_is_skipped_for_a_private_daemon_that_pa
     finally:
         client.close()
     assert not private.exists()
+
+
+def test_falling_back_from_a_socket_nobody_answers_on_to_a_private_daemon_is_a_warning(tmp_path, caplog):
+    """``$TIERMEM_SOCKET_PATH`` names a stale socket (the node's service is down): the trainer still gets a
+    private daemon, and says so on stderr (a warning: logging's last resort prints it), naming the socket."""
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    named = tmp_path / "node" / "tiermemd.sock"
+    named.parent.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stale:
+        stale.bind(str(named))  # bound, never listening, closed: what a killed daemon leaves
+    env = {"XDG_RUNTIME_DIR": str(runtime), "TIERMEM_SOCKET_PATH": str(named)}
+    with caplog.at_level(logging.INFO, logger="tiermem.client.link"):
+        client = connect(env=env, pool_size=16 << 20, settings={"adam.compile": False})
+    client.close()
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"no tiermemd answers at {named}" in warning.getMessage()
+    assert "TIERMEM_NO_EMBED=1" in warning.getMessage()
+
+    if os.path.exists(NODE_SOCKET):
+        return  # this machine has a node socket: the part below is about one without
+    caplog.clear()  # nothing named and no socket file anywhere: a machine without the service, said at INFO
+    with caplog.at_level(logging.INFO, logger="tiermem.client.link"):
+        client = connect(env={"XDG_RUNTIME_DIR": str(runtime)}, pool_size=16 << 20, settings={"adam.compile": False})
+    client.close()
+    assert [r.levelno for r in caplog.records if "private one" in r.getMessage()] == [logging.INFO]
 
 
 # --------------------------------------------------------------------------- the daemon

@@ -562,7 +562,8 @@ def connect(
         embed = env.get("TIERMEM_NO_EMBED", "") not in ("1", "true", "yes")
     tried: list[str] = []
     refused: list[UnsafePathError] = []
-    for candidate in candidate_sockets(socket_path, env, daemon_uid=daemon_uid):
+    candidates = candidate_sockets(socket_path, env, daemon_uid=daemon_uid)
+    for candidate in candidates:
         try:
             sock = connect_trusted(candidate.path, candidate.trust)
         except UnsafePathError as exc:
@@ -582,7 +583,21 @@ def connect(
             socket_path or candidate_sockets(None, env)[-1].path,
             "; ".join(tried) + (" (starting a private daemon is disabled)" if not embed else ""),
         )
-    log.info("no tiermemd found (%s); starting a private one with a %s pool", "; ".join(tried), format_size(pool_size))
+    # a socket the environment names, or a node socket file nobody answers on: a service meant to run here is
+    # down, and the fall-back is worth a line on stderr (logging's last resort prints warnings)
+    down = [c.path for c in candidates if c.explicit or os.path.exists(c.path)]
+    if down:
+        log.warning(
+            "no tiermemd answers at %s (%s); starting a private one with a %s pool: this process's optimizer "
+            "state lives and dies with it. Start the node's service, or set TIERMEM_NO_EMBED=1 to fail instead",
+            " or ".join(down),
+            "; ".join(tried),
+            format_size(pool_size),
+        )
+    else:
+        log.info(
+            "no tiermemd found (%s); starting a private one with a %s pool", "; ".join(tried), format_size(pool_size)
+        )
     daemon = EmbeddedDaemon(pool_size=pool_size, swap_dir=swap_dir, settings=settings)
     try:
         sock = connect_trusted(daemon.socket, daemon.trust)
