@@ -105,6 +105,23 @@ def test_a_copy_sees_the_steps_the_original_takes() -> None:
         shallow.stats()
 
 
+def test_a_closed_optimizer_says_so_for_its_state_and_a_new_group() -> None:
+    """After ``close()``: reading ``opt.state``, ``state_dict()`` and a new param group raise ``InvalidState``
+    naming the closed optimizer (they said "the staging window is empty", or took the group silently)."""
+    model = mlp()
+    opt = OffloadAdam(model.parameters(), **HYPER)
+    train(model, opt, mlp_batches(1), mlp_loss)
+    opt.close()
+    p = next(model.parameters())
+    for access in (lambda: p in opt.state, lambda: opt.state[p]["exp_avg"], lambda: len(opt.state), opt.state_dict):
+        with pytest.raises(InvalidState, match="this OffloadAdam is closed"):
+            access()
+    with pytest.raises(InvalidState, match="closed: it takes no new param group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    assert len(opt.param_groups) == 1
+    opt.close()  # twice is once
+
+
 def test_the_last_owner_gone_stops_the_private_daemon() -> None:
     model = mlp()
     opt = OffloadAdam(model.parameters(), **HYPER)

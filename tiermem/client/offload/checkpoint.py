@@ -60,14 +60,20 @@ class OptimizerState:
 
     # ----------------------------------------------------------------- state
 
+    def _require_open(self) -> None:
+        """``InvalidState`` naming a closed optimizer, before a state access reaches its emptied window."""
+        self.client  # noqa: B018  (the property raises for a closed optimizer)
+
     def _index_of(self, param: torch.Tensor) -> int | None:
         return self._index.get(id(param))
 
     def _step_of(self, index: int) -> int:
+        self._require_open()
         self._settle()
         return self.transfer.step_of(index)
 
     def _read_state(self, index: int, key: str) -> Any:
+        self._require_open()
         self.flush()
         p = self.tensors[index]
         if key == "step":
@@ -81,6 +87,7 @@ class OptimizerState:
     def _write_state(self, index: int, values: dict[str, Any]) -> None:
         """Write AdamW-format state keys of registered tensor ``index`` (``opt.state[p][key] = value``); a
         ``step`` alone sets the count (the moments written back with it)."""
+        self._require_open()
         self.flush()
         if self._open is not None:
             raise InvalidState("opt.state cannot be written during an overlapped backward; write it after step()")
@@ -109,6 +116,7 @@ class OptimizerState:
     def step_counts(self) -> list[int]:
         """Each tensor's Adam step count (0: no state, as in torch): zero-length reads, a request per
         ``MAX_SPANS`` tensors."""
+        self._require_open()
         return self.transfer.pull_many_into([(i, "exp_avg", torch.empty(0)) for i in range(len(self.tensors))])
 
     def _flat_params(self) -> list[torch.nn.Parameter]:
@@ -117,6 +125,7 @@ class OptimizerState:
 
     def _state_entries(self) -> dict[int, dict[str, Any]]:
         """The state of each registered tensor that has stepped, by tensor id, in AdamW's format."""
+        self._require_open()
         self.flush()
         if self._open is not None:
             raise InvalidState("state_dict() during an overlapped backward; call it after step()")

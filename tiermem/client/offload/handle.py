@@ -95,6 +95,8 @@ class OffloadHandle:
     own_client: bool = True
     """Whether the connection is this optimizer's own (made by it, closed by it) or the caller's."""
     registered: bool = False
+    closed: bool = False
+    """``close()`` ran: the optimizer takes nothing more (a new group, a step)."""
     token: str | None = None
     expected_step: int | None = None
     tensors: list[torch.nn.Parameter] = field(default_factory=list)

@@ -155,6 +155,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
     _client = InHandle()
     _own_client = InHandle()
     _registered = InHandle()
+    _closed = InHandle()
     _token = InHandle()
     _expected_step = InHandle()
     tensors = InHandle()
@@ -245,6 +246,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         state comes back to the trainer in AdamW's format and is loaded into the new registration (a cost
         of one ``state_dict`` and one ``load_state_dict``, once per new group).  Not with params paged by
         ``offload_params`` or under a sharded optimizer, which own the registration."""
+        if getattr(self, "_h", None) is not None and self._closed:
+            raise InvalidState("this OffloadAdam is closed: it takes no new param group; make a new one")
         registered = getattr(self, "_registered", False)
         if registered:
             self._check_regroupable()
@@ -877,6 +880,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         except Exception as exc:  # closing must not mask the caller's own error
             log.warning("detaching from tiermemd failed: %s", exc)
         finally:
+            self._closed = True
             self._h.release()
             client.close()
 
