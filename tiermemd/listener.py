@@ -76,6 +76,10 @@ def bind_listener(path: str | os.PathLike[str], *, mode: int = 0o660, group: str
     directory, name = os.path.split(target)
     uid = os.geteuid()
     fix = f"remove it, or create it as {uid_label(uid)} with mode 0700"
+    with contextlib.suppress(OSError):
+        if _shared_sticky(os.lstat(directory).st_mode):  # /tmp: not to be removed, but a place for one of our own
+            own = os.path.join(directory, "tiermemd", name)
+            fix = f"put the socket in a directory of its own, such as {own} (the daemon creates it with mode 0700)"
     try:
         sdir = SecureDir.open(directory, Trust.of(uid, what="this tiermemd"), create=True, fix=fix)
     except OSError as exc:
@@ -110,6 +114,11 @@ def adopt_listener(fd: int) -> socket.socket:
         sock.detach()
         raise ConfigError("server.socket", f"inherited fd {fd} is not an AF_UNIX SOCK_SEQPACKET socket")
     return sock
+
+
+def _shared_sticky(mode: int) -> bool:
+    """A directory every user may write with the sticky bit (``/tmp``): shared by design."""
+    return stat.S_ISDIR(mode) and bool(mode & stat.S_ISVTX) and bool(mode & stat.S_IWOTH)
 
 
 def gid_of(group: str | int) -> int:

@@ -302,6 +302,18 @@ def test_falling_back_from_a_socket_nobody_answers_on_to_a_private_daemon_is_a_w
     assert [r.levelno for r in caplog.records if "private one" in r.getMessage()] == [logging.INFO]
 
 
+def test_a_socket_straight_in_a_shared_sticky_directory_is_told_to_use_a_directory_of_its_own(tmp_path):
+    """A socket path right in /tmp (world-writable, sticky): the refusal's fix is a directory of the daemon's own
+    in there, not to remove /tmp."""
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    with pytest.raises(UnsafePathError) as refused:
+        bind_listener(str(shared / "t.sock"))
+    assert f"put the socket in a directory of its own, such as {shared / 'tiermemd' / 't.sock'}" in str(refused.value)
+    assert "remove it" not in str(refused.value)
+
+
 # --------------------------------------------------------------------------- the daemon
 
 
