@@ -342,8 +342,9 @@ class Service:
             self.scheduler.forget_prefix(f"{job.job_id}/")
             held = self.ledger.release_all(job.key)
             log.info(
-                "reclaimed job %r (%s)",
+                "reclaimed job %r of uid %d (%s)",
                 job.job_id,
+                job.owner_uid,
                 ", ".join(f"{r.value} {format_size(n)}" for r, n in held.items()) or "nothing held",
             )
 
