@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from tiermem.core.config import DaemonConfig, load_config
+from tiermem.core.config import DaemonConfig, config_to_dict, load_config
 from tiermem.core.errors import ConfigError, TiermemError, UnsafePathError
 from tiermem.core.modes import Placement
 from tiermem.core.statekeys import StateFormat
@@ -67,6 +67,29 @@ class StartupError(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+RELOADED = frozenset(
+    {
+        "jobs.grace_period_s",
+        "jobs.max_jobs",
+        "jobs.max_jobs_per_uid",
+        *(f"server.{k}" for k in ("allowed_uids", "allowed_gids", "max_connections_per_uid")),
+        *(f"server.{k}" for k in ("max_frame", "max_inflight", "send_timeout_s")),  # for new connections
+    }
+)
+"""The settings a SIGHUP applies (``Service.reload``); a change to any other waits for a restart."""
+
+
+def restart_only_changes(running: DaemonConfig, fresh: DaemonConfig) -> list[str]:
+    """``key (old -> new)`` for each setting ``fresh`` changes that a SIGHUP does not apply."""
+    old, new = config_to_dict(running), config_to_dict(fresh)
+    return [
+        f"{section}.{key} ({old[section][key]!r} -> {value!r})"
+        for section, values in new.items()
+        for key, value in values.items()
+        if value != old[section][key] and f"{section}.{key}" not in RELOADED
+    ]
 
 
 def lock_dirs(dirs: list[Path]) -> list[int]:
@@ -402,6 +425,9 @@ class Service:
             "SIGHUP: reloaded jobs.grace_period_s, jobs.max_jobs, jobs.max_jobs_per_uid, server.allowed_uids/gids, "
             "server.max_connections_per_uid (other settings take effect on restart)"
         )
+        pending = restart_only_changes(self.config, fresh)
+        if pending:
+            log.warning("SIGHUP: changed, but applied only by a restart: %s", "; ".join(pending))
         self.notifier.ready("reloaded")
 
     def shutdown(self) -> None:
