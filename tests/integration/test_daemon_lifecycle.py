@@ -238,3 +238,25 @@ def test_a_second_daemon_on_a_live_daemons_directories_exits_4_naming_it(daemon_
     with first.connection() as conn:
         assert isinstance(conn.request(Stats()), StatsReply)
     assert not (root / "tiermemd.sock").exists()
+
+
+def test_status_of_a_stopped_daemon_gives_up_after_its_timeout(daemon_factory):
+    """A daemon that does not answer (SIGSTOP; hung): ``tiermem status --timeout 1`` says so and exits 1 within
+    seconds, instead of waiting out a trainer's 60 s."""
+    d = daemon_factory()
+    d.process.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "tiermem.client.cli", "status", "--socket", d.socket_path, "--timeout", "1"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        took = time.monotonic() - t0
+    finally:
+        d.process.send_signal(signal.SIGCONT)
+    assert done.returncode == 1, done.stderr
+    assert "tiermem status:" in done.stderr and "Traceback" not in done.stderr
+    assert took < 30, f"status took {took:.1f} s"

@@ -228,6 +228,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     status.add_argument("--json", action="store_true", help="print the STATS reply as JSON (one object per sample)")
     status.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long the daemon may stay silent before status gives up (default 10; a trainer waits 60)",
+    )
+    status.add_argument(
         "--watch",
         nargs="?",
         const=2.0,
@@ -253,11 +260,14 @@ def run_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from tiermem.client.link import connect  # imports torch: only when the command runs
 
     out = sys.stdout if out is None else out
+    if not args.timeout > 0:
+        print(f"tiermem status: --timeout needs a positive number of seconds, got {args.timeout}", file=sys.stderr)
+        return 2
     if args.watch is not None and not args.watch > 0:
         print(f"tiermem status: --watch needs a positive number of seconds, got {args.watch}", file=sys.stderr)
         return 2
     try:
-        client = connect(args.socket, embed=False)
+        client = connect(args.socket, embed=False, timeout_s=args.timeout)
     except UnsafePathError as exc:
         print(f"tiermem status: no tiermemd to show: {exc}", file=sys.stderr)
         return 1
