@@ -19,9 +19,11 @@ The acceptor takes that work out of the daemon's interpreter:
   ``SOCK_SEQPACKET`` pair), which admits it (the per-uid limit over its
   sessions, a thread, a pidfd) as it admitted any connection before;
 - it tells the daemon what it refused (a ``counts`` message before every
-  connection it passes, and at most every ``COUNTS_EVERY_S``), so the
-  daemon's STATS and metrics count refusals as before, in order: a client
-  that was refused and then asks STATS sees its refusal counted.
+  connection it passes, and every ``COUNTS_EVERY_S``, changed or not: its
+  heartbeat), so the daemon's STATS and metrics count refusals as before, in
+  order: a client that was refused and then asks STATS sees its refusal
+  counted.  A channel silent for ``ACCEPTOR_SILENCE_S`` means a hung
+  acceptor (stopped, wedged): the daemon kills it and starts another.
 
 It runs as ``python -m tiermemd.acceptor``: no torch, 16 MB, 0.07 s to start.
 It ends when the daemon closes its end of the pair (or dies), or on SIGTERM.
@@ -64,7 +66,6 @@ class Acceptor:
         self.lingering: dict[int, tuple[socket.socket, float]] = {}
         self.refused_auth = 0
         self.refused_admission = 0
-        self._sent_counts = (0, 0)
         self._counts_at = time.monotonic()
         self.running = True
 
@@ -201,11 +202,8 @@ class Acceptor:
     def _flush_counts(self) -> None:
         self._counts_at = time.monotonic()
         counts = (self.refused_auth, self.refused_admission)
-        if counts == self._sent_counts:
-            return
-        try:
+        try:  # unchanged counts too: the daemon takes a silent channel for a hung acceptor
             self.channel.send(admission.COUNTS.pack(b"CNTS", *counts))
-            self._sent_counts = counts
         except BlockingIOError:
             pass  # the daemon is behind: the next flush carries the totals
         except OSError:

@@ -31,6 +31,7 @@ from tiermem.core.protocol import ErrorReply, encode_message
 from tiermem.net.frames import PeerCred
 
 __all__ = [
+    "ACCEPTOR_SILENCE_S",
     "CONN",
     "COUNTS",
     "COUNTS_EVERY_S",
@@ -64,6 +65,10 @@ MAX_ERROR_CHARS = 16384
 # ----------------------------------------------------------------- the acceptor's channel
 
 COUNTS_EVERY_S = 0.5
+"""The acceptor sends ``COUNTS`` this often, changed or not: its heartbeat too."""
+ACCEPTOR_SILENCE_S = 10.0
+"""An acceptor whose channel stays silent this long is hung (stopped, wedged): the daemon kills it and starts
+another, so connections do not wait in the backlog behind it."""
 COUNTS = struct.Struct("<4sQQ")
 """The ``counts`` message: b"CNTS", refusals of a disallowed uid, refusals over the per-uid limit (totals)."""
 CONN = b"CONN"

@@ -94,6 +94,7 @@ from tiermem.core.protocol import (
 from tiermem.net.frames import HEARTBEAT, PeerCred, peer_cred, set_send_timeout
 from tiermemd import health
 from tiermemd.admission import (
+    ACCEPTOR_SILENCE_S,
     CONN,
     COUNTS,
     EXPLAINED_REFUSALS_PER_S,
@@ -421,6 +422,7 @@ class Server:
             raise
         finally:
             theirs.close()
+        ours.settimeout(ACCEPTOR_SILENCE_S)  # its heartbeat comes every COUNTS_EVERY_S
         self._channel = ours
         self._counted = (0, 0)
         log.info("acceptor started (pid %d)", self._acceptor.pid)
@@ -450,6 +452,9 @@ class Server:
                     return
                 try:
                     data, fds, _, _ = socket.recv_fds(channel, 64, 4)
+                except TimeoutError:
+                    self._kill_hung_acceptor()
+                    data, fds = b"", []
                 except OSError as exc:
                     data, fds = b"", []
                     log.warning("reading the acceptor's channel failed: %s", exc)
@@ -467,6 +472,21 @@ class Server:
                     beacon.leave()
         finally:
             self.health.forget(beacon)
+
+    def _kill_hung_acceptor(self) -> None:
+        """The acceptor sent no heartbeat for ``ACCEPTOR_SILENCE_S``: connections wait behind it, so it goes."""
+        with self._acceptor_lock:
+            acceptor = self._acceptor
+            if acceptor is None:
+                return
+            self._stopped_pids.add(acceptor.pid)  # this line says why it ends; no second one
+        log.error(
+            "the acceptor (pid %d) sent nothing for %.0f s (stopped or wedged); killing it and starting another",
+            acceptor.pid,
+            ACCEPTOR_SILENCE_S,
+        )
+        with contextlib.suppress(OSError):
+            acceptor.kill()
 
     def _acceptor_ended(self, channel: socket.socket) -> None:
         acceptor, self._acceptor, self._channel = self._acceptor, None, None

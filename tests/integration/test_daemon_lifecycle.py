@@ -6,6 +6,8 @@ the test's ``NotifyRecorder``.
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import struct
 import subprocess
@@ -260,3 +262,21 @@ def test_status_of_a_stopped_daemon_gives_up_after_its_timeout(daemon_factory):
     assert done.returncode == 1, done.stderr
     assert "tiermem status:" in done.stderr and "Traceback" not in done.stderr
     assert took < 30, f"status took {took:.1f} s"
+
+
+def test_a_hung_acceptor_is_killed_and_replaced_and_connections_go_on(daemon_factory):
+    """The acceptor stopped (SIGSTOP: what a wedged one looks like): its heartbeat stops, and within
+    ``ACCEPTOR_SILENCE_S`` the daemon kills it, says so, and a new one accepts the connections."""
+    from tiermemd.admission import ACCEPTOR_SILENCE_S
+
+    d = daemon_factory()
+    (first,) = re.findall(r"acceptor started \(pid (\d+)\)", d.log_text())
+    os.kill(int(first), signal.SIGSTOP)
+    deadline = time.monotonic() + ACCEPTOR_SILENCE_S + 30
+    while len(re.findall(r"acceptor started", d.log_text())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = d.log_text()
+    assert f"the acceptor (pid {first}) sent nothing for" in log, log[-3000:]
+    assert len(re.findall(r"acceptor started", log)) == 2, log[-3000:]
+    with d.connection() as conn:
+        assert isinstance(conn.request(Stats()), StatsReply)
