@@ -145,8 +145,10 @@ class JobTable:
             if job is None:
                 if token and not create:
                     raise UnknownJob(
-                        f"uid {uid} has no job {job_id!r} (its grace period may have ended and its state was "
-                        "reclaimed); attach without a token to start it anew"
+                        f"uid {uid} has no job {job_id!r}: its grace period may have ended and its state was "
+                        "reclaimed, or the daemon restarted after a kill with no commit of it (its state is kept "
+                        "over a restart by a clean stop, or by jobs.commit_every); attach without a token to start "
+                        "it anew (from a checkpoint)"
                     )
                 live = [j for j in self._jobs.values() if j.state is not JobState.RECLAIMED]
                 if len(live) >= self.max_jobs:
