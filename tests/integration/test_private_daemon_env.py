@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,13 @@ def test_a_private_daemon_does_not_take_the_node_services_settings(monkeypatch: 
             node.parent.rmdir()
     config = cmdline[cmdline.index(b"--config") + 1].decode()
     assert config.startswith(daemon.dir)  # its own settings file, in its private directory
+
+
+def test_a_private_daemon_that_cannot_be_run_leaves_no_directory_behind(monkeypatch, tmp_path: Path) -> None:
+    """The daemon's interpreter cannot be executed (here: it is not there): the error comes out, and the
+    private directory made for it is gone, not left in the temp dir until a later sweep."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+    with pytest.raises(FileNotFoundError):
+        EmbeddedDaemon(pool_size=64 * MiB)
+    assert list(tmp_path.iterdir()) == []

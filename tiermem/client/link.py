@@ -163,6 +163,12 @@ class EmbeddedDaemon:
                 stderr=log_file,
                 pass_fds=(self._lock_fd,),
             )
+        except BaseException:  # no daemon (the interpreter could not be run): nothing to keep the directory for
+            notify.close()
+            privatedir.remove(self.dir)
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise
         finally:
             log_file.close()
         try:
