@@ -1,20 +1,6 @@
 """``tiermemd``: command line, configuration, logging and exit codes.
 
-Exit codes are a contract with the supervisor (systemd's
-``RestartPreventExitStatus`` uses 2):
-
-====  ==================================================================
-0     clean shutdown (SIGTERM/SIGINT), or --check-config/--print-config ok
-1     unexpected internal error (a bug: the traceback is logged)
-2     invalid configuration (the message names the field)
-3     resources: the pool could not be allocated, or it and its staging windows
-      do not fit the memory the daemon may use (``tiermemd.memfit``)
-4     swap: a swap or state directory is unusable, or another user could change it
-5     socket: the socket path is in use by a live daemon or cannot be bound, or
-      its directory is one another user could change (``tiermem.net.sockpath``)
-6     stopped, but the commit of some NVMe state at shutdown failed: the log
-      names each rank and the step the next start serves (its last commit)
-====  ==================================================================
+Exit codes: ``tiermemd.exits`` (a contract with the supervisor).
 
 Only this module configures logging (stderr, which journald captures).
 
@@ -39,6 +25,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see the module docstring;
 from tiermem import __version__
 from tiermem.core.config import DaemonConfig, config_to_dict, load_config
 from tiermem.core.errors import ConfigError
+from tiermemd.exits import (
+    EXIT_CONFIG,
+    EXIT_DATA_LOST,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_RESOURCES,
+    EXIT_SOCKET,
+    EXIT_SWAP,
+)
 
 __all__ = [
     "EXIT_CONFIG",
@@ -50,14 +45,6 @@ __all__ = [
     "EXIT_SWAP",
     "main",
 ]
-
-EXIT_OK = 0
-EXIT_INTERNAL = 1
-EXIT_CONFIG = 2
-EXIT_RESOURCES = 3
-EXIT_SWAP = 4
-EXIT_SOCKET = 5
-EXIT_DATA_LOST = 6
 
 DEFAULT_NODE_CONFIG = "/etc/tiermem/tiermemd.toml"
 
@@ -73,11 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
             "file, then TIERMEM_<SECTION>_<KEY> environment variables, then these flags."
         ),
         epilog=(
-            "exit codes: 0 clean shutdown, 1 internal error, 2 invalid configuration, 3 the pool does not fit "
-            "the memory cgroup, RAM or RLIMIT_MEMLOCK, or could not be allocated, 4 swap or state directory "
-            "unusable or not private, 5 socket in use, not bindable, or in a "
-            "directory another user could change, 6 stopped but some state could not be committed at shutdown "
-            "(the log names the step each job comes back at). "
+            "exit codes: 0 clean shutdown, 1 internal error, 2 invalid configuration (or a name in it this "
+            "node lacks), 3 the pool does not fit the memory cgroup, RAM or RLIMIT_MEMLOCK, or could not be "
+            "allocated, 4 swap or state directory unusable, not private, held by another tiermemd, or reordered "
+            "under a job's state, 5 socket in use, not bindable, or in a directory another user could change, "
+            "or the metrics endpoint cannot be served, 6 stopped but some state could not be committed at "
+            "shutdown (the log names the step each job comes back at). "
             f"With no --config, {DEFAULT_NODE_CONFIG} is read when it exists (or TIERMEM_CONFIG)."
         ),
     )

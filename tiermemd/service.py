@@ -40,6 +40,7 @@ from tiermem.engine.tiers import PoolShares
 from tiermem.net.sockpath import SecureDir, Trust, remove_socket, uid_label
 from tiermemd import health, memfit
 from tiermemd.durability import Durability, SwapDirsChanged
+from tiermemd.exits import EXIT_DATA_LOST, EXIT_INTERNAL, EXIT_OK, EXIT_RESOURCES, EXIT_SOCKET, EXIT_SWAP
 from tiermemd.jobs import Job, JobTable
 from tiermemd.ledger import Ledger, Resource
 from tiermemd.listener import Listener, adopt_listener
@@ -102,8 +103,6 @@ def lock_dirs(dirs: list[Path]) -> list[int]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            from tiermemd.main import EXIT_SWAP
-
             holder = _flock_holder(os.fstat(fd))
             for held in [fd, *fds]:
                 os.close(held)
@@ -141,7 +140,6 @@ class Service:
         reload_config: Callable[[], DaemonConfig] | None = None,
     ) -> None:
         """``reload_config`` reads the settings again for SIGHUP (default: ``TIERMEM_CONFIG`` and ``env``)."""
-        from tiermemd.main import EXIT_RESOURCES, EXIT_SOCKET, EXIT_SWAP
 
         self.config = config
         self.env = env
@@ -471,7 +469,6 @@ def run_service(
     parent_pid: int | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT (or until process ``parent_pid`` exits); returns the process exit code."""
-    from tiermemd.main import EXIT_DATA_LOST, EXIT_INTERNAL, EXIT_OK
 
     try:
         service = Service(config, env, reload_config=reload_config)
