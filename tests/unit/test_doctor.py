@@ -161,6 +161,11 @@ def test_no_daemon_means_a_private_one_or_a_failure_when_embedding_is_off() -> N
     assert check_attach(facts(sockets=impostor)).status is Status.FAIL
     assert check_attach(facts(sockets=none)).status is Status.SKIP
     assert check_pool(facts(sockets=none)).status is Status.SKIP
+    # the node's socket file is there and nobody listens: installed, not running; start it, do not install it
+    stale = (probe(Reach.NOT_LISTENING, "Connection refused"), probe(Reach.MISSING, "no socket file", MINE))
+    down = check_daemon(facts(sockets=stale))
+    assert down.status is Status.WARN and "Installing the service" not in down.fix
+    assert down.fix.startswith("start the node service: systemctl start tiermemd.socket") and NODE in down.fix
 
 
 def test_a_daemon_of_another_protocol_fails_naming_both() -> None:

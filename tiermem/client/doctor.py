@@ -152,14 +152,15 @@ def check_daemon(facts: Facts) -> Finding:
         status, then = _fallback(facts)
         if any(p.reach in _SKIPPED for p in facts.sockets):
             return Finding("daemon", status, f"no tiermemd this user may use ({tried}); {then}", "see attach")
-        return Finding(
-            "daemon",
-            status,
-            f"no tiermemd answers ({tried}); {then}",
-            "install the node service: docs/operating.md, Installing the service"
-            if facts.embed
-            else "start the node service (systemctl start tiermemd.socket), or unset TIERMEM_NO_EMBED",
-        )
+        stale = [p.path for p in facts.sockets if p.reach is Reach.NOT_LISTENING]
+        if stale:  # a socket file is there and nothing listens: a service that is installed and not running
+            fix = f"start the node service: systemctl start tiermemd.socket (the socket file {stale[0]} is there "
+            fix += "and nothing listens on it: the service stopped or failed; journalctl -u tiermemd says why)"
+        elif facts.embed:
+            fix = "install the node service: docs/operating.md, Installing the service"
+        else:
+            fix = "start the node service (systemctl start tiermemd.socket), or unset TIERMEM_NO_EMBED"
+        return Finding("daemon", status, f"no tiermemd answers ({tried}); {then}", fix)
     if decisive.reach is Reach.ANSWERED:
         where = f"tiermemd {decisive.version}, protocol {facts.protocol}, at {decisive.path} ({decisive.whose})"
         if decisive.version != facts.version:
