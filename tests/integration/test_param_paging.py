@@ -558,6 +558,7 @@ with offload_daemon(settings={"adam.chunk_numel": 1 << 20}, pool_size=500 << 20)
 """
 
 
+@pytest.mark.alone
 def test_the_trainers_memory_grows_by_the_budget_not_by_the_model() -> None:
     """24 layers of 4 MiB (96 MiB of params) made on the meta device and paged through an 8 MiB budget, in a
     fresh process (its allocator not shaped by earlier tests): from the optimizer's construction on, the
