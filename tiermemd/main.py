@@ -25,26 +25,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see the module docstring;
 from tiermem import __version__
 from tiermem.core.config import DaemonConfig, config_to_dict, load_config
 from tiermem.core.errors import ConfigError
-from tiermemd.exits import (
-    EXIT_CONFIG,
-    EXIT_DATA_LOST,
-    EXIT_INTERNAL,
-    EXIT_OK,
-    EXIT_RESOURCES,
-    EXIT_SOCKET,
-    EXIT_SWAP,
-)
+from tiermemd.exits import EXIT_CONFIG, EXIT_OK
 
-__all__ = [
-    "EXIT_CONFIG",
-    "EXIT_DATA_LOST",
-    "EXIT_INTERNAL",
-    "EXIT_OK",
-    "EXIT_RESOURCES",
-    "EXIT_SOCKET",
-    "EXIT_SWAP",
-    "main",
-]
+__all__ = ["main"]
 
 DEFAULT_NODE_CONFIG = "/etc/tiermem/tiermemd.toml"
 

@@ -20,6 +20,7 @@ the others need a restart and are reported as such.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -118,14 +119,11 @@ def lock_dirs(dirs: list[Path]) -> list[int]:
 def _flock_holder(st: os.stat_result) -> str:
     """The pid holding an flock of the file ``st`` describes, from ``/proc/locks`` ('unknown' if not found)."""
     dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    try:
-        with open("/proc/locks") as f:
-            for line in f:
-                fields = line.split()
-                if "FLOCK" in fields and dev in fields:
-                    return fields[fields.index(dev) - 1]
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/locks") as f:
+        for line in f:
+            fields = line.split()
+            if "FLOCK" in fields and dev in fields:
+                return fields[fields.index(dev) - 1]
     return "unknown"
 
 
@@ -199,6 +197,15 @@ class Service:
             max_jobs=config.jobs.max_jobs,
             max_jobs_per_uid=config.jobs.max_jobs_per_uid,
         )
+        self.jobs_dir = Path(config.server.state_dir) / "jobs"
+        self.durability = Durability(
+            jobs_dir=self.jobs_dir, swap_dirs=self.swap_dirs, commit_every=config.jobs.commit_every
+        )
+        try:  # before anything listens: reordered swap.dirs stop the start here
+            self._restore_jobs()
+        except SwapDirsChanged as exc:
+            self.pool.close()
+            raise StartupError(EXIT_SWAP, str(exc)) from exc
         self.health = health.REGISTRY
         """Progress of the worker threads: feeds the watchdog and the clients' heartbeats."""
         self.health.stall_s = config.server.stall_timeout_s
@@ -232,19 +239,6 @@ class Service:
             raise StartupError(
                 EXIT_SOCKET, f"cannot serve metrics on {config.metrics.address}:{config.metrics.port}: {exc}"
             ) from exc
-        self.jobs_dir = Path(config.server.state_dir) / "jobs"
-        self.durability = Durability(
-            jobs_dir=self.jobs_dir, swap_dirs=self.swap_dirs, commit_every=config.jobs.commit_every
-        )
-        try:
-            self._restore_jobs()
-        except SwapDirsChanged as exc:
-            if self.metrics is not None:
-                self.metrics.close()
-            self.server.close()
-            self.scheduler.close()
-            self.pool.close()
-            raise StartupError(EXIT_SWAP, str(exc)) from exc
         self.orphans = Orphans(
             swap_dirs=self.swap_dirs, jobs_dir=self.jobs_dir, grace_period_s=config.jobs.grace_period_s
         )
@@ -419,10 +413,7 @@ class Service:
         self.jobs.max_jobs = fresh.jobs.max_jobs
         self.jobs.max_jobs_per_uid = fresh.jobs.max_jobs_per_uid
         self.server.config = fresh.server
-        log.info(
-            "SIGHUP: reloaded jobs.grace_period_s, jobs.max_jobs, jobs.max_jobs_per_uid, server.allowed_uids/gids, "
-            "server.max_connections_per_uid (other settings take effect on restart)"
-        )
+        log.info("SIGHUP: reloaded %s (other settings take effect on restart)", ", ".join(sorted(RELOADED)))
         pending = restart_only_changes(self.config, fresh)
         if pending:
             log.warning("SIGHUP: changed, but applied only by a restart: %s", "; ".join(pending))

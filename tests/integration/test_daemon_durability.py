@@ -21,7 +21,7 @@ import torch
 from tiermem.client.link import Client, connect
 from tiermem.client.offload import OffloadAdam
 from tiermem.core.errors import DaemonUnavailable, DataLostError, StaleStateError
-from tiermemd.main import EXIT_DATA_LOST
+from tiermemd.exits import EXIT_DATA_LOST
 
 pytestmark = pytest.mark.timeout(600)
 

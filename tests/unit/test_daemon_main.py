@@ -16,8 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiermem.core.config import config_to_dict, load_config
+from tiermemd import exits
 from tiermemd import main as daemon_main
-from tiermemd.main import EXIT_CONFIG, EXIT_OK, main, to_toml
+from tiermemd.exits import EXIT_CONFIG, EXIT_OK
+from tiermemd.main import main, to_toml
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "systemd" / "tiermemd.toml"
 
@@ -72,7 +74,7 @@ def test_help_describes_the_flags_and_the_exit_codes(capsys: pytest.CaptureFixtu
 
 
 def test_exit_codes_are_the_documented_distinct_numbers() -> None:
-    codes = [getattr(daemon_main, name) for name in daemon_main.__all__ if name.startswith("EXIT_")]
+    codes = [getattr(exits, name) for name in exits.__all__ if name.startswith("EXIT_")]
     assert sorted(codes) == [0, 1, 2, 3, 4, 5, 6]
 
 
