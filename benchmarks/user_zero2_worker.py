@@ -76,10 +76,12 @@ def main() -> None:
             opt.close()  # type: ignore[attr-defined]
             model = build()
             opt = optimizer(model, job_id=f"resumed-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+            # the scheduler is made before the loads, as torch needs: made after them, its first step() would
+            # set the lr from the loaded initial_lr and the resumed step would run at schedule(0)'s lr
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
             saved = torch.load(ckpt)
             opt.load_state_dict(saved["opt"])  # before the model's: the order must not matter
             model.load_state_dict(saved["model"])
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
             sched.load_state_dict(saved["sched"])
         x, y = batch(step, world)
         mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
