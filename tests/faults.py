@@ -10,7 +10,9 @@ Failures are produced by the product's own completion check (``Transfer``), so
 tests exercise the same error path a real kernel result takes.
 
 ``mounted(fstype, options)`` mounts a small file system for a test (a 4 MiB
-tmpfs that fills up, a ramfs that refuses O_DIRECT) and skips without root.
+tmpfs that fills up, a ramfs that refuses O_DIRECT) and skips without root;
+``failing_writeback()`` mounts an ext4 whose ``fdatasync`` fails (a loop
+image on a tmpfs too small for it).
 """
 
 from __future__ import annotations
@@ -112,3 +114,25 @@ def mounted(fstype: str, options: str = "") -> Iterator[Path]:
             yield Path(d)
         finally:
             subprocess.run(["umount", "-l", d], capture_output=True, check=False)
+
+
+@contextlib.contextmanager
+def failing_writeback(backing_nbytes: int = 8 * 1024 * 1024) -> Iterator[Path]:
+    """An ext4 file system whose writeback fails: a 64 MiB image on a ``backing_nbytes`` tmpfs, loop-mounted.
+
+    Buffered writes into it succeed (they land in the page cache) until the image's backing runs out of
+    room; the ``fdatasync`` that flushes them then fails (ENOSPC, then EIO), as a disk that dies under
+    dirty pages does.  Skips without root or loop devices."""
+    with mounted("tmpfs", f"size={backing_nbytes}") as backing:
+        image = backing / "image"
+        with open(image, "wb") as f:
+            f.truncate(64 * 1024 * 1024)
+        with tempfile.TemporaryDirectory(prefix="tiermem-ext4-", dir="/var/tmp") as d:
+            for args in (["mkfs.ext4", "-q", "-F", "-E", "nodiscard", str(image)], ["mount", "-o", "loop", str(image), d]):
+                done = subprocess.run(args, capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    pytest.skip(f"cannot make a loop-mounted ext4 here ({done.stderr.strip() or done.returncode})")
+            try:
+                yield Path(d)
+            finally:
+                subprocess.run(["umount", "-l", d], capture_output=True, check=False)

@@ -16,10 +16,18 @@ file with the counts of the next manifest generation and of the current one,
 then flush the rank's chunks and commit its store.  It runs at shutdown and,
 with ``jobs.commit_every = N``, after every N-th step (in the session that ran
 it, before the reply).  A commit that fails leaves the store at its previous
-generation, which the job file still describes; the rank is then FAILED (the
-chunks its cache wrote since may no longer be what the store returns), and at
-shutdown the failure is logged with the step the next start will serve and
-ends the daemon with ``EXIT_DATA_LOST``.
+generation, which the job file still describes.  Two kinds of failure:
+
+- *deferred* (``CommitDeferred``: the manifest could not be written, a full
+  file system most often): the data is synced and the store kept every
+  chunk's current version, so the rank trains on; the failure is logged (the
+  first of a run, then the 2nd, 4th, 8th, ...) and counted, the next
+  periodic commit retries, and the one that lands says how many it caught up;
+- anything else (a failed ``fdatasync``): the rank is FAILED (the chunks its
+  cache wrote since may no longer be what the store returns).
+
+At shutdown either is logged with the step the next start will serve and ends
+the daemon with ``EXIT_DATA_LOST``.
 
 At start (``restore``) every job file is resolved against its manifests: a
 rank whose manifest is missing, unreadable or of a generation the file does
@@ -38,12 +46,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from tiermem.core.errors import CorruptionError, DataLostError, TiermemError
+from tiermem.core.errors import CommitDeferred, CorruptionError, DataLostError, TiermemError
 from tiermem.core.modes import Placement
 from tiermem.engine.swap.manifest import Manifest, read_manifest
 from tiermemd.jobs import Job
 from tiermemd.nvme import NvmeStateChunks, store_name
-from tiermemd.persist import JobRecord, RankRecord, job_file_path, write_job_file
+from tiermemd.persist import JobRecord, RankRecord, StepCounts, job_file_path, write_job_file
 from tiermemd.rank import RankOptimizer
 from tiermemd.rank.records import RankPhase
 
@@ -63,6 +71,8 @@ class Durability:
         self.commit_every = commit_every
         self.failed: list[str] = []
         """One line per rank whose commit at shutdown failed (the daemon then exits ``EXIT_DATA_LOST``)."""
+        self.deferred: dict[tuple[int, str, int], int] = {}
+        """Periodic commits deferred in a row, by (owner uid, job id, rank), while the rank trains on."""
 
     # ----------------------------------------------------------------- start
 
@@ -222,6 +232,11 @@ class Durability:
                 raise DataLostError([str(path)], f"cannot write the job file {path}: {exc}") from exc
             try:
                 state.persist()
+            except CommitDeferred as exc:
+                if not periodic:
+                    raise
+                self._deferred(job, rank, exc, durable)
+                return False
             except TiermemError as exc:
                 reason = f"the commit of its state failed: {exc}"
                 rank.phase.fail(rank.last_step, reason)
@@ -234,7 +249,43 @@ class Durability:
                 )
                 raise
             job.durable[rank.rank] = record.counts
+            deferred = self.deferred.pop((job.owner_uid, job.job_id, rank.rank), 0)
+            if deferred:
+                log.warning(
+                    "job %r rank %d: the commit at step %d landed, after %d deferred: its state is durable again",
+                    job.job_id,
+                    rank.rank,
+                    rank.last_step,
+                    deferred,
+                )
             return True
+
+    def _deferred(self, job: Job, rank: RankOptimizer, exc: CommitDeferred, durable: StepCounts | None) -> None:
+        """Log a deferred periodic commit: the first of a run in full, then the 2nd, 4th, 8th, ... in a line."""
+        key = (job.owner_uid, job.job_id, rank.rank)
+        n = self.deferred[key] = self.deferred.get(key, 0) + 1
+        back = f"step {durable.last_step}" if durable is not None else "nothing (no commit landed yet)"
+        if n == 1:
+            log.error(
+                "job %r (uid %d) rank %d: the commit at step %d is deferred, training goes on: %s; a restart "
+                "now comes back at the last commit that landed: %s",
+                job.job_id,
+                job.owner_uid,
+                rank.rank,
+                rank.last_step,
+                exc,
+                back,
+            )
+        elif n & (n - 1) == 0:
+            log.error(
+                "job %r rank %d: %d commits deferred in a row (%s); a restart now comes back at %s, not step %d",
+                job.job_id,
+                rank.rank,
+                n,
+                exc.path,
+                back,
+                rank.last_step,
+            )
 
     def persist_job(self, job: Job) -> bool:
         """At shutdown: commit every NVMe rank of ``job`` and mark its job file clean; False when nothing of

@@ -28,7 +28,9 @@ pool budget at admission; with ``swap.borrow`` the manager also borrows free
 pool memory up to all of its state, which the node's ``PoolShares`` takes back
 when another allocation needs it.  The swap space is reserved (preallocated by
 the store) in the swap budget.  A full disk is therefore an admission error,
-never a failure mid-training.
+never a failure mid-training; a disk filled by something else later fails
+only a commit's manifest, which defers the commit (``CommitDeferred``, see
+``tiermemd.durability``).
 
 ``persist()`` (SIGTERM, and every ``jobs.commit_every`` steps) writes every
 dirty chunk and commits the manifest, so a restarted daemon reopens the chunks

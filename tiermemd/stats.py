@@ -145,7 +145,7 @@ def _node_report(node: NodeStats) -> NodeReport:
             SwapReport,
             swap,
             capacity_nbytes=node.ledger.budget(Resource.SWAP).capacity,
-            io_errors=swap.read_errors + swap.write_errors,
+            io_errors=swap.read_errors + swap.write_errors + swap.commit_errors,
         ),
         budgets=tuple(BudgetReport(b.resource.value, b.capacity, b.held) for b in node.ledger.budgets),
         adam=build(AdamReport, t, node.scheduler, steps=t.last_step),

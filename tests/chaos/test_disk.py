@@ -10,13 +10,18 @@
 - a full disk (a 4 MiB tmpfs as the swap directory, root only): a job that
   does not fit is refused at admission (``AdmissionError`` from the swap
   budget, ``SwapFullError`` from the disk itself); the job that
-  fits trains on.
+  fits trains on;
+- a disk filled by something else while a job trains with
+  ``jobs.commit_every = 1``: its commits are deferred, it trains on exactly,
+  the first commit with room catches up, and a stop while still full comes
+  back at the last commit that landed.
 
 Each prints its figures: faults injected, detected, and silent corruptions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from collections.abc import Iterator
@@ -227,6 +232,85 @@ def test_a_full_disk_refuses_the_job_that_does_not_fit_and_the_other_trains_on(t
             with capsys.disabled():
                 print(f"\nchaos disk full: {json.dumps(figures)}")
             assert refused in ("SwapFullError", "AdmissionError") and figures["fitting_job_exact"]
+            assert d.stop() == 0
+        finally:
+            d.cleanup()
+
+
+def _fill(directory: Path) -> Path:
+    """Take every free byte of ``directory``'s file system with one file; its path (remove it to free them)."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(bytes(65536))
+    return filler
+
+
+def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_full_disk_at_a_periodic_commit_defers_it_and_loses_nothing(tmp_path_factory, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The swap files are preallocated, so a full file system fails only the manifest's write.  The synced
+    data stands: the trainer trains on, the operator is told (log, ``io_errors``), the next commit with room
+    catches up, and a stop with the disk still full comes back at the last commit that landed."""
+    with mounted("tmpfs", "size=4m") as small:
+        root = tmp_path_factory.mktemp("fullcommit")
+        overrides = {"swap": {"dirs": [str(small / "swap")]}, "jobs": {"commit_every": 1, "grace_period_s": 60.0}}
+        d = ChaosDaemon(root, overrides=overrides).start()
+        try:
+            job = Job("fills", 0)
+            opt = job.attach(connect(d.socket_path, embed=False))
+            job.model.load_state_dict(job.reference.state_dict())
+            job.train(opt, 2)
+            filler = _fill(small)
+            job.train(opt, 3)  # each step's commit finds no room for the manifest
+            exact_while_full = job.equal()
+            errors_while_full = opt.client.stats().node.swap.io_errors
+            filler.unlink()
+            job.train(opt, 1)  # room again: this commit lands, with every step since
+            job.token = opt.token
+            opt.close(keep_state=True)
+            stopped = d.stop()
+            log = d.log_text()
+
+            d.start()
+            opt = job.attach(connect(d.socket_path, embed=False))
+            steps_after_restart, exact_after_restart = opt.steps, job.equal()
+            filler = _fill(small)
+            at_last_commit = _snapshot(job.reference)
+            job.train(opt, 2)  # deferred again; the stop's own commit fails too
+            opt.close(keep_state=True)
+            stopped_full = d.stop()
+            log_full = d.log_text()
+            filler.unlink()
+
+            d.start()
+            opt = job.attach(connect(d.socket_path, embed=False))
+            steps_after_full_stop = opt.steps
+            back_at_last_commit = all(  # assert_close's fp32 tolerances, as ``Job.equal``
+                torch.allclose(a, b, rtol=1.3e-6, atol=1e-5)
+                for a, b in zip(job.model.parameters(), at_last_commit, strict=True)
+            )
+            opt.close()
+            figures = {
+                "exact_while_full": exact_while_full,
+                "io_errors_while_full": errors_while_full,
+                "stop_exit": stopped,
+                "steps_after_restart": steps_after_restart,
+                "exact_after_restart": exact_after_restart,
+                "stop_exit_disk_full": stopped_full,
+                "steps_after_full_stop": steps_after_full_stop,
+                "back_at_last_commit": back_at_last_commit,
+            }
+            with capsys.disabled():
+                print(f"\nchaos disk full at commit: {json.dumps(figures)}")
+            assert exact_while_full and errors_while_full >= 3
+            assert "No space left on device" in log and "retries" in log
+            assert stopped == 0 and steps_after_restart == 6 and exact_after_restart
+            assert stopped_full == 6, log_full[-3000:]  # EXIT_DATA_LOST: the stop's commit did not land
+            assert "the next start serves its last commit: step 6" in log_full
+            assert steps_after_full_stop == 6 and back_at_last_commit
             assert d.stop() == 0
         finally:
             d.cleanup()

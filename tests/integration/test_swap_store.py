@@ -12,11 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faults import Fault, FaultKind, FaultyEngine, mounted
+from faults import Fault, FaultKind, FaultyEngine, failing_writeback, mounted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiermem.core.errors import (
+    CommitDeferred,
     CorruptionError,
     DataLostError,
     InvalidArgument,
@@ -293,7 +294,7 @@ def test_write_while_a_write_of_the_same_key_is_in_flight_is_refused(threads: Th
         first.result(timeout=30)
 
 
-def test_failed_fsync_at_commit_reports_lost_keys_and_rolls_them_back(threads: ThreadEngine) -> None:
+def test_a_manifest_that_cannot_be_written_defers_the_commit_and_keeps_every_key(threads: ThreadEngine) -> None:
     with opened_store(threads, "/dev/shm") as store:
         arena = Arena(MiB)
         store.write("old", arena.fill(0, P, 1)).result(timeout=30)
@@ -302,14 +303,67 @@ def test_failed_fsync_at_commit_reports_lost_keys_and_rolls_them_back(threads: T
         store.write("new", arena.fill(0, P, 3)).result(timeout=30)
         blocker = store.manifest_path.with_name(store.manifest_path.name + ".tmp")
         blocker.mkdir()  # the manifest's temp name is taken by a directory: writing it fails with EISDIR
-        with pytest.raises(DataLostError) as info:
+        with pytest.raises(CommitDeferred, match="EISDIR") as info:
             store.commit()
         assert sorted(info.value.keys) == ["new", "old"]
-        assert store.keys() == ["old"]
+        assert store.keys() == ["new", "old"] and store.generation == 1
+        assert store.stats().commit_errors == 1
         store.read("old", arena.view[:P]).result(timeout=30)
-        assert bytes(arena.view[:P]) == expected(P, 1)
+        assert bytes(arena.view[:P]) == expected(P, 2)
         blocker.rmdir()
+        store.commit()  # the deferred keys commit with it
+        assert store.generation == 2
+        path = store.manifest_path.parent
+        store.close()
+        reopened = _store_with(threads, path)
+        assert reopened.keys() == ["new", "old"]
+        reopened.read("new", arena.view[:P]).result(timeout=30)
+        assert bytes(arena.view[:P]) == expected(P, 3)
+        reopened.close()
+
+
+def test_a_full_file_system_defers_the_commit_and_a_crash_comes_back_at_the_last_one(threads: ThreadEngine) -> None:
+    with mounted("tmpfs", "size=4m") as small:
+        store = SwapStore.open([small], "job", threads, 2 * MiB)
+        arena = Arena(MiB)
+        store.write("a", arena.fill(0, P, 1)).result(timeout=30)
         store.commit()
+        filler = small / "filler"
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(bytes(65536))
+        store.write("a", arena.fill(0, P, 2)).result(timeout=30)  # into the preallocated file: no room needed
+        with pytest.raises(CommitDeferred, match="ENOSPC") as info:
+            store.commit()
+        assert info.value.keys == ["a"]
+        assert not store.manifest_path.with_name(store.manifest_path.name + ".tmp").exists()
+        crashed = SwapStore.open([small], "job", threads, 2 * MiB)  # what a restart now would see
+        crashed.read("a", arena.view[:P]).result(timeout=30)
+        assert bytes(arena.view[:P]) == expected(P, 1) and crashed.generation == 1
+        crashed.close()
+        filler.unlink()
+        store.commit()
+        store.close()
+        reopened = SwapStore.open([small], "job", threads, 2 * MiB)
+        reopened.read("a", arena.view[:P]).result(timeout=30)
+        assert bytes(arena.view[:P]) == expected(P, 2) and reopened.generation == 2
+        reopened.close(remove=True)
+
+
+def test_a_failed_fdatasync_at_commit_reports_lost_keys_and_rolls_them_back(threads: ThreadEngine) -> None:
+    with failing_writeback() as broken:
+        store = SwapStore.open([broken], "job", threads, 32 * MiB)
+        arena = Arena(MiB)
+        store.write("old", arena.fill(0, P, 1)).result(timeout=30)
+        store.commit()
+        for i in range(16):  # 16 MiB of dirty pages: more than the image's backing can take
+            store.write(f"k{i:02d}", arena.view[:MiB]).result(timeout=30)
+        with pytest.raises(DataLostError) as info:
+            store.commit()
+        assert sorted(info.value.keys) == [f"k{i:02d}" for i in range(16)]
+        assert store.keys() == ["old"] and store.generation == 1
+        assert store.stats().commit_errors == 1
+        store.close()
 
 
 def test_quota_exhaustion_is_a_swap_full_error_before_any_io(threads: ThreadEngine) -> None:

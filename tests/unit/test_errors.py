@@ -30,6 +30,13 @@ def test_swap_io_error_names_path_offset_and_errno() -> None:
     assert "read 100 of 4096 bytes" in str(short)
 
 
+def test_commit_deferred_names_the_manifest_the_errno_what_stands_and_the_fix() -> None:
+    err = errors.CommitDeferred("/nvme0/swap/j.manifest", errno.ENOSPC, ["a", "b"], 7)
+    assert err.keys == ["a", "b"] and err.errno == errno.ENOSPC
+    for part in ("/nvme0/swap/j.manifest", "ENOSPC", "2 key(s)", "generation 7", "free space in /nvme0/swap"):
+        assert part in str(err)
+
+
 @pytest.mark.parametrize(
     "err",
     [
@@ -42,6 +49,7 @@ def test_swap_io_error_names_path_offset_and_errno() -> None:
         errors.UnsafePathError("/tmp/tiermem-1000", "is owned by uid 1001", owner_uid=1001, expected_uids={1000, 0}),
         errors.DaemonGone("/tmp/tiermemd-x/tiermemd.sock", "STEP", pid=1234, exit_code=-9, ended="killed by SIGKILL"),
         errors.InvalidType("lr must be a real number, got '0.1'"),
+        errors.CommitDeferred("/swap/j.manifest", errno.ENOSPC, ["chunk0.state"], 4),
     ],
 )
 def test_errors_survive_the_wire_as_the_same_type(err: TiermemError) -> None:

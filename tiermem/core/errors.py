@@ -22,6 +22,7 @@ __all__ = [
     "AdmissionError",
     "AuthError",
     "BoundsError",
+    "CommitDeferred",
     "ConfigError",
     "ConnectionClosed",
     "CorruptionError",
@@ -170,6 +171,26 @@ class DataLostError(TiermemError):
     def __init__(self, keys: list[str], why: str) -> None:
         shown = ", ".join(repr(k) for k in keys[:8]) + (" ..." if len(keys) > 8 else "")
         super().__init__(f"data lost for {len(keys)} key(s) [{shown}]: {why}", keys=list(keys))
+
+
+class CommitDeferred(TiermemError):
+    """A commit synced its data but could not write the manifest that names it (a full or read-only file
+    system, most often).  Nothing is lost: the previous manifest stands, the keys written since stay current
+    and uncommitted, and the next commit writes them all.  A crash before then comes back at the previous
+    commit."""
+
+    fields = ("path", "errno", "keys")
+
+    def __init__(self, path: str, err: int, keys: list[str], generation: int) -> None:
+        name = _errno.errorcode.get(err, str(err))
+        super().__init__(
+            f"cannot write the swap manifest {path}: {name}: {os.strerror(err)}; the {len(keys)} key(s) written "
+            f"since generation {generation} are synced to the swap files but not committed (a restart now comes "
+            f"back at generation {generation}); the next commit retries: free space in {os.path.dirname(path)}",
+            path=path,
+            errno=err,
+            keys=list(keys),
+        )
 
 
 class ProtocolError(TiermemError):

@@ -85,7 +85,7 @@ class SwapReport(Wire):
     reads: Count
     writes: Count
     io_errors: Count
-    """Reads and writes that failed (errno, short transfer)."""
+    """Reads, writes and commits that failed (errno, short transfer, a manifest that could not be written)."""
     checksum_failures: Count
 
 

@@ -11,12 +11,15 @@ Layout (JSON, one object, UTF-8)::
 ``encode``/``decode`` are pure.  ``write_manifest`` makes a new manifest durable
 atomically: write a temp file in the same directory, fsync it, rename it over
 the old one, fsync the directory.  A reader sees the old manifest or the new
-one, never a mix.  ``read_manifest`` returns None when there is none and raises
-``CorruptionError`` when its checksum or structure is wrong.
+one, never a mix.  A failure before the rename removes the temp file and leaves
+the old manifest as it was (``ManifestNotReplaced``).  ``read_manifest``
+returns None when there is none and raises ``CorruptionError`` when its
+checksum or structure is wrong.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -28,7 +31,16 @@ import crc32c
 from tiermem.core.errors import CorruptionError
 from tiermem.engine.swap.extents import Extent
 
-__all__ = ["FORMAT", "Manifest", "ManifestRecord", "decode", "encode", "read_manifest", "write_manifest"]
+__all__ = [
+    "FORMAT",
+    "Manifest",
+    "ManifestNotReplaced",
+    "ManifestRecord",
+    "decode",
+    "encode",
+    "read_manifest",
+    "write_manifest",
+]
 
 FORMAT = 1
 
@@ -102,20 +114,33 @@ def decode(data: bytes, where: str = "manifest") -> Manifest:
         raise CorruptionError("<manifest>", where, 0, f"malformed manifest: {exc!r}") from None
 
 
+class ManifestNotReplaced(OSError):
+    """Writing a new manifest failed before it replaced the old one (the temp file is removed): the old
+    manifest stands, unchanged and durable as before."""
+
+
 def write_manifest(path: Path, manifest: Manifest, *, fsync: bool = True) -> None:
-    """Replace the manifest at ``path`` atomically (see the module docstring).  OSError propagates."""
+    """Replace the manifest at ``path`` atomically (see the module docstring).
+
+    ``ManifestNotReplaced`` when it failed before the rename (ENOSPC writing the temp file, say); any other
+    ``OSError`` came after it, when the new manifest may or may not have become durable."""
     data = encode(manifest)
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # a directory in its way stays: unlink refuses it
+            tmp.unlink()
+        raise ManifestNotReplaced(exc.errno, exc.strerror, str(tmp)) from exc
     if fsync:
         dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:

@@ -86,7 +86,7 @@ class SwapRecord:
 SWAP_BYTES = Family("tiermem_swap_bytes", "Bytes read from and written to swap.", label="direction")
 SWAP_IO_ERRORS = Family(
     "tiermem_swap_io_errors",
-    "Swap reads and writes that failed with an I/O error (checksum failures are counted apart).",
+    "Swap reads, writes and commits that failed with an I/O error (checksum failures are counted apart).",
     label="op",
 )
 CHECKSUM_FAILURES = Family("tiermem_swap_checksum_failures", "Swap reads whose checksum did not verify.")
@@ -112,6 +112,8 @@ class SwapStats:
     read_errors: Annotated[int, counter(SWAP_IO_ERRORS.at("read"))] = 0
     corruptions: Annotated[int, counter(CHECKSUM_FAILURES, wire="checksum_failures")] = 0
     commits: int = 0
+    commit_errors: Annotated[int, counter(SWAP_IO_ERRORS.at("commit"))] = 0
+    """Commits that failed: deferred (the manifest could not be written) or rolled back (``DataLostError``)."""
     keys: int = 0
     used_nbytes: Annotated[int, gauge(SWAP_USED)] = 0
     reserved_nbytes: Annotated[int, gauge(SWAP_RESERVED)] = 0

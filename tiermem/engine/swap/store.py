@@ -21,10 +21,15 @@ Contract:
 - Durability: a write is durable once a later ``commit()`` returns.  ``commit``
   fdatasyncs the swap files, then replaces the manifest atomically (temp file,
   fsync, rename, fsync of the directory).  After a crash, ``open`` returns every
-  key as of the last completed commit, bytes intact.  If the fdatasync or the
-  manifest write fails, nothing is retried or trusted: keys written since the
-  last commit go back to their last committed version (or disappear) and
-  ``commit`` raises ``DataLostError`` naming them.
+  key as of the last completed commit, bytes intact.  If the fdatasync fails,
+  or the manifest's rename or the directory's fsync does, nothing is retried
+  or trusted: keys written since the last commit go back to their last
+  committed version (or disappear) and ``commit`` raises ``DataLostError``
+  naming them.  If the new manifest cannot be written before its rename (a
+  full file system: the swap files are preallocated, the manifest is not),
+  the synced data is in no doubt and the old manifest still stands:
+  ``commit`` raises ``CommitDeferred``, every key keeps its current version,
+  and the keys stay uncommitted for the next ``commit`` to retry.
 - Space: the swap files are preallocated to the quota at ``open`` (and by
   ``reserve``); a write that finds no room raises ``SwapFullError`` before any
   I/O.  Old versions stay allocated until no manifest names them, so a key
@@ -50,6 +55,7 @@ from typing import Any
 import crc32c
 
 from tiermem.core.errors import (
+    CommitDeferred,
     CorruptionError,
     DataLostError,
     InvalidArgument,
@@ -62,7 +68,13 @@ from tiermem.core.units import PAGE_SIZE, MiB, align_up, format_size
 from tiermem.engine.swap.engine import IOEngine, IOOp, IORequest, Memory, buffer_address, gather
 from tiermem.engine.swap.extents import Extent, segments, stripe_shares
 from tiermem.engine.swap.files import SwapFile, check_job_id
-from tiermem.engine.swap.manifest import Manifest, ManifestRecord, read_manifest, write_manifest
+from tiermem.engine.swap.manifest import (
+    Manifest,
+    ManifestNotReplaced,
+    ManifestRecord,
+    read_manifest,
+    write_manifest,
+)
 from tiermem.engine.swap.records import RecordState, SwapRecord, SwapStats, Version
 
 __all__ = ["SwapStore"]
@@ -102,7 +114,7 @@ class SwapStore:
         self._closed = False
         self._verifier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiermem-verify")
         self._counts = dict.fromkeys(
-            ("bytes_written", "bytes_read", "writes", "reads", "write_errors", "read_errors", "corruptions", "commits"),
+            ("bytes_written", "bytes_read", "writes", "reads", "write_errors", "read_errors", "corruptions", "commits", "commit_errors"),
             0,
         )
         self._read_seconds = Histogram(IO_SECONDS)
@@ -305,6 +317,9 @@ class SwapStore:
                     for f in self._files:
                         os.fdatasync(f.fd)
                 write_manifest(self._manifest_path, manifest, fsync=self._fsync)
+            except ManifestNotReplaced as exc:
+                self._defer(snapshot, dirty)
+                raise CommitDeferred(str(self._manifest_path), exc.errno or 0, sorted(dirty), self._generation) from exc
             except OSError as exc:
                 lost = self._roll_back(snapshot, dirty)
                 raise DataLostError(lost, f"committing swap store of job {self._job!r} failed: {exc}") from exc
@@ -323,8 +338,17 @@ class SwapStore:
                         self._release(record, old)
                         self._drop_if_gone(record)
 
+    def _defer(self, snapshot: dict[str, Version], dirty: set[str]) -> None:
+        """The data is synced and the old manifest stands: every key keeps its current version, uncommitted."""
+        with self._lock:
+            self._counts["commit_errors"] += 1
+            for v in snapshot.values():
+                v.holds -= 1
+            self._dirty |= dirty
+
     def _roll_back(self, snapshot: dict[str, Version], dirty: set[str]) -> list[str]:
         with self._lock:
+            self._counts["commit_errors"] += 1
             lost = []
             for key, v in snapshot.items():
                 record = self._records[key]
