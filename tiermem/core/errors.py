@@ -180,6 +180,9 @@ class CommitDeferred(TiermemError):
     commit."""
 
     fields = ("path", "errno", "keys")
+    path: str
+    errno: int
+    keys: list[str]
 
     def __init__(self, path: str, err: int, keys: list[str], generation: int) -> None:
         name = _errno.errorcode.get(err, str(err))
