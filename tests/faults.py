@@ -128,7 +128,10 @@ def failing_writeback(backing_nbytes: int = 8 * 1024 * 1024) -> Iterator[Path]:
         with open(image, "wb") as f:
             f.truncate(64 * 1024 * 1024)
         with tempfile.TemporaryDirectory(prefix="tiermem-ext4-", dir="/var/tmp") as d:
-            for args in (["mkfs.ext4", "-q", "-F", "-E", "nodiscard", str(image)], ["mount", "-o", "loop", str(image), d]):
+            for args in (
+                ["mkfs.ext4", "-q", "-F", "-E", "nodiscard", str(image)],
+                ["mount", "-o", "loop", str(image), d],
+            ):
                 done = subprocess.run(args, capture_output=True, text=True, check=False)
                 if done.returncode != 0:
                     pytest.skip(f"cannot make a loop-mounted ext4 here ({done.stderr.strip() or done.returncode})")

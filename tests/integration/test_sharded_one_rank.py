@@ -278,6 +278,8 @@ def test_a_closed_layer_sharded_optimizer_leaves_no_hook_on_the_model(daemon, on
     opt.close()
     for module in m.modules():
         assert not module._forward_pre_hooks and not module._forward_hooks and not module._backward_pre_hooks
+        assert not module._state_dict_hooks and not module._load_state_dict_pre_hooks
+        assert not module._load_state_dict_post_hooks
     assert not any(p._post_accumulate_grad_hooks for p in m.parameters())
 
 
@@ -335,6 +337,47 @@ def test_the_group_takes_collectives_on_the_host_for_gloo(one_rank_group):
     from tiermem.client.distributed.group import collective_device
 
     assert collective_device(None) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["resident", "paged"])
+def test_layer_sharded_models_state_dict_gathers_and_load_state_dict_reaches_the_owner(daemon, one_rank_group, paged):
+    """As torch users save and load a model: ``model.state_dict()`` holds the layers' values (not the
+    placeholders) and loads into a plain model; ``model.load_state_dict()`` replaces them as it does under
+    AdamW (the moments stay); a state dict of the wrong shape is refused with torch's error, changing nothing."""
+    ours, ref = model(), model()
+    opt = LayerShardedAdam(ours, paged=paged, lr=0.02, client=connect(daemon.socket_path))
+    adamw = torch.optim.AdamW(ref.parameters(), lr=0.02)
+    try:
+        train_alike(((ours, opt), (ref, adamw)), range(2))
+        saved = ours.state_dict()
+        assert [tuple(v.shape) for v in saved.values()] == [tuple(v.shape) for v in ref.state_dict().values()]
+        for key, value in ref.state_dict().items():
+            torch.testing.assert_close(saved[key], value)
+        plain = model()
+        plain.load_state_dict(saved)  # a checkpoint any torch model of this shape takes
+        assert all(p.numel() == 0 for p in ours.parameters())  # the layers are released again
+
+        other = {k: v + 0.25 for k, v in ref.state_dict().items()}
+        ours.load_state_dict(other)
+        ref.load_state_dict(other)
+        assert all(p.numel() == 0 for p in ours.parameters())
+        train_alike(((ours, opt), (ref, adamw)), range(2, 4))
+        for a, b in zip(opt.gathered_params(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b)
+
+        before = opt.gathered_params()
+        wrong = dict(ours.state_dict())
+        wrong["0.weight"] = torch.zeros(3, 3)
+        wrong["2.bias"] = torch.full((2,), 7.0)
+        with pytest.raises(RuntimeError, match=r"size mismatch for 0\.weight"):
+            ours.load_state_dict(wrong)
+        after = opt.gathered_params()
+        torch.testing.assert_close(after[0], before[0])  # refused: not written
+        torch.testing.assert_close(after[3], torch.full((2,), 7.0))  # torch copies what matched, as it does
+        with pytest.raises(InvalidArgument, match="assign=False"):
+            ours.load_state_dict(other, assign=True)
+    finally:
+        opt.close()
 
 
 def test_layer_sharded_state_dict_holds_what_the_modules_do_not(daemon, one_rank_group):

@@ -88,6 +88,9 @@ def test_four_layers_on_four_ranks_follow_the_example_step_by_step(launch):
     assert max(abs(a - b) for a, b in zip(result["final"], [0.6, 0.1, 0.7, 0.2], strict=False)) > 1e-3
     for r in result["ranks"]:
         assert r["held"] == [0] * (2 * LAYERS), f"rank {r['rank']} holds param data between steps: {r['held']}"
+        assert r["saved"] == r["final"] == result["final"], f"rank {r['rank']}'s model.state_dict(): {r['saved']}"
+        loaded = [a - b for a, b in zip(r["loaded"], r["final"], strict=True)]  # the fp32 sums
+        assert all(abs(d - 1.0) <= 1e-6 for d in loaded), f"rank {r['rank']} after load_state_dict: {r['loaded']}"
         traces = r["traces"]
         assert traces[0] == expected_trace(r["rank"], overlapped=False), traces[0]
         for step, trace in enumerate(traces[1:], start=1):
@@ -118,6 +121,9 @@ def test_paged_layers_live_only_in_their_owners_nvme_tier_and_accumulate_there(l
     assert diff <= 1e-6, (result["final"], result["reference"])
     for r in result["ranks"]:
         assert r["held"] == [0] * (2 * LAYERS), f"rank {r['rank']}'s model holds param data: {r['held']}"
+        assert r["saved"] == r["final"] == result["final"], f"rank {r['rank']}'s model.state_dict(): {r['saved']}"
+        loaded = [a - b for a, b in zip(r["loaded"], r["final"], strict=True)]  # the fp32 sums
+        assert all(abs(d - 1.0) <= 1e-6 for d in loaded), f"rank {r['rank']} after load_state_dict: {r['loaded']}"
         assert max(r["pieces"]) <= 4, f"rank {r['rank']} keeps a copy of its layer: {r['pieces']} bytes"
         assert r["nvme"]["placement"] == "nvme", f"rank {r['rank']}'s state is not on the NVMe tier: {r['nvme']}"
         for step, trace in enumerate(r["traces"]):

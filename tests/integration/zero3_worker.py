@@ -5,7 +5,9 @@ The model: ``h1 = relu(w1 x + b1)``, ``h2 = relu(w2 h1 + b2)``, ``h3 = relu(w3 h
 (``LayerShardedAdam``), each rank training on a quarter of the mini-batch.
 Rank 0 writes, as JSON: the reduced grads of the first step next to the
 example's analytic formulas (on the global batch), the final params next to
-``torch.optim.AdamW`` in one process, and every rank's event trace.
+``torch.optim.AdamW`` in one process, and every rank's event trace, its
+``model.state_dict()`` and the params after a ``model.load_state_dict()`` of
+that plus one.
 With ``--scaler`` both sides train under a loss scaler (``ShardedGradScaler``
 here, torch's ``GradScaler`` in the reference); ``--inf-step`` makes the last
 rank's loss inf at that step, so the global loss overflows and both skip it.
@@ -134,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         if step == 0:
             first_grads = {i: g.tolist() for i, g in opt.reduced.items()}
     final = [float(p) for p in opt.gathered_params()]
+    saved = [float(v) for v in model.state_dict().values()]  # collective: every layer from its owner
+    model.load_state_dict({k: v + 1.0 for k, v in model.state_dict().items()})  # each owner keeps its layers'
+    loaded = [float(p) for p in opt.gathered_params()]
     placeholders = [p.numel() for p in model.parameters()]
     pieces = [p.untyped_storage().nbytes() for ps in opt.strategy._pieces.values() for p in ps]
     report = opt.inner.stats().rank if opt.inner is not None else None
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     everything: list = [None] * world
     mine = {"rank": rank, "grads": first_grads, "traces": traces, "held": placeholders, "pieces": pieces}
+    mine |= {"final": final, "saved": saved, "loaded": loaded}
     dist.all_gather_object(everything, {**mine, "nvme": nvme})
     if rank == 0:
         ref = make_model()

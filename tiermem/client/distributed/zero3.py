@@ -49,9 +49,16 @@ steps and backs off its scale together; an applied step's inverse scale
 reaches the daemon with the STEP's grad scale (times the clip coefficient),
 and the global norm is that of the unscaled grads.
 
-Checkpoints (``zero3_checkpoint``; the modules hold placeholders, so
-``model.state_dict()`` saves nothing of the layers): ``state_dict()`` is this
-rank's file, the fp32 values and moments of its layers' params, and
+The model's own state dict: ``model.state_dict()`` gathers each unit from
+its owner (a broadcast: every rank calls it, as ``ShardedPagedAdam``'s) and
+holds the values in place of the placeholders; ``model.load_state_dict()``
+(every rank, not a collective) gives each unit buffers of its params' shapes
+for torch to copy into, then the owner writes the loaded values as its pieces
+and masters (``InnerStore.write_values``, as ``load_shards``), and the unit is
+released.  The moments stay, as under AdamW.
+
+Checkpoints (``zero3_checkpoint``): ``state_dict()`` is this rank's file,
+the fp32 values and moments of its layers' params, and
 ``save_shard(directory)`` writes it; ``load_shards(directory)`` loads the
 rank files of a save at any world size or by ``ShardedPagedAdam``, params
 included, and ``tiermem consolidate`` merges them offline into one model and
@@ -66,6 +73,7 @@ every rank); CPU params; each unit used once per forward; one param group.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -209,6 +217,8 @@ class LayerStrategy(ShardStrategy):
         self._order: list[int] = []
         self._recording = True
         self._grads: DaemonGrads | None = None
+        self._loading: dict[int, list[int]] = {}
+        """``model.load_state_dict()`` under way: the unit's params torch copies into, by index in the unit."""
 
     # ----------------------------------------------------------------- the start
 
@@ -240,6 +250,9 @@ class LayerStrategy(ShardStrategy):
                 unit.module.register_forward_hook(self._make_hook(unit, self._after_forward)),
                 unit.module.register_full_backward_pre_hook(self._make_hook(unit, self._before_backward)),
                 *(p.register_post_accumulate_grad_hook(self._make_grad_hook(unit)) for p in unit.params),
+                unit.module.register_state_dict_post_hook(functools.partial(self._save_unit, unit)),
+                unit.module.register_load_state_dict_pre_hook(functools.partial(self._load_unit, unit)),
+                unit.module.register_load_state_dict_post_hook(functools.partial(self._loaded_unit, unit)),
             ):
                 self.keep_hook(handle)
 
@@ -296,17 +309,23 @@ class LayerStrategy(ShardStrategy):
             self.probe.at("fetch", unit.name)
         unit.work = (flat, self.schedule.run("broadcast", unit.name, dist.broadcast, flat, src=src, async_op=True))
 
-    def _finish_gather(self, unit: _Unit) -> None:
+    def _finish_gather(self, unit: _Unit, *, log: bool = True) -> None:
         self._start_gather(unit)
         flat, work = unit.work
         self.schedule.wait("broadcast", unit.name, work)
         unit.work = None
+        self._show(unit, flat)
+        if log:
+            self._log("gather", unit)
+
+    @staticmethod
+    def _show(unit: _Unit, flat: torch.Tensor) -> None:
+        """The unit's params become views of ``flat``."""
         unit.flat = flat
         offset = 0
         for p, shape, n in zip(unit.params, unit.shapes, unit.numels, strict=True):
             p.data = flat[offset : offset + n].view(shape)
             offset += n
-        self._log("gather", unit)
 
     @staticmethod
     def _views(unit: _Unit, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -463,10 +482,65 @@ class LayerStrategy(ShardStrategy):
         """Collective: every unit's params, gathered (copies), in the model's order."""
         out = []
         for unit in self.units:
-            self._finish_gather(unit)
+            self._finish_gather(unit, log=False)
             out += [p.detach().clone() for p in unit.params]
             self._release(unit, log=False)
         return out
+
+    # ----------------------------------------------------------------- the model's state dict
+
+    @staticmethod
+    def _named(unit: _Unit) -> list[str]:
+        """The names, in ``unit.module``, of ``unit.params``."""
+        return [name for name, p in unit.module.named_parameters(recurse=False) if p.requires_grad]
+
+    def _save_unit(self, unit: _Unit, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, _: Any) -> None:
+        """``model.state_dict()``: the unit's params, gathered from their owner (a collective: every rank
+        calls it, as it gathers before a forward), as copies in place of the placeholders."""
+        held = unit.flat is not None
+        if not held:
+            self._finish_gather(unit, log=False)
+        for name, p in zip(self._named(unit), unit.params, strict=True):
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = p.detach().clone()
+        if not held:
+            self._release(unit, log=False)
+
+    def _load_unit(
+        self, unit: _Unit, module: torch.nn.Module, state_dict: Any, prefix: str, local_metadata: Any, *_: Any
+    ) -> None:
+        """``model.load_state_dict()``, before torch copies: the unit gets buffers of its params' shapes to
+        copy into (not a collective: every rank has the whole state dict, only the owner keeps the values)."""
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise InvalidArgument(
+                "load_state_dict(assign=True) would replace LayerShardedAdam's placeholders with the loaded "
+                "tensors; load with assign=False (each layer's owner keeps the values)"
+            )
+        if unit.flat is not None or unit.work is not None:
+            raise InvalidState(f"load_state_dict while {unit.name} is gathered (in a forward or backward)")
+        ok = []
+        for j, name in enumerate(self._named(unit)):
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == unit.shapes[j]:
+                ok.append(j)  # torch copies these; it reports the others (missing, or of another shape)
+        self._loading[unit.index] = ok
+        self._show(unit, torch.empty(unit.numel, dtype=unit.params[0].dtype))
+
+    def _loaded_unit(self, unit: _Unit, module: torch.nn.Module, incompatible_keys: Any) -> None:
+        """After torch copied: the owner makes the loaded values its params' (pieces and masters); every rank
+        releases the unit again."""
+        loaded = self._loading.pop(unit.index, None)
+        if loaded is None:
+            return
+        try:
+            if loaded and unit.owner == self.rank and self.inner is not None:
+                slots = {slot.tid: slot for slot in self.opt.checkpoint.share.slots}
+                tids = self._entry_of[unit.index]
+                self.opt.checkpoint.store.write_values(
+                    [(slots[tids[j]], unit.params[j].detach().reshape(-1).to(torch.float32)) for j in loaded]
+                )
+        finally:
+            self._release(unit, log=False)
 
 
 def _owner_options(offload: str, *, paged: bool, state_dtype: str) -> OffloadOptions:

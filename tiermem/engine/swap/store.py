@@ -114,7 +114,17 @@ class SwapStore:
         self._closed = False
         self._verifier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiermem-verify")
         self._counts = dict.fromkeys(
-            ("bytes_written", "bytes_read", "writes", "reads", "write_errors", "read_errors", "corruptions", "commits", "commit_errors"),
+            (
+                "bytes_written",
+                "bytes_read",
+                "writes",
+                "reads",
+                "write_errors",
+                "read_errors",
+                "corruptions",
+                "commits",
+                "commit_errors",
+            ),
             0,
         )
         self._read_seconds = Histogram(IO_SECONDS)
