@@ -106,14 +106,18 @@ class FaultyEngine:
 def mounted(fstype: str, options: str = "") -> Iterator[Path]:
     """A fresh ``fstype`` mount (tmpfs with size=4m, ramfs, ...) in a temporary directory; skips without permission."""
     with tempfile.TemporaryDirectory(prefix=f"tiermem-{fstype}-", dir="/var/tmp") as d:
-        args = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, d]
-        done = subprocess.run(args, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount {fstype} here ({done.stderr.strip() or done.returncode}); needs root")
+        _run_or_skip(["mount", "-t", fstype, *(["-o", options] if options else []), fstype, d], f"mount {fstype}")
         try:
             yield Path(d)
         finally:
             subprocess.run(["umount", "-l", d], capture_output=True, check=False)
+
+
+def _run_or_skip(args: Sequence[str], what: str) -> None:
+    """Run ``args``; skip the test, naming ``what``, where it fails (not root, no loop devices, ...)."""
+    done = subprocess.run(list(args), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot {what} here ({done.stderr.strip() or done.returncode}); needs root")
 
 
 @contextlib.contextmanager
@@ -128,13 +132,8 @@ def failing_writeback(backing_nbytes: int = 8 * 1024 * 1024) -> Iterator[Path]:
         with open(image, "wb") as f:
             f.truncate(64 * 1024 * 1024)
         with tempfile.TemporaryDirectory(prefix="tiermem-ext4-", dir="/var/tmp") as d:
-            for args in (
-                ["mkfs.ext4", "-q", "-F", "-E", "nodiscard", str(image)],
-                ["mount", "-o", "loop", str(image), d],
-            ):
-                done = subprocess.run(args, capture_output=True, text=True, check=False)
-                if done.returncode != 0:
-                    pytest.skip(f"cannot make a loop-mounted ext4 here ({done.stderr.strip() or done.returncode})")
+            _run_or_skip(["mkfs.ext4", "-q", "-F", "-E", "nodiscard", str(image)], "make an ext4 image")
+            _run_or_skip(["mount", "-o", "loop", str(image), d], "loop-mount an ext4 image")
             try:
                 yield Path(d)
             finally:

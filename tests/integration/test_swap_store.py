@@ -16,8 +16,8 @@ from faults import Fault, FaultKind, FaultyEngine, failing_writeback, mounted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiermem.core import errors
 from tiermem.core.errors import (
-    CommitDeferred,
     CorruptionError,
     DataLostError,
     InvalidArgument,
@@ -303,7 +303,7 @@ def test_a_manifest_that_cannot_be_written_defers_the_commit_and_keeps_every_key
         store.write("new", arena.fill(0, P, 3)).result(timeout=30)
         blocker = store.manifest_path.with_name(store.manifest_path.name + ".tmp")
         blocker.mkdir()  # the manifest's temp name is taken by a directory: writing it fails with EISDIR
-        with pytest.raises(CommitDeferred, match="EISDIR") as info:
+        with pytest.raises(errors.CommitDeferred, match="EISDIR") as info:
             store.commit()
         assert sorted(info.value.keys) == ["new", "old"]
         assert store.keys() == ["new", "old"] and store.generation == 1
@@ -333,7 +333,7 @@ def test_a_full_file_system_defers_the_commit_and_a_crash_comes_back_at_the_last
             while True:
                 f.write(bytes(65536))
         store.write("a", arena.fill(0, P, 2)).result(timeout=30)  # into the preallocated file: no room needed
-        with pytest.raises(CommitDeferred, match="ENOSPC") as info:
+        with pytest.raises(errors.CommitDeferred, match="ENOSPC") as info:
             store.commit()
         assert info.value.keys == ["a"]
         assert not store.manifest_path.with_name(store.manifest_path.name + ".tmp").exists()
