@@ -47,7 +47,6 @@ __all__ = [
 
 LISTEN_BACKLOG = 4096
 """Connections the kernel queues before ``accept`` (capped by ``net.core.somaxconn``)."""
-"""Connections the kernel queues before ``accept`` (capped by ``net.core.somaxconn``)."""
 
 
 # --------------------------------------------------------------------------- the daemon's side

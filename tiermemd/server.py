@@ -330,9 +330,10 @@ class Server:
         self._counted = (0, 0)
         """The acceptor's refusal totals already added to the counters (disallowed uid, over the limit)."""
         self._acceptor_lock = threading.Lock()
+        """Orders the acceptor's start (the channel thread, after a crash) with its stop (``stop_accepting``) and
+        with a new listener (``replace_listener``)."""
         self._stopped_pids: set[int] = set()
         """Acceptors this server stopped itself (a SIGHUP's new policy, a stop): their end is no error."""
-        """Orders the acceptor's start (the channel thread, after a crash) with its stop (``stop_accepting``)."""
         self._ids = itertools.count(1)
         self._sessions: dict[int, Session] = {}
         self._per_uid: Counter[int] = Counter()
@@ -353,9 +354,9 @@ class Server:
         self.refusals = RefusalLog(REFUSAL_LOG_EVERY_S)
         """Refused connections and failed token guesses, logged with counts."""
         self._lingering: dict[int, tuple[socket.socket, float]] = {}
+        """Refused sockets by fd, with the time they are closed at the latest."""
         self._explain = TokenBuckets(EXPLAINED_REFUSALS_PER_S)
         """Refusals per uid and second that get their reason (a frame, a linger); the others are a close."""
-        """Refused sockets by fd, with the time they are closed at the latest."""
 
     @property
     def config(self) -> ServerConfig:
@@ -380,10 +381,25 @@ class Server:
             self._threads.append(thread)
 
     def stop_accepting(self) -> None:
-        self._accepting = False
+        with self._acceptor_lock:
+            self._accepting = False
         self._stop_acceptor()
         with contextlib.suppress(OSError):
             self.listener.sock.shutdown(socket.SHUT_RDWR)
+
+    def replace_listener(self, listener: Listener) -> bool:
+        """Accept on ``listener`` from now on (the socket path was bound again: ``tiermemd.socketkeeper``); the
+        acceptor is started again on it.  False, changing nothing, once the server stopped accepting."""
+        with self._acceptor_lock:
+            if not self._accepting:
+                return False
+            old, self.listener = self.listener, listener
+        if self._config.accept_process:
+            self._stop_acceptor()  # the channel thread starts the next one, on the new listener
+        with contextlib.suppress(OSError):
+            old.sock.shutdown(socket.SHUT_RDWR)  # wakes an accept thread blocked on it
+        old.close()
+        return True
 
     # ----------------------------------------------------------------- the acceptor process
 
@@ -608,11 +624,14 @@ class Server:
         beacon = self.health.register("tiermemd-accept")
         try:
             while self._accepting:
+                listener = self.listener
                 try:
-                    conn, cred = self.listener.accept_socket()
+                    conn, cred = listener.accept_socket()
                 except OSError as exc:
                     if not self._accepting:
                         return
+                    if listener is not self.listener:
+                        continue  # replaced (``replace_listener``): accept on the new one
                     log.warning("accept failed: %s", exc)
                     time.sleep(0.05)
                     continue

@@ -53,6 +53,7 @@ from tiermemd.persist import load_job_files, remove_job_file
 from tiermemd.rank import AdamKernel, RankOptimizer
 from tiermemd.scheduler import CpuScheduler
 from tiermemd.server import Server
+from tiermemd.socketkeeper import SocketKeeper, identify
 from tiermemd.state import CpuStateChunks, StateChunks
 from tiermemd.stats import RetiredRanks
 
@@ -230,6 +231,11 @@ class Service:
             raise StartupError(EXIT_SOCKET, str(exc)) from exc
         self.server = Server(self.listener, self.handlers, config.server, self.health)
         self.server.on_client_exit = self.handlers.abort
+        self.socket_keeper: SocketKeeper | None = None
+        """Binds the socket path again if its file is removed (none under socket activation)."""
+        if not self.activated:
+            path = config.server.socket
+            self.socket_keeper = SocketKeeper(path, identify(path), self._bind, self.server.replace_listener)
         try:
             self.metrics = serve_metrics(self)
         except OSError as exc:
@@ -264,17 +270,26 @@ class Service:
             total += st.f_bavail * st.f_frsize
         return total
 
-    def _listen(self) -> Listener:
+    @property
+    def activated(self) -> bool:
+        """The service manager passed the listening socket (socket activation): the path is its."""
         env = self.env
-        if env.get("LISTEN_PID") == str(os.getpid()) and int(env.get("LISTEN_FDS", "0") or 0) >= 1:
+        return env.get("LISTEN_PID") == str(os.getpid()) and int(env.get("LISTEN_FDS", "0") or 0) >= 1
+
+    def _listen(self) -> Listener:
+        if self.activated:
             sock = adopt_listener(_SD_LISTEN_FDS_START)
             name = sock.getsockname()
             where = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
             self.listening_on = f"{where or '(unnamed)'} (fd {_SD_LISTEN_FDS_START}, passed by the service manager)"
             log.info("using the socket passed by the service manager: %s", self.listening_on)
             return Listener(sock, max_frame=self.config.server.max_frame)
+        self.listening_on = self.config.server.socket
+        return self._bind()
+
+    def _bind(self) -> Listener:
+        """The listener at ``server.socket`` (at start, and again when its file was removed: ``SocketKeeper``)."""
         server = self.config.server
-        self.listening_on = server.socket
         return Listener.bind(
             server.socket, mode=server.socket_mode, group=server.socket_group or None, max_frame=server.max_frame
         )
@@ -371,6 +386,8 @@ class Service:
 
     def serve_forever(self) -> None:
         self.server.start()
+        if self.socket_keeper is not None:
+            self.socket_keeper.start()
         locked = "locked" if self.pool.locked else "NOT locked (see the RLIMIT_MEMLOCK warning)"
         status = f"pool {format_size(self.pool.capacity)} {locked}; listening on {self.listening_on}"
         log.info("ready: %s", status)
@@ -431,11 +448,16 @@ class Service:
         self.server.close()
         if self.metrics is not None:
             self.metrics.close()
-        if not self.env.get("LISTEN_FDS"):
-            try:
-                remove_socket(self.config.server.socket)
-            except (OSError, UnsafePathError) as exc:
-                log.warning("left the socket file %s in place: %s", self.config.server.socket, exc)
+        keeper = self.socket_keeper
+        if keeper is not None:
+            keeper.stop()
+            if not keeper.owns():
+                log.warning("left %s in place: it is not this daemon's socket any more", keeper.path)
+            else:
+                try:
+                    remove_socket(keeper.path)
+                except (OSError, UnsafePathError) as exc:
+                    log.warning("left the socket file %s in place: %s", keeper.path, exc)
         self.persist_and_reclaim()
         self.scheduler.close()
         self.io_engine.close()

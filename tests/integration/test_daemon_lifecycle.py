@@ -8,16 +8,28 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import socket
+import stat
 import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from child_env import child_env
-from conftest import MAX_CONNECTIONS_PER_UID, NotifyRecorder, RawConn, daemon_settings, error_of, run_daemon_to_exit
+from conftest import (
+    MAX_CONNECTIONS_PER_UID,
+    DaemonProcess,
+    NotifyRecorder,
+    RawConn,
+    daemon_settings,
+    error_of,
+    run_daemon_to_exit,
+)
 
 from tiermem.core.protocol import MsgType, Stats, StatsReply
 from tiermem.core.protocol.frame import PROTOCOL_VERSION
@@ -280,3 +292,50 @@ def test_a_hung_acceptor_is_killed_and_replaced_and_connections_go_on(daemon_fac
     assert len(re.findall(r"acceptor started", log)) == 2, log[-3000:]
     with d.connection() as conn:
         assert isinstance(conn.request(Stats()), StatsReply)
+
+
+def _wait_for(what: str, done: Callable[[], bool], d: DaemonProcess, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s}s:\n{d.log_text()[-3000:]}"
+        time.sleep(0.1)
+
+
+def _pings(path: str) -> bool:
+    try:
+        conn, ok, _ = ping_ok(path, 2)
+    except OSError:
+        return False
+    conn.close()
+    return ok
+
+
+@pytest.mark.parametrize("accept_process", [True, False], ids=["acceptor", "accept-thread"])
+def test_a_removed_socket_file_is_bound_again_and_one_put_in_its_place_is_left_alone(daemon_factory, accept_process):
+    """An operator's ``rm`` (or a cleanup of the socket's directory) no longer cuts the node off a running
+    daemon; a socket another process renamed over the path is not ours to take or to remove at shutdown."""
+    d = daemon_factory({"server": {"accept_process": accept_process}})
+    held, ok, why = ping_ok(d.socket_path)
+    assert ok, why
+    os.unlink(d.socket_path)
+    _wait_for("new connection after the socket file was removed", lambda: _pings(d.socket_path), d)
+    assert "listening there again" in d.log_text()
+    reply = held.request(ping_frame(3))  # a client connected before keeps its session
+    assert reply is not None and reply.type == MsgType.PONG
+    held.close()
+
+    shutil.rmtree(d.socket_dir)  # the whole directory, as a cleanup of /run or /tmp would
+    _wait_for("new connection after the socket directory was removed", lambda: _pings(d.socket_path), d)
+
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    other_path = os.path.join(d.socket_dir, "other.sock")
+    other.bind(other_path)
+    other.listen()
+    os.rename(other_path, d.socket_path)
+    _wait_for("report of the replaced socket", lambda: "no longer names this daemon's socket" in d.log_text(), d)
+    try:
+        assert d.stop() == 0
+        assert stat.S_ISSOCK(os.lstat(d.socket_path).st_mode), "the daemon removed a socket that was not its own"
+        assert "not this daemon's socket any more" in d.log_text()
+    finally:
+        other.close()
