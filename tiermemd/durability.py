@@ -18,8 +18,9 @@ with ``jobs.commit_every = N``, after every N-th step (in the session that ran
 it, before the reply).  A commit that fails leaves the store at its previous
 generation, which the job file still describes.  Two kinds of failure:
 
-- *deferred* (``CommitDeferred``: the manifest could not be written, a full
-  file system most often): the data is synced and the store kept every
+- *deferred* (a periodic commit whose job file could not be written, or
+  whose manifest could not (``CommitDeferred``), a full file system most
+  often): the data is synced, or not yet written, and the store kept every
   chunk's current version, so the rank trains on; the failure is logged (the
   first of a run, then the 2nd, 4th, 8th, ...) and counted, the next
   periodic commit retries, and the one that lands says how many it caught up;
@@ -205,7 +206,8 @@ class Durability:
         """Make ``rank``'s state durable (see the module docstring); False when it has none to commit.
 
         Raises the store's ``TiermemError`` (the rank is then FAILED) or, at shutdown, ``DataLostError`` for
-        a job file that cannot be written.  A periodic commit whose job file cannot be written is skipped.
+        a job file that cannot be written.  A periodic commit whose job file or manifest cannot be written is
+        deferred (False): the rank trains on and the next one retries.
         """
         state = rank.state
         if not isinstance(state, NvmeStateChunks) or rank.layout is None:
@@ -226,16 +228,17 @@ class Durability:
                 else:
                     job.filed[rank.rank] = before
                 path = job_file_path(self.jobs_dir, job.job_id, job.owner_uid)
-                log.error("job %r rank %d: cannot write its job file %s: %s", job.job_id, rank.rank, path, exc)
                 if periodic:
+                    self._deferred(job, rank, f"cannot write its job file {path}: {exc}", str(path), durable)
                     return False
+                log.error("job %r rank %d: cannot write its job file %s: %s", job.job_id, rank.rank, path, exc)
                 raise DataLostError([str(path)], f"cannot write the job file {path}: {exc}") from exc
             try:
                 state.persist()
             except CommitDeferred as exc:
                 if not periodic:
                     raise
-                self._deferred(job, rank, exc, durable)
+                self._deferred(job, rank, str(exc), exc.path, durable)
                 return False
             except TiermemError as exc:
                 reason = f"the commit of its state failed: {exc}"
@@ -260,8 +263,9 @@ class Durability:
                 )
             return True
 
-    def _deferred(self, job: Job, rank: RankOptimizer, exc: CommitDeferred, durable: StepCounts | None) -> None:
-        """Log a deferred periodic commit: the first of a run in full, then the 2nd, 4th, 8th, ... in a line."""
+    def _deferred(self, job: Job, rank: RankOptimizer, why: str, path: str, durable: StepCounts | None) -> None:
+        """Log a deferred periodic commit (``why``: its job file or its manifest, ``path``, could not be
+        written): the first of a run in full, then the 2nd, 4th, 8th, ... in a line."""
         key = (job.owner_uid, job.job_id, rank.rank)
         n = self.deferred[key] = self.deferred.get(key, 0) + 1
         back = f"step {durable.last_step}" if durable is not None else "nothing (no commit landed yet)"
@@ -273,7 +277,7 @@ class Durability:
                 job.owner_uid,
                 rank.rank,
                 rank.last_step,
-                exc,
+                why,
                 back,
             )
         elif n & (n - 1) == 0:
@@ -282,7 +286,7 @@ class Durability:
                 job.job_id,
                 rank.rank,
                 n,
-                exc.path,
+                path,
                 back,
                 rank.last_step,
             )

@@ -11,8 +11,9 @@
   does not fit is refused at admission (``AdmissionError`` from the swap
   budget, ``SwapFullError`` from the disk itself); the job that
   fits trains on;
-- a disk filled by something else while a job trains with
-  ``jobs.commit_every = 1``: its commits are deferred, it trains on exactly,
+- a disk filled by something else (the swap directory's, the state
+  directory's) while a job trains with ``jobs.commit_every = 1``: its
+  commits are deferred, it trains on exactly,
   the first commit with room catches up, and a stop while still full comes
   back at the last commit that landed.
 
@@ -26,6 +27,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -250,13 +252,19 @@ def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_a_full_disk_at_a_periodic_commit_defers_it_and_loses_nothing(tmp_path_factory, capsys) -> None:  # type: ignore[no-untyped-def]
-    """The swap files are preallocated, so a full file system fails only the manifest's write.  The synced
-    data stands: the trainer trains on, the operator is told (log, ``io_errors``), the next commit with room
-    catches up, and a stop with the disk still full comes back at the last commit that landed."""
+@pytest.mark.parametrize("full", ["swap", "state"])
+def test_a_full_disk_at_a_periodic_commit_defers_it_and_loses_nothing(tmp_path_factory, capsys, full) -> None:  # type: ignore[no-untyped-def]
+    """The swap files are preallocated, so a full swap file system fails only the manifest's write, and a
+    full state directory the job file's.  The synced data stands: the trainer trains on, the operator is
+    told (log; a manifest in ``io_errors``), the next commit with room catches up, and a stop with the disk
+    still full comes back at the last commit that landed."""
     with mounted("tmpfs", "size=4m") as small:
         root = tmp_path_factory.mktemp("fullcommit")
-        overrides = {"swap": {"dirs": [str(small / "swap")]}, "jobs": {"commit_every": 1, "grace_period_s": 60.0}}
+        overrides: dict[str, dict[str, Any]] = {"jobs": {"commit_every": 1, "grace_period_s": 60.0}}
+        if full == "swap":
+            overrides["swap"] = {"dirs": [str(small / "swap")]}
+        else:
+            overrides["server"] = {"state_dir": str(small / "state")}
         d = ChaosDaemon(root, overrides=overrides).start()
         try:
             job = Job("fills", 0)
@@ -305,8 +313,9 @@ def test_a_full_disk_at_a_periodic_commit_defers_it_and_loses_nothing(tmp_path_f
             }
             with capsys.disabled():
                 print(f"\nchaos disk full at commit: {json.dumps(figures)}")
-            assert exact_while_full and errors_while_full >= 3
-            assert "No space left on device" in log and "retries" in log
+            assert exact_while_full and errors_while_full >= (3 if full == "swap" else 0)
+            assert "No space left on device" in log and "is deferred, training goes on" in log
+            assert "landed, after 3 deferred" in log
             assert stopped == 0 and steps_after_restart == 6 and exact_after_restart
             assert stopped_full == 6, log_full[-3000:]  # EXIT_DATA_LOST: the stop's commit did not land
             assert "the next start serves its last commit: step 6" in log_full
