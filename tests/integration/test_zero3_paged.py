@@ -293,6 +293,11 @@ def test_tiermem_consolidate_names_a_missing_or_foreign_rank_file(two_ranks, tmp
     assert cli.main(["consolidate", str(broken), "--model", str(out)]) == 1
     err = capsys.readouterr().err
     assert f"{broken / file_name(1, 2)}: its optimizer differs from {broken / file_name(0, 2)}'s" in err, err
+    # a path that is not there, and a device that is neither a directory nor a file, say which they are
+    assert cli.main(["consolidate", str(tmp_path / "nowhere"), "--model", str(out)]) == 1
+    assert f"{tmp_path / 'nowhere'} does not exist: give a directory of rank files" in capsys.readouterr().err
+    assert cli.main(["consolidate", "/dev/null", "--model", str(out)]) == 1
+    assert "/dev/null is neither a directory of rank files nor a rank file" in capsys.readouterr().err
     # nothing to write is a usage error
     with pytest.raises(SystemExit) as exc:
         cli.main(["consolidate", str(broken)])

@@ -376,8 +376,10 @@ def open_shards(source: Source) -> ShardSet:
 
 
 def _load(path: Path) -> Mapping[str, Any]:
+    if not path.exists():
+        raise InvalidArgument(f"{path} does not exist: give a directory of rank files (save_shard's) or rank files")
     if not path.is_file():
-        raise InvalidArgument(f"{path} does not exist or is not a file")
+        raise InvalidArgument(f"{path} is neither a directory of rank files nor a rank file")
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
