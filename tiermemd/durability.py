@@ -263,6 +263,11 @@ class Durability:
                 )
             return True
 
+    def forget(self, job: Job) -> None:
+        """``job`` ended: its ranks' deferred commits are no one's any more."""
+        for key in [k for k in self.deferred if k[:2] == (job.owner_uid, job.job_id)]:
+            del self.deferred[key]
+
     def _deferred(self, job: Job, rank: RankOptimizer, why: str, path: str, durable: StepCounts | None) -> None:
         """Log a deferred periodic commit (``why``: its job file or its manifest, ``path``, could not be
         written): the first of a run in full, then the 2nd, 4th, 8th, ... in a line."""

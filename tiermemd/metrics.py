@@ -90,6 +90,11 @@ JOB_KERNEL_PATH_RANKS = Family(
     label="path",
     per_job=True,
 )
+DEFERRED_COMMIT_RANKS = Family(
+    "tiermem_deferred_commit_ranks",
+    "NVMe ranks whose last periodic commit was deferred (its manifest or job file could not be written, a full "
+    "disk most often): a restart now comes back at their last commit that landed.",
+)
 STATE_DTYPE_RANKS = Family(
     "tiermem_state_dtype_ranks",
     "Ranks holding state, by how they store the Adam moments (fp32, bf16, int8).",
@@ -164,6 +169,7 @@ def families(node: NodeStats, *, per_job: bool) -> Iterator[Any]:
     out.figures(ServerStats, [node.server or zero(ServerStats)], per_job=False)
     out.add(JOBS, Kind.GAUGE, len(node.jobs))
     out.add(RANKS, Kind.GAUGE, sum(len(job.ranks) for job in node.jobs))
+    out.add(DEFERRED_COMMIT_RANKS, Kind.GAUGE, node.deferred_commits)
     registered = [r.state_dtype for job in node.jobs for r in job.ranks]
     for state_dtype in STATE_DTYPES:  # every format, zeros too: a dashboard's series exist before the first job
         out.add(STATE_DTYPE_RANKS, Kind.GAUGE, registered.count(state_dtype), series=state_dtype)

@@ -355,6 +355,7 @@ class Service:
         """Free everything the given (already RECLAIMED) jobs held: state zeroed, windows closed, budgets
         returned; swap files and job files deleted unless ``keep_swap`` (a shutdown that persisted them)."""
         for job in jobs:
+            self.durability.forget(job)
             for rank in list(job.ranks.values()):
                 if isinstance(rank, RankOptimizer):
                     rank.close_pipeline()

@@ -92,6 +92,8 @@ class NodeStats:
     """What ranks that ended counted (``RetiredRanks.totals``)."""
     kernels: tuple[KernelStatus, ...] = ()
     """Where each Adam kernel is: building, built, failed (the fallback runs) or off (``tiermemd.kernel``)."""
+    deferred_commits: int = 0
+    """NVMe ranks whose last periodic commit was deferred (``tiermemd.durability``)."""
 
     @property
     def ranks(self) -> tuple[RankStats, ...]:
@@ -128,6 +130,7 @@ def node_stats(service: Service) -> NodeStats:
         jobs=tuple(jobs),
         retired=service.retired.totals(),
         kernels=kernel_statuses(service.kernel),
+        deferred_commits=len(service.durability.deferred),
     )
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import socket
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -248,6 +250,18 @@ def _fill(directory: Path) -> Path:
     return filler
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _gauge(port: int, name: str) -> float:
+    """The value of the unlabelled series ``name`` in a scrape of the daemon's metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
@@ -260,7 +274,11 @@ def test_a_full_disk_at_a_periodic_commit_defers_it_and_loses_nothing(tmp_path_f
     still full comes back at the last commit that landed."""
     with mounted("tmpfs", "size=4m") as small:
         root = tmp_path_factory.mktemp("fullcommit")
-        overrides: dict[str, dict[str, Any]] = {"jobs": {"commit_every": 1, "grace_period_s": 60.0}}
+        port = _free_port()
+        overrides: dict[str, dict[str, Any]] = {
+            "jobs": {"commit_every": 1, "grace_period_s": 60.0},
+            "metrics": {"port": port},
+        }
         if full == "swap":
             overrides["swap"] = {"dirs": [str(small / "swap")]}
         else:
@@ -275,8 +293,10 @@ def test_a_full_disk_at_a_periodic_commit_defers_it_and_loses_nothing(tmp_path_f
             job.train(opt, 3)  # each step's commit finds no room for the manifest
             exact_while_full = job.equal()
             errors_while_full = opt.client.stats().node.swap.io_errors
+            deferred_while_full = _gauge(port, "tiermem_deferred_commit_ranks")
             filler.unlink()
             job.train(opt, 1)  # room again: this commit lands, with every step since
+            deferred_after = _gauge(port, "tiermem_deferred_commit_ranks")
             job.token = opt.token
             opt.close(keep_state=True)
             stopped = d.stop()
@@ -304,6 +324,7 @@ def test_a_full_disk_at_a_periodic_commit_defers_it_and_loses_nothing(tmp_path_f
             figures = {
                 "exact_while_full": exact_while_full,
                 "io_errors_while_full": errors_while_full,
+                "deferred_commit_ranks": [deferred_while_full, deferred_after],
                 "stop_exit": stopped,
                 "steps_after_restart": steps_after_restart,
                 "exact_after_restart": exact_after_restart,
@@ -314,6 +335,7 @@ def test_a_full_disk_at_a_periodic_commit_defers_it_and_loses_nothing(tmp_path_f
             with capsys.disabled():
                 print(f"\nchaos disk full at commit: {json.dumps(figures)}")
             assert exact_while_full and errors_while_full >= (3 if full == "swap" else 0)
+            assert (deferred_while_full, deferred_after) == (1, 0)
             assert "No space left on device" in log and "is deferred, training goes on" in log
             assert "landed, after 3 deferred" in log
             assert stopped == 0 and steps_after_restart == 6 and exact_after_restart
