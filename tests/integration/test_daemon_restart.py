@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tiermem
 from tiermem.client.link import Client, connect
 from tiermem.client.offload import OffloadAdam
 from tiermem.core.errors import DaemonUnavailable, InvalidState
@@ -146,7 +147,7 @@ def test_compressed_nvme_state_is_reopened_as_it_was_stored(tmp_path: Path) -> N
 
     proc, client = _start(tmp_path)
     try:
-        with pytest.raises(InvalidState, match="state_dtype 'int8'"):
+        with pytest.raises(InvalidState, match="restored otherwise: state_dtype int8, not fp32"):
             OffloadAdam(_model().parameters(), lr=3e-3, offload="nvme", client=client, job_id="q", token=token)
         fresh = _model()
         reopened = OffloadAdam(
@@ -160,6 +161,76 @@ def test_compressed_nvme_state_is_reopened_as_it_was_stored(tmp_path: Path) -> N
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(after[index][key], entry[key]), (index, key)
         reopened.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def _values(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's values as ``model.state_dict()`` gives them (a paged model's gathered from the daemon)."""
+    return list(model.state_dict().values())
+
+
+@pytest.mark.parametrize("how", ["staged", "paged", "paged-meta"])
+def test_a_staged_job_reattaches_live_and_after_a_restart(tmp_path: Path, how: str) -> None:
+    """The staged exchange (a GPU model's, and every paged one's) reattached nowhere: the daemon compared
+    the client's "grads in the state" flag with its own, which the staged exchange always sets.  A model
+    made again on the meta device takes the trained values from the daemon, not from an init."""
+    torch.manual_seed(0)
+    data = [torch.randn(16, 48), torch.randn(16, 48)]
+    reference = _model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.05)
+    token: str | None = None
+
+    def attach(client: Client) -> tuple[torch.nn.Module, OffloadAdam]:
+        if how == "paged-meta" and token is not None:
+            with torch.device("meta"):
+                model = _model()
+        else:
+            model = _model()  # fresh values: a reattach brings the trained ones back
+            if token is None:
+                model.load_state_dict(reference.state_dict())
+        opt = OffloadAdam(
+            model.parameters(),
+            lr=3e-3,
+            weight_decay=0.05,
+            offload="nvme",
+            exchange="staged",
+            client=client,
+            job_id="staged-job",
+            token=token,
+        )
+        if how != "staged":
+            tiermem.offload_params(model, opt, device_budget="64KiB")
+        return model, opt
+
+    def same_as_reference(model: torch.nn.Module) -> None:
+        for a, b in zip(_values(model), _values(reference), strict=True):
+            torch.testing.assert_close(a, b)
+
+    proc, client = _start(tmp_path)
+    try:
+        model, opt = attach(client)
+        _train([(model, opt), (reference, ref_opt)], 4, data)
+        token = opt.token
+        opt.close(keep_state=True)
+        model, opt = attach(connect(str(tmp_path / "tiermemd.sock"), embed=False))  # live: the daemon kept it
+        assert (opt.state_from, opt.steps) == ("live", 4)
+        same_as_reference(model)
+        _train([(model, opt), (reference, ref_opt)], 3, data)
+        same_as_reference(model)
+        opt.close(keep_state=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    proc, client = _start(tmp_path)
+    try:
+        model, opt = attach(client)
+        assert (opt.state_from, opt.steps) == ("shutdown", 7)
+        same_as_reference(model)
+        _train([(model, opt), (reference, ref_opt)], 2, data)
+        same_as_reference(model)
+        opt.close()
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

@@ -8,6 +8,7 @@ The one fake, ``FailingKernel``, raises on its Nth update.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -187,6 +188,25 @@ def open_trainer(kernel: EngineKernel) -> Iterator[Callable[..., Trainer]]:
 @pytest.fixture
 def trainer(open_trainer: Callable[..., Trainer]) -> Trainer:
     return open_trainer()
+
+
+def test_a_reattach_that_registers_otherwise_is_told_what_differs(trainer: Trainer) -> None:
+    rank = trainer.rank
+    specs = list(rank.specs)
+
+    def register(specs: list[TensorSpec], **kw: object) -> None:
+        rank.register(specs, GROUPS, 1, Placement.CPU, None, None, **kw)  # type: ignore[arg-type]
+
+    register(specs)  # the same registration: the same plan (a reattach)
+    with pytest.raises(InvalidState, match=r"registered otherwise: state_dtype fp32, not bf16; a reattach"):
+        register(specs, state_dtype="bf16")
+    bigger = [*specs[:-1], TensorSpec(specs[-1].name, (99,), "float32", Placement.CPU, specs[-1].group)]
+    last = specs[-1]
+    said = f"tensor {len(specs) - 1} is '{last.name}' {list(last.shape)} float32 (group {last.group}, cpu), not "
+    with pytest.raises(InvalidState, match=re.escape(said + f"'{last.name}' [99]")):
+        register(bigger)
+    with pytest.raises(InvalidState, match=rf"{len(specs)} tensors, not {len(specs) - 1}"):
+        register(specs[:-1])
 
 
 def test_step_applies_adamw_to_the_params_in_storage(trainer: Trainer) -> None:

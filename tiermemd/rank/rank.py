@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -156,34 +157,36 @@ class RankOptimizer(StateIO):
         rank restored from a previous daemon's job file must be registered with the tensors it had; its
         state is reopened and its params are installed from the master into the new storage.
         """
+        grads_in_state = grads_in_state or exchange is Exchange.STAGED  # staged: always (``grads_in_state``)
         if self.layout is not None:
             self._settle()
-            if (
-                tuple(specs) != self.specs
-                or len(self.layout.grad_offsets) != grad_buffers
-                or exchange != self.exchange
-                or grads_in_state != self.grads_in_state
-                or state_dtype != self.state.format.state_dtype  # type: ignore[union-attr]
-            ):
+            differs = _differences(
+                (tuple(self.specs), tuple(specs)),
+                ("grad buffers", len(self.layout.grad_offsets), grad_buffers),
+                ("exchange", self.exchange.value, exchange.value),
+                ("grads kept in the state", self.grads_in_state, grads_in_state),
+                ("state_dtype", self.state.format.state_dtype, state_dtype),  # type: ignore[union-attr]
+            )
+            if differs:
                 raise InvalidState(
-                    f"rank {self.rank} of job {self.job_id!r} is already registered with other tensors "
-                    f"({len(self.specs)} tensors, {len(self.layout.grad_offsets)} grad buffer(s))"
+                    f"rank {self.rank} of job {self.job_id!r} is already registered otherwise: {differs}; a "
+                    "reattach registers what the job has (the same model and OffloadAdam settings)"
                 )
             self.groups = tuple(groups)
             return self._registration()
         restored = self.restored
         if restored is not None:
-            if (
-                tuple(specs) != restored.specs
-                or grad_buffers != restored.grad_buffers
-                or exchange != restored.exchange
-                or grads_in_state != restored.grads_in_state
-                or state_dtype != restored.state_dtype
-            ):
+            differs = _differences(
+                (tuple(restored.specs), tuple(specs)),
+                ("grad buffers", restored.grad_buffers, grad_buffers),
+                ("exchange", restored.exchange.value, exchange.value),
+                ("grads kept in the state", restored.grads_in_state, grads_in_state),
+                ("state_dtype", restored.state_dtype, state_dtype),
+            )
+            if differs:
                 raise InvalidState(
-                    f"rank {self.rank} of job {self.job_id!r} was restored with {len(restored.specs)} tensors, "
-                    f"{restored.grad_buffers} grad buffer(s) and state_dtype {restored.state_dtype!r}; register "
-                    "exactly those to continue"
+                    f"rank {self.rank} of job {self.job_id!r} was restored otherwise: {differs}; register exactly "
+                    "what it had to continue (the same model and OffloadAdam settings)"
                 )
             placement = restored.placement
         if not groups:
@@ -618,3 +621,22 @@ class RankOptimizer(StateIO):
 
 def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _differences(specs: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]], *facts: tuple[str, Any, Any]) -> str:
+    """What a registration asks that differs from the rank's (empty: nothing): the first differing tensor, or
+    the count, and each differing fact as "name: held, not asked"."""
+    held, asked = specs
+    out = []
+    if len(held) != len(asked):
+        out.append(f"{len(held)} tensors, not {len(asked)}")
+    else:
+        for i, (a, b) in enumerate(zip(held, asked, strict=True)):
+            if a != b:
+                out.append(
+                    f"tensor {i} is {a.name!r} {list(a.shape)} {a.dtype} (group {a.group}, {a.placement.value}), "
+                    f"not {b.name!r} {list(b.shape)} {b.dtype} (group {b.group}, {b.placement.value})"
+                )
+                break
+    out += [f"{name} {h}, not {a}" for name, h, a in facts if h != a]
+    return "; ".join(out)

@@ -528,8 +528,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         feed.early = self._grads_early()
         feed.hook()
         self.feed = feed
-        if reattached:
-            feed.pull_params(range(len(staged)))
+        if reattached:  # a param made on the meta device has nowhere to put them: the pager fetches it on use
+            feed.pull_params([e.index for e in staged if not e.param.is_meta])
         else:  # params made on the meta device get their values later (tiermem.offload_params)
             feed.push_params([e for e in staged if not e.param.is_meta], only_edited=False)
 

@@ -198,8 +198,14 @@ class ParamPager(PageUses, PageIO, PagedState):
         optimizer.use_feed(self, send_edits=not fresh)
         for e in self.entries:
             self._drop_data(e)
-        if fresh:
+        if fresh and optimizer.state_from == "new":
             self._initialize(init)
+        elif fresh:  # a reattach: the daemon holds their values (the trained ones), which a use fetches
+            log.info(
+                "%d param(s) made on the meta device take their values from tiermemd's state (%s), not from an init",
+                len(fresh),
+                optimizer.state_from,
+            )
         self._install_hooks(model)
 
     # ----------------------------------------------------------------- structure
