@@ -580,3 +580,40 @@ def test_zero2_collectives_use_the_daemons_storage_as_the_buckets_slices(daemon,
             assert biggest_diff(ours, ref) <= 1e-6
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("kind", ["zero2", "layers-paged", "paged"])
+def test_a_relaunched_rank_reattaches_to_its_state_and_trains_on_like_adamw(daemon, one_rank_group, kind):
+    """A trainer that ended without closing (``keep_state``, as a crash leaves it) and is launched again with
+    the same job id: the derived token reattaches it, the values come back over a model of other values,
+    and training goes on as AdamW's.  The ZeRO-3 ones exchange through the staged window, whose reattach the
+    daemon refused before."""
+
+    def make(m: torch.nn.Module) -> torch.optim.Optimizer:
+        client = connect(daemon.socket_path)
+        job = f"relaunch-{kind}"
+        if kind == "zero2":
+            return ShardedOffloadAdam(m.parameters(), lr=0.02, client=client, job_id=job)
+        if kind == "layers-paged":
+            return LayerShardedAdam(m, paged=True, lr=0.02, client=client, job_id=job)
+        return ShardedPagedAdam(m, device_budget="1MiB", offload="cpu", lr=0.02, client=client, job_id=job)
+
+    ours, ref = model(), model()
+    adamw = torch.optim.AdamW(ref.parameters(), lr=0.02)
+    opt = make(ours)
+    train_alike(((ours, opt), (ref, adamw)), range(3))
+    opt.close(keep_state=True)
+    again = model()
+    with torch.no_grad():
+        for p in again.parameters():
+            p.fill_(0.5)
+    opt = make(again)
+    try:
+        assert opt.steps == 3 and opt.inner.state_from == "live"
+        for a, b in zip(again.state_dict().values(), ref.state_dict().values(), strict=True):
+            torch.testing.assert_close(a, b)
+        train_alike(((again, opt), (ref, adamw)), range(3, 5))
+        for a, b in zip(again.state_dict().values(), ref.state_dict().values(), strict=True):
+            torch.testing.assert_close(a, b)
+    finally:
+        opt.close()
