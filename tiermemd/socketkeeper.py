@@ -33,6 +33,7 @@ import os
 import stat
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from tiermem.core.errors import TiermemError
 from tiermemd.listener import Listener
@@ -74,38 +75,32 @@ def look(path: str, ours: Identity | None) -> SocketSeen:
     return SocketSeen.OTHER
 
 
+@dataclass(eq=False)
 class SocketKeeper:
     """See the module docstring.  ``rebind()`` binds the path again (raising ``TiermemError`` or ``OSError``
     with the reason); ``replace(listener)`` gives the server the new listener and returns False when the
     server no longer accepts (the keeper then closes it)."""
 
-    def __init__(
-        self,
-        path: str,
-        ours: Identity | None,
-        rebind: Callable[[], Listener],
-        replace: Callable[[Listener], bool],
-        *,
-        every_s: float = SOCKET_CHECK_S,
-    ) -> None:
-        self.path = path
-        self.ours = ours
-        self._rebind = rebind
-        self._replace = replace
-        self._every_s = every_s
-        self._stop = threading.Event()
-        self._said = ""
-        """The last problem logged (a changed one is logged again)."""
-        self.rebinds = 0
-        """Times the path was bound again."""
-        self._thread = threading.Thread(target=self._loop, name="tiermemd-socket", daemon=True)
+    path: str
+    ours: Identity | None
+    """The socket this daemon bound there (``identify``), the one it removes at shutdown."""
+    rebind: Callable[[], Listener]
+    replace: Callable[[Listener], bool]
+    every_s: float = SOCKET_CHECK_S
+    rebinds: int = field(default=0, init=False)
+    """Times the path was bound again."""
+    _said: str = field(default="", init=False)
+    """The last problem logged (a changed one is logged again)."""
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
 
     def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="tiermemd-socket", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
+        if self._thread is not None:
             self._thread.join()
 
     def owns(self) -> bool:
@@ -113,7 +108,7 @@ class SocketKeeper:
         return look(self.path, self.ours) is SocketSeen.OURS
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._every_s):
+        while not self._stop.wait(self.every_s):
             try:
                 self.check()
             except Exception:  # the keeper must outlive what it meets; the next check tries again
@@ -136,15 +131,15 @@ class SocketKeeper:
 
     def _bind_again(self) -> None:
         try:
-            listener = self._rebind()
+            listener = self.rebind()
         except (TiermemError, OSError) as exc:
             self._say(
                 f"the socket file {self.path} is gone and cannot be bound again: {exc}; new trainers cannot "
                 "reach this daemon (it tries again every "
-                f"{self._every_s:g}s)"
+                f"{self.every_s:g}s)"
             )
             return
-        if not self._replace(listener):
+        if not self.replace(listener):
             listener.close()
             return
         self.ours = identify(self.path)
