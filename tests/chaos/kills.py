@@ -96,6 +96,7 @@ def _victim(socket_path: str, index: int, rng: random.Random) -> None:
         client=client,
         job_id=f"victim-{index}",
         offload=rng.choice(["cpu", "nvme"]),
+        exchange=rng.choice(["shared", "staged"]),  # the staged one is a GPU model's and every paged one's
         window_nbytes=64 << 10,
     )
     if rng.random() < 0.15 and os.fork() == 0:  # a child holding the inherited socket outlives the victim
