@@ -13,9 +13,9 @@ Imported, it gives the scenario functions the tests and ``benchmarks/soak.py``
 call with a running daemon (``hostile.ChaosDaemon``); each returns a dict of
 figures:
 
-- ``client_kills``: victims attach (new jobs, CPU or NVMe state, some with a
-  forked child that keeps the inherited socket open), train, save state, and
-  are SIGKILLed at a random moment; survivor jobs train through all of it, and
+- ``client_kills``: victims attach (new jobs, CPU or NVMe state, the shared or
+  the staged exchange, some with a forked child that keeps the inherited
+  socket open), train, save state, and are SIGKILLed at a random moment; survivor jobs train through all of it, and
   their final params must equal (bitwise) those of the same job run again
   with no chaos.
 - ``daemon_kill``: a job trains with ``jobs.commit_every``; the daemon is
