@@ -289,11 +289,16 @@ def test_a_full_disk_at_a_periodic_commit_defers_it_and_loses_nothing(tmp_path_f
             opt = job.attach(connect(d.socket_path, embed=False))
             job.model.load_state_dict(job.reference.state_dict())
             job.train(opt, 2)
+            leaver = Job("leaves", 1)  # a job that ends while its commits are deferred
+            leaver_opt = leaver.attach(connect(d.socket_path, embed=False))
             filler = _fill(small)
             job.train(opt, 3)  # each step's commit finds no room for the manifest
+            leaver.train(leaver_opt, 2)
             exact_while_full = job.equal()
             errors_while_full = opt.client.stats().node.swap.io_errors
             deferred_while_full = _gauge(port, "tiermem_deferred_commit_ranks")
+            leaver_opt.close()
+            deferred_after_leaving = _gauge(port, "tiermem_deferred_commit_ranks")
             filler.unlink()
             job.train(opt, 1)  # room again: this commit lands, with every step since
             deferred_after = _gauge(port, "tiermem_deferred_commit_ranks")
@@ -324,7 +329,7 @@ def test_a_full_disk_at_a_periodic_commit_defers_it_and_loses_nothing(tmp_path_f
             figures = {
                 "exact_while_full": exact_while_full,
                 "io_errors_while_full": errors_while_full,
-                "deferred_commit_ranks": [deferred_while_full, deferred_after],
+                "deferred_commit_ranks": [deferred_while_full, deferred_after_leaving, deferred_after],
                 "stop_exit": stopped,
                 "steps_after_restart": steps_after_restart,
                 "exact_after_restart": exact_after_restart,
@@ -334,8 +339,8 @@ def test_a_full_disk_at_a_periodic_commit_defers_it_and_loses_nothing(tmp_path_f
             }
             with capsys.disabled():
                 print(f"\nchaos disk full at commit: {json.dumps(figures)}")
-            assert exact_while_full and errors_while_full >= (3 if full == "swap" else 0)
-            assert (deferred_while_full, deferred_after) == (1, 0)
+            assert exact_while_full and errors_while_full >= (5 if full == "swap" else 0)
+            assert (deferred_while_full, deferred_after_leaving, deferred_after) == (2, 1, 0)
             assert "No space left on device" in log and "is deferred, training goes on" in log
             assert "landed, after 3 deferred" in log
             assert stopped == 0 and steps_after_restart == 6 and exact_after_restart
