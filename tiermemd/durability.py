@@ -73,7 +73,8 @@ class Durability:
         self.failed: list[str] = []
         """One line per rank whose commit at shutdown failed (the daemon then exits ``EXIT_DATA_LOST``)."""
         self.deferred: dict[tuple[int, str, int], int] = {}
-        """Periodic commits deferred in a row, by (owner uid, job id, rank), while the rank trains on."""
+        """Periodic commits deferred in a row, by (owner uid, job id, rank), while the rank trains on (each
+        key written by its rank's session thread; read by the metrics, cleared when the job ends)."""
 
     # ----------------------------------------------------------------- start
 
@@ -265,8 +266,9 @@ class Durability:
 
     def forget(self, job: Job) -> None:
         """``job`` ended: its ranks' deferred commits are no one's any more."""
-        for key in [k for k in self.deferred if k[:2] == (job.owner_uid, job.job_id)]:
-            del self.deferred[key]
+        for key in list(self.deferred):  # a copy: session threads add to it meanwhile
+            if key[:2] == (job.owner_uid, job.job_id):
+                self.deferred.pop(key, None)
 
     def _deferred(self, job: Job, rank: RankOptimizer, why: str, path: str, durable: StepCounts | None) -> None:
         """Log a deferred periodic commit (``why``: its job file or its manifest, ``path``, could not be
