@@ -625,7 +625,7 @@ def _reason(exc: BaseException) -> str:
 
 def _differences(specs: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]], *facts: tuple[str, Any, Any]) -> str:
     """What a registration asks that differs from the rank's (empty: nothing): the first differing tensor, or
-    the count, and each differing fact as "name: held, not asked"."""
+    the count, and each differing fact as "name held, not asked"."""
     held, asked = specs
     out = []
     if len(held) != len(asked):
