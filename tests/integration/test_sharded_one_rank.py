@@ -254,10 +254,42 @@ def test_what_a_thin_constructor_names_of_its_strategy_reads_it_and_cannot_be_as
         opt.close()
 
 
-def test_a_model_on_the_meta_device_is_refused_naming_it(one_rank_group):
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_a_model_made_on_the_meta_device_gets_the_values_building_it_would_and_trains_like_adamw(
+    daemon, one_rank_group, offload
+):
+    """Never whole in the trainer: each submodule is materialized, ``reset_parameters()`` (then ``init``),
+    its shard written to the daemon, and released; with the generator the model would have been built with,
+    the values are those of building it on the host."""
+    ref = model()  # seeds and builds: the values a meta model must get
     with torch.device("meta"):
-        m = model()
-    with pytest.raises(InvalidArgument, match=r"one device, the host or a GPU; the model's are on \['meta'\]"):
+        ours = model()  # seeds the same; building on the meta device draws nothing
+    inits: list[str] = []
+    opt = ShardedPagedAdam(
+        ours,
+        device_budget="1MiB",
+        offload=offload,
+        lr=0.02,
+        client=connect(daemon.socket_path),
+        init=lambda m: inits.append(type(m).__name__),
+    )
+    adamw = torch.optim.AdamW(ref.parameters(), lr=0.02)
+    try:
+        assert inits == ["Linear", "Linear"]
+        assert max(p.untyped_storage().nbytes() for p in ours.parameters()) <= 4  # placeholders only
+        for a, b in zip(ours.state_dict().values(), ref.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+        train_alike(((ours, opt), (ref, adamw)), range(3))
+        for a, b in zip(ours.state_dict().values(), ref.state_dict().values(), strict=True):
+            torch.testing.assert_close(a, b)
+    finally:
+        opt.close()
+
+
+def test_a_meta_model_with_meta_buffers_is_refused_naming_them(one_rank_group):
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.BatchNorm1d(12))
+    with pytest.raises(InvalidArgument, match=r"buffer\(s\) \['1.running_mean', .* are on the meta device"):
         ShardedPagedAdam(m, device_budget="1MiB")
 
 

@@ -71,6 +71,7 @@ TWO_RANKS = {
     "nvme-2": ["--offload", "nvme"],
     "nvme-2-checkpoint-resumed": ["--offload", "nvme", "--resume-at", "3"],
     "scaler": ["--offload", "cpu", "--scaler", "--inf-step", "2"],
+    "meta-2": ["--offload", "nvme", "--meta"],
 }
 # compressed moments: how far from fp32 AdamW the model ends, per state_dtype (twice the gap
 # measured 1.2e-4 and 2.0e-3 after 5 steps at lr 2e-2)
@@ -109,9 +110,10 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory, two_ranks: Launch) -> 
     yield from _launch(tmp_path_factory, 3, plan, {"reshard-load": RESHARD})
 
 
-@pytest.mark.parametrize("name", ["cpu-2", "nvme-2", "nvme-3", "nvme-2-checkpoint-resumed"])
+@pytest.mark.parametrize("name", ["cpu-2", "nvme-2", "nvme-3", "nvme-2-checkpoint-resumed", "meta-2"])
 def test_sharded_paged_params_train_like_adamw_with_a_global_clip(request, name):
-    """``-checkpoint-resumed``: before step 3 every rank checkpoints, and a new model and optimizer load it."""
+    """``-checkpoint-resumed``: before step 3 every rank checkpoints, and a new model and optimizer load it.
+    ``meta-2``: each rank made the model on the meta device under a seed of its own."""
     launch: Launch = request.getfixturevalue("three_ranks" if name in THREE_RANKS else "two_ranks")
     result = json.loads(launch.check(name).read_text())
     worst = 0.0

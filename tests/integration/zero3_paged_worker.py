@@ -17,7 +17,10 @@ optimizer (a new job), loads the optimizer's state and then the model's, and
 trains on.  ``--scaler``: both sides train under a loss scaler
 (``ShardedGradScaler`` here, torch's ``GradScaler`` in the reference);
 ``--inf-step K`` makes the last rank's loss inf at step K, so both skip it.
-``--state-dtype``: the daemons keep the moments as bf16 or int8.
+``--state-dtype``: the daemons keep the moments as bf16 or int8.  ``--meta``:
+every rank makes the model on the meta device under a seed of its own; the
+optimizer initializes it one submodule at a time with rank 0's generator, so
+the run must end where the host-made one does.
 """
 
 from __future__ import annotations
@@ -68,9 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scaler", action="store_true")
     ap.add_argument("--inf-step", type=int, default=-1)
     ap.add_argument("--state-dtype", default="fp32", help="how the daemon keeps the moments (fp32, bf16, int8)")
+    ap.add_argument("--meta", action="store_true", help="each rank makes the model on the meta device, seeded apart")
     args = ap.parse_args(argv)
     rank, world, owned = join_group(outlive_a_killed_peer=args.kill_step >= 0)
-    model = make_model()
+    if args.meta:  # rank 0's generator initializes it on every rank: the values of make_model() on the host
+        with torch.device("meta"):
+            model = make_model(seed=1000 * rank)
+    else:
+        model = make_model()
     budget = 2 * 13 * 11 * 4 + 4096  # two of the largest layer's params, a little slack
 
     def optimizer(model: nn.Module, job_id: str | None = None) -> ShardedPagedAdam:

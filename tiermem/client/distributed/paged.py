@@ -64,18 +64,30 @@ materialized params are on the device, the copies and collectives run on
 the pager's copy stream (``ShardCopies``), and the staging window is
 registered with CUDA so the shards' copies to and from it are DMA.
 
+A model made on the meta device (``zero.Init``'s purpose: never whole on any
+rank): every rank takes rank 0's random generators (``_rank_0s_generator``),
+and the pager materializes one submodule at a time on ``init_device``, runs
+its ``reset_parameters()`` and ``init``, writes this rank's shard of each
+param to the daemon as its master, and releases it.  So every rank computes
+the values rank 0 would have built on the host, and keeps its stretch of
+them; each rank's generators are its own again afterwards (rank 0's advanced,
+as building would have).  Its buffers must have values already (refused
+otherwise, naming them): only params are initialized.  A reattach takes the
+daemon's values instead of an init.  Otherwise the initial values are rank
+0's, broadcast.
+
 Not supported: the overlapped and delayed updates (as with
-``offload_params``), a model on the meta device (the initial values are
-broadcast from rank 0).
+``offload_params``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tiermem.client.distributed.group import RankGroup, ShardGrads, check_max_grad_norm
@@ -199,8 +211,10 @@ class ShardCopies:
 
     def mine(self, tid: int, values: torch.Tensor) -> torch.Tensor:
         """This rank's stretch of a whole param's ``values`` (any device), on the host, padded to the shard's
-        size."""
+        size (of a param on the meta device: a meta shard, which has its shape and nothing else)."""
         n = self._shard(tid)
+        if values.is_meta:
+            return torch.empty(n, dtype=values.dtype, device="meta")
         flat = values.detach().reshape(-1)
         lo = min(self.rank * n, flat.numel())
         hi = min(lo + n, flat.numel())
@@ -280,20 +294,49 @@ def _model_groups(model: nn.Module, param_groups: list[dict[str, Any]] | None) -
     return groups
 
 
-def _device_and_dtype(params: list[nn.Parameter]) -> tuple[torch.device, torch.dtype]:
-    """The one device (the host or a GPU) and the one dtype of ``params``, or ``InvalidArgument``."""
+def _device_and_dtype(params: list[nn.Parameter], init_device: str | torch.device) -> tuple[torch.device, torch.dtype]:
+    """The one device (the host or a GPU) and the one dtype of ``params``, or ``InvalidArgument``; for a
+    model made on the meta device, ``init_device``."""
     if not params:
         raise InvalidArgument("the model has no params")
     devices = {p.device for p in params}
+    if devices == {torch.device("meta")}:
+        devices = {torch.device(init_device)}
     if len(devices) > 1 or not {d.type for d in devices} <= {"cpu", "cuda"}:
         raise InvalidArgument(
-            f"ShardedPagedAdam pages the params of one device, the host or a GPU; the model's are on "
-            f"{sorted(map(str, devices))}"
+            f"ShardedPagedAdam pages the params of one device, the host or a GPU (or a model made on the meta "
+            f"device, materialized on init_device); the model's are on {sorted(map(str, devices))}"
         )
     kinds = {p.dtype for p in params}
     if len(kinds) != 1:
         raise InvalidArgument(f"ShardedPagedAdam needs one dtype for all params, got {sorted(map(str, kinds))}")
     return devices.pop(), kinds.pop()
+
+
+def _check_buffers(model: nn.Module) -> None:
+    """A model made on the meta device gets its params' values (``reset_parameters()``, ``init``), not its
+    buffers': ``InvalidArgument`` naming any buffer on the meta device."""
+    meta = [name for name, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise InvalidArgument(
+            f"buffer(s) {meta[:4]} of the model are on the meta device, and ShardedPagedAdam initializes only "
+            "params; give them values first (make them outside torch.device('meta'), or assign real tensors to "
+            "them before making the optimizer)"
+        )
+
+
+def _generators(device: torch.device) -> list[torch.Tensor]:
+    """The host's random generator state, and the CUDA device's when ``device`` is one."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _set_generators(states: list[torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
 
 
 def _owners(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
@@ -340,17 +383,21 @@ class ShardedPagedAdam(ShardedOptimizer):
         state_dtype: str = "fp32",
         collective_timeout_s: float = DEFAULT_TIMEOUT_S,
         probe: Probe | None = None,
+        init: Callable[[nn.Module], None] | None = None,
+        init_device: str | torch.device = "cpu",
     ) -> None:
         """``param_groups``: torch's param groups over the model's params (``{"params": [...], "weight_decay":
         0.0}``, ...; every param of the model in exactly one), for hyper-parameters per group; by default one
         group of every param with the keyword arguments' values.  ``collective_timeout_s``: how long a
         collective of a step waits for the other ranks before it raises ``RankLost`` (``schedule``).
         ``probe``: told of each fetch, grad, transfer and collective (``schedule.Probe``; tests slow them
-        down through it)."""
+        down through it).  A model made on the meta device (see the module docstring) is materialized on
+        ``init_device`` one submodule at a time: ``reset_parameters()``, then ``init(submodule)``."""
         check_max_grad_norm(max_grad_norm)
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         groups = _model_groups(model, param_groups)
-        device, dtype = _device_and_dtype([p for g in groups for p in g["params"]])
+        device, dtype = _device_and_dtype([p for g in groups for p in g["params"]], init_device)
+        _check_buffers(model)
         options = OffloadOptions(
             offload=Placement.parse(offload, "offload"),
             exchange=Exchange.STAGED,  # the pager's: params and grads through the window, grads in the daemon
@@ -371,6 +418,7 @@ class ShardedPagedAdam(ShardedOptimizer):
             device_budget=device_budget,
             prefetch=prefetch,
             probe=probe,
+            init=init,
         )
         super().__init__(strategy, process_group, client, job_id, token, collective_timeout_s, probe)
 
@@ -416,8 +464,13 @@ class PagedStrategy(ShardStrategy):
         device_budget: int | str,
         prefetch: int,
         probe: Probe | None,
+        init: Callable[[nn.Module], None] | None = None,
     ) -> None:
         self.model = model
+        self.init = init
+        self.meta = all(p.is_meta for g in groups for p in g["params"])
+        """The model was made on the meta device: its values come from an init, not from rank 0's."""
+        self.broadcast_params = not self.meta
         self._given = (groups, defaults)
         self.options = options
         self.device = device
@@ -453,17 +506,36 @@ class PagedStrategy(ShardStrategy):
     def attached(self) -> None:
         """The model's pager over the inner optimizer; the shards' copies here dropped (the daemon has them as
         masters now: only the shape stays)."""
-        self.pager = ParamPager(
-            self.model,
-            self.inner,
-            device_budget=self.device_budget,
-            prefetch=self.prefetch,
-            params=self.params(),
-            copies=self.copies,
-            probe=self.probe,
-        )
+        own = self._rank_0s_generator() if self.meta else None
+        try:
+            self.pager = ParamPager(
+                self.model,
+                self.inner,
+                device_budget=self.device_budget,
+                prefetch=self.prefetch,
+                init=self.init,
+                params=self.params(),
+                copies=self.copies,
+                probe=self.probe,
+            )
+        finally:
+            if own is not None and self.rank != 0:
+                _set_generators(own, self.device)
         for shard in self._shards:
-            shard.data = torch.full((), float("nan"), dtype=shard.dtype).expand(shard.shape)
+            if not shard.is_meta:  # a meta shard holds nothing already
+                shard.data = torch.full((), float("nan"), dtype=shard.dtype).expand(shard.shape)
+
+    def _rank_0s_generator(self) -> list[torch.Tensor]:
+        """Collective: every rank takes rank 0's random generators (the host's, and the init device's) to
+        initialize a meta model, so each computes the values rank 0 would have built; this rank's own, to
+        give back afterwards (rank 0 keeps its advanced ones, as if it had built the model itself)."""
+        own = _generators(self.device)
+        first: list[Any] = [own if self.rank == 0 else None]
+        self.group.collective(
+            "broadcast of rank 0's random generators", dist.broadcast_object_list, first, src=self.group.global_rank(0)
+        )
+        _set_generators(first[0], self.device)
+        return own
 
     def _shards_of(self, params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[dict[str, Any]]]:
         """This rank's shard of each param (tensor i: param i's), and the optimizer's groups over them."""

@@ -125,6 +125,15 @@ LOG_EVENTS = 100_000
 """Events kept in ``ParamPager.events`` (the oldest are dropped)."""
 
 
+def _device_of(tensors: list[nn.Parameter], copies: ParamCopies | None) -> torch.device:
+    """The one device of the paged params; for a model made on the meta device, where the copies materialize
+    it (the host by default)."""
+    devices = {p.device for p in tensors if p.device.type != "meta"}
+    if len(devices) > 1:
+        raise InvalidArgument(f"paged params must share one device, got {sorted(map(str, devices))}")
+    return devices.pop() if devices else getattr(copies, "device", torch.device("cpu"))
+
+
 class ParamPager(PageUses, PageIO, PagedState):
     """Pages a model's params through tiermemd; also ``OffloadAdam``'s grad feed.  See the module docstring."""
 
@@ -147,10 +156,7 @@ class ParamPager(PageUses, PageIO, PagedState):
         check_optimizer(model, optimizer)
         budget = check_budget(device_budget, prefetch)
         tensors, names = paged_tensors(model, optimizer, params)
-        devices = {p.device for p in tensors if p.device.type != "meta"}
-        if len(devices) > 1:
-            raise InvalidArgument(f"paged params must share one device, got {sorted(map(str, devices))}")
-        self.device = devices.pop() if devices else torch.device("cpu")
+        self.device = _device_of(tensors, copies)
         self.budget = budget
         self.prefetch = prefetch
         self.probe = probe
@@ -198,15 +204,21 @@ class ParamPager(PageUses, PageIO, PagedState):
         optimizer.use_feed(self, send_edits=not fresh)
         for e in self.entries:
             self._drop_data(e)
-        if fresh and optimizer.state_from == "new":
-            self._initialize(init)
-        elif fresh:  # a reattach: the daemon holds their values (the trained ones), which a use fetches
-            log.info(
-                "%d param(s) made on the meta device take their values from tiermemd's state (%s), not from an init",
-                len(fresh),
-                optimizer.state_from,
-            )
+        if fresh:
+            self._first_values(len(fresh), init)
         self._install_hooks(model)
+
+    def _first_values(self, fresh: int, init: Callable[[nn.Module], None] | None) -> None:
+        """Params made on the meta device (``fresh`` of them): an init for a new job; on a reattach the daemon
+        holds their values (the trained ones), which a use fetches."""
+        if self.optimizer.state_from == "new":
+            self._initialize(init)
+            return
+        log.info(
+            "%d param(s) made on the meta device take their values from tiermemd's state (%s), not from an init",
+            fresh,
+            self.optimizer.state_from,
+        )
 
     # ----------------------------------------------------------------- structure
 
