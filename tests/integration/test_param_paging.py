@@ -453,6 +453,15 @@ def test_meta_params_without_an_initializer_are_refused(offload: OffloadDaemon) 
         tiermem.offload_params(model, opt, device_budget="1KiB")
 
 
+def test_a_meta_model_with_meta_buffers_is_refused_naming_them(offload: OffloadDaemon) -> None:
+    """Only params are initialized: a buffer left on the meta device failed the first forward."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = make_opt(offload, model)
+    with pytest.raises(InvalidArgument, match=r"buffer\(s\) \['1\.running_mean', .*offload_params initializes only"):
+        tiermem.offload_params(model, opt, device_budget="1KiB")
+
+
 def test_meta_params_without_the_staged_exchange_are_refused_at_construction(offload: OffloadDaemon) -> None:
     with torch.device("meta"):
         model = nn.Linear(4, 4)

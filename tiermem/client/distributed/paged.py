@@ -106,6 +106,7 @@ from tiermem.client.offload.args import check_hyper, copy_hyper, optimizer_defau
 from tiermem.client.offload.copies import FetchItem, GradItem
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
+from tiermem.client.offload.pageargs import check_buffers
 from tiermem.client.offload.paging import ParamPager
 from tiermem.client.offload.stats import OptimizerStats
 from tiermem.client.offload.transfer import StateTransfer
@@ -313,18 +314,6 @@ def _device_and_dtype(params: list[nn.Parameter], init_device: str | torch.devic
     return devices.pop(), kinds.pop()
 
 
-def _check_buffers(model: nn.Module) -> None:
-    """A model made on the meta device gets its params' values (``reset_parameters()``, ``init``), not its
-    buffers': ``InvalidArgument`` naming any buffer on the meta device."""
-    meta = [name for name, b in model.named_buffers() if b.is_meta]
-    if meta:
-        raise InvalidArgument(
-            f"buffer(s) {meta[:4]} of the model are on the meta device, and ShardedPagedAdam initializes only "
-            "params; give them values first (make them outside torch.device('meta'), or assign real tensors to "
-            "them before making the optimizer)"
-        )
-
-
 def _generators(device: torch.device) -> list[torch.Tensor]:
     """The host's random generator state, and the CUDA device's when ``device`` is one."""
     states = [torch.get_rng_state()]
@@ -397,7 +386,7 @@ class ShardedPagedAdam(ShardedOptimizer):
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         groups = _model_groups(model, param_groups)
         device, dtype = _device_and_dtype([p for g in groups for p in g["params"]], init_device)
-        _check_buffers(model)
+        check_buffers(model, "ShardedPagedAdam")
         options = OffloadOptions(
             offload=Placement.parse(offload, "offload"),
             exchange=Exchange.STAGED,  # the pager's: params and grads through the window, grads in the daemon

@@ -25,6 +25,17 @@ def placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.full((), float("nan"), dtype=p.dtype, device=device).expand(p.shape)
 
 
+def check_buffers(model: nn.Module, who: str) -> None:
+    """A model made on the meta device gets its params' values (``reset_parameters()``, ``init``), not its
+    buffers': ``InvalidArgument`` naming any buffer on the meta device (it would fail the first forward)."""
+    meta = [name for name, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise InvalidArgument(
+            f"buffer(s) {meta[:4]} of the model are on the meta device, and {who} initializes only params; give "
+            "them values first (make them outside torch.device('meta'), or assign real tensors to them before)"
+        )
+
+
 def check_optimizer(model: nn.Module, optimizer: OffloadAdam) -> None:
     """``offload_params``' refusals of a model or an optimizer it cannot page."""
     from tiermem.client.offload.optimizer import OffloadAdam

@@ -70,7 +70,8 @@ torch's keys); ``model.load_state_dict()`` materializes one submodule's
 params, lets torch copy into them, and writes the loaded ones back as their
 master.  A model made on the ``meta`` device is initialized one submodule at
 a time (``reset_parameters()``, then ``init(module)``) straight into the
-daemon, so no full copy of the model exists in the trainer at any time.
+daemon, so no full copy of the model exists in the trainer at any time; its
+buffers must have values already (a meta buffer is refused, naming it).
 
 Not supported: in-place edits of params outside ``load_state_dict`` (they
 are dropped when the param is released), the overlapped and delayed
@@ -99,7 +100,7 @@ from torch import nn
 
 from tiermem.client.offload.copies import GradItem, ParamCopies, copies_for
 from tiermem.client.offload.feeds import hook_grads, remove_hooks
-from tiermem.client.offload.pageargs import check_budget, check_optimizer, paged_tensors, placeholder
+from tiermem.client.offload.pageargs import check_budget, check_buffers, check_optimizer, paged_tensors, placeholder
 from tiermem.client.offload.pagedparam import BufferCache, GradUnits, PagedParam, Residency
 from tiermem.client.offload.pagehooks import CatchParams, Frame, Probe, dedup
 from tiermem.client.offload.pageio import PageIO
@@ -437,4 +438,5 @@ def offload_params(
     ``ParamPager._fit_window``.  Frozen params, which
     an ``OffloadAdam`` leaves unregistered, are registered first: the daemon holds every paged param."""
     optimizer.register_frozen()
+    check_buffers(model, "offload_params")
     return ParamPager(model, optimizer, device_budget=device_budget, prefetch=prefetch, init=init)
