@@ -529,9 +529,9 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         feed.hook()
         self.feed = feed
         if reattached:  # a param made on the meta device has nowhere to put them: the pager fetches it on use
-            feed.pull_params([e.index for e in staged if not e.param.is_meta])
+            feed.pull_params(range(len(staged)))
         else:  # params made on the meta device get their values later (tiermem.offload_params)
-            feed.push_params([e for e in staged if not e.param.is_meta], only_edited=False)
+            feed.push_params(only_edited=False)
 
     def _bind_shared(
         self, client: Client, params: list[torch.nn.Parameter], slots: Any, dtype: Any, *, reattached: bool

@@ -323,6 +323,8 @@ class StagedFeed:
         """Push params whose fingerprint changed (``only_edited``) as their new master; returns how many."""
         todo: list[tuple[StagedEntry, tuple[int, int, int]]] = []
         for e in entries if entries is not None else self.entries:
+            if e.param.is_meta:  # no values here to push: they reach the daemon another way (an init, a pager)
+                continue
             mark = fingerprint(e.param)
             if not only_edited or mark != e.mark:
                 todo.append((e, mark))
@@ -348,7 +350,7 @@ class StagedFeed:
 
     def pull_params(self, ids: list[int] | range) -> None:
         """The updated params (the daemon's ``param``: the master cast to their dtype)."""
-        chosen = [self.entries[tid] for tid in ids]
+        chosen = [e for e in (self.entries[tid] for tid in ids) if not e.param.is_meta]  # a meta one has no room
         self.transfer.pull_many_into([(e.index, "param", e.param.data) for e in chosen])
         for e in chosen:
             e.mark = fingerprint(e.param)
