@@ -216,10 +216,8 @@ class ShardCopies:
 
     def mine(self, tid: int, values: torch.Tensor) -> torch.Tensor:
         """This rank's stretch of a whole param's ``values`` (any device), on the host, padded to the shard's
-        size (of a param on the meta device: a meta shard, which has its shape and nothing else)."""
+        size."""
         n = self._shard(tid)
-        if values.is_meta:
-            return torch.empty(n, dtype=values.dtype, device="meta")
         flat = values.detach().reshape(-1)
         lo = min(self.rank * n, flat.numel())
         hi = min(lo + n, flat.numel())
@@ -493,7 +491,7 @@ class PagedStrategy(ShardStrategy):
         self.copies = ShardCopies(
             numels, _owners(self.model, params), self.rank, self.world_size, self.schedule, self.grads, self.device
         )
-        self._shards, shard_groups = self._shards_of(params)
+        shard_groups = self._shard_groups(params)
         return InnerPlan(shard_groups, dtypes.by_torch(self.dtype).name)
 
     def attached(self) -> None:
@@ -536,20 +534,23 @@ class PagedStrategy(ShardStrategy):
         _set_generators(first[0], self.device)
         return own
 
-    def _shards_of(self, params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[dict[str, Any]]]:
-        """This rank's shard of each param (tensor i: param i's), and the optimizer's groups over them.  The
-        shards are on the meta device: they give the inner optimizer its tensors' shapes, and their values go
-        to the daemon one param at a time (``_write_masters``), never all at once beside the model."""
+    def _shard_groups(self, params: list[nn.Parameter]) -> list[dict[str, Any]]:
+        """The optimizer's groups over this rank's shard of each param (tensor i: param i's).  The shards are on
+        the meta device: they give the inner optimizer its tensors' shapes, and their values go to the daemon
+        one param at a time (``_write_masters``), never all at once beside the model."""
         shards = [
-            nn.Parameter(self.copies.mine(i, p.data.to("meta")), requires_grad=p.requires_grad)
-            for i, p in enumerate(params)
+            nn.Parameter(
+                torch.empty(shard_numel(p.numel(), self.world_size), dtype=p.dtype, device="meta"),
+                requires_grad=p.requires_grad,
+            )
+            for p in params
         ]
         shard_groups, at = [], 0
         for g in self.param_groups:  # the same groups over the shards, in the same order
             n = len(g["params"])
             shard_groups.append({**g, "params": shards[at : at + n]})
             at += n
-        return shards, shard_groups
+        return shard_groups
 
     def share(self) -> RankShare:
         """What this rank holds, in the checkpoints' terms: its stretch of every param, by tensor id."""
