@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
     if not args.keep and not failed and not wrong:
         shutil.rmtree(keep, ignore_errors=True)
+    elif not args.keep:  # kept for a look at what went wrong; say where, and that it is the reader's to remove
+        print(f"the launches' directories are kept in {keep} (remove it when done)")
     return 1 if failed or wrong else 0
 
 
