@@ -8,7 +8,8 @@ layers of width 256 within a 16 MiB budget) finish, how many fail (and with
 (still running after ``--timeout-s``, then killed).  ``--busy N`` processes
 spin on the CPU meanwhile, so the ranks' threads are scheduled late and in
 varying orders.  The bound is zero hangs and zero failures.  Every launch
-keeps its output in ``--keep`` (a temporary directory by default).
+keeps its output in ``--keep`` (by default a temporary directory, removed after
+a run where every launch finished).
 
     python benchmarks/stress_zero3_paged.py --launches 20 [--ranks 2] [--busy 2] [--timeout-s 240]
         [--keep DIR] [--json out.json]
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,12 +94,16 @@ def main() -> int:
             spinner.wait()
     counts = {k: sum(r["outcome"] == k for r in runs) for k in ("finished", "failed", "hung")}
     summary = {"launches": len(runs), "ranks": args.ranks, "busy": args.busy, **counts, "runs": runs}
+    passed = counts["finished"] == len(runs)
+    kept = args.keep is not None or not passed  # a temporary directory of a clean run goes; a failed one's stays
     print(f"{len(runs)} launches at {args.ranks} ranks, {args.busy} busy processes: {counts['finished']} finished, "
-          f"{counts['failed']} failed ({sum(r['rank_lost'] for r in runs)} with RankLost), {counts['hung']} hung; "
-          f"outputs in {keep}")  # fmt: skip
+          f"{counts['failed']} failed ({sum(r['rank_lost'] for r in runs)} with RankLost), {counts['hung']} hung"
+          + (f"; outputs in {keep}" if kept else ""))  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=1))
-    return 0 if counts["finished"] == len(runs) else 1
+    if not kept:
+        shutil.rmtree(keep, ignore_errors=True)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
