@@ -52,7 +52,7 @@ def _ddp(out: Path, optimizer: str, state_dtypes: tuple[str, ...]) -> dict[str, 
     """One torchrun launch of 2 ranks: each state dtype's fit, resumed from its checkpoint; params per rank."""
     out.mkdir()
     path = str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "TMPDIR": str(out)}  # torchrun's own temp dirs
     cmd = [
         sys.executable,
         "-m",
