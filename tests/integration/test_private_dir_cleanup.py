@@ -63,3 +63,32 @@ def test_a_private_daemon_removes_its_directory_when_its_trainer_is_killed(tmp_p
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait()
+
+
+def test_a_temp_dir_too_deep_for_a_socket_puts_the_private_daemon_in_tmp(tmp_path: Path) -> None:
+    """A batch scheduler's or a test runner's per-job ``TMPDIR`` can be deeper than AF_UNIX's 107 bytes allow
+    for the socket: the private daemon failed to start ("choose a shorter server.socket", a setting the user
+    never gave).  Its directory goes in /tmp instead, and is removed when the trainer ends."""
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    env = child_env()
+    env.update(TMPDIR=str(deep), TIERMEM_SOCKET_PATH=str(tmp_path / "none" / "tiermemd.sock"))
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert trainer.stdout is not None
+        line = trainer.stdout.readline().split()
+        assert line, f"the trainer exited {trainer.wait()} before starting its daemon"
+        directory = Path(line[0])
+        assert directory.parent == Path("/tmp") and (directory / "tiermemd.sock").exists()
+        trainer.communicate("", timeout=60)  # stdin closed: the trainer ends normally
+        assert trainer.returncode == 0
+        deadline = time.monotonic() + 60
+        while directory.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not directory.exists(), f"{directory} outlived its trainer"
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()

@@ -125,7 +125,7 @@ class EmbeddedDaemon:
         # user outside the service's group would fail to start on its port)
         config_path = os.path.join(self.dir, "tiermemd.toml")
         Path(config_path).write_text(_settings_toml(settings or {}))
-        self.socket = os.path.join(self.dir, "tiermemd.sock")
+        self.socket = os.path.join(self.dir, privatedir.SOCKET_NAME)
         notify_path = os.path.join(self.dir, "notify")
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         notify.bind(notify_path)

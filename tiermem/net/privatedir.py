@@ -2,7 +2,10 @@
 
 A client with no node daemon starts a private one (``tiermem.client.link.EmbeddedDaemon``)
 in a fresh ``$TMPDIR/tiermemd-XXXXXXXX`` (``mkdtemp``: mode 0700, owned by this
-user) holding its socket, config, log, state and swap files.  The directory
+user) holding its socket, config, log, state and swap files.  Where
+``$TMPDIR`` is so deep that the socket's path would pass AF_UNIX's 107 bytes
+(a batch scheduler's or a test runner's per-job directory), it goes in
+``/tmp`` instead (``parent_dir``).  The directory
 must not outlive both processes, however they end:
 
 - the daemon is given ``--private-dir DIR`` and removes DIR when it exits; with
@@ -32,20 +35,32 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["LOCK_NAME", "PREFIX", "create", "is_private_dir", "remove", "sweep"]
+from tiermem.net.sockpath import MAX_SOCKET_PATH_BYTES
+
+__all__ = ["LOCK_NAME", "PREFIX", "SOCKET_NAME", "create", "is_private_dir", "parent_dir", "remove", "sweep"]
 
 log = logging.getLogger(__name__)
 
 PREFIX = "tiermemd-"
 LOCK_NAME = "lock"
+SOCKET_NAME = "tiermemd.sock"
+FALLBACK_PARENT = "/tmp"  # noqa: S108 (mkdtemp makes a fresh 0700 directory in it)
 UNLOCKED_GRACE_S = 600.0
 """A directory without a lock file (being created right now, or made before locks existed) is left alone
 this long."""
 
 
+def parent_dir() -> str:
+    """Where private directories go: the temp dir, or ``/tmp`` when a socket under it would be longer than
+    AF_UNIX allows (``mkdtemp`` adds 8 characters to ``PREFIX``)."""
+    base = tempfile.gettempdir()
+    socket = os.path.join(base, PREFIX + "x" * 8, SOCKET_NAME)
+    return base if len(os.fsencode(socket)) <= MAX_SOCKET_PATH_BYTES else FALLBACK_PARENT
+
+
 def create() -> tuple[str, int]:
     """A new private directory and the descriptor of its lock (held; ``O_CLOEXEC``: pass it to the daemon)."""
-    directory = tempfile.mkdtemp(prefix=PREFIX)
+    directory = tempfile.mkdtemp(prefix=PREFIX, dir=parent_dir())
     fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -75,8 +90,9 @@ def remove(path: str | os.PathLike[str]) -> bool:
 
 
 def sweep(parent: str | None = None, *, now: float | None = None) -> list[str]:
-    """Remove this user's private directories under ``parent`` (default: the temp dir) that nobody uses."""
-    parent = parent or tempfile.gettempdir()
+    """Remove this user's private directories under ``parent`` (default: where ``create`` puts them) that
+    nobody uses."""
+    parent = parent or parent_dir()
     now = time.time() if now is None else now
     removed: list[str] = []
     try:
