@@ -39,17 +39,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_private_daemon_removes_its_directory_when_its_trainer_is_killed(tmp_path: Path) -> None:
+def _trainer(tmp_path: Path, tmpdir: Path) -> tuple[subprocess.Popen[str], Path, int]:
+    """``TRAINER`` with ``TMPDIR=tmpdir`` and no node daemon; its private daemon's directory and pid."""
     env = child_env()
-    env.update(TMPDIR=str(tmp_path), TIERMEM_SOCKET_PATH=str(tmp_path / "none" / "tiermemd.sock"))
+    env.update(TMPDIR=str(tmpdir), TIERMEM_SOCKET_PATH=str(tmp_path / "none" / "tiermemd.sock"))
     trainer = subprocess.Popen(
         [sys.executable, "-c", TRAINER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
+    assert trainer.stdout is not None
+    line = trainer.stdout.readline().split()
+    if not line:
+        trainer.kill()
+        raise AssertionError(f"the trainer exited {trainer.wait()} before starting its daemon")
+    return trainer, Path(line[0]), int(line[1])
+
+
+def test_a_private_daemon_removes_its_directory_when_its_trainer_is_killed(tmp_path: Path) -> None:
+    trainer, directory, daemon_pid = _trainer(tmp_path, tmp_path)
     try:
-        assert trainer.stdout is not None
-        line = trainer.stdout.readline().split()
-        assert line, f"the trainer exited {trainer.wait()} before starting its daemon"
-        directory, daemon_pid = Path(line[0]), int(line[1])
         assert directory.parent == tmp_path and (directory / "tiermemd.sock").exists()
         assert any((directory / "swap").iterdir())  # the NVMe state is in there
         trainer.send_signal(signal.SIGKILL)
@@ -71,16 +78,8 @@ def test_a_temp_dir_too_deep_for_a_socket_puts_the_private_daemon_in_tmp(tmp_pat
     never gave).  Its directory goes in /tmp instead, and is removed when the trainer ends."""
     deep = tmp_path / ("d" * 60) / ("e" * 40)
     deep.mkdir(parents=True)
-    env = child_env()
-    env.update(TMPDIR=str(deep), TIERMEM_SOCKET_PATH=str(tmp_path / "none" / "tiermemd.sock"))
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", TRAINER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    trainer, directory, _ = _trainer(tmp_path, deep)
     try:
-        assert trainer.stdout is not None
-        line = trainer.stdout.readline().split()
-        assert line, f"the trainer exited {trainer.wait()} before starting its daemon"
-        directory = Path(line[0])
         assert directory.parent == Path("/tmp") and (directory / "tiermemd.sock").exists()
         trainer.communicate("", timeout=60)  # stdin closed: the trainer ends normally
         assert trainer.returncode == 0
