@@ -10,7 +10,7 @@ pool memory or a shared window):
 
 ``update(..., start=a, stop=b)`` updates elements [a, b) only, so callers can
 pipeline chunk by chunk (read state chunk i+1, update chunk i, write back
-chunk i-1); ``submit`` is the same call returning a handle instead of waiting.
+chunk i-1); with ``wait=False`` it returns a handle instead of waiting.
 Every dtype, shape and length is checked before anything is written: a
 mismatch raises ``DTypeError`` / ``InvalidArgument`` saying what was expected.
 
@@ -40,7 +40,7 @@ only, never on timing, so a run's bits are reproducible.  ``native=False``
 turns the path off.
 
 Compressed moments (``state_dtype`` bf16 or int8, ``tiermem.core.lowbit``):
-``update_lowbit`` / ``submit_lowbit`` take the moments as a ``LowbitMoments``
+``update_lowbit`` takes the moments as a ``LowbitMoments``
 and run the fused C kernel (``lowbit_native``) over pieces that begin on a
 quantization block, on the same threads; without a C compiler the
 plain-torch reference runs instead.
@@ -207,56 +207,24 @@ class AdamEngine:
         grad_scale: float = 1.0,
         start: int = 0,
         stop: int | None = None,
-    ) -> None:
-        """One Adam step of elements [start, stop) of the operands; returns when it is written.
+        wait: bool = True,
+    ) -> PendingUpdate:
+        """One Adam step of elements [start, stop) of the operands.
 
         ``group`` is an ``AdamHyper`` or anything ``AdamHyper.of`` reads (a
         torch param-group dict, a protocol ``ParamGroup``); ``step`` is the step
         count of these elements after this update (1 for the first);
         ``grad_scale`` multiplies the raw gradient (``inv_scale * clip_coef``).
+        ``wait``: return when it is written, this thread running the first piece
+        itself; ``wait=False`` queues every piece on the engine's threads and
+        the returned ``PendingUpdate`` waits for them.
         """
-        operands = (master, exp_avg, exp_avg_sq, grad, out)
-        self._dispatch(*operands, group, step, grad_scale, start, stop, inline_first=True).wait()
-
-    def submit(
-        self,
-        master: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        grad: torch.Tensor,
-        out: torch.Tensor | None = None,
-        *,
-        group: Any,
-        step: int,
-        grad_scale: float = 1.0,
-        start: int = 0,
-        stop: int | None = None,
-    ) -> PendingUpdate:
-        """``update`` without waiting: the pieces are queued on the engine's threads."""
-        operands = (master, exp_avg, exp_avg_sq, grad, out)
-        return self._dispatch(*operands, group, step, grad_scale, start, stop, inline_first=False)
-
-    def _dispatch(
-        self,
-        master: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        grad: torch.Tensor,
-        out: torch.Tensor | None,
-        group: Any,
-        step: int,
-        grad_scale: float,
-        start: int,
-        stop: int | None,
-        *,
-        inline_first: bool,
-    ) -> PendingUpdate:
         stop = _check_range(start, stop, _check_operands(master, exp_avg, exp_avg_sq, grad, out))
         hyper = AdamHyper.of(group)
         if self._runs_native(grad.dtype, None if out is None else out.dtype, grad_scale):
             piece = (master[start:stop], grad[start:stop], exp_avg[start:stop], exp_avg_sq[start:stop])
             native = functools.partial(_run_native, *piece, hyper, step, grad_scale)
-            return PendingUpdate([_run_here(native)] if stop > start else [])
+            return _pending([_run_here(native)] if stop > start else [], wait)
         scalars = step_scalars(hyper, step, grad_scale)
         rec = self._kernels.get(kernel_key(grad.dtype, None if out is None else out.dtype), hot=True)
         coef = torch.tensor(scalars, dtype=torch.float32)
@@ -265,19 +233,17 @@ class AdamEngine:
             (master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], None if out is None else out[a:b])
             for a, b in itertools.pairwise(cuts)
         ]
-        return self._launch(
-            [functools.partial(_run_piece, rec, piece, scalars, coef) for piece in pieces], inline_first
-        )
+        return self._started([functools.partial(_run_piece, rec, piece, scalars, coef) for piece in pieces], wait)
 
-    def _launch(self, calls: Sequence[Callable[[], None]], inline_first: bool) -> PendingUpdate:
+    def _started(self, calls: Sequence[Callable[[], None]], wait: bool) -> PendingUpdate:
         """Run the pieces' ``calls``: without a pool all here; else on the pool, the caller's thread taking the
-        first itself when it is going to wait anyway (``inline_first``)."""
-        n_inline = len(calls) if self._pool is None else int(inline_first and bool(calls))
+        first itself when it is going to wait anyway (``wait``, which returns once all are done)."""
+        n_inline = len(calls) if self._pool is None else int(wait and bool(calls))
         futures: list[Future[None]] = []
         if self._pool is not None:
             futures = [self._pool.submit(call) for call in calls[n_inline:]]
         futures += [_run_here(call) for call in calls[:n_inline]]
-        return PendingUpdate(futures)
+        return _pending(futures, wait)
 
     def _cuts(self, start: int, stop: int, *, compiled: bool, align: int = _ALIGN_NUMEL) -> list[int]:
         n = stop - start
@@ -309,45 +275,12 @@ class AdamEngine:
         grad_scale: float = 1.0,
         start: int = 0,
         stop: int | None = None,
-    ) -> None:
+        wait: bool = True,
+    ) -> PendingUpdate:
         """``update`` over compressed moments (``state_dtype`` bf16 or int8): one fused pass per piece.
 
         ``start`` must begin a block of int8 moments (a multiple of ``lowbit.BLOCK``); the rounding of
         element ``i`` hashes ``moments.start + i`` and ``step``."""
-        operands = (master, moments, grad, out)
-        self._dispatch_lowbit(*operands, group, step, grad_scale, start, stop, inline_first=True).wait()
-
-    def submit_lowbit(
-        self,
-        master: torch.Tensor,
-        moments: LowbitMoments,
-        grad: torch.Tensor,
-        out: torch.Tensor | None = None,
-        *,
-        group: Any,
-        step: int,
-        grad_scale: float = 1.0,
-        start: int = 0,
-        stop: int | None = None,
-    ) -> PendingUpdate:
-        """``update_lowbit`` without waiting: the pieces are queued on the engine's threads."""
-        operands = (master, moments, grad, out)
-        return self._dispatch_lowbit(*operands, group, step, grad_scale, start, stop, inline_first=False)
-
-    def _dispatch_lowbit(
-        self,
-        master: torch.Tensor,
-        moments: LowbitMoments,
-        grad: torch.Tensor,
-        out: torch.Tensor | None,
-        group: Any,
-        step: int,
-        grad_scale: float,
-        start: int,
-        stop: int | None,
-        *,
-        inline_first: bool,
-    ) -> PendingUpdate:
         stop = _check_range(start, stop, _check_lowbit_operands(master, moments, grad, out))
         moments.piece(start, stop)  # refuses an int8 start off a block before any piece runs
         scalars = step_scalars(AdamHyper.of(group), step, grad_scale)
@@ -357,7 +290,15 @@ class AdamEngine:
             functools.partial(kernel.update, master, grad, moments, out, scalars, coef, step=step, start=a, stop=b)
             for a, b in itertools.pairwise(self._cuts(start, stop, compiled=kernel.native, align=BLOCK))
         ]
-        return self._launch(calls, inline_first)
+        return self._started(calls, wait)
+
+
+def _pending(futures: list[Future[None]], wait: bool) -> PendingUpdate:
+    """The handle of an update's pieces; with ``wait``, once they are done (raising the first error)."""
+    pending = PendingUpdate(futures)
+    if wait:
+        pending.wait()
+    return pending
 
 
 def _run_here(call: Callable[[], None]) -> Future[None]:

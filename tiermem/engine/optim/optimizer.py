@@ -166,7 +166,7 @@ class CPUAdam(torch.optim.Optimizer):
                 target = p if master is None else master
                 pending.append(
                     (
-                        engine.submit(
+                        engine.update(
                             _flat(target),
                             _flat(state["exp_avg"]),
                             _flat(state["exp_avg_sq"]),
@@ -175,6 +175,7 @@ class CPUAdam(torch.optim.Optimizer):
                             group=group,
                             step=int(step_t.item()) + 1,
                             grad_scale=grad_scale,
+                            wait=False,
                         ),
                         step_t,
                     )
