@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,6 +102,12 @@ class TwoBranches(nn.Module):
 # ----------------------------------------------------------------------------- Hugging Face models
 
 LLAMA_VOCAB = 64
+LLAMA_DAEMON: dict[str, Any] = {"pool_size": 256 << 20}
+"""The daemon of a test module that trains ``tiny_llama`` in a framework (its ``OFFLOAD_DAEMON``)."""
+LLAMA_HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.01}
+LLAMA_STEPS = 6
+LLAMA_TOLERANCE = 1e-5
+"""How far from ``torch.optim.AdamW`` such a run may end (largest param difference)."""
 
 
 def tiny_llama(vocab_size: int = LLAMA_VOCAB) -> nn.Module:

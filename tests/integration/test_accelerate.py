@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from offload_helpers import OffloadDaemon, assert_params_equal, max_param_diff
-from small_models import llama_batch, lm_loss, tiny_llama
+from small_models import LLAMA_DAEMON, LLAMA_HYPER, LLAMA_STEPS, LLAMA_TOLERANCE, llama_batch, lm_loss, tiny_llama
 from torch import nn
 
 accelerate = pytest.importorskip("accelerate")
@@ -28,10 +28,7 @@ pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-OFFLOAD_DAEMON: dict[str, Any] = {"pool_size": 256 << 20}
-HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.01}
-STEPS = 6
-TOLERANCE = 1e-5
+OFFLOAD_DAEMON = LLAMA_DAEMON
 
 
 def _prepared(
@@ -61,24 +58,24 @@ def _train(
 def test_an_accelerate_loop_trains_like_adamw(offload: OffloadDaemon) -> None:
     model = tiny_llama()
     reference = copy.deepcopy(model)
-    ours = _prepared(model, offload.make(model.parameters(), offload="cpu", **HYPER))
-    theirs = _prepared(reference, torch.optim.AdamW(reference.parameters(), **HYPER))
-    losses = _train(*ours, range(STEPS))
-    ref_losses = _train(*theirs, range(STEPS))
+    ours = _prepared(model, offload.make(model.parameters(), offload="cpu", **LLAMA_HYPER))
+    theirs = _prepared(reference, torch.optim.AdamW(reference.parameters(), **LLAMA_HYPER))
+    losses = _train(*ours, range(LLAMA_STEPS))
+    ref_losses = _train(*theirs, range(LLAMA_STEPS))
     torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
     gap = max_param_diff(model, reference)
-    assert gap <= TOLERANCE, gap  # 1.2e-7 here
+    assert gap <= LLAMA_TOLERANCE, gap  # 1.2e-7 here
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
 def test_save_state_and_load_state_resume_bitwise(offload: OffloadDaemon, tmp_path: Path, state_dtype: str) -> None:
-    options = {"offload": "cpu", "state_dtype": state_dtype, "window_nbytes": 4096, **HYPER}
+    options = {"offload": "cpu", "state_dtype": state_dtype, "window_nbytes": 4096, **LLAMA_HYPER}
     whole = tiny_llama()
-    _train(*_prepared(whole, offload.make(whole.parameters(), **options)), range(STEPS))
+    _train(*_prepared(whole, offload.make(whole.parameters(), **options)), range(LLAMA_STEPS))
 
     first = tiny_llama()
     accelerator, _, first_opt, _ = prepared = _prepared(first, offload.make(first.parameters(), **options))
-    _train(*prepared, range(STEPS // 2))
+    _train(*prepared, range(LLAMA_STEPS // 2))
     accelerator.save_state(str(tmp_path))
     first_opt.optimizer.close()
 
@@ -86,7 +83,7 @@ def test_save_state_and_load_state_resume_bitwise(offload: OffloadDaemon, tmp_pa
     resumed = tiny_llama()
     accelerator, _, resumed_opt, sched = prepared = _prepared(resumed, offload.make(resumed.parameters(), **options))
     accelerator.load_state(str(tmp_path))
-    assert sched.scheduler.last_epoch == STEPS // 2
-    _train(*prepared, range(STEPS // 2, STEPS))
+    assert sched.scheduler.last_epoch == LLAMA_STEPS // 2
+    _train(*prepared, range(LLAMA_STEPS // 2, LLAMA_STEPS))
     assert_params_equal(resumed, whole)
-    assert resumed_opt.optimizer.steps == STEPS  # counted from the loaded step, as torch's state["step"]
+    assert resumed_opt.optimizer.steps == LLAMA_STEPS  # counted from the loaded step, as torch's state["step"]

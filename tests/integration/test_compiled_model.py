@@ -14,22 +14,18 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from offload_helpers import OffloadDaemon, assert_params_equal, max_param_diff, train
-from small_models import llama_batch, lm_loss, tiny_llama
+from small_models import LLAMA_DAEMON, LLAMA_HYPER, LLAMA_STEPS, LLAMA_TOLERANCE, llama_batch, lm_loss, tiny_llama
 from torch import nn
 
 pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-OFFLOAD_DAEMON: dict[str, Any] = {"pool_size": 256 << 20}
-HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.01}
-STEPS = 6
-TOLERANCE = 1e-5
+OFFLOAD_DAEMON = LLAMA_DAEMON
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,12 +45,12 @@ def test_a_compiled_model_trains_like_adamw(offload: OffloadDaemon) -> None:
     for m in (compiled, compiled_ref):  # compiled and run before the optimizer moves the params
         lm_loss(m, llama_batch(-1)).backward()
         m.zero_grad()
-    opt = offload.make(compiled.parameters(), offload="cpu", **HYPER)
-    adamw = torch.optim.AdamW(compiled_ref.parameters(), **HYPER)
-    _train(compiled, opt, range(STEPS))
-    _train(compiled_ref, adamw, range(STEPS))
+    opt = offload.make(compiled.parameters(), offload="cpu", **LLAMA_HYPER)
+    adamw = torch.optim.AdamW(compiled_ref.parameters(), **LLAMA_HYPER)
+    _train(compiled, opt, range(LLAMA_STEPS))
+    _train(compiled_ref, adamw, range(LLAMA_STEPS))
     gap = max_param_diff(model, reference)
-    assert gap <= TOLERANCE, gap  # 8.3e-7 here
+    assert gap <= LLAMA_TOLERANCE, gap  # 8.3e-7 here
     assert not torch.equal(model.lm_head.weight, tiny_llama().lm_head.weight)
 
 
@@ -63,13 +59,13 @@ def test_a_compiled_model_resumes_bitwise(offload: OffloadDaemon, tmp_path: Path
     """6 steps uninterrupted against 3, ``torch.save`` of the model and the optimizer, a fresh compiled model
     and optimizer loaded from the file, and 3 more; through the smallest window (its 512-element slots cut
     the int8 blocks of the tensors after the 32-element norms)."""
-    options = {"offload": "cpu", "state_dtype": state_dtype, "window_nbytes": 4096, **HYPER}
+    options = {"offload": "cpu", "state_dtype": state_dtype, "window_nbytes": 4096, **LLAMA_HYPER}
     whole = torch.compile(tiny_llama())
-    _train(whole, offload.make(whole.parameters(), **options), range(STEPS))
+    _train(whole, offload.make(whole.parameters(), **options), range(LLAMA_STEPS))
 
     first = torch.compile(tiny_llama())
     first_opt = offload.make(first.parameters(), **options)
-    _train(first, first_opt, range(STEPS // 2))
+    _train(first, first_opt, range(LLAMA_STEPS // 2))
     path = tmp_path / "checkpoint.pt"
     torch.save({"model": first.state_dict(), "optimizer": first_opt.state_dict()}, path)
     first_opt.close()
@@ -79,5 +75,5 @@ def test_a_compiled_model_resumes_bitwise(offload: OffloadDaemon, tmp_path: Path
     resumed.load_state_dict(checkpoint["model"])
     resumed_opt = offload.make(resumed.parameters(), **options)
     resumed_opt.load_state_dict(checkpoint["optimizer"])
-    _train(resumed, resumed_opt, range(STEPS // 2, STEPS))
+    _train(resumed, resumed_opt, range(LLAMA_STEPS // 2, LLAMA_STEPS))
     assert_params_equal(resumed, whole)
