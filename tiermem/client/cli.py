@@ -22,11 +22,13 @@ The CLI configures logging for itself; the library never prints.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 
 from tiermem import __version__
+from tiermem.client.subcommand import add_command
 
 __all__ = ["main"]
 
@@ -46,9 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser(
+    demo = add_command(
+        sub,
         "demo",
         help="train a small GPT through tiermem and compare with torch.optim.AdamW",
+        run=_demo,
         description=(
             "Trains the same small GPT-style model on a generated text corpus several times from the same "
             "seed: with in-process torch.optim.AdamW (the reference), and with its Adam state offloaded "
@@ -79,26 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         "directory; needs matplotlib)",
     )
     demo.add_argument("--no-plot", dest="plot", action="store_const", const="", help="write no loss-curve PNG")
-    demo.set_defaults(func=_demo)
-
-    from tiermem.client.estimate_cli import add_estimate_command
-
-    add_estimate_command(sub)
-
-    from tiermem.client.status import add_parser as add_status_command
-
-    add_status_command(sub)
-
-    from tiermem.client.doctor import add_parser as add_doctor_command
-
-    add_doctor_command(sub)
-
-    from tiermem.client.consolidate import add_parser as add_consolidate_command
-
-    add_consolidate_command(sub)
-
-    version = sub.add_parser("version", help="print the version")
-    version.set_defaults(func=lambda _args: print(f"tiermem {__version__}") or 0)
+    for module in ("estimate_cli", "status", "doctor", "consolidate"):
+        importlib.import_module(f"tiermem.client.{module}").add_parser(sub)
+    add_command(sub, "version", help="print the version", run=lambda _args: print(f"tiermem {__version__}") or 0)
     return parser
 
 

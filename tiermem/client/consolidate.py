@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tiermem.client.subcommand import Subparsers, add_command
 from tiermem.core.errors import TiermemError
 
 __all__ = ["add_parser", "run_consolidate"]
@@ -36,13 +37,9 @@ example: tiermem consolidate ckpt/step-1000 --model model.pt --optimizer optim.p
 """
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "consolidate",
-        help="merge a ZeRO-3 checkpoint's rank files into one model and one torch.optim.AdamW state dict",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_parser(sub: Subparsers) -> None:
+    help_line = "merge a ZeRO-3 checkpoint's rank files into one model and one torch.optim.AdamW state dict"
+    p = add_command(sub, "consolidate", help=help_line, description=DESCRIPTION, run=run_consolidate)
     p.add_argument(
         "source",
         nargs="+",
@@ -56,7 +53,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="the model's values in fp32 (the optimizer's masters) instead of the model's dtype",
     )
-    p.set_defaults(func=run_consolidate, parser=p)
 
 
 def run_consolidate(args: argparse.Namespace) -> int:

@@ -55,6 +55,7 @@ from tiermem.client.doctor_facts import (
     User,
     owner,
 )
+from tiermem.client.subcommand import Subparsers, add_command
 from tiermem.core.units import GiB, format_size
 
 __all__ = [
@@ -513,10 +514,12 @@ daemon, buffered swap I/O, the fallback kernel); 1 a check failed, training thro
 """
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    doctor = sub.add_parser(
+def add_parser(sub: Subparsers) -> None:
+    doctor = add_command(
+        sub,
         "doctor",
         help="check that this node can train through tiermem, with a fix for each problem",
+        run=run_doctor,
         description=(
             "Checks, as the user who runs it: the node's settings; the tiermemd a trainer of this user "
             "would reach (found as trainers find it), its version and protocol, and whether this user may "
@@ -526,7 +529,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "CUDA with cudaHostRegister where a GPU is present. Each problem comes with a one-line fix."
         ),
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     doctor.add_argument(
         "--socket",
@@ -544,7 +546,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     doctor.add_argument(
         "--timeout", type=float, default=10.0, metavar="SECONDS", help="how long a daemon may take to answer"
     )
-    doctor.set_defaults(func=run_doctor)
 
 
 def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:

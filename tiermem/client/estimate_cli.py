@@ -12,9 +12,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from tiermem.client.subcommand import Subparsers, add_command
 from tiermem.core.errors import TiermemError
 
-__all__ = ["add_estimate_command", "node_config_path"]
+__all__ = ["add_parser", "node_config_path"]
 
 DEFAULT_NODE_CONFIG = "/etc/tiermem/tiermemd.toml"
 """The node daemon's settings when neither --config nor TIERMEM_CONFIG names a file (as ``tiermemd`` reads)."""
@@ -73,13 +74,9 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_estimate_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "estimate",
-        help="memory per GPU, host and NVMe for a model under each ZeRO stage and offload, and whether it fits",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_parser(sub: Subparsers) -> None:
+    help_line = "memory per GPU, host and NVMe for a model under each ZeRO stage and offload, and whether it fits"
+    p = add_command(sub, "estimate", help=help_line, description=DESCRIPTION, run=_run)
     p.add_argument(
         "--params",
         type=_params,
@@ -128,7 +125,6 @@ def add_estimate_command(sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
     p.add_argument("--no-daemon", action="store_true", help="do not ask a running tiermemd for its budget")
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table")
-    p.set_defaults(func=_run, parser=p)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
+from tiermem.client.subcommand import Subparsers, add_command
 from tiermem.core.errors import TiermemError, UnsafePathError
 from tiermem.core.protocol import JobReport, NodeReport, StatsReply
 from tiermem.core.units import format_size
@@ -212,10 +213,12 @@ def _one_or_mix(values: tuple[str, ...]) -> str:
     return values[0] if len(values) == 1 else "mix"
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    status = sub.add_parser(
+def add_parser(sub: Subparsers) -> None:
+    status = add_command(
+        sub,
         "status",
         help="show the node's tiermemd: pool, swap, jobs with their usage per tier, throughput, errors",
+        run=run_status,
         description=(
             "Asks the node's tiermemd for its figures (a STATS request) and shows them on one screen: the "
             "host-memory pool, the NVMe swap tier, the budgets, the CPU Adam updates, the clients and their "
@@ -242,7 +245,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="SECONDS",
         help="refresh every SECONDS (default 2) until interrupted",
     )
-    status.set_defaults(func=run_status)
 
 
 def _unreachable(socket_path: str | None) -> str:
