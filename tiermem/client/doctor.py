@@ -514,22 +514,19 @@ daemon, buffered swap I/O, the fallback kernel); 1 a check failed, training thro
 """
 
 
+DESCRIPTION = (
+    "Checks, as the user who runs it: the node's settings; the tiermemd a trainer of this user "
+    "would reach (found as trainers find it), its version and protocol, and whether this user may "
+    "attach (uid, groups, allowed_gids, socket and directory modes); the daemon's pool and "
+    "RLIMIT_MEMLOCK; libaio and a kernel AIO context; each swap directory (writable, O_DIRECT, free "
+    "space, inside the unit's ReadWritePaths); the kernel caches and the kernels built; torch, and "
+    "CUDA with cudaHostRegister where a GPU is present. Each problem comes with a one-line fix."
+)
+
+
 def add_parser(sub: Subparsers) -> None:
-    doctor = add_command(
-        sub,
-        "doctor",
-        help="check that this node can train through tiermem, with a fix for each problem",
-        run=run_doctor,
-        description=(
-            "Checks, as the user who runs it: the node's settings; the tiermemd a trainer of this user "
-            "would reach (found as trainers find it), its version and protocol, and whether this user may "
-            "attach (uid, groups, allowed_gids, socket and directory modes); the daemon's pool and "
-            "RLIMIT_MEMLOCK; libaio and a kernel AIO context; each swap directory (writable, O_DIRECT, free "
-            "space, inside the unit's ReadWritePaths); the kernel caches and the kernels built; torch, and "
-            "CUDA with cudaHostRegister where a GPU is present. Each problem comes with a one-line fix."
-        ),
-        epilog=EPILOG,
-    )
+    help_line = "check that this node can train through tiermem, with a fix for each problem"
+    doctor = add_command(sub, "doctor", help=help_line, run=run_doctor, description=DESCRIPTION, epilog=EPILOG)
     doctor.add_argument(
         "--socket",
         metavar="PATH",

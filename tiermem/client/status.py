@@ -213,19 +213,17 @@ def _one_or_mix(values: tuple[str, ...]) -> str:
     return values[0] if len(values) == 1 else "mix"
 
 
+DESCRIPTION = (
+    "Asks the node's tiermemd for its figures (a STATS request) and shows them on one screen: the "
+    "host-memory pool, the NVMe swap tier, the budgets, the CPU Adam updates, the clients and their "
+    "errors, and one line per job with its bytes per tier. Root and the daemon's user see every job, "
+    "other users their own. Rates need two samples: use --watch."
+)
+
+
 def add_parser(sub: Subparsers) -> None:
-    status = add_command(
-        sub,
-        "status",
-        help="show the node's tiermemd: pool, swap, jobs with their usage per tier, throughput, errors",
-        run=run_status,
-        description=(
-            "Asks the node's tiermemd for its figures (a STATS request) and shows them on one screen: the "
-            "host-memory pool, the NVMe swap tier, the budgets, the CPU Adam updates, the clients and their "
-            "errors, and one line per job with its bytes per tier. Root and the daemon's user see every job, "
-            "other users their own. Rates need two samples: use --watch."
-        ),
-    )
+    help_line = "show the node's tiermemd: pool, swap, jobs with their usage per tier, throughput, errors"
+    status = add_command(sub, "status", help=help_line, run=run_status, description=DESCRIPTION)
     status.add_argument(
         "--socket", metavar="PATH", help="the daemon's socket (default: $TIERMEM_SOCKET_PATH, the node's, yours)"
     )
