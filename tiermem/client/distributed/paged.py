@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -127,6 +128,7 @@ def shard_numel(numel: int, world_size: int) -> int:
     return max(1, -(-numel // world_size))
 
 
+@dataclass(eq=False)
 class ShardCopies:
     """The pager's copies when tensor ``i`` of this rank is its shard of param ``i`` (I/O thread only).
 
@@ -138,26 +140,20 @@ class ShardCopies:
     waits on the event recorded where the grad was produced, reduce-scatters on the device and writes the
     reduced shard to the daemon.  Every temporary is allocated on the copy stream."""
 
-    def __init__(
-        self,
-        numels: list[int],
-        units: list[str],
-        rank: int,
-        world_size: int,
-        schedule: Collectives,
-        grads: ShardGrads,
-        device: torch.device | None = None,
-    ) -> None:
-        self.device = torch.device("cpu") if device is None else device
+    numels: list[int]
+    units: list[str]
+    """The submodule that owns each param (by tensor id), as a collective names it."""
+    rank: int
+    world_size: int
+    schedule: Collectives
+    grads: ShardGrads
+    """This step's statistics of the reduced shards written to the daemon."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    stream: Any = field(init=False)
+    """The copy stream on a CUDA device; None on the host."""
+
+    def __post_init__(self) -> None:
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
-        self.numels = numels
-        self.units = units
-        """The submodule that owns each param (by tensor id), as a collective names it."""
-        self.rank = rank
-        self.world_size = world_size
-        self.schedule = schedule
-        self.grads = grads
-        """This step's statistics of the reduced shards written to the daemon."""
 
     def _shard(self, tid: int) -> int:
         return shard_numel(self.numels[tid], self.world_size)
