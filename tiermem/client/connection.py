@@ -28,8 +28,8 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Iterable
-from types import TracebackType
 
+from tiermem.core.closing import Closing
 from tiermem.core.errors import (
     ConnectionClosed,
     DaemonGone,
@@ -158,7 +158,7 @@ def _set_recv_timeout(sock: socket.socket, timeout_s: float | None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", micros // 1_000_000, micros % 1_000_000))
 
 
-class Connection:
+class Connection(Closing):
     """A blocking client connection: ``request(msg)`` sends one request and returns its reply.
 
     Thread-safe: one request/reply exchange at a time under a lock.  An error
@@ -322,14 +322,6 @@ class Connection:
             if not self._closed_why:
                 self._closed_why = "closed by the client"
                 self._frames.close()
-
-    def __enter__(self) -> Connection:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ internals
 

@@ -58,6 +58,7 @@ import torch
 
 from tiermem.client.connection import DEFAULT_TIMEOUT_S, Connection, connect_trusted
 from tiermem.core import protocol
+from tiermem.core.closing import Closing
 from tiermem.core.config import default_runtime_dir
 from tiermem.core.errors import (
     ConfigError,
@@ -313,7 +314,7 @@ def _service_uids(env: Mapping[str, str]) -> list[int]:
         return []  # no service user: only root's daemon is trusted on the node path
 
 
-class Client:
+class Client(Closing):
     """One connection to tiermemd (and, after ``attach``, the job's mapped window)."""
 
     def __init__(self, conn: Connection, *, socket_path: str, daemon: EmbeddedDaemon | None = None) -> None:
@@ -534,12 +535,6 @@ class Client:
                 )
                 return
             time.sleep(0.02)
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def connect(

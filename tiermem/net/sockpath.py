@@ -71,6 +71,7 @@ import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from tiermem.core.closing import Closing
 from tiermem.core.errors import UnsafePathError
 
 __all__ = [
@@ -288,7 +289,7 @@ def check_ancestors(directory: str, trust: Trust, *, fix: str = "") -> None:
             raise _refuse(path, problem, st, mine, fix)
 
 
-class SecureDir:
+class SecureDir(Closing):
     """An open directory verified to be trusted; operations on its entries go through its fd.
 
     ``open`` with ``create`` makes a missing directory (mode 0700; missing
@@ -377,12 +378,6 @@ class SecureDir:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-    def __enter__(self) -> SecureDir:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def verify_socket(path: str, trust: Trust) -> None:

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from tiermem.core.adam_math import AdamHyper, AdamScalars, step_scalars
+from tiermem.core.closing import Closing
 from tiermem.core.config import AdamConfig
 from tiermem.core.errors import DTypeError, InvalidArgument
 from tiermem.core.lowbit import BLOCK, LowbitMoments, blocks_of
@@ -112,7 +113,7 @@ class PendingUpdate:
             raise error
 
 
-class AdamEngine:
+class AdamEngine(Closing):
     """Runs Adam/AdamW updates over flat buffers; see the module docstring."""
 
     def __init__(
@@ -178,12 +179,6 @@ class AdamEngine:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> AdamEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ----------------------------------------------------------------------- gradient statistics
 

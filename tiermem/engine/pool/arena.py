@@ -37,10 +37,10 @@ import os
 import resource
 import weakref
 from dataclasses import dataclass
-from types import TracebackType
 
 import numpy as np
 
+from tiermem.core.closing import Closing
 from tiermem.core.errors import BoundsError, HostMemoryError, InvalidArgument, InvalidState
 from tiermem.core.units import PAGE_SIZE, align_up, format_size
 
@@ -88,7 +88,7 @@ def memlock_warning(refused: list[MlockRefusal], total: int, what: str = "host m
     )
 
 
-class Arena:
+class Arena(Closing):
     """One shared-memory segment, mapped read-write (or read-only), of a fixed size."""
 
     def __init__(self, fd: int, nbytes: int, *, writable: bool, name: str, populate: bool = True) -> None:
@@ -235,14 +235,6 @@ class Arena:
             except BufferError:
                 log.debug("arena %r closed with live views; unmapped when the last one goes", self._name)
         self._close_fd()
-
-    def __enter__(self) -> Arena:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("locked" if self._locked else "unlocked")

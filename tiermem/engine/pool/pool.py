@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from tiermem.core.closing import Closing
 from tiermem.core.config import PoolConfig
 from tiermem.core.errors import BoundsError, InvalidArgument, InvalidState, PoolExhausted
 from tiermem.core.pool_plan import arena_sizes
@@ -51,7 +52,7 @@ def auto_pool_size(alignment: int = PAGE_SIZE) -> int:
     return half - half % alignment
 
 
-class BufferPool(PoolFigures):
+class BufferPool(PoolFigures, Closing):
     """Thread-safe block allocation over one or more arenas, with pins, compaction and eviction."""
 
     def __init__(
@@ -258,12 +259,6 @@ class BufferPool(PoolFigures):
                         self._pinner.unregister(arena.address)
             for arena in self._arenas:
                 arena.close()
-
-    def __enter__(self) -> BufferPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _require_open(self) -> None:
         if self._closed:
