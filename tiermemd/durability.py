@@ -193,9 +193,24 @@ class Durability:
 
     # ----------------------------------------------------------------- commits
 
+    def set_commit_every(self, steps: int) -> None:
+        """``jobs.commit_every`` from a SIGHUP: from each rank's next step on, its periodic commits come
+        every ``steps`` steps counted from its last commit (at once where that many ran already); 0 stops
+        them, and a deferred commit is then retried only at shutdown (its count goes back to 0)."""
+        if steps == self.commit_every:
+            return
+        log.info("jobs.commit_every: %s", f"a commit every {steps} steps" if steps else "0, commits at shutdown only")
+        self.commit_every = steps
+        if not steps:
+            self.deferred.clear()
+
     def after_step(self, job: Job, rank: RankOptimizer) -> None:
         """Commit ``rank`` when ``jobs.commit_every`` steps ran since its last commit."""
-        if not self.commit_every or not isinstance(rank.state, NvmeStateChunks) or rank.phase.phase is RankPhase.FAILED:
+        if not self.commit_every:
+            if self.deferred:  # turned off by a SIGHUP while this rank's commits were deferred: none retries
+                self.deferred.pop((job.owner_uid, job.job_id, rank.rank), None)
+            return
+        if not isinstance(rank.state, NvmeStateChunks) or rank.phase.phase is RankPhase.FAILED:
             return
         durable = job.durable.get(rank.rank)
         if rank.last_step - (durable.last_step if durable is not None else 0) < self.commit_every:

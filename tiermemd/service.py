@@ -74,6 +74,7 @@ class StartupError(Exception):
 
 RELOADED = frozenset(
     {
+        "jobs.commit_every",
         "jobs.grace_period_s",
         "jobs.max_jobs",
         "jobs.max_jobs_per_uid",
@@ -430,6 +431,7 @@ class Service:
         self.jobs.grace_period_s = fresh.jobs.grace_period_s
         self.jobs.max_jobs = fresh.jobs.max_jobs
         self.jobs.max_jobs_per_uid = fresh.jobs.max_jobs_per_uid
+        self.durability.set_commit_every(fresh.jobs.commit_every)
         self.server.config = fresh.server
         log.info("SIGHUP: reloaded %s (other settings take effect on restart)", ", ".join(sorted(RELOADED)))
         pending = restart_only_changes(self.config, fresh)

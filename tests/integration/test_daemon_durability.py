@@ -214,6 +214,42 @@ def test_a_killed_daemon_serves_its_last_commit_and_the_client_refuses_it_unless
     assert node.store_files() == []
 
 
+def test_a_sighup_turns_periodic_commits_on_and_off_for_running_jobs(node: Node) -> None:
+    """An operator tightens durability without a restart: ``jobs.commit_every`` from 0 to 2 by SIGHUP, then a
+    kill loses only the steps since the last periodic commit; back to 0, a kill loses all since then."""
+    run = Run()
+    opt = run.attach(node.start())
+    run.train(3)  # no periodic commits: a kill now would lose all three steps
+
+    def reload(commit_every: int) -> None:
+        assert node.proc is not None
+        node.commit_every = commit_every
+        node.write_config()
+        said = f"jobs.commit_every: {f'a commit every {commit_every} steps' if commit_every else '0'}"
+        node.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while said not in node.log:
+            assert time.monotonic() < deadline, node.log[-3000:]
+            time.sleep(0.05)
+
+    reload(2)
+    run.train(1)  # step 4: 4 steps since no commit, commits at once
+    run.train(2)  # steps 5, 6: commits at 6
+    at_six = run.snapshot()
+    run.train(1)  # step 7, not committed
+    reload(0)
+    run.train(3)  # steps 8..10: no commit
+    assert "changed, but applied only by a restart" not in node.log
+    token = opt.token
+    assert node.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    client = node.start()
+    assert "did not stop cleanly" in node.log and "step 6 (rank 0)" in node.log
+    opt = run.roll_back(client, token, client_step=10, commit=at_six, commit_step=6)
+    opt.close()
+    assert node.stop() == 0
+
+
 def test_without_periodic_commits_a_kill_after_a_reopen_comes_back_at_the_last_clean_stop(node: Node) -> None:
     run = Run()
     opt = run.attach(node.start())

@@ -87,7 +87,7 @@ def test_ready_comes_after_the_pool_then_watchdog_reloads_and_stopping(daemon_fa
 
     # SIGHUP re-reads the --config file: a lower connection limit applies to new connections
     d.settings["server"]["max_connections_per_uid"] = 2
-    d.settings["jobs"]["commit_every"] = 7  # not applied by a SIGHUP: said so, naming it
+    d.settings.setdefault("swap", {})["queue_depth"] = 8  # not applied by a SIGHUP: said so, naming it
     d.config_path.write_text(to_toml(d.settings))
     mark = len(d.notify.messages)
     d.process.send_signal(signal.SIGHUP)
@@ -97,7 +97,7 @@ def test_ready_comes_after_the_pool_then_watchdog_reloads_and_stopping(daemon_fa
     # the acceptor restarted with the new policy: a restart the daemon asked for is no error in its log
     assert "acceptor started" in d.log_text()
     assert "the acceptor (pid" not in d.log_text(), d.log_text()[-3000:]
-    assert "SIGHUP: changed, but applied only by a restart: jobs.commit_every (0 -> 7)" in d.log_text()
+    assert "SIGHUP: changed, but applied only by a restart: swap.queue_depth (0 -> 8)" in d.log_text()
     held = []
     try:
         for i in range(2):
