@@ -25,6 +25,7 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 
 from tiermem import __version__
@@ -92,7 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:  # Ctrl-C: the command's own cleanup ran on the way out; no traceback for it
+        print(f"tiermem {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -16,8 +16,11 @@ this process tree: a real child process on a socket in a private directory
 which the child reports ready through the sd_notify protocol once its pool is
 allocated, and which is stopped (SIGTERM, then waited for) when the client
 closes or the process exits; the child's ``--exit-with-parent`` stops it if
-this process dies first, and its ``--private-dir`` removes the directory
-then (``tiermem.net.privatedir``: a directory whose processes were all killed is
+this process dies first.  The child runs in a session of its own, so a
+terminal's Ctrl-C interrupts the trainer only: an ``except KeyboardInterrupt``
+that saves ``opt.state_dict()`` still finds the daemon and its state.  The
+child's ``--private-dir`` removes the directory when it stops
+(``tiermem.net.privatedir``: a directory whose processes were all killed is
 removed by the next private daemon's start).  A private daemon that dies (or
 closes the connection) fails the next request with ``DaemonGone`` naming its
 pid and exit status, and saying that its state, CPU and NVMe tier alike, went
@@ -163,6 +166,10 @@ class EmbeddedDaemon:
                 stdout=log_file,
                 stderr=log_file,
                 pass_fds=(self._lock_fd,),
+                # its own session: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches the
+                # trainer alone, whose KeyboardInterrupt handler may still save a checkpoint from this daemon;
+                # the trainer's close or exit stops it, --exit-with-parent its death
+                start_new_session=True,
             )
         except BaseException:  # no daemon (the interpreter could not be run): nothing to keep the directory for
             notify.close()
