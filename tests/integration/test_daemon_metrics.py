@@ -16,23 +16,27 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from child_env import child_env
 from conftest import DaemonProcess, RawConn, start_daemon
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiermem import __version__
 from tiermem.client.offload import OffloadAdam
 from tiermem.core.errors import AuthError
+from tiermem.core.protocol import Ping
 from tiermem.core.step_rules import decide
 from tiermem.core.units import parse_size
 
@@ -376,6 +380,58 @@ def test_tiermem_status_without_a_daemon_says_so(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 1
     assert "no tiermemd to show" in result.stderr and str(missing) in result.stderr
+
+
+WATCH_ARGS = ("--json", "--watch", "0.2", "--timeout", "5")
+
+
+def test_tiermem_status_watch_rides_out_a_daemon_restart(tmp_path: Path) -> None:
+    """An operator watching ``status --watch`` through a ``systemctl restart``: it says the daemon stopped
+    answering, asks again at each interval, and shows the new daemon (its own counters) when it is back."""
+    d = start_daemon(tmp_path / "first")
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "tiermem.client.cli", "status", "--socket", d.socket_path, *WATCH_ARGS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    samples: list[dict[str, Any]] = []
+    reader = threading.Thread(target=lambda: samples.extend(json.loads(line) for line in watch.stdout or ()))
+    reader.start()
+    again: subprocess.Popen[bytes] | None = None
+    try:
+        for _ in range(3):
+            with d.connection() as conn:
+                conn.request(Ping())
+        _wait(lambda: any(s["node"]["server"]["disconnects"] >= 3 for s in samples), "a sample of the first daemon")
+        assert d.stop() == 0
+        assert watch.stderr is not None
+        assert "the daemon stopped answering" in watch.stderr.readline()
+        seen = len(samples)
+        with open(tmp_path / "again.log", "wb") as log:
+            again = subprocess.Popen(
+                [sys.executable, "-m", "tiermemd.main", "--config", str(d.config_path)],
+                env=child_env("NOTIFY_SOCKET", "LISTEN_"), stdout=log, stderr=log,
+            )  # fmt: skip
+        assert f"{d.socket_path} answers again" in watch.stderr.readline()
+        _wait(lambda: len(samples) > seen, "a sample of the restarted daemon")
+        assert samples[-1]["node"]["server"]["disconnects"] == 0  # the new daemon's counters
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(30) == 0
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+        reader.join(30)
+        if again is not None:
+            again.terminate()
+            again.wait(60)
+        d.cleanup()
+
+
+def _wait(done: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
+        time.sleep(0.05)
 
 
 def test_metrics_port_in_use_is_a_startup_error_with_the_socket_code(tmp_path: Path) -> None:

@@ -16,13 +16,17 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from tiermem.client.subcommand import Subparsers, add_command
 from tiermem.core.errors import TiermemError, UnsafePathError
 from tiermem.core.protocol import JobReport, NodeReport, StatsReply
 from tiermem.core.units import format_size
+
+if TYPE_CHECKING:
+    from tiermem.client.link import Client
 
 __all__ = ["Sample", "add_parser", "render", "run_status"]
 
@@ -241,7 +245,8 @@ def add_parser(sub: Subparsers) -> None:
         const=2.0,
         type=float,
         metavar="SECONDS",
-        help="refresh every SECONDS (default 2) until interrupted",
+        help="refresh every SECONDS (default 2) until interrupted; a daemon that stops answering is asked for "
+        "again at each interval",
     )
 
 
@@ -274,25 +279,66 @@ def run_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except TiermemError:
         print(f"tiermem status: no tiermemd to show: {_unreachable(args.socket)}", file=sys.stderr)
         return 1
-    before: Sample | None = None
     try:
-        with client:
-            while True:
-                now = Sample(client.stats(), time.monotonic())
-                if args.json:
-                    print(json.dumps({"socket": client.socket_path, **now.reply.to_payload()}), file=out)
-                else:
-                    screen = render(now, before, socket_path=client.socket_path)
-                    print((_CLEAR if args.watch is not None and out.isatty() else "") + screen, end="", file=out)
-                out.flush()
-                if args.watch is None:
-                    return 0
-                before = now
-                time.sleep(args.watch)
+        if args.watch is None:
+            with client:
+                _show(client, None, args, out)
+            return 0
+        _watch(client, args, out)
     except (KeyboardInterrupt, BrokenPipeError):  # Ctrl-C, or a reader that stopped (``| head``)
         return 0
-    except TiermemError as exc:
-        # the first request is refused (a uid the daemon does not allow, say), or a watched daemon went away
-        what = "the daemon stopped answering" if before is not None else f"the daemon at {client.socket_path}"
-        print(f"tiermem status: {what}: {exc}", file=sys.stderr)
+    except TiermemError as exc:  # the first request refused (a uid the daemon does not allow, say)
+        print(f"tiermem status: the daemon at {client.socket_path}: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _show(client: Client, before: Sample | None, args: argparse.Namespace, out: TextIO) -> Sample:
+    """One STATS request, printed as a screen (rates against ``before``) or a JSON line; the sample."""
+    now = Sample(client.stats(), time.monotonic())
+    if args.json:
+        print(json.dumps({"socket": client.socket_path, **now.reply.to_payload()}), file=out)
+    else:
+        screen = render(now, before, socket_path=client.socket_path)
+        print((_CLEAR if args.watch is not None and out.isatty() else "") + screen, end="", file=out)
+    out.flush()
+    return now
+
+
+def _watch(client: Client, args: argparse.Namespace, out: TextIO) -> None:
+    """``--watch``: a sample every ``args.watch`` seconds until interrupted.  A daemon that goes away after
+    it answered once (a restart, a stop) is said once on stderr and asked for again at every interval; the
+    first sample of the one that answers again has no rates (its counters began anew)."""
+    from tiermem.client.link import connect
+
+    before: Sample | None = None
+    seen = False
+    try:
+        while True:
+            try:
+                before = _show(client, before, args, out)
+                seen = True
+            except TiermemError as exc:
+                if not seen:
+                    raise  # refused from the start: asking again changes nothing
+                client.close()
+                print(
+                    f"tiermem status: the daemon stopped answering: {exc}; asking again every {args.watch:g} s",
+                    file=sys.stderr,
+                )
+                client = _reconnect(connect, args)
+                print(f"tiermem status: {client.socket_path} answers again", file=sys.stderr)
+                before = None
+                continue
+            time.sleep(args.watch)
+    finally:
+        client.close()
+
+
+def _reconnect(connect: Callable[..., Client], args: argparse.Namespace) -> Client:
+    while True:
+        time.sleep(args.watch)
+        try:
+            return connect(args.socket, embed=False, timeout_s=args.timeout)
+        except TiermemError:
+            continue
