@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -51,38 +52,52 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _ctrl_c(proc: subprocess.Popen[str]) -> None:
-    """What a terminal does on Ctrl-C: SIGINT to every process of the foreground group."""
-    os.killpg(proc.pid, signal.SIGINT)
+def _interrupted(
+    argv: list[str], tmp_path: Path, ready: Callable[[str], bool], settle_s: float
+) -> tuple[int, str, str]:
+    """Run ``argv`` as a shell runs a foreground job (a process group of its own, no node daemon), and press
+    Ctrl-C (SIGINT to every process of the group) ``settle_s`` after it printed a line ``ready`` takes: (its
+    exit code, that line, what it printed after it)."""
+    proc = subprocess.Popen(
+        argv,
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        while not ready(line):
+            assert line, f"{argv[1:3]} ended before it was ready"
+            line = proc.stdout.readline()
+        time.sleep(settle_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, line, out
+
+
+def _daemon_line(line: str) -> bool:
+    """The trainer's line naming its daemon's directory and pid (past the warning that no node daemon answers)."""
+    words = line.split()
+    return len(words) == 2 and words[1].isdigit()
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_ctrl_c_leaves_the_private_daemon_to_the_trainers_checkpoint(tmp_path: Path, offload: str) -> None:
     checkpoint = tmp_path / "interrupted.pt"
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", TRAINER, str(checkpoint), offload],
-        env=_env(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # a group of its own, as a shell gives a foreground job
+    # a few more steps after the line: the interrupt lands anywhere in one
+    code, started, out = _interrupted(
+        [sys.executable, "-c", TRAINER, str(checkpoint), offload], tmp_path, _daemon_line, 0.3
     )
-    try:
-        assert trainer.stdout is not None
-        started: list[str] = []
-        while not (len(started) == 2 and started[1].isdigit()):  # past the warning of no node daemon
-            line = trainer.stdout.readline()
-            assert line, "the trainer ended before training"
-            started = line.split()
-        directory, daemon_pid = Path(started[0]), int(started[1])
-        time.sleep(0.3)  # a few more steps: the interrupt lands anywhere in one
-        _ctrl_c(trainer)
-        out, _ = trainer.communicate(timeout=120)
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait()
-    assert trainer.returncode == 0, out[-3000:]
+    directory, daemon_pid = Path(started.split()[0]), int(started.split()[1])
+    assert code == 0, out[-3000:]
     assert "saved" in out and "DaemonGone" not in out, out[-3000:]
     saved = torch.load(checkpoint, weights_only=True)
     state = saved["opt"]["state"]
@@ -102,25 +117,11 @@ def test_ctrl_c_leaves_the_private_daemon_to_the_trainers_checkpoint(tmp_path: P
 
 
 def test_ctrl_c_ends_the_demo_with_130_and_no_traceback(tmp_path: Path) -> None:
-    demo = subprocess.Popen(
+    code, _, out = _interrupted(
         [sys.executable, "-m", "tiermem.client.cli", "demo", *DEMO_ARGS],
-        env=_env(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        cwd=tmp_path,
+        tmp_path,
+        lambda line: "starting an embedded tiermemd" in line,
+        3.0,
     )
-    try:
-        assert demo.stdout is not None
-        while "starting an embedded tiermemd" not in demo.stdout.readline():
-            assert demo.poll() is None, "the demo ended before starting its daemon"
-        time.sleep(3)
-        _ctrl_c(demo)
-        out, _ = demo.communicate(timeout=120)
-    finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
-    assert demo.returncode == 130, out[-3000:]
+    assert code == 130, out[-3000:]
     assert "tiermem demo: interrupted" in out and "Traceback" not in out, out[-3000:]
