@@ -65,8 +65,20 @@ def _ddp(out: Path, optimizer: str, state_dtypes: tuple[str, ...]) -> dict[str, 
         ",".join(state_dtypes),
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, _per_rank(done.stderr)
     return {d: [torch.load(out / f"params-{d}-{rank}.pt") for rank in range(2)] for d in state_dtypes}
+
+
+def _per_rank(stderr: str, keep: int = 2500) -> str:
+    """The end of each rank's own lines (torchrun prefixes them ``[rankN]:``), then the end of the launcher's:
+    the rank that failed first is not the one whose traceback ends the output."""
+    lines = stderr.splitlines()
+    parts = []
+    for rank in range(2):
+        mine = "\n".join(line for line in lines if line.startswith(f"[rank{rank}]:"))
+        parts.append(f"--- rank {rank}:\n{mine[-keep:]}")
+    rest = "\n".join(line for line in lines if not line.startswith("[rank"))
+    return "\n".join([*parts, f"--- torchrun:\n{rest[-keep:]}"])
 
 
 def test_ddp_fit_and_resume_at_two_ranks(tmp_path: Path) -> None:
