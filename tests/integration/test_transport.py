@@ -558,6 +558,26 @@ def test_a_killed_private_daemon_is_named_with_its_pid_how_it_died_and_the_state
         client.close()
 
 
+def test_a_private_daemon_reached_by_its_socket_is_named_as_private_when_it_stops(tmp_path):
+    """A process that reached another's private daemon by its socket (the demo's runs, a node's other ranks)
+    was told "the node daemon ... journalctl -u tiermemd", a service that does not exist there."""
+    env = {"XDG_RUNTIME_DIR": str(tmp_path), "TIERMEM_SOCKET_PATH": str(tmp_path / "no-daemon.sock")}
+    owner = connect(env=env, pool_size=16 << 20)
+    try:
+        assert owner.daemon is not None
+        socket_path = owner.daemon.socket
+        other = connect(socket_path, embed=False)
+        other.stats()
+    finally:
+        owner.close()  # stops the daemon under the other client
+    with pytest.raises(DaemonGone) as info:
+        other.stats()
+    message = str(info.value)
+    assert message.startswith(f"the private tiermemd at {socket_path} closed the connection during STATS")
+    assert "journalctl" not in message and "load the last checkpoint" in message.lower()
+    other.close()
+
+
 def test_threads_share_one_connection(pair):
     conn, server = pair
     per_thread, threads = 200, 4

@@ -52,7 +52,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -243,6 +243,14 @@ class EmbeddedDaemon:
             os.close(self._lock_fd)
             self._lock_fd = -1
         return self.process.returncode
+
+
+def _private_gone(path: str) -> Callable[[str], DaemonGone] | None:
+    """For a socket in a private daemon's directory (one another process started: the demo's, a node's first
+    rank's), the ``DaemonGone`` that says so, not the node service's; None for any other socket."""
+    if not privatedir.is_private_dir(os.path.dirname(path)):
+        return None
+    return lambda during: DaemonGone(path, during, private=True)
 
 
 def exit_status(code: int) -> str:
@@ -583,7 +591,9 @@ def connect(
         except DaemonUnavailable as exc:
             tried.append(str(exc))
         else:
-            return Client(Connection(sock, path=candidate.path, timeout_s=timeout_s), socket_path=candidate.path)
+            gone = _private_gone(candidate.path)
+            conn = Connection(sock, path=candidate.path, timeout_s=timeout_s, gone=gone)
+            return Client(conn, socket_path=candidate.path)
     if refused and not embed:
         raise refused[0]
     if not embed or socket_path:

@@ -385,7 +385,8 @@ class DaemonGone(DaemonUnavailable):
     ``path`` is its socket and ``during`` the request that found it gone.  For a private daemon (the child
     ``tiermem.client.link.connect`` started when no node daemon answered) ``pid`` is the child and
     ``exit_code`` how it ended (negative: the signal that killed it, as ``subprocess`` reports it; None: still
-    running), which ``ended`` says in words.  A private daemon's state lives in its memory and its private
+    running), which ``ended`` says in words; ``private``: a private daemon this process reached by its socket
+    (another process started it), so neither is known.  A private daemon's state lives in its memory and its private
     directory only, NVMe-placed state included, so it is gone with the process; a node daemon keeps a job's
     state for a reattach (``docs/operating.md``, Restarts and durability).
     """
@@ -402,8 +403,17 @@ class DaemonGone(DaemonUnavailable):
         ended: str = "",
         log_path: str = "",
         log_tail: str = "",
+        private: bool = False,
     ) -> None:
-        if pid is None:
+        if pid is None and private:
+            message = (
+                f"the private tiermemd at {path} closed the connection during {during}: the process that started "
+                "it (this job's first rank on the node, or the program that made it) stopped it or ended, or it "
+                "was killed, and the optimizer state it held went with it. Load the last checkpoint "
+                "(state_dict()) into a new optimizer, or run a node tiermemd, whose state outlives a trainer "
+                "(docs/operating.md)"
+            )
+        elif pid is None:
             message = (
                 f"the node daemon at {path} closed the connection during {during}: it stopped, restarted or ended "
                 "this session (its log says which: journalctl -u tiermemd). While it runs, the job's state waits "
