@@ -312,24 +312,27 @@ def _watch(client: Client, args: argparse.Namespace, out: TextIO) -> None:
     from tiermem.client.link import connect
 
     before: Sample | None = None
-    seen = False
+    seen = lost = False
     try:
         while True:
             try:
                 before = _show(client, before, args, out)
-                seen = True
             except TiermemError as exc:
                 if not seen:
                     raise  # refused from the start: asking again changes nothing
                 client.close()
-                print(
-                    f"tiermem status: the daemon stopped answering: {exc}; asking again every {args.watch:g} s",
-                    file=sys.stderr,
-                )
+                if not lost:  # once per outage, however many tries it takes
+                    print(
+                        f"tiermem status: the daemon stopped answering: {exc}; asking again every {args.watch:g} s",
+                        file=sys.stderr,
+                    )
+                lost = True
                 client = _reconnect(connect, args)
-                print(f"tiermem status: {client.socket_path} answers again", file=sys.stderr)
                 before = None
                 continue
+            if lost:
+                print(f"tiermem status: {client.socket_path} answers again", file=sys.stderr)
+            seen, lost = True, False
             time.sleep(args.watch)
     finally:
         client.close()
