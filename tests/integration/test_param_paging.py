@@ -239,6 +239,54 @@ def test_gpt_four_times_the_budget_trains_bitwise_like_unpaged(offload: OffloadD
         assert pager.counters["prefetches"] > 0 and pager.trace.missed == 0
 
 
+class Interrupted(BaseException):
+    """What a Ctrl-C is to torch and the pager: a ``BaseException`` that is not an ``Exception`` (not
+    ``KeyboardInterrupt`` itself, which would end the test session if it escaped)."""
+
+
+class InterruptAtFetch:
+    """A ``Probe`` that raises ``Interrupted`` at the ``nth`` fetch the trainer's thread submits once armed: a
+    Ctrl-C landing in a forward, where torch's always-called post-hooks do not run (they run for an
+    ``Exception``)."""
+
+    def __init__(self, nth: int) -> None:
+        self.left = nth
+        self.armed = False
+
+    def at(self, point: str, what: str) -> None:
+        if point == "fetch" and self.armed:
+            self.left -= 1
+            if self.left == 0:
+                raise Interrupted
+
+
+@pytest.mark.parametrize("nth", [1, 3, 5])
+def test_a_ctrl_c_in_a_forward_leaves_the_pager_to_save_and_train_on(offload: OffloadDaemon, nth: int) -> None:
+    """Before: the interrupted forward's leases, the pager's torch-function mode and its saved-tensor hooks
+    stayed in place, so the handler's ``model.state_dict()`` or the next forward failed ("device_budget ...
+    cannot hold ... in use by")."""
+    paged, plain = paging_gpt(), paging_gpt()
+    budget = param_nbytes(paged) // 4
+    opt = make_opt(offload, paged)
+    probe = InterruptAtFetch(nth)
+    pager = ParamPager(paged, opt, device_budget=budget, prefetch=0, probe=probe)
+    plain_opt = make_opt(offload, plain)
+    data = batches(3)
+    run(paged, opt, data[:1])
+    x, y = data[1]
+    probe.armed = True
+    with pytest.raises(Interrupted):
+        paged(x, y).backward()  # interrupted: no step
+    opt.zero_grad()
+    saved = paged.state_dict()  # what a handler saves
+    run(plain, plain_opt, data[:1])
+    for name, value in plain.state_dict().items():
+        assert torch.equal(saved[name], value), name
+    assert run(paged, opt, data[1:]) == run(plain, plain_opt, data[1:])
+    assert_state_equal(paged, plain)
+    assert pager.nbytes <= budget
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nvme_state_past_the_pool_budget_with_paged_params_equals_the_in_memory_run(dtype: torch.dtype) -> None:
     """bf16 on the NVMe tier keeps its params in bf16 apart from the fp32 master (what a fetch reads): the

@@ -102,11 +102,12 @@ class PageIO(PagerRecords):
             self.events.append((event, e.name))
 
     def _finish_fetch(self, e: PagedParam) -> None:
-        future, e.fetch = e.fetch, None
+        future = e.fetch
         if future is None or e.data is None:  # pragma: no cover - FETCHING always has both
             raise InvalidState(f"{e.describe()} is fetching without a fetch")
         started = time.perf_counter()
-        token = future.result()
+        token = future.result()  # a Ctrl-C in this wait leaves the fetch to the next use, which waits again
+        e.fetch = None
         self.counters["fetch_wait_us"] += int((time.perf_counter() - started) * 1e6)
         self.copies.ready(token)
         e.move(Residency.RESIDENT)

@@ -67,11 +67,22 @@ class PageUses(PagerRecords):
     def _exit(self, own: list[PagedParam], module: nn.Module, args: Any, output: Any) -> None:
         if not self._frames or self._frames[-1].module is not module:
             return  # a pre-hook that raised before its frame was pushed
+        self._pop_frame()
+
+    def _pop_frame(self) -> None:
         frame = self._frames.pop()
         for e in frame.leased:
             self._unlease(e)
         for ctx in reversed(frame.contexts):
             ctx.__exit__(None, None, None)
+
+    def _interrupted(self) -> None:
+        """The model's forward ended by a ``BaseException`` that is not an ``Exception`` (a Ctrl-C's
+        ``KeyboardInterrupt``): torch runs the always-called post-hooks for an ``Exception`` only, so every
+        frame it left is closed here, its leases, this pager's torch-function mode and its saved-tensor hooks
+        with it, as the post-hooks would have."""
+        while self._frames:
+            self._pop_frame()
 
     # ----------------------------------------------------------------- saved tensors
 

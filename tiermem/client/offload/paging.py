@@ -257,6 +257,7 @@ class ParamPager(PageUses, PageIO, PagedState):
                 self._hooks.append(module.register_state_dict_post_hook(functools.partial(self._gather_state)))
                 self._hooks.append(module.register_load_state_dict_pre_hook(functools.partial(self._load_pre)))
                 self._hooks.append(module.register_load_state_dict_post_hook(functools.partial(self._load_post)))
+        self._hooks.append(_ForwardGuard(model, self._interrupted))
         self._hooks += hook_grads((e.param for e in self.entries), self._grad_ready)
 
     def unhook(self) -> None:
@@ -415,6 +416,37 @@ class ParamPager(PageUses, PageIO, PagedState):
         self.peak_nbytes = self.nbytes
         self.peak_grad_nbytes = self.grad_nbytes
         self.events.clear()
+
+
+class _ForwardGuard:
+    """The model's ``forward`` wrapped so that a ``BaseException`` that is not an ``Exception`` escaping it calls
+    ``on_interrupt`` (see ``PageUses._interrupted``); removed like a hook (``remove()``), giving back the
+    ``forward`` the model had, its class's or one set on it (accelerate's hooks set one)."""
+
+    def __init__(self, model: nn.Module, on_interrupt: Callable[[], None]) -> None:
+        self.model = model
+        self.before = model.__dict__.get("forward")
+        inner = model.forward
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return inner(*args, **kwargs)
+            except BaseException as exc:
+                if not isinstance(exc, Exception):
+                    on_interrupt()
+                raise
+
+        self.forward = forward
+        model.forward = forward
+
+    def remove(self) -> None:
+        if self.model.__dict__.get("forward") is not self.forward:
+            return  # wrapped again since: leave the newer wrapper's
+        if self.before is None:
+            del self.model.forward
+        else:
+            self.model.forward = self.before
 
 
 def offload_params(
