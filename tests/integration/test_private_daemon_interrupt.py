@@ -123,5 +123,7 @@ def test_ctrl_c_ends_the_demo_with_130_and_no_traceback(tmp_path: Path) -> None:
         lambda line: "starting an embedded tiermemd" in line,
         3.0,
     )
-    assert code == 130, out[-3000:]
+    # 130 from the CLI; or the default SIGINT disposition during the interpreter's shutdown (-2), seen once in 4
+    # clean-clone runs after the message was printed: a shell reports 130 for both
+    assert code in (130, -signal.SIGINT), (code, out[-3000:])
     assert "tiermem demo: interrupted" in out and "Traceback" not in out, out[-3000:]
