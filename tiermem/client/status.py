@@ -16,7 +16,6 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
@@ -309,8 +308,6 @@ def _watch(client: Client, args: argparse.Namespace, out: TextIO) -> None:
     """``--watch``: a sample every ``args.watch`` seconds until interrupted.  A daemon that goes away after
     it answered once (a restart, a stop) is said once on stderr and asked for again at every interval; the
     first sample of the one that answers again has no rates (its counters began anew)."""
-    from tiermem.client.link import connect
-
     before: Sample | None = None
     seen = lost = False
     try:
@@ -327,7 +324,7 @@ def _watch(client: Client, args: argparse.Namespace, out: TextIO) -> None:
                         file=sys.stderr,
                     )
                 lost = True
-                client = _reconnect(connect, args)
+                client = _reconnect(args)
                 before = None
                 continue
             if lost:
@@ -338,7 +335,9 @@ def _watch(client: Client, args: argparse.Namespace, out: TextIO) -> None:
         client.close()
 
 
-def _reconnect(connect: Callable[..., Client], args: argparse.Namespace) -> Client:
+def _reconnect(args: argparse.Namespace) -> Client:
+    from tiermem.client.link import connect
+
     while True:
         time.sleep(args.watch)
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 __all__ = ["Closing"]
 
@@ -13,8 +13,9 @@ class Closing:
     """``with Resource(...) as r:`` closes ``r`` on the way out, whatever raised; ``close()`` is the
     subclass's (idempotent, as each of ours is)."""
 
-    def close(self) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:
+
+        def close(self) -> None: ...
 
     def __enter__(self: T) -> T:
         return self
