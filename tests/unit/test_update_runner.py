@@ -497,7 +497,7 @@ def test_run_on_a_closed_scheduler_releases_what_it_acquired(pool: BufferPool, s
     assert_released(state, pool)
 
 
-def test_submit_reraises_a_failed_piece_from_its_future(pool: BufferPool, scheduler: CpuScheduler) -> None:
+def test_a_queued_run_reraises_a_failed_piece_from_its_future(pool: BufferPool, scheduler: CpuScheduler) -> None:
     state = CpuStateChunks(pool, NUMEL, CHUNK_NUMEL, owner=TENANT)
     records = make_records("bfloat16")
     tgt = target(torch.bfloat16)
@@ -505,7 +505,7 @@ def test_submit_reraises_a_failed_piece_from_its_future(pool: BufferPool, schedu
     kernel = RecordingKernel(tgt.grads, fail_lo=pieces[1].lo)
     runner = UpdateRunner(kernel, scheduler, TENANT)
     try:
-        future = runner.submit(state, pieces, tgt, grad_scale=1.0)
+        future = runner.run(state, pieces, tgt, grad_scale=1.0, wait=False)
         error = future.exception(10)
         assert error is kernel.error
         assert len(kernel.finished) == len(pieces) - 1

@@ -391,7 +391,7 @@ class RankOptimizer(StateIO):
         attempt.applied.update(ids)
         self.overlapped_tensors += len(ids)
         target = self._target(msg.grad_buffer, write_params=True)
-        attempt.futures.append(self.runner.submit(state, pieces, target, 1.0))
+        attempt.futures.append(self.runner.run(state, pieces, target, 1.0, wait=False))
 
     def abort(self, msg: Abort | None = None) -> Aborted:
         """Close the open attempt (``msg`` None: the client is gone, whatever it was)."""
@@ -476,12 +476,13 @@ class RankOptimizer(StateIO):
                 self.runner.adopt(state, self._chunk_ranges(edited), params)
             pieces = self._advance(ids, groups)
             self.last_step = msg.step
-            self._delayed = self.runner.submit(
+            self._delayed = self.runner.run(
                 state,
                 pieces,
                 self._target(msg.grad_buffer, write_params=False),
                 grad_scale,
                 consume=self.grads_in_state,
+                wait=False,
             )
             self._delayed_step = msg.step
             self._uninstalled.update(ids)

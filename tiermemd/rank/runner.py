@@ -24,9 +24,9 @@ what it edited.  A master that rounds to the same value is kept, so an fp32
 master is never lost to an untouched bf16 param.
 
 Errors: a failed piece is re-raised by ``run`` (or by the ``Future`` of
-``submit``) after every other outstanding piece has ended; the rank marks
-itself FAILED.  Background work runs on one pipeline thread per rank, in
-submission order.
+``run(wait=False)``) after every other outstanding piece has ended; the rank
+marks itself FAILED.  Background work runs on one pipeline thread per rank, in
+the order it was queued.
 """
 
 from __future__ import annotations
@@ -148,9 +148,31 @@ class UpdateRunner:
         grad_scale: float,
         *,
         consume: bool = False,
-    ) -> None:
+        wait: bool = True,
+    ) -> Future[None]:
         """Apply ``pieces``; ``consume``: this run takes the last of the step's grads in the state's ``grad``
-        key, so each chunk's grads are given up after its last piece (the next step writes them anew)."""
+        key, so each chunk's grads are given up after its last piece (the next step writes them anew).
+
+        ``wait``: return once applied (the future is done); ``wait=False``: run on the rank's pipeline thread,
+        after what was queued there before, and return at once."""
+        if wait:
+            self._run(state, pieces, target, grad_scale, consume)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        if self._pipeline is None:
+            self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{self.tenant}")
+        return self._pipeline.submit(self._tracked_run, state, list(pieces), target, grad_scale, consume)
+
+    def _tracked_run(
+        self, state: StateChunks, pieces: Sequence[Piece], target: UpdateTarget, grad_scale: float, consume: bool
+    ) -> None:
+        with health.track(f"tiermem-{self.tenant} pipeline"):
+            self._run(state, pieces, target, grad_scale, consume)
+
+    def _run(
+        self, state: StateChunks, pieces: Sequence[Piece], target: UpdateTarget, grad_scale: float, consume: bool
+    ) -> None:
         started = time.perf_counter()
         last = {piece.chunk: i for i, piece in enumerate(pieces)} if consume else {}
         fresh = _whole_chunks(state, pieces)
@@ -190,26 +212,6 @@ class UpdateRunner:
             raise error
         self.updates += 1 if pieces else 0
         self.updated_elements += sum(piece.hi - piece.lo for piece in pieces)
-
-    def submit(
-        self,
-        state: StateChunks,
-        pieces: Sequence[Piece],
-        target: UpdateTarget,
-        grad_scale: float,
-        *,
-        consume: bool = False,
-    ) -> Future[None]:
-        """``run`` on the rank's pipeline thread, after what was submitted before."""
-        if self._pipeline is None:
-            self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"tiermem-{self.tenant}")
-        return self._pipeline.submit(self._tracked_run, state, list(pieces), target, grad_scale, consume)
-
-    def _tracked_run(
-        self, state: StateChunks, pieces: Sequence[Piece], target: UpdateTarget, grad_scale: float, consume: bool
-    ) -> None:
-        with health.track(f"tiermem-{self.tenant} pipeline"):
-            self.run(state, pieces, target, grad_scale, consume=consume)
 
     def install(self, state: StateChunks, ranges: Sequence[tuple[int, int, int]], params: torch.Tensor) -> None:
         """Cast the master of ``(chunk, lo, hi)`` ranges into the storage params."""

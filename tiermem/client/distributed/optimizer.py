@@ -82,6 +82,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -202,6 +203,7 @@ class ShardedOffloadAdam(ShardedOptimizer):
         return self.strategy.options.state_dtype
 
 
+@dataclass(eq=False, repr=False)
 class Zero2Strategy(ShardStrategy):
     """ZeRO-2 (see the module docstring): every rank keeps the whole model and its pieces of the Adam state;
     grads are reduce-scattered at ``step()`` (or during backward, ``overlap_comm``), params all-gathered after
@@ -210,25 +212,21 @@ class Zero2Strategy(ShardStrategy):
     name = "ShardedOffloadAdam"
     alone_hint = "; for one process use OffloadAdam"
     keeps_values = True
-    rounds: BucketRounds
+    rounds: BucketRounds = field(init=False)
 
-    def __init__(
-        self,
-        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
-        defaults: dict[str, Any],
-        options: OffloadOptions,
-        *,
-        max_grad_norm: float | None,
-        bucket_nbytes: int,
-        overlap_comm: bool,
-        broadcast_params: bool,
+    params_given: InitVar[Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]]
+    defaults: InitVar[dict[str, Any]]
+    options: OffloadOptions
+    _: KW_ONLY
+    max_grad_norm: float | None
+    bucket_nbytes: int
+    overlap_comm: bool
+    broadcast_params: bool
+
+    def __post_init__(
+        self, params_given: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], defaults: dict[str, Any]
     ) -> None:
-        self._given = (params, defaults)
-        self.options = options
-        self.max_grad_norm = max_grad_norm
-        self.bucket_nbytes = bucket_nbytes
-        self.overlap_comm = overlap_comm
-        self.broadcast_params = broadcast_params
+        self._given = (params_given, defaults)
         self._global_found_inf: dict[torch.device, torch.Tensor] | None = None
         """This step's found-inf flags from ``ShardedGradScaler`` (``take_found_inf``)."""
         self._has_grad: list[bool] | None = None

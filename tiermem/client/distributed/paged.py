@@ -90,7 +90,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -433,6 +433,7 @@ class ShardedPagedAdam(ShardedOptimizer):
         self.inner.flush()  # the pager's transfers drained too: it is the inner optimizer's feed
 
 
+@dataclass(eq=False, repr=False)
 class PagedStrategy(ShardStrategy):
     """ZeRO-3 paged (see the module docstring): every param sharded across the ranks, each shard only in its
     rank's daemon; the pager all-gathers a submodule's params before use and reduce-scatters its grads into
@@ -443,35 +444,25 @@ class PagedStrategy(ShardStrategy):
         "shards the model it was made with; give every group to the constructor (param_groups=), or make a new one"
     )
 
-    def __init__(
-        self,
-        model: nn.Module,
-        groups: list[dict[str, Any]],
-        defaults: dict[str, Any],
-        options: OffloadOptions,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        max_grad_norm: float | None,
-        device_budget: int | str,
-        prefetch: int,
-        probe: Probe | None,
-        init: Callable[[nn.Module], None] | None = None,
-    ) -> None:
-        self.model = model
-        self.init = init
+    model: nn.Module
+    groups: InitVar[list[dict[str, Any]]]
+    defaults: InitVar[dict[str, Any]]
+    options: OffloadOptions
+    _: KW_ONLY
+    device: torch.device
+    dtype: torch.dtype
+    max_grad_norm: float | None
+    device_budget: int | str
+    prefetch: int
+    probe: Probe | None
+    init: Callable[[nn.Module], None] | None = None
+
+    def __post_init__(self, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
         self.meta = all(p.is_meta for g in groups for p in g["params"])
         """The model was made on the meta device: its values come from an init, not from rank 0's."""
         self.broadcast_params = not self.meta
         self._given = (groups, defaults)
-        self.options = options
-        self.device = device
-        self.dtype = dtype
-        self.max_grad_norm = max_grad_norm
-        self.device_budget = device_budget
-        self.prefetch = prefetch
-        self.probe = probe
-        self.grads = ShardGrads(clipping=max_grad_norm is not None)
+        self.grads = ShardGrads(clipping=self.max_grad_norm is not None)
 
     @property
     def inner(self) -> OffloadAdam:

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from dataclasses import KW_ONLY, InitVar, dataclass
 from typing import Any
 
 import torch
@@ -180,6 +181,7 @@ class LayerShardedAdam(ShardedOptimizer):
     gathered_params = of_strategy("Collective: every unit's params, gathered (copies), in the model's order.")
 
 
+@dataclass(eq=False, repr=False)
 class LayerStrategy(ShardStrategy):
     """ZeRO-3 by layer (see the module docstring): each unit's params and Adam state on its owner, gathered
     for use by the facade's hooks, reduced to the owner as its grads complete."""
@@ -187,27 +189,19 @@ class LayerStrategy(ShardStrategy):
     name = "LayerShardedAdam"
     groups_rule = "takes the model's params as one param group; make a new one"
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        defaults: dict[str, Any],
-        options: OffloadOptions,
-        *,
-        owners: Iterable[int] | None,
-        paged: bool,
-        max_grad_norm: float | None,
-        trace: bool,
-        probe: Probe | None,
-    ) -> None:
-        self.model = model
-        self._owners = owners
-        self._defaults = defaults
-        self.options = options
-        self.paged = paged
-        self.keeps_values = not paged
-        self.max_grad_norm = max_grad_norm
-        self.probe = probe
-        self.grads = ShardGrads(clipping=max_grad_norm is not None)
+    model: torch.nn.Module
+    defaults: dict[str, Any]
+    options: OffloadOptions
+    _: KW_ONLY
+    owners: Iterable[int] | None
+    paged: bool
+    max_grad_norm: float | None
+    trace: InitVar[bool]
+    probe: Probe | None
+
+    def __post_init__(self, trace: bool) -> None:
+        self.keeps_values = not self.paged
+        self.grads = ShardGrads(clipping=self.max_grad_norm is not None)
         """This step's statistics of the reduced grads of this owner's layers."""
         self._early = False
         """The inner step of this step updates what was not updated during backward (``trace``)."""
@@ -224,8 +218,8 @@ class LayerStrategy(ShardStrategy):
 
     def param_groups_for(self, group: RankGroup) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """One group of the units' trained params (the units dealt to the ranks)."""
-        self.units = _deal_units(self.model, self._owners, group.world_size)
-        return [{"params": [p for unit in self.units for p in unit.params]}], self._defaults
+        self.units = _deal_units(self.model, self.owners, group.world_size)
+        return [{"params": [p for unit in self.units for p in unit.params]}], self.defaults
 
     def plan(self) -> InnerPlan:
         """Copies of this owner's layers' params (``_pieces``, the inner tensors), in one group."""
