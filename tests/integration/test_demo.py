@@ -53,6 +53,16 @@ def test_demo_runs_compressed_state_and_says_what_its_rows_mean(tmp_path):
     assert "offload-dpu updates" not in done.stdout  # each note only under its own rows
 
 
+def test_demo_nvme_run_pages_its_state_through_the_disk(tmp_path):
+    done = demo("--runs", "adamw,offload-nvme", "--steps", "6", "--params", "1e5", "--quiet", "--no-plot", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = table_rows(done.stdout)
+    assert rows["offload-nvme"][1] == rows["adamw"][1]
+    paged = rows["offload-nvme"][-1]
+    assert re.fullmatch(r"[\d.]+(KiB|MiB|GiB)", paged), paged  # a state that fits a cache whole shows 0B
+    assert "offload-nvme keeps its state on disk in 8 chunks and caches 4 of them" in done.stdout
+
+
 def test_demo_says_how_its_trainers_openmp_workers_wait(tmp_path):
     done = demo("--runs", "adamw", "--steps", "6", "--params", "1e5", "--quiet", "--no-plot", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
