@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from child_env import child_env
 from conftest import run_tiermem_cli
 
-from tiermem.client.capacity import probe_daemon
+from tiermem.client.capacity import free_disk, probe_daemon
+from tiermem.client.estimate_cli import DEFAULT_NODE_CONFIG
 from tiermem.core.errors import AdmissionError
-from tiermem.core.estimate import NodeCapacity, RunShape, estimate, fit
+from tiermem.core.estimate import NodeCapacity, RunShape, estimate, fit, format_gb
 from tiermem.core.modes import Exchange, Placement
 from tiermem.core.protocol import ParamGroup, TensorSpec
+from tiermem.net.privatedir import PRIVATE_SWAP
 
 
 def tiermem(*args: str, home: str) -> subprocess.CompletedProcess[str]:
@@ -126,6 +131,27 @@ def test_estimate_without_a_daemon_uses_host_memory_and_prints_the_paper_table(t
     ]
     assert "GB = 1e9 bytes" in done.stdout
     assert f"free disk of {tmp_path}" in done.stdout
+
+
+def test_no_settings_file_measures_a_private_daemons_swap(tmp_path):
+    if Path(DEFAULT_NODE_CONFIG).exists():
+        pytest.skip(f"{DEFAULT_NODE_CONFIG} exists: the node settings' swap.dirs apply")
+    tmpdir = tmp_path / "t"  # short: a private directory's socket must fit AF_UNIX under it
+    tmpdir.mkdir()
+    env = {k: v for k, v in child_env().items() if k != "TIERMEM_CONFIG"}  # no settings file at all
+    env.update(HOME=str(tmp_path / "home"), TMPDIR=str(tmpdir), TIERMEM_NO_EMBED="1")
+    env.pop("XDG_STATE_HOME", None)
+
+    def estimate_cli(*args: str) -> str:
+        cmd = [sys.executable, "-m", "tiermem.client.cli", "estimate", "--params", "1e8", "--gpus", "1", *args]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    # not the daemon settings' default (under $HOME): with no settings file no node daemon uses it
+    where = f"free disk of {tmpdir} ({PRIVATE_SWAP})"
+    assert f"NVMe  {format_gb(free_disk([tmpdir])[0])} ({where})" in estimate_cli("--offload", "nvme", "--no-daemon")
+    assert json.loads(estimate_cli("--no-daemon", "--json"))["node"]["nvme_from"] == where
 
 
 @pytest.mark.parametrize(

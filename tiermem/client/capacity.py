@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from tiermem.core import cgroups
 from tiermem.core.errors import DaemonUnavailable, TiermemError
 from tiermem.core.estimate import NodeCapacity, format_gb
+from tiermem.net import privatedir
 
 if TYPE_CHECKING:
     from tiermem.core.protocol import StatsReply
@@ -33,6 +34,7 @@ __all__ = [
     "node_capacity",
     "probe_daemon",
     "read_meminfo",
+    "training_swap_dirs",
 ]
 
 
@@ -98,6 +100,13 @@ def free_disk(dirs: Sequence[str | os.PathLike[str]]) -> tuple[int, str]:
         seen[st.st_dev] = vfs.f_bavail * vfs.f_frsize
         names.append(str(path))
     return sum(seen.values()), "free disk of " + ", ".join(names)
+
+
+def training_swap_dirs(config_path: str | None, configured: Sequence[str]) -> list[str]:
+    """Where a training run on this node would put its NVMe state when no daemon answers: the node settings'
+    ``swap.dirs`` (``configured``) where a settings file is in place, as the node service will; with none, each
+    trainer starts a private daemon, whose swap is in its directory under ``privatedir.parent_dir()``."""
+    return list(configured) if config_path else [privatedir.parent_dir()]
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ from tiermem.client.doctor_facts import (
 )
 from tiermem.client.subcommand import Subparsers, add_command
 from tiermem.core.units import GiB, format_size
+from tiermem.net import privatedir
 
 __all__ = [
     "EXIT_FAILED",
@@ -305,7 +306,7 @@ def check_libaio(facts: Facts) -> Finding:
 
 
 def check_swap_dir(d: SwapDirFacts, facts: Facts) -> Finding:
-    where = d.path if facts.config.path else f"{d.path} (a private daemon's swap goes under it)"
+    where = d.path if facts.config.path else f"{d.path} ({privatedir.PRIVATE_SWAP})"
     free = "" if d.free_nbytes is None else f"; {format_size(d.free_nbytes)} free"
     if d.covered is False:
         return Finding(

@@ -47,7 +47,7 @@ def gather(
     *, socket_path: str | None, config_path: str | None, timeout_s: float, env: Mapping[str, str]
 ) -> facts.Facts:
     """Everything the checks need, read now."""
-    from tiermem.client.capacity import host_available
+    from tiermem.client.capacity import host_available, training_swap_dirs
     from tiermem.core.protocol import PROTOCOL_VERSION
 
     user = gather_user()
@@ -56,7 +56,8 @@ def gather(
     sockets, sockets_error = probe_sockets(socket_path, env, user, timeout_s)
     libaio_error, aio_context_error = gather_aio()
     memlock, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    swap_dirs = config_swap_dirs(config_path, env) if config.path and not config.error else [tempfile.gettempdir()]
+    settings = config.path if not config.error else None
+    swap_dirs = training_swap_dirs(settings, config_swap_dirs(config_path, env) if settings else ())
     return facts.Facts(
         version=__version__,
         protocol=PROTOCOL_VERSION,

@@ -6,6 +6,7 @@ The arithmetic is ``tiermem.core.estimate``; what the node has, ``tiermem.client
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -112,7 +113,8 @@ def add_parser(sub: Subparsers) -> None:
         "--swap-dir",
         action="append",
         metavar="DIR",
-        help="swap directory to check for free disk (repeatable; default: the daemon settings' swap.dirs)",
+        help="swap directory to check for free disk (repeatable; default: the node settings' swap.dirs, or with "
+        "no settings file a private daemon's, under $TMPDIR)",
     )
     p.add_argument(
         "--config",
@@ -140,11 +142,13 @@ def _run(args: argparse.Namespace) -> int:
         render_table,
         to_json,
     )
+    from tiermem.net import privatedir
 
     parser: argparse.ArgumentParser = args.parser
     env = os.environ
     try:
-        config = load_config(node_config_path(args.config, env), env=env)
+        config_path = node_config_path(args.config, env)
+        config = load_config(config_path, env=env)
         shape = RunShape(
             params=args.params,
             gpus=args.gpus,
@@ -166,7 +170,10 @@ def _run(args: argparse.Namespace) -> int:
         gpu: tuple[int, str] | None = (args.gpu_memory, "--gpu-memory")
     else:
         gpu = capacity.gpu_memory()
-    node = capacity.node_capacity(swap_dirs=args.swap_dir or list(config.swap.dirs), daemon=daemon, gpu=gpu)
+    swap_dirs = args.swap_dir or capacity.training_swap_dirs(config_path, config.swap.dirs)
+    node = capacity.node_capacity(swap_dirs=swap_dirs, daemon=daemon, gpu=gpu)
+    if daemon is None and not args.swap_dir and config_path is None:
+        node = dataclasses.replace(node, nvme_from=f"{node.nvme_from} ({privatedir.PRIVATE_SWAP})")
     stages = STAGES if args.stage is None else (args.stage,)
     offloads = tuple(Offload) if args.offload is None else (Offload(args.offload),)
     rows = [(est, fit(est, node)) for est in estimate_all(shape, stages, offloads)]

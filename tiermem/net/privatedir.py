@@ -37,7 +37,17 @@ from pathlib import Path
 
 from tiermem.net.sockpath import MAX_SOCKET_PATH_BYTES
 
-__all__ = ["LOCK_NAME", "PREFIX", "SOCKET_NAME", "create", "is_private_dir", "parent_dir", "remove", "sweep"]
+__all__ = [
+    "LOCK_NAME",
+    "PREFIX",
+    "PRIVATE_SWAP",
+    "SOCKET_NAME",
+    "create",
+    "is_private_dir",
+    "parent_dir",
+    "remove",
+    "sweep",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +55,8 @@ PREFIX = "tiermemd-"
 LOCK_NAME = "lock"
 SOCKET_NAME = "tiermemd.sock"
 FALLBACK_PARENT = "/tmp"  # noqa: S108 (mkdtemp makes a fresh 0700 directory in it)
+PRIVATE_SWAP = "a private daemon's swap goes under it"
+"""What commands that measure ``parent_dir()`` as a node's swap (no node settings) say of it."""
 UNLOCKED_GRACE_S = 600.0
 """A directory without a lock file (being created right now, or made before locks existed) is left alone
 this long."""
