@@ -63,6 +63,19 @@ def test_demo_nvme_run_pages_its_state_through_the_disk(tmp_path):
     assert "offload-nvme keeps its state on disk in 8 chunks and caches 4 of them" in done.stdout
 
 
+def test_demo_that_cannot_start_its_daemon_says_why_in_one_line(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    done = demo(
+        "--runs", "adamw,offload-nvme", "--steps", "2", "--params", "1e5", "--quiet", "--no-plot",
+        "--swap-dir", str(not_a_dir / "swap"), cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("tiermem demo: no tiermemd at ") and "swap directory unusable" in last, last
+
+
 def test_demo_says_how_its_trainers_openmp_workers_wait(tmp_path):
     done = demo("--runs", "adamw", "--steps", "6", "--params", "1e5", "--quiet", "--no-plot", cwd=tmp_path)
     assert done.returncode == 0, done.stderr

@@ -4,6 +4,8 @@ lines keeps them (``tiermem doctor --help`` printed its description as one 600-c
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -36,3 +38,11 @@ def test_no_line_of_any_subcommand_help_runs_past_110_columns(monkeypatch: pytes
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     text = sub.choices[command].format_help()
     assert max(len(line) for line in text.splitlines()) <= 110, text
+
+
+def test_the_parser_loads_no_torch() -> None:
+    """``tiermem demo`` sets the trainer's OpenMP spin before torch loads (libgomp reads it once), and the
+    other commands start in a fraction of a second: building the parser must not import torch."""
+    code = "import sys; from tiermem.client.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr

@@ -30,6 +30,7 @@ import sys
 
 from tiermem import __version__
 from tiermem.client.subcommand import add_command
+from tiermem.core.errors import TiermemError
 
 __all__ = ["main"]
 
@@ -98,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the command's own cleanup ran on the way out; no traceback for it
         print(f"tiermem {args.command}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+    except TiermemError as exc:  # says what was wrong and what to do (a full swap disk, no daemon, ...)
+        logging.getLogger("tiermem").debug("tiermem %s failed", args.command, exc_info=True)
+        print(f"tiermem {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
