@@ -21,6 +21,7 @@ the others need a restart and are reported as such.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -162,14 +163,11 @@ class Service:
         except (TiermemError, OSError) as exc:
             raise StartupError(EXIT_RESOURCES, f"cannot allocate the pool: {exc}") from exc
         try:
-            self.swap_dirs = [self._prepare_dir(Path(d)) for d in config.swap.dirs]
-            self._prepare_dir(Path(config.server.state_dir))
-        except UnsafePathError as exc:
+            self.swap_dirs = [self._prepare_dir(Path(d), "swap.dirs") for d in config.swap.dirs]
+            self._prepare_dir(Path(config.server.state_dir), "server.state_dir")
+        except StartupError:
             self.pool.close()
-            raise StartupError(EXIT_SWAP, str(exc)) from exc
-        except OSError as exc:
-            self.pool.close()
-            raise StartupError(EXIT_SWAP, f"swap directory unusable: {exc}") from exc
+            raise
         try:
             self.dir_locks = lock_dirs([*self.swap_dirs, Path(config.server.state_dir)])
         except StartupError:
@@ -254,14 +252,20 @@ class Service:
     # ----------------------------------------------------------------- start-up helpers
 
     @staticmethod
-    def _prepare_dir(path: Path) -> Path:
-        """Create (mode 0700) or check a state or swap directory: one nobody else can change, then a write probe."""
+    def _prepare_dir(path: Path, setting: str) -> Path:
+        """Create (mode 0700) or check a state or swap directory: one nobody else can change, then a write probe.
+        ``setting`` names where it was configured, for the ``StartupError`` a failure raises."""
         uid = os.geteuid()
         fix = f"remove it, or create it as {uid_label(uid)} with mode 0700"
-        SecureDir.open(path, Trust.of(uid, what="this tiermemd"), create=True, fix=fix).close()
-        probe = path / f".tiermemd-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        try:
+            SecureDir.open(path, Trust.of(uid, what="this tiermemd"), create=True, fix=fix).close()
+            probe = path / f".tiermemd-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except UnsafePathError as exc:
+            raise StartupError(EXIT_SWAP, str(exc)) from exc
+        except OSError as exc:
+            raise StartupError(EXIT_SWAP, f"{setting} {path} unusable: {_dir_problem(exc)}; fix {setting}") from exc
         return path
 
     def _swap_capacity(self) -> int:
@@ -506,3 +510,16 @@ def run_service(
         )
         return EXIT_DATA_LOST
     return EXIT_OK
+
+
+def _dir_problem(exc: OSError) -> str:
+    """What an ``OSError`` of creating or writing in a directory means, in words (a path component that is a
+    file says so; mkdir reports it as "File exists" or "Not a directory")."""
+    where = exc.filename
+    if exc.errno in (errno.EEXIST, errno.ENOTDIR) and where is not None:
+        blocker = Path(os.fsdecode(where))
+        while not blocker.exists() and blocker != blocker.parent:
+            blocker = blocker.parent
+        if blocker.exists() and not blocker.is_dir():
+            return f"{blocker} is not a directory"
+    return f"{exc.strerror or exc}" + (f": {os.fsdecode(where)}" if where is not None else "")

@@ -230,6 +230,9 @@ def test_start_up_failures_exit_with_their_documented_codes(daemon, tmp_path, ca
         socket_path = str(root / "tiermemd.sock")
     done = run_daemon_to_exit(root, socket_path, overrides)
     assert done.returncode == expected, done.stderr[-2000:]
+    if case == "swap dir unusable":  # which setting, which path, and why
+        blocker = root / "not-a-dir"
+        assert f"swap.dirs {blocker / 'swap'} unusable: {blocker} is not a directory; fix swap.dirs" in done.stderr
     with daemon.connection() as conn:  # a failed second daemon left the live one's socket alone
         assert isinstance(conn.request(Stats()), StatsReply)
 

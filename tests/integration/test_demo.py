@@ -73,7 +73,8 @@ def test_demo_that_cannot_start_its_daemon_says_why_in_one_line(tmp_path):
     assert done.returncode == 1
     assert "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("tiermem demo: no tiermemd at ") and "swap directory unusable" in last, last
+    assert last.startswith("tiermem demo: no tiermemd at "), last
+    assert f"swap.dirs {not_a_dir / 'swap'} unusable: {not_a_dir} is not a directory" in last, last
 
 
 def test_demo_says_how_its_trainers_openmp_workers_wait(tmp_path):
