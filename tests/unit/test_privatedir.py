@@ -69,3 +69,58 @@ def test_create_makes_a_private_locked_directory(tmp_path: Path, monkeypatch: py
     finally:
         os.close(fd)
     assert privatedir.sweep(str(tmp_path)) == [path]
+
+
+def _tmpdir(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+
+
+def test_a_sweep_while_a_directory_is_being_created_leaves_it_to_its_creator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks start their private daemons at once: one's sweep runs inside the other's ``create``, at
+    its worst moment, after the lock file exists and before it is locked."""
+    _tmpdir(monkeypatch, tmp_path)
+    real_flock = fcntl.flock
+    swept: list[list[str]] = []
+
+    def flock_after_a_sweep(fd: int, op: int) -> None:
+        if not swept:
+            swept.append(privatedir.sweep(str(tmp_path)))  # the other rank's, before this lock is taken
+        real_flock(fd, op)
+
+    monkeypatch.setattr(privatedir.fcntl, "flock", flock_after_a_sweep)
+    path, fd = privatedir.create()
+    monkeypatch.setattr(privatedir.fcntl, "flock", real_flock)
+    try:
+        assert swept == [[]]
+        assert privatedir.is_private_dir(path)
+        assert privatedir.sweep(str(tmp_path)) == []  # held
+    finally:
+        os.close(fd)
+
+
+_RACE = """
+import sys
+from tiermem.net import privatedir
+for _ in range(int(sys.argv[1])):
+    path, fd = privatedir.create()
+    privatedir.sweep()
+    assert privatedir.is_private_dir(path), path
+    privatedir.remove(path)
+    __import__("os").close(fd)
+"""
+
+
+def test_processes_creating_and_sweeping_at_once_never_take_each_others_directories(tmp_path: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    racers = [
+        subprocess.Popen([sys.executable, "-c", _RACE, "150"], env=env, stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    errors = [p.communicate(timeout=120)[1] for p in racers]
+    assert [p.returncode for p in racers] == [0] * 4, errors
+    assert list(tmp_path.iterdir()) == []

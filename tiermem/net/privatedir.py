@@ -71,13 +71,24 @@ def parent_dir() -> str:
 
 
 def create() -> tuple[str, int]:
-    """A new private directory and the descriptor of its lock (held; ``O_CLOEXEC``: pass it to the daemon)."""
+    """A new private directory and the descriptor of its lock (held; ``O_CLOEXEC``: pass it to the daemon).
+
+    The lock file is locked under another name and then renamed into place, so it is never seen unlocked: a
+    ``sweep`` by another process of this user (the other ranks of a job start their daemons at the same
+    moment) finds either no lock file, a directory being created (kept for ``UNLOCKED_GRACE_S``), or a held
+    one.  Created as ``lock`` and locked after, the lock could be taken by such a sweep in between, which
+    then removed the new directory or made this ``flock`` fail."""
     directory = tempfile.mkdtemp(prefix=PREFIX, dir=parent_dir())
-    fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        staging = os.path.join(directory, LOCK_NAME + ".new")  # no sweep opens it
+        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(staging, os.path.join(directory, LOCK_NAME))
+        except BaseException:
+            os.close(fd)
+            raise
     except BaseException:
-        os.close(fd)
         shutil.rmtree(directory, ignore_errors=True)
         raise
     return directory, fd
