@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,11 @@ def _victims(socket_path: str, kills: int, seed: int, max_delay_s: float) -> dic
     import torch  # noqa: F401 - imported once here, so a forked victim starts in milliseconds
 
     import tiermem.client.offload  # noqa: F401
+
+    # Python finds its temp directory once per process by creating a file of 8 random characters there and
+    # removing it; torch asks for it at a victim's first optimizer (dynamo's cache dir), so a victim killed in
+    # between left an empty /tmp/xxxxxxxx.  Asked here, the answer is inherited and no victim makes that file.
+    tempfile.gettempdir()
 
     rng = random.Random(seed)
     killed = finished = failed = holders = 0
