@@ -56,11 +56,16 @@ def test_sweep_leaves_other_users_directories_symlinks_and_fresh_unlocked_ones(t
     assert privatedir.sweep(str(tmp_path)) == [str(fresh)]
 
 
-def test_create_makes_a_private_locked_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+def _tmpdir(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """``create()`` and ``parent_dir()`` under ``path`` (``tempfile`` asks ``TMPDIR`` again)."""
     import tempfile
 
+    monkeypatch.setenv("TMPDIR", str(path))
     monkeypatch.setattr(tempfile, "tempdir", None)
+
+
+def test_create_makes_a_private_locked_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _tmpdir(monkeypatch, tmp_path)
     path, fd = privatedir.create()
     try:
         assert Path(path).parent == tmp_path and privatedir.is_private_dir(path)
@@ -69,13 +74,6 @@ def test_create_makes_a_private_locked_directory(tmp_path: Path, monkeypatch: py
     finally:
         os.close(fd)
     assert privatedir.sweep(str(tmp_path)) == [path]
-
-
-def _tmpdir(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
-    import tempfile
-
-    monkeypatch.setenv("TMPDIR", str(path))
-    monkeypatch.setattr(tempfile, "tempdir", None)
 
 
 def test_a_sweep_while_a_directory_is_being_created_leaves_it_to_its_creator(
