@@ -80,15 +80,21 @@ from typing import Protocol
 from tiermem.core.config import ServerConfig
 from tiermem.core.errors import AdmissionError, ConnectionClosed, ProtocolError, TiermemError
 from tiermem.core.protocol import (
+    DEFAULT_MAX_FRAME,
     FLAG_FDS,
+    FLAG_MORE,
     FLAG_ONEWAY,
     HEADER_NBYTES,
     MAGIC,
     SUPPORTED_VERSIONS,
+    Budget,
+    Dropped,
+    Frame,
+    Joiner,
     Message,
     decode_frame,
     decode_message,
-    encode_message,
+    encode_parts,
     peek_request_id,
 )
 from tiermem.net.frames import HEARTBEAT, PeerCred, peer_cred, set_send_timeout
@@ -160,6 +166,8 @@ class Session:
     max_oneway: int = 4096
     """One-way messages (BUCKET_READY) allowed between two requests (``server.max_inflight``)."""
     oneway_run: int = 0
+    joiner: Joiner = field(default_factory=Joiner)
+    """Joins the parts of a message longer than a frame (up to ``server.max_message`` bytes)."""
     close_reason: str = ""
     disconnect: DisconnectReason | None = None
     """Why the session ended (set with ``close_reason``; counted by the server)."""
@@ -249,6 +257,7 @@ class Session:
         """The session is over: its state, why, and the handlers told (once, from the thread that ends it)."""
         self.state = SessionState.CLOSED
         self.disconnect = self.disconnect or reason
+        self.joiner.clear()  # an incomplete message's bytes go back to its user's budget
         handlers.session_closed(self, self.close_reason or why)
 
     def _refuse_draining(self, data: bytes) -> None:
@@ -256,16 +265,28 @@ class Session:
             frame = decode_frame(data, max_frame=self.peer.frames.max_frame)
         except ProtocolError:
             return
-        if not frame.flags & FLAG_ONEWAY:
+        if not frame.flags & (FLAG_ONEWAY | FLAG_MORE):  # a request's last part: refuse it once
             self._send_error(frame.request_id, AdmissionError("tiermemd is shutting down; the request was not started"))
 
     def _handle(self, handlers: Handlers, data: bytes) -> bool:
-        """Decode, dispatch and answer one frame; False when the session must end (unreadable header)."""
+        """Decode one frame; dispatch and answer what it completes (a message, or one in parts); False when the
+        session must end (an unreadable header, too many one-way messages)."""
         try:
             frame = decode_frame(data, max_frame=self.peer.frames.max_frame)
         except ProtocolError as exc:
             self._send_error(peek_request_id(data) or 0, exc)
             return header_readable(data)
+        for got in self.joiner.add(frame):
+            if isinstance(got, Dropped):
+                if got.oneway:
+                    self.deferred_error = self.deferred_error or got.error
+                else:
+                    self._send_error(got.request_id, got.error)
+            elif not self._handle_message(handlers, got):
+                return False
+        return True
+
+    def _handle_message(self, handlers: Handlers, frame: Frame) -> bool:
         oneway = bool(frame.flags & FLAG_ONEWAY)
         self.oneway_run = self.oneway_run + 1 if oneway else 0
         if self.oneway_run > self.max_oneway:
@@ -292,9 +313,13 @@ class Session:
         if oneway or reply is None:
             return True
         flags = FLAG_FDS if reply.fds else 0
-        out = encode_message(reply.message, frame.request_id, flags, max_frame=self.peer.frames.max_frame)
+        # a client receives frames of up to the protocol's default max_frame: a longer reply goes in parts
+        parts = encode_parts(
+            reply.message, frame.request_id, flags, part_nbytes=min(self.peer.frames.max_send, DEFAULT_MAX_FRAME)
+        )
         self.busy = False  # the work is done: a drain need not wait for a client that does not read
-        self.peer.send(out, reply.fds)
+        for i, out in enumerate(parts, 1):
+            self.peer.send(out, reply.fds if i == len(parts) else ())
         return True
 
     def _send_error(self, request_id: int, exc: TiermemError) -> None:
@@ -302,6 +327,22 @@ class Session:
         if self.counters is not None:
             self.counters.error_reply(exc)
         self.peer.send(error_frame(request_id, exc, self.peer.frames.max_frame))
+
+
+class UserBudget(Budget):
+    """A ``Budget`` shared by the session threads of one uid."""
+
+    def __init__(self, limit: int, owner: str) -> None:
+        super().__init__(limit, owner)
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        with self._lock:
+            return super().take(nbytes)
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            super().give(nbytes)
 
 
 def header_readable(data: bytes) -> bool:
@@ -337,6 +378,8 @@ class Server:
         self._ids = itertools.count(1)
         self._sessions: dict[int, Session] = {}
         self._per_uid: Counter[int] = Counter()
+        self._budgets: dict[int, UserBudget] = {}
+        """Per uid with a connection: the bytes its incomplete messages in parts may hold together."""
         self._lock = threading.Lock()
         self._accepting = True
         self.draining = False
@@ -668,7 +711,13 @@ class Server:
                 self._forget_uid(cred.uid)
             raise
         with self._lock:
-            session = Session(next(self._ids), peer, max_oneway=self.config.max_inflight, counters=self.counters)
+            session = Session(
+                next(self._ids),
+                peer,
+                max_oneway=self.config.max_inflight,
+                joiner=Joiner(self.config.max_message, self._budget(cred.uid)),
+                counters=self.counters,
+            )
             self._sessions[session.id] = session
         if talking:
             self._serve_thread(session)
@@ -773,11 +822,20 @@ class Server:
             self._sessions.pop(session.id, None)
             self._forget_uid(session.cred.uid)
 
+    def _budget(self, uid: int) -> UserBudget:
+        """The budget of ``uid``'s incomplete messages (under the lock; kept while it has a connection)."""
+        budget = self._budgets.get(uid)
+        if budget is None:
+            budget = self._budgets[uid] = UserBudget(self.config.max_message, f"uid {uid}")
+        budget.limit = self.config.max_message  # a SIGHUP's new limit, from this connection on
+        return budget
+
     def _forget_uid(self, uid: int) -> None:
         """One connection of ``uid`` fewer (under the lock)."""
         self._per_uid[uid] -= 1
         if self._per_uid[uid] <= 0:
             del self._per_uid[uid]
+            self._budgets.pop(uid, None)
 
     def _watch_loop(self) -> None:
         beacon = self.health.register("tiermemd-pidfds")

@@ -80,7 +80,7 @@ RELOADED = frozenset(
         "jobs.max_jobs",
         "jobs.max_jobs_per_uid",
         *(f"server.{k}" for k in ("allowed_uids", "allowed_gids", "max_connections_per_uid")),
-        *(f"server.{k}" for k in ("max_inflight", "send_timeout_s")),  # for new connections
+        *(f"server.{k}" for k in ("max_inflight", "max_message", "send_timeout_s")),  # for new connections
     }
 )
 """The settings a SIGHUP applies (``Service.reload``); a change to any other waits for a restart."""

@@ -400,3 +400,108 @@ def test_a_raw_socket_of_the_wrong_type_cannot_connect(daemon):
     with pytest.raises(OSError):
         sock.connect(daemon.socket_path)
     sock.close()
+
+
+# --------------------------------------------------------------------------- messages in parts
+
+
+def ping_in_parts(request_id: int, nbytes: int, part: int = MAX_FRAME) -> list[bytes]:
+    """A PING whose payload is ``nbytes`` of JSON whitespace around ``{}``, split as the protocol says."""
+    payload = b"{" + b" " * (nbytes - 2) + b"}"
+    return protocol.split_frames(MsgType.PING, request_id, payload, part_nbytes=part)
+
+
+def test_a_message_in_parts_is_joined_and_one_left_incomplete_is_answered_before_the_next(daemon):
+    with RawConn(daemon.socket_path) as conn:
+        whole = ping_in_parts(1, 3 * MAX_FRAME)
+        assert len(whole) == 4
+        for part in whole:
+            assert conn.send(part)
+        assert_pong(conn.recv(), 1)
+
+        for part in ping_in_parts(2, 3 * MAX_FRAME)[:2]:  # a client stopped between two parts
+            assert conn.send(part)
+        request_id, kind, message = error_of(conn.request(frame(MsgType.PING, 3)))
+        assert (request_id, kind) == (2, "ProtocolError")
+        assert "PING request 2 was dropped: it ended after 2 part(s)" in message
+        assert "PING request 3 came before its last part" in message
+        assert_pong(conn.recv(), 3)
+
+
+def test_a_message_past_server_max_message_is_refused_once_and_the_connection_goes_on(daemon_factory):
+    small = daemon_factory({"server": {"max_message": 2 * MAX_FRAME}})
+    with RawConn(small.socket_path) as conn:
+        for part in ping_in_parts(1, 5 * MAX_FRAME):
+            assert conn.send(part)
+        request_id, kind, message = error_of(conn.recv())
+        assert (request_id, kind) == (1, "ProtocolError")
+        assert f"longer than max_message {2 * MAX_FRAME} bytes" in message
+        assert "server.max_message" in message
+        assert_pong(conn.request(frame(MsgType.PING, 2)), 2)  # the rest of request 1 was dropped, unanswered
+
+
+def test_one_users_incomplete_messages_together_are_held_to_server_max_message(daemon_factory):
+    """256 connections of one user, each holding all but the last part of a message, must not make the
+    daemon hold 256 x server.max_message: the user's connections share one budget."""
+    small = daemon_factory({"server": {"max_message": 2 * MAX_FRAME}})
+    with RawConn(small.socket_path) as first, RawConn(small.socket_path) as second:
+        held = ping_in_parts(1, 2 * MAX_FRAME)  # 3 parts: all but the last hold about 2 x 64 KiB
+        for part in held[:-1]:
+            assert first.send(part)
+        request_id, kind, message = error_of(second.request(ping_in_parts(7, 2 * MAX_FRAME)[0]))
+        assert (request_id, kind) == (7, "ProtocolError")
+        assert f"the incomplete messages of uid {os.getuid()} on all its connections would hold more" in message
+        assert first.send(held[-1])
+        assert_pong(first.recv(), 1)
+        for part in ping_in_parts(8, 2 * MAX_FRAME):  # the budget is back once the first message is whole
+            assert second.send(part)
+        assert_pong(second.recv(), 8)
+
+
+def many_tensors(n: int) -> protocol.Register:
+    """A REGISTER of ``n`` small tensors named as a mixture of experts names them (about 110 bytes each)."""
+    return protocol.Register(
+        tensors=tuple(
+            protocol.TensorSpec(
+                f"model.layers.{i // 384}.mlp.experts.{i // 3 % 128}.proj{i % 3}.weight", (4,), "float32"
+            )
+            for i in range(n)
+        ),
+        groups=(protocol.ParamGroup(lr=0.1),),
+    )
+
+
+def test_a_client_interrupted_between_two_parts_reads_the_error_and_registers_again(daemon):
+    register = many_tensors(1500)  # about 165 KB: 3 parts of the daemon's 64 KiB frames; its reply 2
+    with daemon.connection() as conn:
+        reply, fds = conn.request_fds(
+            protocol.Attach(job_id="parts-interrupted", rank=0, world_size=1, window_nbytes=4096)
+        )
+        for fd in fds:
+            os.close(fd)
+        assert conn.part_nbytes == MAX_FRAME  # learnt from ATTACH_OK
+
+        real_send, sent = conn._frames.send, []
+
+        def interrupted(data: bytes, fds=()) -> None:
+            if sent:
+                raise KeyboardInterrupt  # Ctrl-C after the first part went out
+            sent.append(data)
+            real_send(data, fds)
+
+        conn._frames.send = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            conn.request_fds(register)
+        interrupted_id = conn.last_request_id
+        conn._frames.send = real_send
+
+        assert isinstance(conn.request(protocol.Ping()), protocol.Pong)
+        late = conn.take_late(interrupted_id)
+        assert "REGISTER request" in str(late) and "was dropped: it ended after 1 part(s)" in str(late)
+
+        reply, fds = conn.request_fds(register)
+        for fd in fds:
+            os.close(fd)
+        assert isinstance(reply, protocol.RegisterOk)
+        assert [slot.tensor_id for slot in reply.slots] == list(range(1500))
+        conn.request(protocol.Detach(keep_state=False))

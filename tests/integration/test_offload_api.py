@@ -557,3 +557,28 @@ def test_state_dict_reads_only_the_state_of_params_that_stepped(offload: Offload
     assert list(state) == [1] and float(state[1]["step"]) == 1.0
     assert opt.transfer.requests - before <= 2
     opt.close()
+
+
+def test_a_model_of_more_tensors_than_one_frame_registers_in_parts_and_trains_like_adamw(
+    offload: OffloadDaemon,
+) -> None:
+    """A mixture of experts with a module per expert has tens of thousands of tensors; 15,000 make a REGISTER
+    of about 1.1 MB, past the daemon's 1 MiB frame (and past the 415 KiB a process without CAP_NET_ADMIN may
+    send in one packet on a default kernel): it goes in parts.  The tier does not change the registration."""
+    torch.manual_seed(0)
+    base = nn.ParameterList(nn.Parameter(torch.randn(2)) for _ in range(15_000))
+    ref_model = copy.deepcopy(base)
+    opt = offload.make(base.parameters(), offload="cpu", **HYPER)
+    ref = torch.optim.AdamW(ref_model.parameters(), **HYPER)
+    for step in range(2):
+        for model, o in ((base, opt), (ref_model, ref)):
+            for i, p in enumerate(model):
+                p.grad = torch.full_like(p, (i % 7 - 3) * (step + 1))
+            o.step()
+            o.zero_grad()
+    flat = lambda tensors: torch.cat([t.detach().float().reshape(-1) for t in tensors])  # noqa: E731
+    torch.testing.assert_close(flat(base), flat(ref_model))  # one comparison, not 15,000
+    mine, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
+    assert sorted(mine) == sorted(theirs) == list(range(15_000))
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(flat(mine[i][key] for i in mine), flat(theirs[i][key] for i in mine))

@@ -17,6 +17,9 @@
   built by the connection's ``gone`` (``link.connect`` passes the private
   daemon's, which names the child's pid and exit status); by default it names
   the node daemon's socket.
+- A message longer than a frame goes in parts (``tiermem.core.protocol.parts``):
+  a request in parts no larger than the daemon's ``max_frame`` (learnt from
+  ATTACH_OK) and what the kernel lets this socket send, a reply joined here.
 """
 
 from __future__ import annotations
@@ -47,13 +50,17 @@ from tiermem.core.protocol import (
     FLAG_ONEWAY,
     MAX_REQUEST_ID,
     REPLY_TYPES,
+    AttachOk,
+    Dropped,
     ErrorReply,
+    Frame,
+    Joiner,
     Message,
     MsgType,
     Ping,
     decode_frame,
     decode_message,
-    encode_message,
+    encode_parts,
 )
 from tiermem.net.frames import FrameSocket, close_fds, is_heartbeat, peer_cred, set_send_timeout
 from tiermem.net.sockpath import (
@@ -201,6 +208,9 @@ class Connection(Closing):
         self.late: dict[int, Message | TiermemError] = {}
         """Replies (or errors) of abandoned requests, read before the next request went out."""
         self.last_request_id = 0
+        self.peer_max_frame = DEFAULT_MAX_FRAME
+        """The daemon's frame limit (``ATTACH_OK.max_frame``; before it, the protocol's default)."""
+        self._joiner = Joiner()
 
     @classmethod
     def open(
@@ -221,9 +231,9 @@ class Connection(Closing):
         return bool(self._closed_why)
 
     @property
-    def max_send(self) -> int:
-        """Largest frame this connection can send (split larger REGISTER batches)."""
-        return self._frames.max_send
+    def part_nbytes(self) -> int:
+        """Largest frame this connection sends: a longer message goes in parts of this size."""
+        return min(self._frames.max_send, self.peer_max_frame)
 
     def request(self, msg: Message, *, timeout_s: float | None = None) -> Message:
         """Send ``msg`` and return its reply; raises the typed error of an error reply."""
@@ -283,9 +293,9 @@ class Connection(Closing):
                         continue
                     request_id = self._take_id()
                     self.last_request_id = request_id
-                    data = encode_message(msg, request_id, max_frame=self._frames.max_frame)
+                    frames = self._encode(msg, request_id)
                     self._abandoned[request_id] = msg.TYPE  # until its reply is in hand (see _exchange)
-                    self._send(data, msg.TYPE)
+                    self._send(frames, msg.TYPE)
                     pending.append((sent, request_id, msg))
                     sent += 1
                     continue
@@ -314,8 +324,7 @@ class Connection(Closing):
         with self._lock:
             self._check_open()
             self._drain_abandoned()
-            data = encode_message(msg, self._take_id(), FLAG_ONEWAY, max_frame=self._frames.max_frame)
-            self._send(data, msg.TYPE)
+            self._send(self._encode(msg, self._take_id(), FLAG_ONEWAY), msg.TYPE)
 
     def close(self) -> None:
         with self._lock:
@@ -334,12 +343,15 @@ class Connection(Closing):
             self._drain_abandoned()
             request_id = self._take_id()
             self.last_request_id = request_id
-            data = encode_message(msg, request_id, max_frame=self._frames.max_frame)
+            frames = self._encode(msg, request_id)
             # counted as abandoned until its reply is in hand: an interrupt (KeyboardInterrupt) anywhere in
-            # between leaves the reply to be read (or found missing) before the next request
+            # between leaves the reply to be read (or found missing) before the next request; one between
+            # two parts of the request leaves the daemon an incomplete message, which it answers with an error
             self._abandoned[request_id] = msg.TYPE
-            self._send(data, msg.TYPE)
+            self._send(frames, msg.TYPE)
             reply, fds = self._read_reply(msg, request_id, timeout_s if timeout_s is not None else self.timeout_s)
+            if isinstance(reply, AttachOk):
+                self.peer_max_frame = reply.max_frame
         if isinstance(reply, ErrorReply):
             close_fds(fds)
             raise reply.to_exception()
@@ -348,17 +360,14 @@ class Connection(Closing):
     def _read_reply(self, msg: Message, request_id: int, timeout_s: float | None) -> tuple[Message, list[int]]:
         """Read the reply of ``request_id`` (an ``ErrorReply`` is returned, not raised); under the lock."""
         expected = REPLY_TYPES.get(msg.TYPE)
-        raw, fds = self._recv(msg, timeout_s)
+        frame, fds = self._recv_message(msg.TYPE, timeout_s)
         self._abandoned.pop(request_id, None)
         try:
-            frame = decode_frame(raw, max_frame=self._frames.max_frame)
             if frame.request_id != request_id and not (frame.request_id == 0 and frame.type is MsgType.ERROR):
                 raise ProtocolError(f"reply for request {frame.request_id} while waiting for {request_id}")
             if frame.type is not expected and frame.type is not MsgType.ERROR:
                 name = expected.name if expected is not None else "none"
                 raise ProtocolError(f"{msg.TYPE.name} got a {frame.type.name} reply, expected {name}")
-            if bool(fds) != bool(frame.flags & FLAG_FDS):
-                raise ProtocolError(f"{frame.type.name}: {len(fds)} fd(s) received, flags {frame.flags:#x}")
             return decode_message(frame), fds
         except ProtocolError as exc:
             close_fds(fds)
@@ -382,12 +391,11 @@ class Connection(Closing):
             return
         ping_id = self._take_id()
         self._abandoned[ping_id] = MsgType.PING
-        self._send(encode_message(Ping(), ping_id, max_frame=self._frames.max_frame), MsgType.PING)
+        self._send(self._encode(Ping(), ping_id), MsgType.PING)
         while True:
-            raw, fds = self._recv_type(MsgType.PING, self.timeout_s)
+            frame, fds = self._recv_message(MsgType.PING, self.timeout_s)
             close_fds(fds)
             try:
-                frame = decode_frame(raw, max_frame=self._frames.max_frame)
                 reply = decode_message(frame)
             except ProtocolError as exc:
                 raise self._fail(exc) from None
@@ -408,9 +416,15 @@ class Connection(Closing):
         if self._closed_why:
             raise DaemonUnavailable(self.path, f"connection is closed ({self._closed_why})")
 
-    def _send(self, data: bytes, msg_type: MsgType) -> None:
+    def _encode(self, msg: Message, request_id: int, flags: int = 0) -> list[bytes]:
+        """``msg``'s frame, or its parts (``part_nbytes``)."""
+        return encode_parts(msg, request_id, flags, part_nbytes=self.part_nbytes)
+
+    def _send(self, frames: list[bytes], msg_type: MsgType) -> None:
+        """Send a message's frames in a row (nothing else goes between them: the caller holds the lock)."""
         try:
-            self._frames.send(data)
+            for data in frames:
+                self._frames.send(data)
         except (ConnectionClosed, OSError) as exc:
             refusal = self._pending_refusal()
             if refusal is not None:
@@ -439,8 +453,22 @@ class Connection(Closing):
             return None
         return reply.to_exception() if isinstance(reply, ErrorReply) else None
 
-    def _recv(self, msg: Message, timeout_s: float | None) -> tuple[bytes, list[int]]:
-        return self._recv_type(msg.TYPE, timeout_s)
+    def _recv_message(self, msg_type: MsgType, timeout_s: float | None) -> tuple[Frame, list[int]]:
+        """The next whole message from the daemon (its parts joined), with the fds of its last part.  Each
+        part restarts the ``timeout_s`` wait, as a heartbeat does."""
+        while True:
+            raw, fds = self._recv_type(msg_type, timeout_s)
+            try:
+                frame = decode_frame(raw, max_frame=self._frames.max_frame)
+                if bool(fds) != bool(frame.flags & FLAG_FDS):
+                    raise ProtocolError(f"{frame.type.name}: {len(fds)} fd(s) received, flags {frame.flags:#x}")
+                for got in self._joiner.add(frame):
+                    if isinstance(got, Dropped):  # the daemon sends a message's parts in a row: out of step
+                        raise got.error
+                    return got, fds
+            except ProtocolError as exc:
+                close_fds(fds)
+                raise self._fail(exc) from None
 
     def _recv_type(self, msg_type: MsgType, timeout_s: float | None) -> tuple[bytes, list[int]]:
         if timeout_s != self._socket_timeout:

@@ -231,7 +231,10 @@ class ServerConfig:
     allowed_gids: tuple[int, ...] = ()
     """Gids whose members may attach."""
     max_frame: int = _size(1 * MiB)
-    """Largest frame accepted on the socket."""
+    """Largest frame accepted on the socket; a longer message comes in parts of this size."""
+    max_message: int = _size(64 * MiB)
+    """Largest message a client may send in parts (a REGISTER costs about 83 bytes a tensor), and what one
+    user's connections together may make the daemon hold in messages not yet whole."""
     max_inflight: int = 4096
     """One-way messages (BUCKET_READY, one per gradient bucket) a connection may send between two requests;
     a client past it is disconnected.  Requests themselves are answered one at a time per connection."""
@@ -254,6 +257,10 @@ class ServerConfig:
             raise ConfigError("server.socket_mode", f"must be permission bits like 0o660, got {self.socket_mode!r}")
         if self.max_frame < 4096:
             raise ConfigError("server.max_frame", f"must be at least 4KiB, got {self.max_frame}")
+        if self.max_message < self.max_frame:
+            raise ConfigError(
+                "server.max_message", f"must be at least server.max_frame ({self.max_frame}), got {self.max_message}"
+            )
         _check_positive("server.max_inflight", self.max_inflight)
         _check_positive("server.max_connections_per_uid", self.max_connections_per_uid)
         if not self.send_timeout_s > 0:

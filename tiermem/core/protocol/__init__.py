@@ -19,11 +19,12 @@ expected and what was found; nothing else escapes, whatever the bytes.
 from __future__ import annotations
 
 from tiermem.core.errors import ProtocolError
-from tiermem.core.protocol import frame, report, session, step
+from tiermem.core.protocol import frame, parts, report, session, step
 from tiermem.core.protocol.fields import FieldError
 from tiermem.core.protocol.frame import *  # noqa: F403
 from tiermem.core.protocol.frame import DEFAULT_MAX_FRAME, Frame, decode_payload, encode_frame, encode_payload
 from tiermem.core.protocol.messages import MESSAGE_CLASSES, REPLY_TYPES
+from tiermem.core.protocol.parts import *  # noqa: F403
 from tiermem.core.protocol.records import (
     DTYPES,
     PLACEMENTS,
@@ -53,7 +54,9 @@ __all__ = [
     "decode_message",
     "encode_message",
 ]
+__all__ += ["encode_parts"]
 __all__ += frame.__all__
+__all__ += parts.__all__
 __all__ += session.__all__
 __all__ += step.__all__
 __all__ += report.__all__
@@ -65,11 +68,19 @@ def encode_message(msg: Message, request_id: int, flags: int = 0, *, max_frame: 
     The sender's values are not re-checked here (the receiver checks every
     field); ``check_message`` does it where a sender wants to fail early.
     """
+    return encode_frame(msg.TYPE, request_id, _payload(msg), flags, max_frame=max_frame)
+
+
+def encode_parts(msg: Message, request_id: int, flags: int = 0, *, part_nbytes: int) -> list[bytes]:
+    """The frames holding ``msg``: one, or parts of at most ``part_nbytes`` each (``parts.split_frames``)."""
+    return parts.split_frames(msg.TYPE, request_id, _payload(msg), flags, part_nbytes=part_nbytes)
+
+
+def _payload(msg: Message) -> bytes:
     try:
-        payload = encode_payload(msg.to_payload())
+        return encode_payload(msg.to_payload())
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"cannot encode {msg.TYPE.name}: {exc}") from None
-    return encode_frame(msg.TYPE, request_id, payload, flags, max_frame=max_frame)
 
 
 def decode_message(frame: Frame) -> Message:

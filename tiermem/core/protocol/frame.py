@@ -15,7 +15,8 @@ Frame layout (little-endian, 16-byte header, then ``payload_nbytes`` bytes)::
 - request id: chosen by the client, echoed in the reply; 0 is never used by a
   client (reserved for messages the daemon sends unprompted).
 - payload: a UTF-8 JSON object (an empty payload means ``{}``), at most
-  ``max_frame - 16`` bytes.
+  ``max_frame - 16`` bytes; a longer message goes in parts (``FLAG_MORE``,
+  ``tiermem.core.protocol.parts``), each a frame of its own.
 
 Why JSON: the payloads are control messages of tens to hundreds of bytes,
 a handful per training step.  ``json`` is implemented in C; with the encoder
@@ -48,6 +49,7 @@ from tiermem.core.units import MiB
 __all__ = [
     "DEFAULT_MAX_FRAME",
     "FLAG_FDS",
+    "FLAG_MORE",
     "FLAG_ONEWAY",
     "HEADER",
     "HEADER_NBYTES",
@@ -67,8 +69,8 @@ __all__ = [
 ]
 
 MAGIC = b"TM"
-PROTOCOL_VERSION = 9
-SUPPORTED_VERSIONS: tuple[int, ...] = (9,)
+PROTOCOL_VERSION = 10
+SUPPORTED_VERSIONS: tuple[int, ...] = (10,)
 HEADER = struct.Struct("<2sBBHHII")
 HEADER_NBYTES = HEADER.size  # 16
 DEFAULT_MAX_FRAME = 1 * MiB
@@ -78,7 +80,9 @@ FLAG_ONEWAY = 0x0001
 """The sender wants no reply (``BUCKET_READY``); an error it causes fails the next request instead."""
 FLAG_FDS = 0x0002
 """File descriptors travel with this frame as SCM_RIGHTS (daemon to client only: ``ATTACH_OK``)."""
-KNOWN_FLAGS = FLAG_ONEWAY | FLAG_FDS
+FLAG_MORE = 0x0004
+"""The message goes on in the next frame (same type and request id): ``tiermem.core.protocol.parts``."""
+KNOWN_FLAGS = FLAG_ONEWAY | FLAG_FDS | FLAG_MORE
 
 
 class MsgType(IntEnum):
