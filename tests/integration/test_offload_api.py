@@ -92,6 +92,14 @@ def test_harmless_torch_kwargs_are_accepted_and_train_like_adamw(offload: Offloa
     assert_params_close(m_off, m_ref)
 
 
+def test_a_param_listed_twice_is_refused_before_any_daemon(no_daemon: None, tier: str) -> None:
+    """torch.optim warns and updates it twice a step (and means to refuse it); one registered tensor cannot."""
+    m = mlp()
+    params = list(m.parameters())
+    with pytest.raises(InvalidArgument, match=r"lists one param twice \(positions 0 and 6.*OffloadAdam takes each"):
+        OffloadAdam([*params, params[0]], offload=tier)
+
+
 @pytest.mark.parametrize("name", ["amsgrad", "capturable", "differentiable"])
 def test_unsupported_torch_kwargs_are_refused_by_name(no_daemon: None, tier: str, name: str) -> None:
     with pytest.raises(ValueError, match=name):

@@ -65,6 +65,12 @@ def test_it_needs_an_initialised_process_group():
         ShardedOffloadAdam(model().parameters())
 
 
+def test_a_param_listed_twice_is_refused(daemon, one_rank_group):
+    lin = torch.nn.Linear(3, 2)
+    with pytest.raises(InvalidArgument, match=r"lists one param twice \(positions 0 and 2.*ShardedOffloadAdam takes"):
+        ShardedOffloadAdam([lin.weight, lin.bias, lin.weight], client=connect(daemon.socket_path))
+
+
 def test_a_plain_grad_scaler_is_refused_naming_the_sharded_one(daemon, one_rank_group):
     m = model()
     opt = ShardedOffloadAdam(m.parameters(), client=connect(daemon.socket_path))

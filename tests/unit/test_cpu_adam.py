@@ -275,6 +275,16 @@ def test_cpuadam_rejects_amsgrad_and_mismatched_grads(eager_engine: AdamEngine) 
         CPUAdam([nn.Parameter(torch.zeros(2, dtype=torch.float64))], engine=eager_engine)
 
 
+def test_cpuadam_refuses_a_param_listed_twice_which_torch_would_update_twice(eager_engine: AdamEngine) -> None:
+    lin = nn.Linear(3, 2)
+    with pytest.raises(InvalidArgument, match=r"lists one param twice \(positions 0 and 2, shape \(2, 3\)\)"):
+        CPUAdam([lin.weight, lin.bias, lin.weight], engine=eager_engine)
+    opt = CPUAdam([lin.weight], engine=eager_engine)
+    with pytest.raises(InvalidArgument, match="CPUAdam takes each param once"):
+        opt.add_param_group({"params": [lin.bias, lin.bias]})
+    assert len(opt.param_groups) == 1
+
+
 def test_range_update_touches_only_the_range(eager_engine: AdamEngine) -> None:
     ops = _operands(1000)
     before = {k: v.clone() for k, v in ops.items() if v is not None}

@@ -83,6 +83,7 @@ from tiermem.client.offload.args import closure_loss
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
 from tiermem.core.errors import InvalidArgument, InvalidState
+from tiermem.core.param_groups import check_params_once
 from tiermem.core.step_rules import StepDecision
 
 __all__ = ["InnerPlan", "ShardStrategy", "ShardedOptimizer", "StepOutcome", "of_strategy"]
@@ -387,6 +388,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         """torch's, while the optimizer is made; after, refused: the strategy sharded the groups it was given."""
         if self._started:
             raise InvalidArgument(f"{self.strategy.name} {self.strategy.groups_rule}")
+        check_params_once(param_group, self.strategy.name)
         super().add_param_group(param_group)
 
     # ----------------------------------------------------------------- counters

@@ -110,6 +110,7 @@ from tiermem.core.errors import (
     TiermemError,
 )
 from tiermem.core.modes import Exchange, StepMode
+from tiermem.core.param_groups import check_params_once
 from tiermem.core.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
 from tiermem.core.step_rules import StepDecision
 from tiermem.core.units import format_size
@@ -251,6 +252,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         registered = getattr(self, "_registered", False)
         if registered:
             self._check_regroupable()
+        check_params_once(param_group, "OffloadAdam")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:

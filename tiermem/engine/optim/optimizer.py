@@ -39,6 +39,7 @@ import torch
 
 from tiermem.core.adam_math import AdamHyper
 from tiermem.core.errors import DTypeError, InvalidArgument
+from tiermem.core.param_groups import check_params_once
 from tiermem.core.step_rules import combine_grad_stats, decide
 from tiermem.engine.optim.engine import AdamEngine, PendingUpdate
 
@@ -105,6 +106,7 @@ class CPUAdam(torch.optim.Optimizer):
             self.engine = AdamEngine(threads=threads, compile=compile, warmup=sorted(combos, key=str))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        check_params_once(param_group, "CPUAdam")
         group = dict(param_group)
         if "adamw" in group:
             group["decoupled_weight_decay"] = bool(group.pop("adamw"))
