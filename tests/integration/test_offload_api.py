@@ -100,6 +100,14 @@ def test_a_param_listed_twice_is_refused_before_any_daemon(no_daemon: None, tier
         OffloadAdam([*params, params[0]], offload=tier)
 
 
+def test_more_param_groups_than_the_daemon_takes_are_refused_before_any_daemon(no_daemon: None, tier: str) -> None:
+    """The wire carries at most 4,096 groups; past it the error says so in the optimizer's words, not as a
+    malformed REGISTER field."""
+    groups = [{"params": [nn.Parameter(torch.zeros(1))]} for _ in range(4097)]
+    with pytest.raises(InvalidArgument, match=r"at most 4096 param groups .* share lr, betas, eps and weight_decay"):
+        OffloadAdam(groups, offload=tier)
+
+
 @pytest.mark.parametrize("name", ["amsgrad", "capturable", "differentiable"])
 def test_unsupported_torch_kwargs_are_refused_by_name(no_daemon: None, tier: str, name: str) -> None:
     with pytest.raises(ValueError, match=name):

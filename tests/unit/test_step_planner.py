@@ -15,7 +15,12 @@ from tiermem.core.protocol import ParamGroup, TensorSpec
 from tiermemd.rank.planner import Piece, check_ids, plan_pieces
 from tiermemd.rank.records import TensorRecord
 
-GROUPS = (ParamGroup(lr=1e-3), ParamGroup(lr=2e-3, weight_decay=0.1), ParamGroup(lr=3e-3, adamw=False))
+GROUPS = (
+    ParamGroup(lr=1e-3),
+    ParamGroup(lr=2e-3, weight_decay=0.1),
+    ParamGroup(lr=3e-3, adamw=False),
+    ParamGroup(lr=1e-3),  # another group with the first one's hyper-parameters (a group per param)
+)
 
 
 def make_records(shapes: list[tuple[int, ...]], groups: list[int], steps: list[int]) -> list[TensorRecord]:
@@ -102,6 +107,15 @@ def test_a_different_step_or_group_starts_a_new_piece() -> None:
         Piece(0, 0, 3, GROUPS[0], 1),
         Piece(0, 3, 7, GROUPS[0], 2),
         Piece(0, 7, 14, GROUPS[1], 2),
+    ]
+
+
+def test_groups_with_equal_hyper_parameters_share_a_piece() -> None:
+    """A group per param, all with one lr: one kernel call, not one per group (4,000 groups took 0.35 s)."""
+    records = make_records([(3,), (4,), (2,), (5,)], groups=[0, 3, 0, 1], steps=[0, 0, 0, 0])
+    assert plan_pieces(records, [0, 1, 2, 3], GROUPS, chunk_numel=100) == [
+        Piece(0, 0, 9, GROUPS[0], 1),
+        Piece(0, 9, 14, GROUPS[1], 1),
     ]
 
 

@@ -1,13 +1,18 @@
 """The step planner: which flat ranges an update touches, cut into chunk pieces.  Pure.
 
 An update of tensors ``ids`` becomes pieces ``(chunk, lo, hi, group, step)``:
-maximal runs of consecutive tensors that share a param group and a step
-count (so one kernel call serves the run), cut at chunk boundaries (the unit
+maximal runs of consecutive tensors that share their hyper-parameters and a
+step count (so one kernel call serves the run), cut at chunk boundaries (the unit
 the state is stored, paged and scheduled in).  Where the layout starts each
 tensor on a multiple of ``align`` elements (int8 moments), a run steps over
 the gap between two tensors: its elements are zeros that stay zeros (zero
 grads, moments and master), and the run stays one call.  ``step`` is the count after the
 update (1 for a tensor's first).
+
+Runs join on equal hyper-parameters, not on the same group index: a model
+with a group per param (4,000 groups of one lr) made 4,000 kernel calls a step
+where one does the same arithmetic, and its step took 0.35 s in the daemon
+against 8 ms for the same params in one group.
 """
 
 from __future__ import annotations
@@ -50,19 +55,20 @@ def plan_pieces(
     align: int = 1,
 ) -> list[Piece]:
     """The pieces of one update of ``ids`` (sorted, unique), with each tensor's next step count."""
-    runs: list[tuple[int, int, int, int]] = []
-    start = stop = group = step = -1
+    runs: list[tuple[int, int, ParamGroup, int]] = []
+    start = stop = step = -1
+    hyper: ParamGroup | None = None
     for tid in ids:
         rec = records[tid]
-        g, s = rec.spec.group, rec.step + 1
-        if runs and -(-stop // align) * align == rec.start and group == g and step == s:
+        h, s = groups[rec.spec.group], rec.step + 1
+        if runs and -(-stop // align) * align == rec.start and step == s and (h is hyper or h == hyper):
             stop = rec.stop
-            runs[-1] = (start, stop, g, s)
+            runs[-1] = (start, stop, h, s)
         elif rec.stop > rec.start:
-            start, stop, group, step = rec.start, rec.stop, g, s
-            runs.append((start, stop, g, s))
+            start, stop, hyper, step = rec.start, rec.stop, h, s
+            runs.append((start, stop, h, s))
     return [
-        Piece(chunk, lo, hi, groups[group], step)
-        for start, stop, group, step in runs
+        Piece(chunk, lo, hi, h, step)
+        for start, stop, h, step in runs
         for chunk, lo, hi in chunk_ranges(start, stop, chunk_numel)
     ]

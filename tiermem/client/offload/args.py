@@ -175,14 +175,18 @@ def check_group_values(group: Mapping[str, Any], groups: Sequence[Mapping[str, A
     checked here rather than converted with ``float()``: a string fails, as torch's step fails on it, with
     ``InvalidType`` (a ``TypeError``) naming the group (by its index in ``groups``, the optimizer's
     ``param_groups``), the key and the value; a value out of range is ``InvalidArgument`` with torch's
-    message."""
-    index = next((i for i, g in enumerate(groups) if g is group), None)
-    where = f"param_groups[{index}]" if index is not None else "a param group"
-    values = {key: _group_number(f"{where}['{key}']", group[key]) for key in GROUP_NUMBERS}
+    message.  The group's index is looked up only to word an error: a step checks every group, and a search
+    per group made a step of 4,000 groups cost 0.9 s."""
+
+    def where() -> str:
+        index = next((i for i, g in enumerate(groups) if g is group), None)
+        return f"param_groups[{index}]" if index is not None else "a param group"
+
+    values = {key: _group_number(where, f"['{key}']", group[key]) for key in GROUP_NUMBERS}
     betas = group["betas"]
     if not isinstance(betas, tuple | list) or len(betas) != 2:
-        raise InvalidType(f"{where}['betas'] must be a pair of numbers, got {betas!r} of type {type(betas).__name__}")
-    beta_values = [_group_number(f"{where}['betas'][{i}]", beta) for i, beta in enumerate(betas)]
+        raise InvalidType(f"{where()}['betas'] must be a pair of numbers, got {betas!r} of type {type(betas).__name__}")
+    beta_values = [_group_number(where, f"['betas'][{i}]", beta) for i, beta in enumerate(betas)]
     problems = [
         (values["lr"] >= 0.0, f"Invalid learning rate: {group['lr']}"),
         (values["eps"] >= 0.0, f"Invalid epsilon value: {group['eps']}"),
@@ -192,16 +196,16 @@ def check_group_values(group: Mapping[str, Any], groups: Sequence[Mapping[str, A
     ]
     for ok, message in problems:
         if not ok:
-            raise InvalidArgument(f"{where}: {message}")
+            raise InvalidArgument(f"{where()}: {message}")
 
 
-def _group_number(label: str, value: object) -> float:
+def _group_number(where: Callable[[], str], key: str, value: object) -> float:
     number = real_number(value)
     if number is None and isinstance(value, torch.Tensor) and value.numel() == 1:
         number = float(value)
     if number is None:
         raise InvalidType(
-            f"{label} is {value!r} of type {type(value).__name__}, not a number: assign a float "
+            f"{where()}{key} is {value!r} of type {type(value).__name__}, not a number: assign a float "
             f"(torch's step fails on it too)"
         )
     return number

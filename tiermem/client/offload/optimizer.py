@@ -112,6 +112,7 @@ from tiermem.core.errors import (
 from tiermem.core.modes import Exchange, StepMode
 from tiermem.core.param_groups import check_params_once
 from tiermem.core.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
+from tiermem.core.protocol.records import MAX_GROUPS
 from tiermem.core.step_rules import StepDecision
 from tiermem.core.units import format_size
 
@@ -253,6 +254,12 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         if registered:
             self._check_regroupable()
         check_params_once(param_group, "OffloadAdam")
+        if len(self.param_groups) >= MAX_GROUPS:
+            raise InvalidArgument(
+                f"OffloadAdam takes at most {MAX_GROUPS} param groups (the daemon's limit; each step sends every "
+                "group's hyper-parameters), and this would be one more: put the params that share lr, betas, eps "
+                "and weight_decay in one group"
+            )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
