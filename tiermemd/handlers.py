@@ -185,6 +185,7 @@ class Handlers:
                 window_nbytes=rank.window.nbytes,
                 alignment=PAGE_SIZE,
                 max_frame=self.service.config.server.max_frame,
+                max_inflight=session.max_oneway,
                 reattached=not created and (rank.layout is not None or rank.restored is not None),
                 state_step=state_step,
                 state_from=state_from,

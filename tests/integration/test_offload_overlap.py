@@ -64,3 +64,29 @@ def test_a_loop_that_clips_after_backward_is_refused_before_anything_is_applied(
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     assert opt.state_dict()["state"] == {}
     assert opt.stats().rank.overlapped_tensors == 0
+
+
+def test_more_buckets_than_the_daemon_takes_in_a_row_are_paced_with_a_ping(daemon_factory) -> None:
+    """A model of more buckets (ZeRO-3 by layer: more units) than ``server.max_inflight`` one-way messages
+    between two requests: the daemon used to close the connection; the client now sends a PING first."""
+    from tiermem import OffloadAdam
+    from tiermem.client.link import connect
+
+    daemon = daemon_factory({"server": {"max_inflight": 2}})
+    model, ref = mlp(), mlp()
+    opt = OffloadAdam(
+        model.parameters(), lr=1e-3, overlap_update=True, bucket_nbytes=256, client=connect(daemon.socket_path)
+    )
+    assert opt.client.conn.peer_max_inflight == 2
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    try:
+        for x, y in batches(4):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+        for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b)
+        assert opt.stats().rank.overlapped_tensors == 3 * 6  # six buckets a step, two at a time
+    finally:
+        opt.close()

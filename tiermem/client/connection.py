@@ -62,6 +62,7 @@ from tiermem.core.protocol import (
     decode_message,
     encode_parts,
 )
+from tiermem.core.protocol.records import DEFAULT_MAX_INFLIGHT
 from tiermem.net.frames import FrameSocket, close_fds, is_heartbeat, peer_cred, set_send_timeout
 from tiermem.net.sockpath import (
     Trust,
@@ -210,6 +211,10 @@ class Connection(Closing):
         self.last_request_id = 0
         self.peer_max_frame = DEFAULT_MAX_FRAME
         """The daemon's frame limit (``ATTACH_OK.max_frame``; before it, the protocol's default)."""
+        self.peer_max_inflight = DEFAULT_MAX_INFLIGHT
+        """One-way messages the daemon takes in a row (``ATTACH_OK.max_inflight``)."""
+        self._oneway_run = 0
+        """One-way messages sent since the last request."""
         self._joiner = Joiner()
 
     @classmethod
@@ -324,7 +329,10 @@ class Connection(Closing):
         with self._lock:
             self._check_open()
             self._drain_abandoned()
+            if self._oneway_run >= self.peer_max_inflight:
+                self._ping()  # the daemon closes a connection past max_inflight one-way messages in a row
             self._send(self._encode(msg, self._take_id(), FLAG_ONEWAY), msg.TYPE)
+            self._oneway_run += 1
 
     def close(self) -> None:
         with self._lock:
@@ -351,11 +359,23 @@ class Connection(Closing):
             self._send(frames, msg.TYPE)
             reply, fds = self._read_reply(msg, request_id, timeout_s if timeout_s is not None else self.timeout_s)
             if isinstance(reply, AttachOk):
-                self.peer_max_frame = reply.max_frame
+                self.peer_max_frame, self.peer_max_inflight = reply.max_frame, reply.max_inflight
         if isinstance(reply, ErrorReply):
             close_fds(fds)
             raise reply.to_exception()
         return reply, fds
+
+    def _ping(self) -> None:
+        """A PING round trip under the lock, between one-way messages: the daemon's count of them in a row starts
+        again.  Its reply comes after theirs are handled, so an error one of them caused is raised here."""
+        request_id = self._take_id()
+        frames = self._encode(Ping(), request_id)
+        self._abandoned[request_id] = MsgType.PING
+        self._send(frames, MsgType.PING)
+        reply, fds = self._read_reply(Ping(), request_id, self.timeout_s)
+        close_fds(fds)
+        if isinstance(reply, ErrorReply):
+            raise reply.to_exception()
 
     def _read_reply(self, msg: Message, request_id: int, timeout_s: float | None) -> tuple[Message, list[int]]:
         """Read the reply of ``request_id`` (an ``ErrorReply`` is returned, not raised); under the lock."""
@@ -422,6 +442,8 @@ class Connection(Closing):
 
     def _send(self, frames: list[bytes], msg_type: MsgType) -> None:
         """Send a message's frames in a row (nothing else goes between them: the caller holds the lock)."""
+        if REPLY_TYPES.get(msg_type) is not None:
+            self._oneway_run = 0  # a request: the daemon counts one-way messages in a row from zero again
         try:
             for data in frames:
                 self._frames.send(data)

@@ -237,7 +237,8 @@ class ServerConfig:
     user's connections together may make the daemon hold in messages not yet whole."""
     max_inflight: int = 4096
     """One-way messages (BUCKET_READY, one per gradient bucket) a connection may send between two requests;
-    a client past it is disconnected.  Requests themselves are answered one at a time per connection."""
+    a client past it is disconnected (tiermem's clients read it from ATTACH_OK and send a PING first).
+    Requests themselves are answered one at a time per connection."""
     max_connections_per_uid: int = 256
     """Connections one uid may hold open."""
     send_timeout_s: float = 10.0

@@ -38,6 +38,7 @@ __all__ = [
     "MAX_DIM",
     "MAX_GRAD_BUFFERS",
     "MAX_GROUPS",
+    "DEFAULT_MAX_INFLIGHT",
     "MAX_ID",
     "MAX_MESSAGE",
     "MAX_NAME",
@@ -82,6 +83,8 @@ MAX_WINDOW_ID = 0xFFFFFFFF
 MAX_TIMINGS = 64
 MAX_GRAD_BUFFERS = 2
 MAX_MESSAGE = 16384
+DEFAULT_MAX_INFLIGHT = 4096
+"""One-way messages a daemon takes in a row when ATTACH_OK does not say (``server.max_inflight``'s default)."""
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
 
 # Field kinds shared by several records and messages.

@@ -22,6 +22,7 @@ from tiermem.core.protocol.fields import FieldError
 from tiermem.core.protocol.frame import MsgType
 from tiermem.core.protocol.kinds import Kind, Source
 from tiermem.core.protocol.records import (
+    DEFAULT_MAX_INFLIGHT,
     ID_PATTERN,
     MAX_GRAD_BUFFERS,
     MAX_GROUPS,
@@ -146,6 +147,9 @@ class AttachOk(Message):
     window_nbytes: Annotated[int, Int(1, MAX_NBYTES)]
     alignment: Annotated[int, PowerOfTwo(1, 1 << 30)]
     max_frame: Annotated[int, Int(4096, 1 << 30)]
+    max_inflight: Annotated[int, Int(1, 1 << 30)] = DEFAULT_MAX_INFLIGHT
+    """One-way messages the daemon takes in a row (``server.max_inflight``): the client sends a request (a
+    PING when it has none) before the next one."""
     reattached: bool = False
     state_step: Annotated[int, STEP_NO] = 0
     """The step the rank's state is at (0: it has none yet)."""
