@@ -176,6 +176,23 @@ def test_state_writes_go_through_to_the_daemon() -> None:
     opt.close()
 
 
+def test_a_state_dict_of_another_optimizer_is_refused_naming_what_it_lacks() -> None:
+    model = mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(model, sgd, mlp_batches(1), mlp_loss)
+    opt = OffloadAdam(model.parameters(), offload="cpu")
+    try:
+        with pytest.raises(InvalidArgument) as info:
+            opt.load_state_dict(sgd.state_dict())
+        assert str(info.value).startswith(
+            "the state of param 0 has no 'step', 'exp_avg', 'exp_avg_sq' (it has 'momentum_buffer'): "
+            "torch.optim.Adam and AdamW keep step, exp_avg and exp_avg_sq for each param"
+        )
+        assert opt.state_dict()["state"] == {}  # nothing was loaded
+    finally:
+        opt.close()
+
+
 def test_a_refused_param_group_leaves_the_optimizer_as_it_was() -> None:
     m_off, opt, m_ref, ref = _offload_and_adamw(mlp())
     batches = mlp_batches(6, fixed=False)

@@ -119,13 +119,19 @@ def plan_load(
         if key not in mapping:
             raise InvalidArgument(f"state for param {key!r}, which no param group lists")
         t = mapping[key]
+        missing = [name for name in ("step", "exp_avg", "exp_avg_sq") if name not in entry]
+        if missing:
+            raise InvalidArgument(
+                f"the state of param {key!r} has no {', '.join(repr(n) for n in missing)} (it has "
+                f"{', '.join(repr(n) for n in entry) or 'nothing'}): torch.optim.Adam and AdamW keep step, exp_avg "
+                "and exp_avg_sq for each param; was this state dict saved by another optimizer?"
+            )
         for name in ("exp_avg", "exp_avg_sq"):
-            value = entry.get(name)
-            if not isinstance(value, torch.Tensor) or value.numel() != numels[t]:
-                raise InvalidArgument(
-                    f"state {name} of param {key!r} has "
-                    f"{value.numel() if isinstance(value, torch.Tensor) else 'no'} elements, not {numels[t]}"
-                )
+            value = entry[name]
+            if not isinstance(value, torch.Tensor):
+                raise InvalidArgument(f"state {name} of param {key!r} is a {type(value).__name__}, not a tensor")
+            if value.numel() != numels[t]:
+                raise InvalidArgument(f"state {name} of param {key!r} has {value.numel()} elements, not {numels[t]}")
         loads.append((t, entry, int(float(entry["step"]))))
     for mine, saved in zip(param_groups, groups, strict=True):
         saved_adamw = saved.get("adamw", saved.get("decoupled_weight_decay", mine.get("adamw", True)))
