@@ -163,6 +163,7 @@ def test_no_settings_file_measures_a_private_daemons_swap(tmp_path):
         (["--params", "1e9", "--gpus", "0"], "argument --gpus: must be positive"),
         (["--params", "1e9", "--gpus", "8", "--offload", "gpu"], "argument --offload: invalid choice: 'gpu'"),
         (["--params", "1e9", "--gpus", "8", "--gpu-memory", "lots"], "argument --gpu-memory: expected a size"),
+        (["--params", "1e9", "--gpus", "8", "--gpu-memory", "0"], "argument --gpu-memory: must be more than 0 bytes"),
     ],
 )
 def test_bad_input_exits_2_naming_it(args, words, tmp_path):

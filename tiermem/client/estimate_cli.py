@@ -70,9 +70,12 @@ def _size(text: str) -> int:
     from tiermem.core.units import parse_size
 
     try:
-        return parse_size(text)
+        nbytes = parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return nbytes
 
 
 def add_parser(sub: Subparsers) -> None:
