@@ -520,3 +520,34 @@ def test_a_trusted_connect_reaches_this_users_daemon(tmp_path):
         conn.close()
     finally:
         sock.close()
+
+
+def test_the_fix_never_says_to_remove_a_shared_or_a_sound_directory(tmp_path):
+    """A refused socket path used to end "remove <its directory> if you did not create it": for a regular file
+    named as the socket, that said to remove its sound directory; for /tmp/x.sock, to remove /tmp."""
+    trust = Trust.of(os.geteuid(), what="this test's daemon")
+    not_a_socket = tmp_path / "daemon.sock"
+    not_a_socket.write_text("")
+    with pytest.raises(UnsafePathError) as info:
+        connect_trusted(not_a_socket, trust)
+    assert (
+        str(info.value)
+        == f"refusing {not_a_socket}: is not a socket; point the client at a socket of this test's daemon"
+    )
+
+    shared = Path(tempfile.mkdtemp(prefix="shared-"))
+    try:
+        shared.chmod(0o1777)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.bind(str(shared / "s.sock"))
+        with pytest.raises(UnsafePathError) as info:
+            connect_trusted(shared / "s.sock", trust)
+        assert str(info.value).endswith(
+            f"put the daemon's socket in a directory of its own (anyone may add entries to {shared})"
+        )
+        sock.close()
+        shared.chmod(0o0777)  # not sticky: a directory someone may have made to catch the client
+        with pytest.raises(UnsafePathError, match=f"remove {shared} if you did not create it"):
+            connect_trusted(shared / "s.sock", trust)
+    finally:
+        shutil.rmtree(shared)

@@ -387,14 +387,23 @@ def verify_socket(path: str, trust: Trust) -> None:
     the directory or the socket does not exist, ``OSError`` otherwise.
     """
     directory, name = os.path.split(os.path.abspath(path))
-    fix = f"remove {directory} if you did not create it, or point the client at a socket of {trust.what}"
-    with SecureDir.open(directory, trust, fix=fix) as sdir:
+    with SecureDir.open(directory, trust, fix=_directory_fix(directory, trust)) as sdir:
         st = sdir.entry(name)
         if st is None:
             raise FileNotFoundError(2, "no socket file", path)
         problem = socket_file_problem(st.st_mode, st.st_uid, trust, uid_label)
         if problem is not None:
-            raise _refuse(path, problem, st, trust, fix)
+            raise _refuse(path, problem, st, trust, f"point the client at a socket of {trust.what}")
+
+
+def _directory_fix(directory: str, trust: Trust) -> str:
+    """What to do about an untrusted socket directory.  Removing it is advice only for a directory someone
+    may have made to catch the client (never a shared one such as /tmp, which others may write by design)."""
+    with contextlib.suppress(OSError):
+        mode = os.lstat(directory).st_mode
+        if mode & stat.S_ISVTX and mode & _WRITE_BY_OTHERS:
+            return f"put the daemon's socket in a directory of its own (anyone may add entries to {directory})"
+    return f"remove {directory} if you did not create it, or point the client at a socket of {trust.what}"
 
 
 def remove_socket(path: str | os.PathLike[str]) -> bool:
