@@ -209,6 +209,8 @@ class LayerStrategy(ShardStrategy):
         self.reduced: dict[int, torch.Tensor] = {}
         """With ``trace``: the last reduced (mean) grads of the units this rank owns, flat."""
         self._order: list[int] = []
+        self._at: dict[int, int] = {}
+        """Each unit's first place in ``_order`` (a lookup per unit and step: ``list.index`` made it O(units))."""
         self._recording = True
         self._grads: DaemonGrads | None = None
         self._loading: dict[int, list[int]] = {}
@@ -334,9 +336,10 @@ class LayerStrategy(ShardStrategy):
             self._log("release", unit)
 
     def _neighbour(self, unit: _Unit, step: int) -> _Unit | None:
-        if self._recording or unit.index not in self._order:
+        first = None if self._recording else self._at.get(unit.index)
+        if first is None:
             return None
-        at = self._order.index(unit.index) + step
+        at = first + step
         return self.units[self._order[at]] if 0 <= at < len(self._order) else None
 
     # ----------------------------------------------------------------- hooks
@@ -350,6 +353,7 @@ class LayerStrategy(ShardStrategy):
 
     def _before_forward(self, unit: _Unit) -> None:
         if self._recording:
+            self._at.setdefault(unit.index, len(self._order))
             self._order.append(unit.index)
         self._finish_gather(unit)
         ahead = self._neighbour(unit, +1)
