@@ -103,7 +103,10 @@ class Handlers:
 
     def _attach(self, session: Session, msg: Attach) -> Reply:
         if session.state is SessionState.ATTACHED:
-            raise InvalidState(f"this connection is already attached to job {session.job_id!r} rank {session.rank}")
+            raise InvalidState(
+                f"this connection is already attached to job {session.job_id!r} rank {session.rank}: one job a "
+                "connection; attach on another one (an optimizer made without client= makes its own)"
+            )
         if self.service.draining:
             raise AdmissionError("tiermemd is shutting down; attach to it again once it has restarted")
         cfg = self.service.config.jobs

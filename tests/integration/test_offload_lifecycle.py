@@ -176,6 +176,20 @@ def test_state_writes_go_through_to_the_daemon() -> None:
     opt.close()
 
 
+def test_a_second_optimizer_on_a_connection_in_use_is_told_to_use_another() -> None:
+    from tiermem.client.link import connect
+
+    client = connect()
+    first = OffloadAdam(mlp().parameters(), offload="cpu", client=client)
+    try:
+        with pytest.raises(InvalidState, match=r"already attached .* one job a connection; attach on another one"):
+            OffloadAdam(mlp().parameters(), offload="cpu", client=client)
+        second = OffloadAdam(mlp().parameters(), offload="cpu")  # its own connection
+        second.close()
+    finally:
+        first.close()
+
+
 def test_a_state_dict_of_another_optimizer_is_refused_naming_what_it_lacks() -> None:
     model = mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
