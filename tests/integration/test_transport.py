@@ -23,6 +23,7 @@ from conftest import connection_pair
 from forked import Forked
 from stats_samples import sample_reply
 
+import tiermem
 from tiermem.client.connection import Connection, connect_socket
 from tiermem.client.link import connect
 from tiermem.core.errors import (
@@ -35,6 +36,7 @@ from tiermem.core.errors import (
 )
 from tiermem.core.protocol import (
     FLAG_FDS,
+    PROTOCOL_VERSION,
     Attach,
     AttachOk,
     ErrorReply,
@@ -459,6 +461,26 @@ def test_error_reply_is_raised_as_the_same_type_and_connection_stays_usable(pair
         conn.request(Ping())
     assert (info.value.requested, info.value.free, info.value.largest_free) == (100, 10, 5)
     assert conn.request(Ping()) == Pong()
+    thread.join(5)
+
+
+def test_a_reply_in_another_protocol_version_says_the_two_sides_are_different_releases(pair):
+    """A node upgraded on one side only (a new trainer image, an old node service): the old daemon answers
+    in its own version, which used to read "unsupported protocol version 9; this side supports version(s) 10"."""
+    conn, server = pair
+    old = bytearray(encode_message(ErrorReply.from_exception(ProtocolError("unsupported protocol version")), 1))
+    old[2] = 9
+
+    def handle(msg: Any, rid: int) -> bytes:
+        return bytes(old)
+
+    thread = serve_in_thread(server, handle, 1)
+    with pytest.raises(ProtocolError) as info:
+        conn.request(Ping())
+    assert str(info.value) == (
+        f"tiermemd at <pair> speaks protocol version 9, this client (tiermem {tiermem.__version__}) version "
+        f"{PROTOCOL_VERSION}: they are different tiermem releases; install one for the node service and the trainers"
+    )
     thread.join(5)
 
 

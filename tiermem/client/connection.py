@@ -48,8 +48,10 @@ from tiermem.core.protocol import (
     DEFAULT_MAX_FRAME,
     FLAG_FDS,
     FLAG_ONEWAY,
+    MAGIC,
     MAX_REQUEST_ID,
     REPLY_TYPES,
+    SUPPORTED_VERSIONS,
     AttachOk,
     Dropped,
     ErrorReply,
@@ -461,6 +463,17 @@ class Connection(Closing):
         self._lost = lost
         return self._fail(lost)
 
+    def _other_version(self, version: int) -> str:
+        """What a reply in another protocol version means: the daemon and this client are different releases."""
+        from tiermem import __version__
+
+        ours = ", ".join(map(str, SUPPORTED_VERSIONS))
+        return (
+            f"tiermemd at {self.path or 'the socket'} speaks protocol version {version}, this client (tiermem "
+            f"{__version__}) version {ours}: they are different tiermem releases; install one for the node "
+            "service and the trainers"
+        )
+
     def _pending_refusal(self) -> TiermemError | None:
         """The ERROR a daemon sent before closing (a refused peer), if it is waiting to be read."""
         try:
@@ -481,6 +494,8 @@ class Connection(Closing):
         while True:
             raw, fds = self._recv_type(msg_type, timeout_s)
             try:
+                if raw[:2] == MAGIC and len(raw) > 2 and raw[2] not in SUPPORTED_VERSIONS:
+                    raise ProtocolError(self._other_version(raw[2]))
                 frame = decode_frame(raw, max_frame=self._frames.max_frame)
                 if bool(fds) != bool(frame.flags & FLAG_FDS):
                     raise ProtocolError(f"{frame.type.name}: {len(fds)} fd(s) received, flags {frame.flags:#x}")
