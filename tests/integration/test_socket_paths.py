@@ -245,7 +245,7 @@ def test_a_named_socket_takes_a_daemon_of_another_uid_only_when_the_caller_names
         with pytest.raises(UnsafePathError) as refused:
             connect(sock_path, embed=False)
         assert refused.value.path == sock_path and refused.value.owner_uid == NOBODY
-        assert "pass daemon_uid= for another" in str(refused.value)
+        assert "a client names another with daemon_uid=" in str(refused.value)
         client = connect(sock_path, embed=False, daemon_uid=NOBODY)
         assert client.socket_path == sock_path
         client.close()

@@ -154,7 +154,7 @@ def test_a_named_socket_trusts_root_and_the_user_unless_the_caller_names_the_dae
     (own,) = socket_candidates(
         explicit="/srv/t.sock", node_path="/run/n.sock", per_user_path="/p", uid=ALICE, service_uids=[SERVICE]
     )
-    assert (own.path, own.trust.uids, own.explicit) == ("/srv/t.sock", frozenset({0, ALICE}), True)
+    assert (own.path, own.trust.uids, own.explicit) == ("/srv/t.sock", frozenset({0, ALICE, SERVICE}), True)
     (named,) = socket_candidates(
         explicit="/srv/t.sock",
         node_path="/run/n.sock",
@@ -166,14 +166,16 @@ def test_a_named_socket_trusts_root_and_the_user_unless_the_caller_names_the_dae
     assert named.trust.uids == frozenset({0, SERVICE})  # not the user: the caller said whose it is
 
 
-def test_the_node_path_named_explicitly_is_trusted_as_discovery_trusts_it():
-    """``TIERMEM_SOCKET_PATH=/run/tiermem/tiermemd.sock`` (or ``--socket`` with it) refused the node service,
-    which runs as its own user, and said to pass daemon_uid=, which the CLI cannot."""
-    for named in ("/run/n.sock", "/run/./n.sock"):
+def test_a_named_path_takes_the_node_service_user_too():
+    """``TIERMEM_SOCKET_PATH=/run/tiermem/tiermemd.sock`` (or ``--socket`` with it, or the path an operator
+    gave the node service) refused the node service, which runs as its own user, and said to pass
+    daemon_uid=, which the CLI cannot."""
+    for named in ("/run/n.sock", "/srv/other.sock"):
         (node,) = socket_candidates(
-            explicit=named, node_path="/run/n.sock", per_user_path="/p", uid=ALICE, service_uids=[SERVICE]
+            explicit=named, node_path="/run/n.sock", per_user_path="/p", uid=ALICE, service_uids=iter([SERVICE])
         )
-        assert (node.path, node.trust.uids, node.trust.what) == (named, frozenset({0, SERVICE}), "the node's tiermemd")
+        assert (node.path, node.trust.uids) == (named, frozenset({0, ALICE, SERVICE}))
+        assert not node.trust.admits(MALLORY)
 
 
 def test_discovery_expects_the_service_user_on_the_node_path_and_the_user_on_its_own():

@@ -6,8 +6,9 @@ then the per-user default (``$XDG_RUNTIME_DIR/tiermem/tiermemd.sock``, else
 ``/tmp/tiermem-<uid>/tiermemd.sock``).  It connects only to a daemon of the
 expected uid (``tiermem.net.sockpath``): root or the node's service user (the user
 named by ``$TIERMEM_DAEMON_USER``, else ``tiermem`` where it exists) for the
-node path; root or the user itself for the per-user path, a private daemon,
-and a path the caller names unless ``daemon_uid=`` names another.  A
+node path; root or the user itself for the per-user path and a private daemon;
+root, the user itself or the service user for a path the caller names, unless
+``daemon_uid=`` names another.  A
 candidate found untrusted is skipped with a warning (a socket the caller named
 raises ``UnsafePathError``).  When none answers and ``embed`` allows it (the
 default unless ``TIERMEM_NO_EMBED=1``), it starts a private ``tiermemd`` for
@@ -568,9 +569,9 @@ def connect(
     ``timeout_s``: the longest the daemon may stay silent during a request (see ``client_timeout``).
     ``pool_size``, ``swap_dir`` and ``settings`` (dotted config keys) apply only to a private daemon.
     ``daemon_uid``: the uid the daemon at ``socket_path`` (or ``$TIERMEM_SOCKET_PATH``, or the node
-    path) runs as, when it is neither root nor this user.  Raises ``UnsafePathError`` when a socket
-    named by the caller is not that daemon's, or when every candidate was refused and no private
-    daemon may be started.
+    path) runs as, when it is neither root, this user nor the node service's user.  Raises
+    ``UnsafePathError`` when a socket named by the caller is not that daemon's, or when every candidate
+    was refused and no private daemon may be started.
     """
     env = os.environ if env is None else env
     timeout_s = client_timeout(timeout_s, env)

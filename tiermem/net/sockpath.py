@@ -247,17 +247,21 @@ def socket_candidates(
 ) -> list[SocketCandidate]:
     """Where a client of ``uid`` looks for a daemon, in order, and what each listener must run as.
 
-    A named path is trusted for root and ``uid`` only (anyone may have made it), unless ``daemon_uid`` names
-    the daemon's user, or it is the node's socket path itself: that one takes the node service's user, as
-    discovery does (``TIERMEM_SOCKET_PATH=/run/tiermem/tiermemd.sock`` in a job's environment)."""
-    node_uids = set(service_uids) | ({daemon_uid} if daemon_uid is not None else set())
-    if explicit and os.path.normpath(os.path.abspath(explicit)) == os.path.normpath(node_path):
-        return [SocketCandidate(explicit, Trust.of(*node_uids, what="the node's tiermemd"), explicit=True)]
+    A named path (anyone may have made it) takes a daemon of root, of ``uid``, or of the node service's user
+    (``service_uids``: already trusted on the node's own path, and the user a node service runs as on any
+    path an operator gives it), unless ``daemon_uid`` names the daemon's user."""
+    service = list(service_uids)
+    node_uids = set(service) | ({daemon_uid} if daemon_uid is not None else set())
     if explicit:
         if daemon_uid is not None:
             trust = Trust.of(daemon_uid, what=f"the daemon named by daemon_uid={daemon_uid}")
         else:
-            trust = Trust.of(uid, what="a daemon of root or of this user; pass daemon_uid= for another")
+            trust = Trust.of(
+                uid,
+                *service,
+                what="a daemon of root, of this user or of the node service's user; "
+                "a client names another with daemon_uid=",
+            )
         return [SocketCandidate(explicit, trust, explicit=True)]
     return [
         SocketCandidate(node_path, Trust.of(*node_uids, what="the node's tiermemd"), explicit=False),
