@@ -353,13 +353,7 @@ class Connection(Closing):
             self._drain_abandoned()
             request_id = self._take_id()
             self.last_request_id = request_id
-            frames = self._encode(msg, request_id)
-            # counted as abandoned until its reply is in hand: an interrupt (KeyboardInterrupt) anywhere in
-            # between leaves the reply to be read (or found missing) before the next request; one between
-            # two parts of the request leaves the daemon an incomplete message, which it answers with an error
-            self._abandoned[request_id] = msg.TYPE
-            self._send(frames, msg.TYPE)
-            reply, fds = self._read_reply(msg, request_id, timeout_s if timeout_s is not None else self.timeout_s)
+            reply, fds = self._round_trip(msg, request_id, timeout_s if timeout_s is not None else self.timeout_s)
             if isinstance(reply, AttachOk):
                 self.peer_max_frame, self.peer_max_inflight = reply.max_frame, reply.max_inflight
         if isinstance(reply, ErrorReply):
@@ -367,14 +361,20 @@ class Connection(Closing):
             raise reply.to_exception()
         return reply, fds
 
+    def _round_trip(self, msg: Message, request_id: int, timeout_s: float | None) -> tuple[Message, list[int]]:
+        """Send request ``msg`` and read its reply (an ``ErrorReply`` is returned, not raised); under the lock."""
+        frames = self._encode(msg, request_id)
+        # counted as abandoned until its reply is in hand: an interrupt (KeyboardInterrupt) anywhere in
+        # between leaves the reply to be read (or found missing) before the next request; one between
+        # two parts of the request leaves the daemon an incomplete message, which it answers with an error
+        self._abandoned[request_id] = msg.TYPE
+        self._send(frames, msg.TYPE)
+        return self._read_reply(msg, request_id, timeout_s)
+
     def _ping(self) -> None:
         """A PING round trip under the lock, between one-way messages: the daemon's count of them in a row starts
         again.  Its reply comes after theirs are handled, so an error one of them caused is raised here."""
-        request_id = self._take_id()
-        frames = self._encode(Ping(), request_id)
-        self._abandoned[request_id] = MsgType.PING
-        self._send(frames, MsgType.PING)
-        reply, fds = self._read_reply(Ping(), request_id, self.timeout_s)
+        reply, fds = self._round_trip(Ping(), self._take_id(), self.timeout_s)
         close_fds(fds)
         if isinstance(reply, ErrorReply):
             raise reply.to_exception()

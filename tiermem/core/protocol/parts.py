@@ -149,8 +149,9 @@ class Joiner:
         if head is not None and (frame.type, frame.request_id) != (head.type, head.request_id):
             out.append(
                 self._drop(
+                    head,
                     f"it ended after {len(self._parts)} part(s) ({self._nbytes} bytes): "
-                    f"{frame.type.name} request {frame.request_id} came before its last part"
+                    f"{frame.type.name} request {frame.request_id} came before its last part",
                 )
             )
             head = None
@@ -159,22 +160,21 @@ class Joiner:
             out.append(frame)
             return out
         if more and frame.flags & FLAG_FDS:
-            out.append(self._drop("a part before the last carries fds (FLAG_FDS goes with the last part only)", frame))
+            why = "a part before the last carries fds (FLAG_FDS goes with the last part only)"
+            out.append(self._drop(head or frame, why))
             return out
         why = self._over(len(frame.payload), more)
         if why:
-            out.append(self._drop(why, frame))
+            out.append(self._drop(head or frame, why))
             if more:
                 self._dropping = (frame.type, frame.request_id)
             return out
         if head is None:
-            self._head = frame
+            head = self._head = frame
         self._parts.append(frame.payload)
         self._nbytes += len(frame.payload)
         if more:
             return out
-        head = self._head
-        assert head is not None
         whole = Frame(head.type, head.request_id, b"".join(self._parts), frame.flags, head.version)
         self._reset()
         out.append(whole)
@@ -205,10 +205,8 @@ class Joiner:
         self._reset()
         self._dropping = None
 
-    def _drop(self, why: str, frame: Frame | None = None) -> Dropped:
-        """Give up on the incomplete message (or on ``frame``'s, when none is incomplete)."""
-        first = self._head or frame
-        assert first is not None
+    def _drop(self, first: Frame, why: str) -> Dropped:
+        """Give up on the message whose first part is ``first`` (the incomplete one, else the one it starts)."""
         self._reset()
         return Dropped(
             first.request_id,
