@@ -20,17 +20,26 @@
 - A message longer than a frame goes in parts (``tiermem.core.protocol.parts``):
   a request in parts no larger than the daemon's ``max_frame`` (learnt from
   ATTACH_OK) and what the kernel lets this socket send, a reply joined here.
+- A signal handler that runs on a thread while that thread waits for a reply
+  (Lightning's SLURM requeue handler saves a checkpoint so, mid-``step()``)
+  may make requests of its own: the lock is reentrant, and the reentered call
+  keeps the replies the interrupted frames are waiting for (``_early``) as it
+  reads past them, then sends a PING whose PONG wakes an interrupted ``recv``
+  that would otherwise wait for a reply already read.  Only a request between
+  the parts of a message being sent is refused (the daemon would end that
+  message).  A plain lock made such a handler wait forever for itself.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from tiermem.core.closing import Closing
 from tiermem.core.errors import (
@@ -39,6 +48,7 @@ from tiermem.core.errors import (
     DaemonTimeout,
     DaemonUnavailable,
     InvalidArgument,
+    InvalidState,
     ProtocolError,
     TiermemError,
     UnsafePathError,
@@ -199,7 +209,8 @@ class Connection(Closing):
         self.path = path
         self.timeout_s = timeout_s
         self._frames = FrameSocket(sock, max_frame=max_frame, accept_fds=True)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        """Reentrant for a signal handler on the thread that holds it (see the module docstring)."""
         self._next_id = 1
         self._socket_timeout: float | None = None
         self._closed_why = ""
@@ -210,6 +221,13 @@ class Connection(Closing):
         """Requests whose reply wait was interrupted (KeyboardInterrupt): their replies are still coming."""
         self.late: dict[int, Message | TiermemError] = {}
         """Replies (or errors) of abandoned requests, read before the next request went out."""
+        self._awaited: set[int] = set()
+        """Requests whose reply a frame on the stack is waiting for (an abandoned one is not among them)."""
+        self._early: dict[int, tuple[Frame, list[int]]] = {}
+        """Replies of awaited requests read by a reentered call, for the frames that wait for them."""
+        self._wakes: set[int] = set()
+        """PINGs a reentered call sent to wake an interrupted ``recv``: their PONGs are read past."""
+        self._sending_parts = False
         self.last_request_id = 0
         self.peer_max_frame = DEFAULT_MAX_FRAME
         """The daemon's frame limit (``ATTACH_OK.max_frame``; before it, the protocol's default)."""
@@ -277,64 +295,116 @@ class Connection(Closing):
         if depth < 1:
             raise InvalidArgument(f"pipeline depth must be >= 1, got {depth}")
         wait_s = timeout_s if timeout_s is not None else self.timeout_s
-        with self._lock:
+        with self._held():
             self._check_open()
             self._drain_abandoned()
             pending: collections.deque[tuple[int, int, Message]] = collections.deque()
-            source = iter(requests)
-            sent = 0
-            error: Exception | None = None
-            exhausted = False
-            while True:
-                if not exhausted and error is None and len(pending) < depth:
-                    try:
-                        msg = next(source)
-                    except StopIteration:
-                        exhausted = True
-                        continue
-                    except Exception as exc:
-                        error = exc
-                        continue
-                    if REPLY_TYPES.get(msg.TYPE) is None:
-                        error = ProtocolError(f"{msg.TYPE.name} is not a request that gets a reply")
-                        continue
-                    request_id = self._take_id()
-                    self.last_request_id = request_id
-                    frames = self._encode(msg, request_id)
-                    self._abandoned[request_id] = msg.TYPE  # until its reply is in hand (see _exchange)
-                    self._send(frames, msg.TYPE)
-                    pending.append((sent, request_id, msg))
-                    sent += 1
-                    continue
-                if not pending:
-                    break
-                index, request_id, msg = pending.popleft()
-                reply, fds = self._read_reply(msg, request_id, wait_s)
-                if fds:
-                    close_fds(fds)
-                    raise self._fail(ProtocolError(f"{reply.TYPE.name} reply carried {len(fds)} unexpected fd(s)"))
-                if isinstance(reply, ErrorReply):
-                    error = error or reply.to_exception()
-                elif on_reply is not None and error is None:
-                    try:
-                        on_reply(index, reply)
-                    except Exception as exc:
-                        error = exc
+            try:
+                sent, error = self._pipeline(requests, depth, pending, on_reply, wait_s)
+            finally:
+                for _, request_id, _ in pending:
+                    self._unawait(request_id)
         if error is not None:
             raise error
         return sent
+
+    def _pipeline(
+        self,
+        requests: Iterable[Message],
+        depth: int,
+        pending: collections.deque[tuple[int, int, Message]],
+        on_reply: Callable[[int, Message], None] | None,
+        wait_s: float | None,
+    ) -> tuple[int, Exception | None]:
+        """``pipeline``'s loop, under the lock: the requests sent, and the first error."""
+        source = iter(requests)
+        sent = 0
+        error: Exception | None = None
+        exhausted = False
+        while True:
+            if not exhausted and error is None and len(pending) < depth:
+                try:
+                    msg = next(source)
+                except StopIteration:
+                    exhausted = True
+                    continue
+                except Exception as exc:
+                    error = exc
+                    continue
+                if REPLY_TYPES.get(msg.TYPE) is None:
+                    error = ProtocolError(f"{msg.TYPE.name} is not a request that gets a reply")
+                    continue
+                request_id = self._take_id()
+                self.last_request_id = request_id
+                frames = self._encode(msg, request_id)
+                self._abandoned[request_id] = msg.TYPE  # until its reply is in hand (see _exchange)
+                self._awaited.add(request_id)
+                pending.append((sent, request_id, msg))
+                self._send(frames, msg.TYPE)
+                sent += 1
+                continue
+            if not pending:
+                break
+            index, request_id, msg = pending[0]
+            reply, fds = self._read_reply(msg, request_id, wait_s)
+            pending.popleft()
+            self._unawait(request_id)
+            if fds:
+                close_fds(fds)
+                raise self._fail(ProtocolError(f"{reply.TYPE.name} reply carried {len(fds)} unexpected fd(s)"))
+            if isinstance(reply, ErrorReply):
+                error = error or reply.to_exception()
+            elif on_reply is not None and error is None:
+                try:
+                    on_reply(index, reply)
+                except Exception as exc:
+                    error = exc
+        return sent, error
 
     def send_oneway(self, msg: Message) -> None:
         """Send a message that gets no reply (``BUCKET_READY``); its errors fail the next request."""
         if REPLY_TYPES.get(msg.TYPE, MsgType.OK) is not None:
             raise ProtocolError(f"{msg.TYPE.name} expects a reply; use request()")
-        with self._lock:
+        with self._held():
             self._check_open()
             self._drain_abandoned()
             if self._oneway_run >= self.peer_max_inflight:
                 self._ping()  # the daemon closes a connection past max_inflight one-way messages in a row
             self._send(self._encode(msg, self._take_id(), FLAG_ONEWAY), msg.TYPE)
             self._oneway_run += 1
+
+    @property
+    def reentered(self) -> bool:
+        """Whether this thread is inside an exchange already: the caller runs in a signal handler (or a
+        callback) that interrupted it."""
+        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+
+    def sync(self) -> None:
+        """A PING round trip: the daemon has answered every request sent before it (their replies are kept for
+        whoever waits for them)."""
+        with self._held():
+            self._check_open()
+            self._ping()
+
+    def reply_awaited(self, request_id: int) -> Message | TiermemError | None:
+        """For a call that interrupted this thread's wait for the reply of ``request_id`` (a signal handler):
+        that reply (an error reply as its ``TiermemError``), read now and still kept for the frame that waits
+        for it.  None: no frame waits for it, or the request had not left when the interrupt came (a PING's
+        round trip tells, the daemon answering in order)."""
+        with self._held():
+            if request_id not in self._awaited:
+                return None
+            if request_id not in self._early:
+                self._check_open()
+                self._ping()
+            early = self._early.get(request_id)
+            if early is None:
+                return None
+            try:
+                reply = decode_message(early[0])
+            except ProtocolError:
+                return None  # the waiting frame gets the error itself
+            return reply.to_exception() if isinstance(reply, ErrorReply) else reply
 
     def close(self) -> None:
         with self._lock:
@@ -348,7 +418,7 @@ class Connection(Closing):
         expected = REPLY_TYPES.get(msg.TYPE)
         if expected is None:
             raise ProtocolError(f"{msg.TYPE.name} is not a request that gets a reply")
-        with self._lock:
+        with self._held():
             self._check_open()
             self._drain_abandoned()
             request_id = self._take_id()
@@ -368,8 +438,70 @@ class Connection(Closing):
         # between leaves the reply to be read (or found missing) before the next request; one between
         # two parts of the request leaves the daemon an incomplete message, which it answers with an error
         self._abandoned[request_id] = msg.TYPE
-        self._send(frames, msg.TYPE)
-        return self._read_reply(msg, request_id, timeout_s)
+        self._awaited.add(request_id)
+        try:
+            self._send(frames, msg.TYPE)
+            return self._read_reply(msg, request_id, timeout_s)
+        finally:
+            self._unawait(request_id)
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """The lock, for one exchange.  Taken again by the thread that holds it (a signal handler that
+        interrupted one of its exchanges): the call goes ahead, and on its way out wakes the frames it
+        interrupted (``_wake``)."""
+        reentered = self.reentered
+        with self._lock:
+            if reentered and self._sending_parts:
+                raise InvalidState(
+                    "a request to tiermemd was made (from a signal handler?) while this thread was sending it a "
+                    "message in parts, and nothing can go between them; make it after the interrupted call returns"
+                )
+            try:
+                yield
+            finally:
+                if reentered:
+                    self._wake()
+
+    def _wake(self) -> None:
+        """After a reentered call: a frame it interrupted may be blocked in ``recv`` for a reply this call read
+        and kept (``_early``), and would wait there for good; a PING's PONG wakes it, and is read past."""
+        if self._closed_why or not any(request_id in self._early for request_id in self._awaited):
+            return
+        ping_id = self._take_id()
+        self._wakes.add(ping_id)
+        with contextlib.suppress(TiermemError):  # a connection that fails here fails the woken frame as well
+            self._send(self._encode(Ping(), ping_id), MsgType.PING)
+
+    def _unawait(self, request_id: int) -> None:
+        """No frame waits for ``request_id``'s reply any more (it is in hand, or an interrupt unwound the frame):
+        a reply a reentered call kept for it is a late one now (``take_late``)."""
+        self._awaited.discard(request_id)
+        early = self._early.pop(request_id, None)
+        if early is None:
+            return
+        frame, fds = early
+        close_fds(fds)
+        self._abandoned.pop(request_id, None)
+        with contextlib.suppress(ProtocolError):
+            reply = decode_message(frame)
+            self.late[request_id] = reply.to_exception() if isinstance(reply, ErrorReply) else reply
+
+    def _next_reply(self, want: int, msg_type: MsgType, timeout_s: float | None) -> tuple[Frame, list[int]]:
+        """``want``'s reply if a reentered call kept it, else the next message that is neither a wake's PONG
+        (read past) nor the reply of a request another frame waits for (kept for it in ``_early``)."""
+        while True:
+            early = self._early.pop(want, None)
+            if early is not None:
+                return early
+            frame, fds = self._recv_message(msg_type, timeout_s)
+            if frame.request_id in self._wakes:
+                self._wakes.discard(frame.request_id)
+                close_fds(fds)
+            elif frame.request_id != want and frame.request_id in self._awaited:
+                self._early[frame.request_id] = (frame, fds)
+            else:
+                return frame, fds
 
     def _ping(self) -> None:
         """A PING round trip under the lock, between one-way messages: the daemon's count of them in a row starts
@@ -382,7 +514,7 @@ class Connection(Closing):
     def _read_reply(self, msg: Message, request_id: int, timeout_s: float | None) -> tuple[Message, list[int]]:
         """Read the reply of ``request_id`` (an ``ErrorReply`` is returned, not raised); under the lock."""
         expected = REPLY_TYPES.get(msg.TYPE)
-        frame, fds = self._recv_message(msg.TYPE, timeout_s)
+        frame, fds = self._next_reply(request_id, msg.TYPE, timeout_s)
         self._abandoned.pop(request_id, None)
         try:
             if frame.request_id != request_id and not (frame.request_id == 0 and frame.type is MsgType.ERROR):
@@ -397,7 +529,7 @@ class Connection(Closing):
 
     def take_late(self, request_id: int) -> Message | TiermemError | None:
         """The late reply of an abandoned request, once it has been read (None: not (yet) read)."""
-        with self._lock:
+        with self._held():
             if request_id in self._abandoned:
                 self._drain_abandoned()
             return self.late.pop(request_id, None)
@@ -409,23 +541,30 @@ class Connection(Closing):
         requests in order, so every reply still coming arrives before it.  An interrupt that landed just
         after a reply was read leaves that request without one here (``take_late`` answers None), and its
         caller must find out another way what the request did."""
-        if not self._abandoned:
-            return
+        if not self._abandoned.keys() - self._awaited:
+            return  # (the requests an interrupted frame of this thread waits for are not abandoned)
         ping_id = self._take_id()
         self._abandoned[ping_id] = MsgType.PING
-        self._send(self._encode(Ping(), ping_id), MsgType.PING)
-        while True:
-            frame, fds = self._recv_message(MsgType.PING, self.timeout_s)
-            close_fds(fds)
-            try:
-                reply = decode_message(frame)
-            except ProtocolError as exc:
-                raise self._fail(exc) from None
-            if frame.request_id == ping_id:
-                self._abandoned.clear()
-                return
-            if frame.request_id in self._abandoned and self._abandoned[frame.request_id] is not MsgType.PING:
-                self.late[frame.request_id] = reply.to_exception() if isinstance(reply, ErrorReply) else reply
+        self._awaited.add(ping_id)
+        try:
+            self._send(self._encode(Ping(), ping_id), MsgType.PING)
+            while True:
+                frame, fds = self._next_reply(ping_id, MsgType.PING, self.timeout_s)
+                close_fds(fds)
+                try:
+                    reply = decode_message(frame)
+                except ProtocolError as exc:
+                    raise self._fail(exc) from None
+                if frame.request_id == ping_id:
+                    for request_id in self._abandoned.keys() - self._awaited:
+                        del self._abandoned[request_id]
+                    del self._abandoned[ping_id]
+                    return
+                if frame.request_id in self._abandoned and self._abandoned[frame.request_id] is not MsgType.PING:
+                    late = reply.to_exception() if isinstance(reply, ErrorReply) else reply
+                    self.late[frame.request_id] = late
+        finally:
+            self._awaited.discard(ping_id)
 
     def _take_id(self) -> int:
         request_id = self._next_id
@@ -446,6 +585,7 @@ class Connection(Closing):
         """Send a message's frames in a row (nothing else goes between them: the caller holds the lock)."""
         if REPLY_TYPES.get(msg_type) is not None:
             self._oneway_run = 0  # a request: the daemon counts one-way messages in a row from zero again
+        self._sending_parts = len(frames) > 1
         try:
             for data in frames:
                 self._frames.send(data)
@@ -456,6 +596,8 @@ class Connection(Closing):
             if isinstance(exc, ConnectionClosed) or exc.errno in _PEER_GONE:
                 raise self._lose(msg_type) from None
             raise self._fail(DaemonUnavailable(self.path, f"connection lost while sending: {exc}")) from None
+        finally:
+            self._sending_parts = False
 
     def _lose(self, msg_type: MsgType) -> Exception:
         """The daemon closed the connection during a ``msg_type`` request: close, and return what to raise."""

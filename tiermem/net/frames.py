@@ -150,6 +150,7 @@ class FrameSocket:
         # anonymous memory: untouched pages cost nothing, so an idle connection does not hold max_frame
         self._buf = mmap.mmap(-1, max_frame, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._view = memoryview(self._buf)
+        self._receiving = False
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -198,9 +199,20 @@ class FrameSocket:
         non-blocking socket with nothing to read, ``socket.timeout`` past the
         socket's timeout, ``ProtocolError`` for an oversize packet or for fds
         sent to a side that does not accept them (those fds are closed first).
+
+        A ``recv`` made while another is under way on this thread (from a signal handler that interrupted it,
+        perhaps after its frame arrived and before it was copied out) reads into a buffer of its own.
         """
+        interrupted = self._receiving
+        self._receiving = True
         try:
-            nbytes, ancdata, msg_flags, _ = self.sock.recvmsg_into([self._view], _ANCBUF, _RECV_FLAGS)
+            return self._recv(memoryview(bytearray(self.max_frame)) if interrupted else self._view)
+        finally:
+            self._receiving = interrupted
+
+    def _recv(self, view: memoryview) -> tuple[bytes, list[int]]:
+        try:
+            nbytes, ancdata, msg_flags, _ = self.sock.recvmsg_into([view], _ANCBUF, _RECV_FLAGS)
         except (ConnectionResetError, BrokenPipeError) as exc:
             raise ConnectionClosed(f"peer closed the connection: {exc.strerror}") from None
         fds = _collect_fds(ancdata) if ancdata else []
@@ -216,8 +228,9 @@ class FrameSocket:
             close_fds(fds)
             self._give_back(self.max_frame)
             raise ProtocolError(f"oversize frame: {nbytes} bytes, max_frame is {self.max_frame}; frame discarded")
-        data = bytes(self._view[:nbytes])
-        self._give_back(nbytes)
+        data = bytes(view[:nbytes])
+        if view is self._view:
+            self._give_back(nbytes)
         return data, fds
 
     def _give_back(self, nbytes: int) -> None:

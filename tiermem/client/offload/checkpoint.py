@@ -24,6 +24,7 @@ from tiermem.core.errors import InvalidArgument, InvalidState
 if TYPE_CHECKING:
     from tiermem.client.link import Client
     from tiermem.client.offload.feeds import Feed
+    from tiermem.client.offload.reentry import Calls
 
 __all__ = ["OptimizerState"]
 
@@ -50,7 +51,9 @@ class OptimizerState:
 
         @property
         def client(self) -> Client: ...
-        def flush(self) -> None: ...
+        _calls: Calls
+
+        def _flush(self) -> None: ...
         def _settle(self) -> None: ...
         def _abort_open(self) -> None: ...
         def _new_step(self) -> None: ...
@@ -68,18 +71,20 @@ class OptimizerState:
         return self._index.get(id(param))
 
     def _step_of(self, index: int) -> int:
-        self._require_open()
-        self._settle()
-        return self.transfer.step_of(index)
+        with self._calls.enter("state[p]", reads=True):
+            self._require_open()
+            self._settle()
+            return self.transfer.step_of(index)
 
     def _read_state(self, index: int, key: str) -> Any:
-        self._require_open()
-        self.flush()
-        p = self.tensors[index]
-        if key == "step":
-            return torch.tensor(float(self.transfer.step_of(index)))
-        values, _ = self.transfer.pull(index, key, p.numel())
-        return values.view(p.shape)
+        with self._calls.enter("state[p]", reads=True):
+            self._require_open()
+            self._flush()
+            p = self.tensors[index]
+            if key == "step":
+                return torch.tensor(float(self.transfer.step_of(index)))
+            values, _ = self.transfer.pull(index, key, p.numel())
+            return values.view(p.shape)
 
     def _in_groups(self, param: torch.Tensor) -> bool:
         return self._index_of(param) is not None or any(p is param for p in self.frozen)
@@ -87,8 +92,12 @@ class OptimizerState:
     def _write_state(self, index: int, values: dict[str, Any]) -> None:
         """Write AdamW-format state keys of registered tensor ``index`` (``opt.state[p][key] = value``); a
         ``step`` alone sets the count (the moments written back with it)."""
+        with self._calls.enter("state[p] = ...", reads=False):
+            self._write_entry(index, values)
+
+    def _write_entry(self, index: int, values: dict[str, Any]) -> None:
         self._require_open()
-        self.flush()
+        self._flush()
         if self._open is not None:
             raise InvalidState("opt.state cannot be written during an overlapped backward; write it after step()")
         p = self.tensors[index]
@@ -126,7 +135,7 @@ class OptimizerState:
     def _state_entries(self) -> dict[int, dict[str, Any]]:
         """The state of each registered tensor that has stepped, by tensor id, in AdamW's format."""
         self._require_open()
-        self.flush()
+        self._flush()
         if self._open is not None:
             raise InvalidState("state_dict() during an overlapped backward; call it after step()")
         # a param that never stepped has no state in torch: the step counts first (zero-length reads), then one
@@ -154,9 +163,10 @@ class OptimizerState:
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW``'s format (plus ``master`` for low-precision params): the state keyed by each
         param's position in the groups, frozen params included, as torch numbers them."""
-        by_param = self._state_by_param()
-        state = {i: by_param[p] for i, p in enumerate(self._flat_params()) if p in by_param}
-        return {"state": state, "param_groups": packed_groups(self.param_groups)}
+        with self._calls.enter("state_dict()", reads=True):
+            by_param = self._state_by_param()
+            state = {i: by_param[p] for i, p in enumerate(self._flat_params()) if p in by_param}
+            return {"state": state, "param_groups": packed_groups(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by ``OffloadAdam`` or ``torch.optim.Adam``/``AdamW``.
@@ -164,11 +174,15 @@ class OptimizerState:
         Everything is checked before anything changes.  Params that have no state in it start afresh
         (step 0), as in torch; the model's params are not touched.  A frozen param with state in it joins
         the registration first (it holds state now, as it would in torch)."""
+        with self._calls.enter("load_state_dict()", reads=False):
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         flat = self._flat_params()
         loads = plan_load(state_dict, self.param_groups, [p.numel() for p in flat])
         groups: list[dict[str, Any]] = state_dict["param_groups"]  # checked by plan_load
         # checked: now change things
-        self.flush()
+        self._flush()
         self._abort_open()
         # steps counts as torch's state["step"] does: from the loaded step.  The daemon's STEP sequence goes on
         # from it when it is ahead (a resume, so a reattach finds the trainer's step), else it stays ahead

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tiermem.client.offload.reentry import Calls
+
 if TYPE_CHECKING:
     import torch
 
@@ -126,6 +128,11 @@ class OffloadHandle:
     """An overlapped step's open attempt (``_OpenAttempt``)."""
     inflight: list[int] = field(default_factory=list)
     """Tensors of a delayed update whose params are not installed yet."""
+    receiving: tuple[list[int], bool] | None = None
+    """Tensors whose new params are being copied into the model now (and whether the daemon is asked for them
+    first): a signal handler's read that interrupts the copy makes it whole first (``Calls``)."""
+    calls: Calls = field(default_factory=lambda: Calls("OffloadAdam"))
+    """Which of the optimizer's calls this thread is inside (``tiermem.client.offload.reentry``)."""
     last_grad_norm: float | None = None
     last_found_inf: bool = False
     last_skipped: bool = False

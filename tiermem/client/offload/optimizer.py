@@ -70,6 +70,7 @@ daemon's pool and swap hold the compressed bytes, so each step moves fewer;
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -135,6 +136,8 @@ class _SentStep:
     skip: bool = False
     failure: TiermemError | None = None
     """The daemon's error for it, read while settling after the interrupt: raised by the next call."""
+    settled: bool = False
+    """A signal handler's call took its outcome in while ``step()`` waited for it (``Calls``)."""
 
 
 @dataclass
@@ -179,6 +182,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
     _sent = InHandle()
     _open = InHandle()
     _inflight = InHandle()
+    _receiving = InHandle()
+    _calls = InHandle()
     last_grad_norm = InHandle()
     """The global norm of the last step's (unscaled) grads; None when that step computed none (no clipping,
     or a skipped step)."""
@@ -251,6 +256,10 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         if getattr(self, "_h", None) is not None and self._closed:
             raise InvalidState("this OffloadAdam is closed: it takes no new param group; make a new one")
         registered = getattr(self, "_registered", False)
+        with self._calls.enter("add_param_group()", reads=False) if registered else contextlib.nullcontext():
+            self._add_param_group(param_group, registered)
+
+    def _add_param_group(self, param_group: dict[str, Any], registered: bool) -> None:
         if registered:
             self._check_regroupable()
         check_params_once(param_group, "OffloadAdam")
@@ -330,7 +339,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         name was given (two jobs of one name cannot live side by side) or no second connection opens does
         the old rank go first.
         ``include``: ids of frozen params to register too (they are to hold state)."""
-        self.flush()
+        self._flush()
         if self._open is not None:
             self._abort_open()
         saved = self._state_by_param() if carry_state else {}
@@ -661,6 +670,10 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         """One step.  ``decision``: taken by a sharding strategy over the global grad statistics (its skip,
         inverse scale and clip coefficient replace the scaler's hand-over and ``max_grad_norm``)."""
         loss = closure_loss(closure)
+        with self._calls.enter("step()", reads=False):
+            return self._step(loss, decision)
+
+    def _step(self, loss: float | None, decision: StepDecision | None) -> float | None:
         self._settle()
         if self.frozen:
             self._unfreeze()
@@ -734,6 +747,8 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         sent = self._sent = _SentStep(msg.step, msg.attempt, ids, delayed, -1, conn.last_request_id, msg.skip)
         try:
             done = self.client.step(msg)
+            if sent.settled:
+                return  # a signal handler's state_dict() took the outcome in while this waited for it
             self._finish(done, ids, delayed)
             self._sent = None
         except KeyboardInterrupt:
@@ -762,7 +777,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         elif delayed:
             self._inflight = ids
         else:
-            self.feed.receive(ids)
+            self._receive(ids, fetch=False)
         self._open = None
         self._new_step()
 
@@ -794,6 +809,9 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         """Read the outcome of an interrupted STEP (and wait for the param pager's transfers) before anything
         else goes to the daemon.  The record of that STEP goes only once its outcome is taken in, so an
         interrupt in here leaves it to the next call."""
+        if self._calls.reentered:
+            self._settle_reentered()
+            return
         sent = self._sent
         if sent is not None and sent.request_id < 0:  # an interrupt came before _send's handler could note it
             sent.request_id = self.client.conn.last_request_id  # nothing was sent since the STEP
@@ -837,6 +855,35 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             self._new_step()
         self._sent = None
 
+    def _settle_reentered(self) -> None:
+        """``_settle`` for a signal handler's read (``Calls``) that interrupted this thread's call: take in the
+        outcome of a STEP whose reply the interrupted ``step()`` is waiting for (so the state read is the
+        step's, whole), and leave anything else to that call, which goes on once the handler returns.  The
+        reply stays for the waiting frame, which then sees ``settled``.  Where the interrupted call was copying
+        new params into the model, the copy is made whole here (the interrupted one goes on with the same
+        values), so the model read beside the state is of the same step."""
+        if self._receiving is not None:
+            ids, fetch = self._receiving
+            if fetch:
+                self.client.fetch_params(ids)
+            self.feed.receive(ids)
+            return
+        sent = self._sent
+        if sent is None or sent.settled or sent.failure is not None:
+            return
+        conn = self.client.conn
+        request_id = sent.request_id if sent.request_id >= 0 else conn.last_request_id
+        if request_id == sent.before_id:
+            return  # not sent yet: the state is the last step's
+        reply = conn.reply_awaited(request_id)
+        if isinstance(reply, StepDone):
+            self._finish(reply, sent.ids, sent.delayed)
+            sent.settled = True
+            self._sent = None
+        elif reply is None and not sent.skip and _rank_report(self.client).last_step >= sent.step:
+            # the interrupted step() has the reply in hand and is about to take the params in: the same values
+            self._receive(sent.ids, fetch=sent.delayed)
+
     def _settle_interrupted(self) -> None:
         """After a ``KeyboardInterrupt`` in ``step()``: wait for that step's outcome before the interrupt
         reaches the trainer, so that its handler finds the params and ``steps`` whole (the daemon no longer
@@ -851,27 +898,46 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             log.warning("could not read the interrupted step's outcome (%s); the next call tries again", exc)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._settle()
-        if self._open is not None:
-            self._abort_open()  # a backward whose step() never came (interrupted): close its attempt
-            self._new_step()
-        self.feed.zero(set_to_none=set_to_none)
+        with self._calls.enter("zero_grad()", reads=False):
+            self._settle()
+            if self._open is not None:
+                self._abort_open()  # a backward whose step() never came (interrupted): close its attempt
+                self._new_step()
+            self.feed.zero(set_to_none=set_to_none)
 
     def _install(self) -> None:
         ids, self._inflight = self._inflight, []
-        self.client.fetch_params(ids)
-        self.feed.receive(ids)
+        self._receive(ids, fetch=True)
+
+    def _receive(self, ids: list[int], *, fetch: bool) -> None:
+        """The new params of ``ids`` into the model (``fetch``: the daemon writes them out first, a delayed
+        update's); noted while it runs, for a signal handler's read that interrupts it."""
+        self._receiving = (ids, fetch)
+        try:
+            if fetch:
+                self.client.fetch_params(ids)
+            self.feed.receive(ids)
+        finally:
+            self._receiving = None
 
     def flush(self) -> None:
         """Wait for a delayed update and install its params in the model."""
+        with self._calls.enter("flush()", reads=True):
+            self._flush()
+
+    def _flush(self) -> None:
         self._settle()
-        if self._inflight:
+        if self._inflight and self._sent is None:  # (a STEP in flight: the step() it interrupted installs them)
             self._install()
 
     def close(self, *, keep_state: bool = False) -> None:
         """Detach from the daemon (the job's state is freed unless ``keep_state``) and close the connection.
 
         The model keeps its params: they stay in the shared memory they were moved into, now private."""
+        with self._calls.enter("close()", reads=False):
+            self._close(keep_state)
+
+    def _close(self, keep_state: bool) -> None:
         if getattr(self, "feed", None) is not None:
             self.feed.unhook()
         client = self._client
@@ -879,7 +945,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             return
         try:
             if self._registered:
-                self.flush()
+                self._flush()
                 if getattr(self, "_pinned", False):
                     from tiermem.engine.pool.pinning import default_pinner
 

@@ -32,6 +32,7 @@ that costs is less than a block of room in a slot where a moment continues.
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -324,7 +325,8 @@ class StateTransfer:
                 self.requests += 1
                 yield StateWriteMany(spans=tuple(spans))
 
-        return self.client.conn.pipeline(requests(), depth=len(ring))
+        with self._window_kept():
+            return self.client.conn.pipeline(requests(), depth=len(ring))
 
     def pull_many_into(self, items: Sequence[PullItem]) -> list[int]:
         """Read several tensors' state into their destinations (any float dtype, any device: staged as the
@@ -365,8 +367,27 @@ class StateTransfer:
                     self.crossed.add("to_device", items[span.item][1], span.numel, kind.itemsize)
                 steps[span.item] = step
 
-        self.client.conn.pipeline(requests(), depth=len(ring), on_reply=on_reply)
+        with self._window_kept():
+            self.client.conn.pipeline(requests(), depth=len(ring), on_reply=on_reply)
         return steps
+
+    @contextlib.contextmanager
+    def _window_kept(self) -> Iterator[None]:
+        """Around a transfer made from a signal handler that interrupted one of this thread's exchanges
+        (``Connection.reentered``): the interrupted transfer may have data in the slots, which this one
+        would overwrite, so the daemon first finishes what was sent before (a PING's round trip), the
+        window is copied aside, and it is put back once this transfer is done.  (The window is small: 2 MiB
+        by default.)"""
+        conn = self.client.conn
+        if not conn.reentered:
+            yield
+            return
+        conn.sync()
+        saved = self.client.window.clone()
+        try:
+            yield
+        finally:
+            self.client.window.copy_(saved)
 
     def push(self, tid: int, key: str, values: torch.Tensor, *, step: int, accumulate: bool = False) -> None:
         """Write state ``key`` of tensor ``tid`` (``step`` sets its count when ``key`` is a moment)."""

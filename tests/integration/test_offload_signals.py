@@ -1,0 +1,233 @@
+"""A signal handler that saves a checkpoint, landing anywhere in training (``tiermem.client.offload.reentry``).
+
+Lightning's SLURM auto-requeue handler saves a checkpoint from inside its
+SIGUSR1 handler, so ``optimizer.state_dict()`` runs wherever the signal
+landed: in ``step()`` too, while the optimizer waits for the daemon.  Here a
+thread sends SIGUSR1 to the main thread at random moments while it trains;
+the handler saves ``opt.state_dict()`` and the model's params.  Every save
+must be one whole step: one step count on every tensor, the moments and the
+params equal (bitwise) to those of ``CPUAdam`` after that many steps (the
+daemon's arithmetic: eager, one thread).  A run counts the saves whose signal
+interrupted ``step()`` and needs enough of them, so it cannot pass by never
+landing there.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from offload_helpers import OffloadDaemon, cpu_adam
+from small_models import mlp, mlp_batches, mlp_loss, replicas
+
+from tiermem.core.errors import InvalidState
+
+HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+STEPS = 400
+WANTED_IN_STEP = 12
+"""Saves whose signal landed inside ``step()`` a run needs (at 0.5-4 ms between signals, a few hundred
+steps give some dozens)."""
+
+
+@contextmanager
+def signals_to_main(handler: Callable[[str], None], seed: int) -> Iterator[None]:
+    """SIGUSR1 to this (main) thread at random moments 0.5-4 ms apart, each once the last one's handler has
+    returned (a handler is never interrupted by the next signal); ``handler(where)`` runs for each, ``where``
+    being the ``OffloadAdam`` method the signal interrupted ("" for none)."""
+    handled = threading.Event()
+    handled.set()
+    stop = threading.Event()
+    main = threading.get_ident()
+    rng = random.Random(seed)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        try:
+            handler(interrupted_method(frame))
+        finally:
+            handled.set()
+
+    def send() -> None:
+        while not stop.is_set():
+            handled.wait()
+            if stop.wait(rng.uniform(0.0005, 0.004)):
+                return
+            handled.clear()
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        sender.join()
+        handled.wait(5.0)  # a signal sent just before the stop is handled before the handler goes
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def interrupted_method(frame: Any) -> str:
+    """The outermost ``OffloadAdam`` method (``step()``, ``zero_grad()``) on the interrupted stack, or ""."""
+    found = ""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(OPTIMIZER_FILES) and not code.co_name.startswith("_"):
+            found = f"{code.co_name}()"
+        frame = frame.f_back
+    return found
+
+
+OPTIMIZER_FILES = ("tiermem/client/offload/optimizer.py", "tiermem/client/offload/checkpoint.py")
+
+
+def reference_trajectory(base: torch.nn.Module, batches: list[Any]) -> list[tuple[list[torch.Tensor], list[Any]]]:
+    """After each number of steps (0..len(batches)): CPUAdam's params and moments (``exp_avg``)."""
+    (model,) = replicas(base, 1)
+    opt = cpu_adam(model.parameters(), **HYPER)
+    params = list(model.parameters())
+
+    def snapshot() -> tuple[list[torch.Tensor], list[Any]]:
+        moments = [opt.state[p]["exp_avg"].clone() if p in opt.state else None for p in params]
+        return [p.detach().clone() for p in params], moments
+
+    out = [snapshot()]
+    for batch in batches:
+        opt.zero_grad()
+        mlp_loss(model, batch).backward()
+        opt.step()
+        out.append(snapshot())
+    return out
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"exchange": "staged", "window_nbytes": 8192},
+        {"offload": "nvme"},
+        {"release_grads": True},
+        {"exchange": "staged", "window_nbytes": 8192, "release_grads": True},
+    ],
+    ids=["shared", "staged", "nvme", "released", "staged-released"],
+)
+def test_a_handler_saving_checkpoints_mid_training_saves_whole_steps(
+    offload: OffloadDaemon, options: dict[str, Any]
+) -> None:
+    base = mlp()
+    batches = mlp_batches(STEPS, fixed=False)
+    reference = reference_trajectory(base, batches)
+    (model,) = replicas(base, 1)
+    opt = offload.make(model.parameters(), **HYPER, **options)
+    params = list(model.parameters())
+    saves: list[tuple[str, dict[str, Any], list[torch.Tensor]]] = []
+
+    def save(inside: str) -> None:
+        saves.append((inside, opt.state_dict(), [p.detach().clone() for p in params]))
+
+    done = 0
+    with signals_to_main(save, seed=len(options)):
+        for batch in batches:
+            opt.zero_grad()
+            mlp_loss(model, batch).backward()
+            opt.step()
+            done += 1
+            if sum(inside == "step()" for inside, _, _ in saves) >= WANTED_IN_STEP:
+                break
+    in_step = sum(inside == "step()" for inside, _, _ in saves)
+    assert in_step >= WANTED_IN_STEP, f"only {in_step} of {len(saves)} signals landed in step() in {done} steps"
+    for inside, saved, values in saves:
+        steps = {int(entry["step"]) for entry in saved["state"].values()}
+        assert len(steps) <= 1, f"a save from inside {inside or 'the loop'} mixes steps {sorted(steps)}"
+        k = steps.pop() if steps else 0
+        ref_params, ref_moments = reference[k]
+        for i, (p, ref) in enumerate(zip(values, ref_params, strict=True)):
+            assert torch.equal(p, ref), f"param {i} of a save at step {k} (from {inside or 'the loop'})"
+        for i, ref in enumerate(ref_moments):
+            if ref is not None:
+                assert torch.equal(saved["state"][i]["exp_avg"], ref), f"exp_avg {i} of a save at step {k}"
+    # and training went on as if nothing had happened
+    ref_params, _ = reference[done]
+    assert all(torch.equal(p.detach(), ref) for p, ref in zip(params, ref_params, strict=True))
+
+
+def test_a_handler_mid_training_with_the_delayed_update_saves_whole_steps(offload: OffloadDaemon) -> None:
+    """The delayed update's trajectory depends on when its params are installed (a save installs them), so
+    no reference run: each save holds one step count, its reads through ``opt.state`` agree with it, and
+    training goes on to the end."""
+    (model,) = replicas(mlp(), 1)
+    opt = offload.make(model.parameters(), **HYPER, delayed_update=True, warmup_steps=2)
+    first = next(iter(model.parameters()))
+    saves: list[tuple[str, set[int], torch.Tensor | None, torch.Tensor | None]] = []
+
+    def save(inside: str) -> None:
+        saved = opt.state_dict()
+        read = opt.state[first]["exp_avg"].clone() if first in opt.state else None
+        steps = {int(entry["step"]) for entry in saved["state"].values()}
+        saves.append((inside, steps, saved["state"].get(0, {}).get("exp_avg"), read))
+
+    batches = mlp_batches(STEPS, fixed=False)
+    done = 0
+    with signals_to_main(save, seed=3):
+        for batch in batches:
+            opt.zero_grad()
+            mlp_loss(model, batch).backward()
+            opt.step()
+            done += 1
+            if sum(inside == "step()" for inside, _, _, _ in saves) >= WANTED_IN_STEP:
+                break
+    assert sum(inside == "step()" for inside, _, _, _ in saves) >= WANTED_IN_STEP
+    for inside, steps, saved, read in saves:
+        assert len(steps) <= 1, f"a save from inside {inside or 'the loop'} mixes steps {sorted(steps)}"
+        if saved is not None:
+            assert read is not None and torch.equal(saved, read)
+    opt.flush()
+    assert opt.steps == done
+    assert {int(entry["step"]) for entry in opt.state_dict()["state"].values()} == {done}
+
+
+def test_a_handler_that_steps_or_loads_mid_step_is_told_to_wait_for_it(offload: OffloadDaemon) -> None:
+    (model,) = replicas(mlp(), 1)
+    opt = offload.make(model.parameters(), **HYPER)
+    batches = mlp_batches(200, fixed=False)
+    errors: list[tuple[str, str]] = []
+    tried = {"step()": 0}
+
+    def meddle(inside: str) -> None:
+        if inside != "step()":
+            return
+        tried["step()"] += 1
+        for name, call in (("step()", opt.step), ("zero_grad()", opt.zero_grad)):
+            with pytest.raises(InvalidState) as err:
+                call()
+            errors.append((name, str(err.value)))
+        with pytest.raises(InvalidState):
+            opt.load_state_dict(opt.state_dict())
+
+    deadline = time.monotonic() + 60
+    with signals_to_main(meddle, seed=7):
+        for batch in batches:
+            opt.zero_grad()
+            mlp_loss(model, batch).backward()
+            opt.step()
+            if tried["step()"] >= 3 or time.monotonic() > deadline:
+                break
+    assert tried["step()"] >= 3
+    name, message = errors[0]
+    assert message.startswith(f"OffloadAdam.{name} was called while this thread is inside OffloadAdam.step()")
+    assert "set a flag" in message
+    # the refused calls changed nothing: the training equals CPUAdam's
+    (ref_model,) = replicas(mlp(), 1)
+    ref = cpu_adam(ref_model.parameters(), **HYPER)
+    for batch in batches[: opt.steps]:
+        ref.zero_grad()
+        mlp_loss(ref_model, batch).backward()
+        ref.step()
+    pairs = zip(model.parameters(), ref_model.parameters(), strict=True)
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in pairs)
