@@ -6,7 +6,10 @@ and as ``python lightning_case.py OUT_DIR OPTIMIZER STATE_DTYPES`` on each rank 
 from __future__ import annotations
 
 import os
+import random
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +51,17 @@ def data() -> DataLoader[Any]:
     return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
 
-def trainer(out: Path, max_steps: int, **kwargs: Any) -> pl.Trainer:
+def trainer(out: Path, max_steps: int, *, extra_callbacks: tuple[pl.Callback, ...] = (), **kwargs: Any) -> pl.Trainer:
+    """``extra_callbacks`` replace the ``ModelCheckpoint`` (and checkpointing is off) when given: a save of
+    Lightning's interrupted by another from its signal handler ends the first one's fsspec transaction under
+    it (``'NoneType' object has no attribute '_intrans'``), whatever the optimizer."""
+    saves = [ModelCheckpoint(dirpath=out, save_last=True, every_n_train_steps=2)] if not extra_callbacks else []
     return pl.Trainer(
         max_steps=max_steps,
         accelerator="cpu",
         gradient_clip_val=0.5,
-        callbacks=[ModelCheckpoint(dirpath=out, save_last=True, every_n_train_steps=2)],
+        callbacks=[*saves, *extra_callbacks],
+        enable_checkpointing=bool(saves),
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -75,6 +83,66 @@ def fit_resumed(out: Path, optimizer: str, state_dtype: str = "fp32", *, stop: i
     module = Regressor(optimizer, state_dtype)
     trainer(out, STEPS, **kwargs).fit(module, data(), ckpt_path=str(out / "last.ckpt"))
     return module
+
+
+class RequeueSignals(pl.Callback):
+    """While training: SIGUSR1 to the main thread at random moments 1-6 ms apart (each once the last one was
+    handled), as SLURM sends it before a job's time limit, to Lightning's own auto-requeue handler, which
+    saves a checkpoint from inside the handler.  ``interrupted`` notes the outermost optimizer method each
+    signal landed in ("" for none)."""
+
+    def __init__(self, seed: int, optimizer_files: tuple[str, ...]) -> None:
+        self.rng = random.Random(seed)
+        self.optimizer_files = optimizer_files
+        self.interrupted: list[str] = []
+        self._handled = threading.Event()
+        self._stop = threading.Event()
+        self._sender: threading.Thread | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        lightning = signal.getsignal(signal.SIGUSR1)
+        assert callable(lightning), "Lightning set no SIGUSR1 handler: is the SLURM environment seen?"
+        main = threading.get_ident()
+
+        def noted(signum: int, frame: Any) -> None:
+            try:
+                self.interrupted.append(self._method(frame))
+                lightning(signum, frame)
+            finally:
+                self._handled.set()
+
+        def send() -> None:
+            while not self._stop.is_set():
+                self._handled.wait()
+                if self._stop.wait(self.rng.uniform(0.001, 0.006)):
+                    return
+                if signal.getsignal(signal.SIGUSR1) is not noted:
+                    return  # Lightning's teardown came first (an error ended the fit)
+                self._handled.clear()
+                signal.pthread_kill(main, signal.SIGUSR1)
+
+        signal.signal(signal.SIGUSR1, noted)
+        self._handled.set()
+        self._sender = threading.Thread(target=send, daemon=True)
+        self._sender.start()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop.set()
+        if self._sender is not None:
+            self._sender.join()
+        self._handled.wait(10.0)  # before Lightning puts the default action (terminate) back
+
+    def _method(self, frame: Any) -> str:
+        found = ""
+        while frame is not None:
+            code = frame.f_code
+            if code.co_filename.endswith(self.optimizer_files) and not code.co_name.startswith("_"):
+                found = f"{code.co_name}()"
+            frame = frame.f_back
+        return found
 
 
 def flat_params(module: nn.Module) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("pytorch_lightning")
 
-from lightning_case import fit, fit_resumed, flat_params
+from lightning_case import STEPS, RequeueSignals, fit, fit_resumed, flat_params
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -46,6 +46,43 @@ def test_fit_resumed_from_a_checkpoint_ends_where_the_uninterrupted_fit_ends(tmp
         ref = flat_params(fit_resumed(tmp_path / "ref", "adamw", stop=4))
         assert float((resumed - ref).abs().max()) <= TOLERANCE
     assert (tmp_path / "resumed" / "last.ckpt").exists()
+
+
+SLURM_JOB = {
+    "SLURM_NTASKS": "1",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+}
+
+
+def test_slurm_requeue_checkpoints_saved_mid_step_are_whole_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's SLURM auto-requeue saves ``hpc_ckpt_*.ckpt`` from inside its SIGUSR1 handler, wherever the
+    signal lands: it hung there when that was ``OffloadAdam.step()``.  Now every save holds one step, and the
+    signals change nothing in the training."""
+    from pytorch_lightning.plugins.environments import SLURMEnvironment
+
+    for name, value in SLURM_JOB.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no scontrol here: Lightning logs that the requeue failed
+    steps = 25 * STEPS
+    signals = RequeueSignals(seed=0, optimizer_files=("tiermem/client/offload/optimizer.py",))
+    out = tmp_path / "signalled"
+    kwargs = {"plugins": [SLURMEnvironment(auto_requeue=True)], "max_epochs": -1}
+    signalled = flat_params(fit(out, "offload", steps=steps, extra_callbacks=(signals,), **kwargs))
+    quiet = flat_params(fit(tmp_path / "quiet", "offload", steps=steps, max_epochs=-1))
+    assert torch.equal(signalled, quiet), float((signalled - quiet).abs().max())
+    in_step = signals.interrupted.count("step()")
+    assert in_step >= 5, f"{in_step} of {len(signals.interrupted)} signals landed in OffloadAdam.step()"
+    saved = sorted(out.glob("hpc_ckpt_*.ckpt"))
+    assert len(saved) == len(signals.interrupted)
+    for path in saved:
+        state = torch.load(path, weights_only=False)["optimizer_states"][0]["state"]
+        assert len({int(entry["step"]) for entry in state.values()}) <= 1, path.name
 
 
 def _ddp(out: Path, optimizer: str, state_dtypes: tuple[str, ...]) -> dict[str, list[torch.Tensor]]:
