@@ -16,6 +16,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from signal_helpers import interrupted_method
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -91,9 +92,8 @@ class RequeueSignals(pl.Callback):
     saves a checkpoint from inside the handler.  ``interrupted`` notes the outermost optimizer method each
     signal landed in ("" for none)."""
 
-    def __init__(self, seed: int, optimizer_files: tuple[str, ...]) -> None:
+    def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.optimizer_files = optimizer_files
         self.interrupted: list[str] = []
         self._handled = threading.Event()
         self._stop = threading.Event()
@@ -106,7 +106,7 @@ class RequeueSignals(pl.Callback):
 
         def noted(signum: int, frame: Any) -> None:
             try:
-                self.interrupted.append(self._method(frame))
+                self.interrupted.append(interrupted_method(frame))
                 lightning(signum, frame)
             finally:
                 self._handled.set()
@@ -134,15 +134,6 @@ class RequeueSignals(pl.Callback):
         if self._sender is not None:
             self._sender.join()
         self._handled.wait(10.0)  # before Lightning puts the default action (terminate) back
-
-    def _method(self, frame: Any) -> str:
-        found = ""
-        while frame is not None:
-            code = frame.f_code
-            if code.co_filename.endswith(self.optimizer_files) and not code.co_name.startswith("_"):
-                found = f"{code.co_name}()"
-            frame = frame.f_back
-        return found
 
 
 def flat_params(module: nn.Module) -> torch.Tensor:

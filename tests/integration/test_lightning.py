@@ -70,7 +70,7 @@ def test_slurm_requeue_checkpoints_saved_mid_step_are_whole_and_training_goes_on
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no scontrol here: Lightning logs that the requeue failed
     steps = 25 * STEPS
-    signals = RequeueSignals(seed=0, optimizer_files=("tiermem/client/offload/optimizer.py",))
+    signals = RequeueSignals(seed=0)
     out = tmp_path / "signalled"
     kwargs = {"plugins": [SLURMEnvironment(auto_requeue=True)], "max_epochs": -1}
     signalled = flat_params(fit(out, "offload", steps=steps, extra_callbacks=(signals,), **kwargs))

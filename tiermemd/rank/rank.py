@@ -300,6 +300,18 @@ class RankOptimizer(StateIO):
                 self.timings["wait_s"] += time.perf_counter() - started
         self.phase.check_usable()
 
+    def _wait_queued(self) -> None:
+        """Before state is read or written: wait for the updates an open overlapped attempt queued on the
+        pipeline thread (their step counts are advanced already), so a read sees each tensor's update whole
+        and a write does not race one.  The attempt stays open; a failed update is the attempt's to report
+        when it closes (its future raises again there)."""
+        attempt = self._attempt
+        if attempt is None:
+            return
+        for future in attempt.futures:
+            with contextlib.suppress(BaseException):
+                health.wait(future)
+
     def _close_attempt(self, attempt: Attempt) -> None:
         """Wait for an attempt's updates; the ones that ran count, a failure fails the rank."""
         self._attempt = None

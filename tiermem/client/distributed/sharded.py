@@ -82,6 +82,7 @@ from tiermem.client.link import Client
 from tiermem.client.offload.args import closure_loss
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
+from tiermem.client.offload.reentry import Calls
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.param_groups import check_params_once
 from tiermem.core.step_rules import StepDecision
@@ -289,6 +290,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         """The start (see the module docstring); collective from the model's check on.  The thin constructors'
         arguments of the same names, in this order: ``client`` this rank's connection to its node's daemon
         (None: found, or started for the node); ``job_id``, ``token`` (None: agreed, ``identity``)."""
+        self._calls = Calls(type(self).__name__)
         check_timeout(collective_timeout_s)
         self._join(process_group, strategy)
         groups, defaults = strategy.param_groups_for(self.group)
@@ -345,7 +347,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
             self.inner,
             strategy.sync_hyper,
             keeps_values=strategy.keeps_values,
-            refresh=strategy.refresh,
+            refresh=self._refresh,
         )
         self.checkpoint = Zero3Checkpoint(share, store, self.group.collective)
         self._started = True
@@ -429,6 +431,11 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Decide on the global grad statistics (collective), apply that decision in the rank's daemon, gather."""
         loss = closure_loss(closure)
+        with self._calls.enter("step()", reads=False):
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         self._check_open()
         strategy = self.strategy
         decision = strategy.decide()
@@ -445,10 +452,10 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
             self.schedule.end_step()
             self.group.steps += 1
         self.outcome.record(decision)
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.strategy.zero_grad(set_to_none)
+        with self._calls.enter("zero_grad()", reads=False):
+            self.strategy.zero_grad(set_to_none)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -458,14 +465,24 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
 
     def shard_state_dict(self) -> dict[str, Any]:
         """This rank's file of a checkpoint that loads at any world size (``reshard``); not collective."""
-        return self.checkpoint.shard_state_dict()
+        with self._calls.enter("shard_state_dict()", reads=True):
+            return self.checkpoint.shard_state_dict()
+
+    def _refresh(self) -> None:
+        """The strategy's ``refresh`` before a checkpoint reads the pieces, except from a signal handler that
+        interrupted ``step()``: its pieces may hold the step's update already while the model does not have it
+        yet (the gather comes after), and the model's older values would overwrite them
+        (``tiermem.client.offload.reentry``)."""
+        if not self._calls.reentered:
+            self.strategy.refresh()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's file (``shard_state_dict()``), for every strategy: the fp32 values and Adam state of the
         stretches of params the rank holds, and what merges it with the other ranks' files.  ``torch.save`` it
         on every rank; ``load_state_dict`` takes it back at the same world size, ``load_shards`` takes the
         files of all ranks at any world size, ``tiermem consolidate`` merges them."""
-        return self.checkpoint.shard_state_dict()
+        with self._calls.enter("state_dict()", reads=True):
+            return self.checkpoint.shard_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A rank file (``state_dict()``: this rank's stretches must be in it, so the same world size and
@@ -473,6 +490,10 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         optimizer's params (``full_state_dict()``, ``tiermem consolidate``, ``torch.optim.AdamW``,
         ``OffloadAdam``: any world size; the params are not touched, torch's rule).  Checked whole before
         anything changes.  Every rank calls it."""
+        with self._calls.enter("load_state_dict()", reads=False):
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if is_rank_file(state_dict):
             self.load_shards([state_dict], complete=False)
             return
@@ -504,6 +525,10 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         """Take the hooks off the model, detach from the daemon (this rank's share is freed unless
         ``keep_state``) and give the schedule's group back.  A closed optimizer refuses ``step()``; closing
         again does nothing."""
+        with self._calls.enter("close()", reads=False):
+            self._close(keep_state)
+
+    def _close(self, keep_state: bool) -> None:
         if self._closed:
             return
         if self._started:

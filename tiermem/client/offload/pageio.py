@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +42,7 @@ class PageIO(PagerRecords):
     _pushes: collections.deque[tuple[Future[None], int]]
     _grad_units: GradUnits[GradItem]
     _buffers: BufferCache
+    _finishing: int
 
     if TYPE_CHECKING:
 
@@ -59,9 +60,19 @@ class PageIO(PagerRecords):
         need = [e for e in group if e.residency is Residency.ABSENT]
         self._make_room(need, keep=group)
         self._start_fetches(need, event=event)
-        for e in group:
-            if e.residency is Residency.FETCHING:
-                self._finish_fetch(e)
+        self._finish_fetches(group)
+
+    def _finish_fetches(self, group: Iterable[PagedParam]) -> None:
+        """Finish the fetches of ``group`` still under way.  Counted in ``_finishing``: a signal handler that
+        interrupts this (saving a checkpoint, whose ``drain`` would finish them too) leaves them to it, as
+        a fetch finished twice would make its param resident twice."""
+        self._finishing += 1
+        try:
+            for e in group:
+                if e.residency is Residency.FETCHING:
+                    self._finish_fetch(e)
+        finally:
+            self._finishing -= 1
 
     def _make_room(self, need: list[PagedParam], keep: list[PagedParam]) -> None:
         nbytes = sum(e.nbytes for e in need)
@@ -162,9 +173,8 @@ class PageIO(PagerRecords):
     def drain(self) -> None:
         """Wait for every transfer of the I/O thread (before anything else uses the connection)."""
         self._reap(wait_over=None)
-        for e in list(self._present.values()):
-            if e.residency is Residency.FETCHING:
-                self._finish_fetch(e)
+        if not self._finishing:
+            self._finish_fetches(list(self._present.values()))
 
     def _land(self, e: PagedParam, grad: torch.Tensor) -> None:
         if grad.is_sparse or grad.layout is not torch.strided:
@@ -214,6 +224,7 @@ class PageIO(PagerRecords):
                 started = time.perf_counter()
                 future.result()
                 self.counters["push_wait_us"] += int((time.perf_counter() - started) * 1e6)
-            self._pushes.popleft()
-            self.grad_nbytes -= nbytes
+            if self._pushes and self._pushes[0][0] is future:  # (a signal handler's drain may have taken it)
+                self._pushes.popleft()
+                self.grad_nbytes -= nbytes
             future.result()

@@ -192,6 +192,9 @@ class ParamPager(PageUses, PageIO, PagedState):
         self._grad_units: GradUnits[GradItem] = GradUnits(self.units.values())
         """Grads landed and not yet pushed: a submodule's go in one transfer, once all of them are in."""
         self._present: dict[int, PagedParam] = {}
+        self._finishing = 0
+        """Calls under way that finish fetches (``_materialize``, ``drain``): a signal handler's ``drain`` in
+        one of them leaves the fetches to it (``tiermem.client.offload.pageio``)."""
         self._by_storage: dict[int, PagedParam] = {}
         self._upcoming: set[int] = set()
         self._frames: list[Frame] = []
