@@ -127,6 +127,8 @@ class PagerRecords:
     """The ones fetching or resident, by index."""
     _upcoming: set[int]
     """Indices of the params the next uses need (``prefetch`` of them ahead): a release keeps them."""
+    _saving: set[int]
+    """Modules whose state dict is being saved (``PagedState._saving_state``)."""
 
 
 class BufferCache:

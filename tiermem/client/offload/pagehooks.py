@@ -51,6 +51,10 @@ class CatchParams(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         pager = self.pager
+        if pager._saving or pager.optimizer._calls.reading:
+            # a state dict being saved reads the params itself (``PagedState._saving_state``), and the optimizer's
+            # reads of its state (a signal handler's, in the middle of a forward) use none of them
+            return func(*args, **kwargs)
         wanted = [e for e in map(pager._absent_entry, flat_args(args, kwargs)) if e is not None]
         if wanted:
             pager._use(dedup(wanted), lease=True)

@@ -171,7 +171,12 @@ class PageIO(PagerRecords):
         self._upcoming.clear()
 
     def drain(self) -> None:
-        """Wait for every transfer of the I/O thread (before anything else uses the connection)."""
+        """Wait for every transfer of the I/O thread (before anything else uses the connection).  Not from a
+        signal handler that interrupted this thread inside an exchange (``Connection.reentered``): the I/O
+        thread's transfers wait for this thread to let go of the connection, and are left to run after (a
+        grad push, whose grads no checkpoint holds, or a fetch, which changes no state)."""
+        if self.transfer.client.conn.reentered:
+            return
         self._reap(wait_over=None)
         if not self._finishing:
             self._finish_fetches(list(self._present.values()))

@@ -65,10 +65,20 @@ class PagedState(PagerRecords):
         if e.data is not None and e.residency is Residency.RESIDENT:
             return e.data.detach().to("cpu", copy=True)
         out = torch.empty(e.shape, dtype=e.dtype)
-        self._submit(f"read {e.name}", self.copies.read_master, self.transfer, e.index, out).result()
+        if self.transfer.client.conn.reentered:  # a signal handler's, this thread holding the connection
+            self.copies.read_master(self.transfer, e.index, out)  # (the I/O thread would wait for it for good)
+        else:
+            self._submit(f"read {e.name}", self.copies.read_master, self.transfer, e.index, out).result()
         return out
 
+    def _saving_state(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """Before ``module``'s params go into a state dict (as ``p.detach()``): ``_gather_state`` puts their
+        values in after, so a save in the middle of a forward (a signal handler's) leases none of them to the
+        running module (``CatchParams``), whose budget they would not fit."""
+        self._saving.add(id(module))
+
     def _gather_state(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        self._saving.discard(id(module))
         for name, p in module._parameters.items():
             e = self._by_param.get(id(p)) if p is not None else None
             if e is not None and prefix + name in state_dict:

@@ -54,6 +54,7 @@ class PageUses(PagerRecords):
     def _enter(self, own: list[PagedParam], module: nn.Module, args: Any) -> None:
         frame = Frame(module)
         if not self._frames:
+            self._saving.clear()  # (a save that raised between its hooks)
             self._mode.__enter__()
             frame.contexts.append(self._mode)
             if torch.is_grad_enabled() and not in_backward():

@@ -192,6 +192,7 @@ class ParamPager(PageUses, PageIO, PagedState):
         self._grad_units: GradUnits[GradItem] = GradUnits(self.units.values())
         """Grads landed and not yet pushed: a submodule's go in one transfer, once all of them are in."""
         self._present: dict[int, PagedParam] = {}
+        self._saving: set[int] = set()
         self._finishing = 0
         """Calls under way that finish fetches (``_materialize``, ``drain``): a signal handler's ``drain`` in
         one of them leaves the fetches to it (``tiermem.client.offload.pageio``)."""
@@ -257,6 +258,7 @@ class ParamPager(PageUses, PageIO, PagedState):
             self._hooks.append(module.register_forward_pre_hook(functools.partial(self._enter, own)))
             self._hooks.append(module.register_forward_hook(functools.partial(self._exit, own), always_call=True))
             if own:
+                self._hooks.append(module.register_state_dict_pre_hook(functools.partial(self._saving_state)))
                 self._hooks.append(module.register_state_dict_post_hook(functools.partial(self._gather_state)))
                 self._hooks.append(module.register_load_state_dict_pre_hook(functools.partial(self._load_pre)))
                 self._hooks.append(module.register_load_state_dict_post_hook(functools.partial(self._load_post)))

@@ -42,6 +42,9 @@ class Calls:
         self._call = ""
         self.reentered = False
         """A call made from inside another (a signal handler's) is running on the thread inside."""
+        self.reading = False
+        """A call that only reads (``reads``) is running: param paging leases no param to a running forward for
+        what it does with the params (``tiermem.client.offload.pagehooks.CatchParams``)."""
 
     def inside(self) -> str:
         """The outermost call this thread is inside ("" when none, or when another thread is)."""
@@ -53,11 +56,11 @@ class Calls:
         signal handler may make it while this thread is inside another call."""
         me = threading.get_ident()
         if self._thread != me:
-            self._thread, self._call = me, call
+            self._thread, self._call, self.reading = me, call, reads
             try:
                 yield
             finally:
-                self._thread, self._call = None, ""
+                self._thread, self._call, self.reading = None, "", False
             return
         if self.reentered:  # inside a reentered call already (its own reads)
             yield
@@ -68,8 +71,8 @@ class Calls:
                 f"signal handler (or a hook) that interrupted it: only state_dict() and reads of its state may "
                 f"be made there; have the handler set a flag, and call {call} once {self._call} has returned"
             )
-        self.reentered = True
+        self.reentered = self.reading = True
         try:
             yield
         finally:
-            self.reentered = False
+            self.reentered = self.reading = False
