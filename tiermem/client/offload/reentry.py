@@ -55,7 +55,10 @@ class Calls:
         """Run ``call`` (a name as the user wrote it: ``state_dict()``); ``reads``: it changes nothing, so a
         signal handler may make it while this thread is inside another call."""
         me = threading.get_ident()
-        if self._thread != me:
+        if self._thread is not None and self._thread != me:
+            yield  # another thread's call is under way: no reentry (torch's optimizers are not thread-safe either)
+            return
+        if self._thread is None:
             self._thread, self._call, self.reading = me, call, reads
             try:
                 yield
