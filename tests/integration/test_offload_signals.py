@@ -145,6 +145,53 @@ def test_a_handler_mid_training_with_the_delayed_update_saves_whole_steps(offloa
     assert {int(entry["step"]) for entry in opt.state_dict()["state"].values()} == {done}
 
 
+class Preempted(Exception):
+    """What a trainer's SIGUSR1 handler raises to leave the training loop (as ``sys.exit`` raises ``SystemExit``)."""
+
+
+@pytest.mark.parametrize("exchange", ["shared", "staged"])
+def test_an_exception_from_a_handler_mid_step_leaves_steps_true_for_the_loop_that_catches_it(
+    offload: OffloadDaemon, exchange: str
+) -> None:
+    """A handler raises at random moments; the loop catches it and trains the batch ``opt.steps`` names next.
+    ``step()`` waits for the outcome of a step the exception interrupted, and ``steps`` reads it where a second
+    one ended that wait, so no batch is trained twice or skipped: the end equals CPUAdam's, bitwise.  Before,
+    only ``KeyboardInterrupt`` was waited for, and ``steps`` could be a step behind: batches trained twice."""
+    base = mlp()
+    batches = mlp_batches(STEPS // 2, fixed=False)
+    reference = reference_trajectory(base, batches)
+    (model,) = replicas(base, 1)
+    opt = offload.make(model.parameters(), **HYPER, exchange=exchange)
+    armed = [False]
+    landed: list[str] = []
+
+    def preempt(inside: str) -> None:
+        if armed[0]:
+            armed[0] = False  # one exception per arming: the loop's except clause is not interrupted again
+            landed.append(inside)
+            raise Preempted
+
+    def train() -> None:
+        while opt.steps < len(batches):
+            batch = batches[opt.steps]
+            opt.zero_grad()
+            mlp_loss(model, batch).backward()
+            opt.step()
+
+    with signals_to_main(preempt, seed=5):
+        while True:
+            try:
+                armed[0] = True
+                train()
+                armed[0] = False
+                break
+            except Preempted:
+                pass
+    assert landed.count("step()") >= WANTED_IN_STEP, landed
+    ref_params, _ = reference[len(batches)]
+    assert all(torch.equal(p.detach(), ref) for p, ref in zip(model.parameters(), ref_params, strict=True))
+
+
 def test_a_handler_that_steps_or_loads_mid_step_is_told_to_wait_for_it(offload: OffloadDaemon) -> None:
     (model,) = replicas(mlp(), 1)
     opt = offload.make(model.parameters(), **HYPER)

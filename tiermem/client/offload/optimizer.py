@@ -30,11 +30,13 @@ step's global norm (when one was computed) is ``last_grad_norm``;
 ``last_found_inf`` says whether it found an inf/nan grad (the scaler or the
 daemon), ``last_skipped`` whether it was skipped.
 
-Interrupts: a ``KeyboardInterrupt`` while the daemon works on a step leaves
-that step to finish there, and ``step()`` waits for its outcome before the
-interrupt reaches the trainer: each step is applied fully or not at all, and
-a handler that saves on Ctrl-C finds the params and ``steps`` of one step.  A
-second interrupt during that wait ends it; the next call then reads the
+Interrupts: an interrupt while the daemon works on a step (Ctrl-C's
+``KeyboardInterrupt``, or what a signal handler raises: ``SystemExit`` from
+``sys.exit()``, a preemption error) leaves that step to finish there, and
+``step()`` waits for its outcome before the interrupt reaches the trainer:
+each step is applied fully or not at all, and a handler that saves on Ctrl-C
+(or an ``except`` that reads ``steps`` to know which batch to redo) finds the
+params and ``steps`` of one step.  A second Ctrl-C during that wait ends it; the next call then reads the
 outcome (an interrupt there too leaves it to the call after), so the
 optimizer stays usable however often it is interrupted.  An update that
 fails part-way makes the daemon refuse the rank (``StepFailed``) until a
@@ -649,7 +651,12 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
     @property
     def steps(self) -> int:
         """Steps applied so far, as torch's ``state["step"]`` counts them (skipped steps are ``skipped_steps``):
-        the daemon's count, from the loaded step after ``load_state_dict``."""
+        the daemon's count, from the loaded step after ``load_state_dict``.  After an interrupt that ended
+        ``step()``'s wait for its outcome, that outcome is read first: an ``except`` that picks the batch to
+        train next by ``steps`` never trains one twice."""
+        if self._sent is not None:
+            with self._calls.enter("steps", reads=True):
+                self._settle(defer_failure=True)
         return self._steps_sent - self._step_lag
 
     @property
@@ -751,14 +758,14 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 return  # a signal handler's state_dict() took the outcome in while this waited for it
             self._finish(done, ids, delayed)
             self._sent = None
-        except KeyboardInterrupt:
-            sent.request_id = conn.last_request_id
-            self._settle_interrupted()
-            raise
         except TiermemError:
             self._sent = None
             self._open = None
             self._new_step()
+            raise
+        except BaseException:  # an interrupt: Ctrl-C, or what a signal handler raised (SystemExit, a preemption)
+            sent.request_id = conn.last_request_id
+            self._settle_interrupted()
             raise
 
     def _scaler_inputs(self) -> tuple[Any, Any]:
@@ -885,17 +892,17 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             self._receive(sent.ids, fetch=sent.delayed)
 
     def _settle_interrupted(self) -> None:
-        """After a ``KeyboardInterrupt`` in ``step()``: wait for that step's outcome before the interrupt
-        reaches the trainer, so that its handler finds the params and ``steps`` whole (the daemon no longer
-        writes them).  A second interrupt ends the wait; an error of the step's is raised by the next call;
+        """After an interrupt in ``step()`` (see the module docstring): wait for that step's outcome before the
+        interrupt reaches the trainer, so that its handler finds the params and ``steps`` whole (the daemon no
+        longer writes them).  A second Ctrl-C ends the wait; an error of the step's is raised by the next call;
         either way the next call settles what is left."""
         step = self._sent.step
         try:
             self._settle(defer_failure=True)
         except KeyboardInterrupt:
             log.warning("interrupted again while waiting for step %d's outcome; the next call reads it", step)
-        except TiermemError as exc:
-            log.warning("could not read the interrupted step's outcome (%s); the next call tries again", exc)
+        except Exception as exc:  # a failure, or a second interrupt: the first is what the trainer gets
+            log.warning("the wait for step %d's outcome ended (%r); the next call reads it", step, exc)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         with self._calls.enter("zero_grad()", reads=False):
