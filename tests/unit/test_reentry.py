@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from tiermem.client.offload.reentry import Calls
+from tiermem.client.offload.staged import ReentrantQueue
 from tiermem.core.errors import InvalidState
 
 
@@ -55,3 +56,27 @@ def test_another_threads_call_is_no_reentry_and_leaves_this_threads_mark() -> No
         thread.join()
         assert calls.inside() == "step()"
     assert seen == [("", False)]
+
+
+def test_a_queue_joined_from_inside_its_own_put_waits_for_the_consumer_instead_of_itself() -> None:
+    """What a signal handler's checkpoint does when it lands in a grad hook's ``put`` (the queue's lock held by
+    the interrupted frame) and drains the grad pusher: ``join`` lets the lock go while it waits, so the
+    consumer thread takes the items and the join returns.  On ``queue.Queue``'s plain lock it waited for good."""
+    q = ReentrantQueue()
+    taken: list[int] = []
+
+    def consume() -> None:
+        while (item := q.get()) is not None:
+            taken.append(item)
+            q.task_done()
+        q.task_done()
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    with q.mutex:  # as inside put(): the lock held by the interrupted frame (a plain lock waits here for good)
+        q.put(1)
+        q.put(2)
+        q.join()
+    q.put(None)
+    consumer.join(5.0)
+    assert taken == [1, 2]

@@ -65,10 +65,10 @@ class PagedState(PagerRecords):
         if e.data is not None and e.residency is Residency.RESIDENT:
             return e.data.detach().to("cpu", copy=True)
         out = torch.empty(e.shape, dtype=e.dtype)
-        if self.transfer.client.conn.reentered:  # a signal handler's, this thread holding the connection
-            self.copies.read_master(self.transfer, e.index, out)  # (the I/O thread would wait for it for good)
-        else:
-            self._submit(f"read {e.name}", self.copies.read_master, self.transfer, e.index, out).result()
+        # read here, not on the I/O thread (``drain`` waited for what was queued there, or, from a signal handler
+        # holding the connection, left what changes no master): a handler's gather may have interrupted this
+        # thread inside the executor's ``submit``, under a lock that a second ``submit`` waits for for good
+        self.copies.read_master(self.transfer, e.index, out)
         return out
 
     def _saving_state(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:

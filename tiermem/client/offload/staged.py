@@ -50,13 +50,26 @@ from tiermem.client.offload.policy import Buckets
 from tiermem.client.offload.transfer import PushItem, StateTransfer
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 
-__all__ = ["GradPusher", "StagedEntry", "StagedFeed"]
+__all__ = ["GradPusher", "ReentrantQueue", "StagedEntry", "StagedFeed"]
 
 
 def fingerprint(p: torch.Tensor) -> tuple[int, int, int]:
     flat = p.detach().reshape(-1)
     bits = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16)
     return (p._version, p.data_ptr(), int(bits.sum(dtype=torch.int64)))
+
+
+class ReentrantQueue(queue.Queue):
+    """``queue.Queue`` on a reentrant lock: a signal handler that interrupted this thread inside ``put`` (a grad
+    hook queueing a grad) may ``join`` it (a checkpoint's drain) without waiting for good on the lock its own
+    frame holds; ``join``'s wait lets the lock go, so the pusher goes on meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mutex = threading.RLock()  # type: ignore[assignment]
+        self.not_empty = threading.Condition(self.mutex)
+        self.not_full = threading.Condition(self.mutex)
+        self.all_tasks_done = threading.Condition(self.mutex)
 
 
 @dataclass
@@ -90,7 +103,7 @@ class GradPusher:
     def __init__(self, transfer: StateTransfer, on_bucket: Callable[[int, list[int]], None] | None) -> None:
         self.transfer = transfer
         self.on_bucket = on_bucket
-        self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Any, ...] | None] = ReentrantQueue()
         self._error: BaseException | None = None
         self._streams: dict[int, Any] = {}
         self._thread = threading.Thread(target=self._run, name="tiermem-grad-pusher", daemon=True)
