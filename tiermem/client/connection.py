@@ -168,6 +168,11 @@ _PEER_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN)
 """What a send or receive fails with once the daemon has closed its end (end of stream aside)."""
 
 
+def _outcome(reply: Message) -> Message | TiermemError:
+    """A reply as a caller takes it in: an error reply as the ``TiermemError`` it carries."""
+    return reply.to_exception() if isinstance(reply, ErrorReply) else reply
+
+
 def _set_recv_timeout(sock: socket.socket, timeout_s: float | None) -> None:
     """A kernel receive timeout (``SO_RCVTIMEO``) on a blocking socket: a late reply fails with EAGAIN.
 
@@ -404,7 +409,7 @@ class Connection(Closing):
                 reply = decode_message(early[0])
             except ProtocolError:
                 return None  # the waiting frame gets the error itself
-            return reply.to_exception() if isinstance(reply, ErrorReply) else reply
+            return _outcome(reply)
 
     def close(self) -> None:
         with self._lock:
@@ -465,8 +470,9 @@ class Connection(Closing):
 
     def _wake(self) -> None:
         """After a reentered call: a frame it interrupted may be blocked in ``recv`` for a reply this call read
-        and kept (``_early``), and would wait there for good; a PING's PONG wakes it, and is read past."""
-        if self._closed_why or not any(request_id in self._early for request_id in self._awaited):
+        and kept (``_early``), and would wait there for good; a PING's PONG wakes it, and is read past.  One
+        such PING at a time: a later reentered call reads the PONG of the one before, and sends its own."""
+        if self._closed_why or self._wakes or not any(request_id in self._early for request_id in self._awaited):
             return
         ping_id = self._take_id()
         self._wakes.add(ping_id)
@@ -485,7 +491,7 @@ class Connection(Closing):
         self._abandoned.pop(request_id, None)
         with contextlib.suppress(ProtocolError):
             reply = decode_message(frame)
-            self.late[request_id] = reply.to_exception() if isinstance(reply, ErrorReply) else reply
+            self.late[request_id] = _outcome(reply)
 
     def _next_reply(self, want: int, msg_type: MsgType, timeout_s: float | None) -> tuple[Frame, list[int]]:
         """``want``'s reply if a reentered call kept it, else the next message that is neither a wake's PONG
@@ -561,8 +567,7 @@ class Connection(Closing):
                     del self._abandoned[ping_id]
                     return
                 if frame.request_id in self._abandoned and self._abandoned[frame.request_id] is not MsgType.PING:
-                    late = reply.to_exception() if isinstance(reply, ErrorReply) else reply
-                    self.late[frame.request_id] = late
+                    self.late[frame.request_id] = _outcome(reply)
         finally:
             self._awaited.discard(ping_id)
 

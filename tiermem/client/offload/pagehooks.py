@@ -51,7 +51,7 @@ class CatchParams(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         pager = self.pager
-        if pager._saving or pager.optimizer._calls.reading:
+        if pager._saving or pager.calls.reading:
             # a state dict being saved reads the params itself (``PagedState._saving_state``), and the optimizer's
             # reads of its state (a signal handler's, in the middle of a forward) use none of them
             return func(*args, **kwargs)

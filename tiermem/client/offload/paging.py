@@ -163,6 +163,8 @@ class ParamPager(PageUses, PageIO, PagedState):
         self.probe = probe
         self.model = model
         self.optimizer = optimizer
+        self.calls = optimizer._calls
+        """The optimizer's calls (``reentry.Calls``): ``CatchParams`` reads it at every torch function."""
         self.transfer = optimizer.transfer
         self.copies: ParamCopies = copies_for(self.device) if copies is None else copies
         fresh = [p for p in tensors if p.is_meta]
