@@ -33,6 +33,14 @@ WANTED_IN_STEP = 12
 steps give some dozens)."""
 
 
+WANTED_MIXED = 6
+"""With the overlapped update: saves that fell in a backward after some of its buckets were updated."""
+
+
+def mixes_steps(save: tuple[str, dict[str, Any], list[torch.Tensor]]) -> bool:
+    return len({int(entry["step"]) for entry in save[1]["state"].values()}) > 1
+
+
 def reference_trajectory(base: torch.nn.Module, batches: list[Any]) -> list[tuple[list[torch.Tensor], list[Any]]]:
     """After each number of steps (0..len(batches)): CPUAdam's params and moments (``exp_avg``)."""
     (model,) = replicas(base, 1)
@@ -61,8 +69,10 @@ def reference_trajectory(base: torch.nn.Module, batches: list[Any]) -> list[tupl
         {"release_grads": True},
         {"exchange": "staged", "window_nbytes": 8192, "release_grads": True},
         {"exchange": "staged", "paged": True},
+        {"overlap_update": True, "bucket_nbytes": 1024},
+        {"exchange": "staged", "window_nbytes": 8192, "overlap_update": True, "bucket_nbytes": 1024},
     ],
-    ids=["shared", "staged", "nvme", "released", "staged-released", "paged"],
+    ids=["shared", "staged", "nvme", "released", "staged-released", "paged", "overlap", "staged-overlap"],
 )
 def test_a_handler_saving_checkpoints_mid_training_saves_whole_steps(
     offload: OffloadDaemon, options: dict[str, Any]
@@ -84,6 +94,12 @@ def test_a_handler_saving_checkpoints_mid_training_saves_whole_steps(
         state = opt.state_dict()
         saves.append((inside, state, [v.clone() for v in params.values()]))
 
+    overlap = options.get("overlap_update", False)
+
+    def enough() -> bool:
+        in_step = sum(inside == "step()" for inside, _, _ in saves)
+        return in_step >= WANTED_IN_STEP and (not overlap or sum(map(mixes_steps, saves)) >= WANTED_MIXED)
+
     done = 0
     with signals_to_main(save, seed=len(options)):
         for batch in batches:
@@ -91,20 +107,24 @@ def test_a_handler_saving_checkpoints_mid_training_saves_whole_steps(
             mlp_loss(model, batch).backward()
             opt.step()
             done += 1
-            if sum(inside == "step()" for inside, _, _ in saves) >= WANTED_IN_STEP:
+            if enough():
                 break
     in_step = sum(inside == "step()" for inside, _, _ in saves)
     assert in_step >= WANTED_IN_STEP, f"only {in_step} of {len(saves)} signals landed in step() in {done} steps"
+    if overlap:  # some saves landed in the backward, between the updates of its buckets
+        mixed = sum(map(mixes_steps, saves))
+        assert mixed >= WANTED_MIXED, f"only {mixed} of {len(saves)} saves fell between two buckets' updates"
     for inside, saved, values in saves:
-        steps = {int(entry["step"]) for entry in saved["state"].values()}
-        assert len(steps) <= 1, f"a save from inside {inside or 'the loop'} mixes steps {sorted(steps)}"
-        k = steps.pop() if steps else 0
-        ref_params, ref_moments = reference[k]
-        for i, (p, ref) in enumerate(zip(values, ref_params, strict=True)):
-            assert torch.equal(p, ref), f"param {i} of a save at step {k} (from {inside or 'the loop'})"
-        for i, ref in enumerate(ref_moments):
-            if ref is not None:
-                assert torch.equal(saved["state"][i]["exp_avg"], ref), f"exp_avg {i} of a save at step {k}"
+        steps = sorted({int(entry["step"]) for entry in saved["state"].values()})
+        where = inside or "the loop"
+        assert len(steps) <= 1 or (overlap and steps[1] == steps[0] + 1), f"a save from {where} has steps {steps}"
+        # each tensor at its own step: the model's param and the saved moments both of that step
+        for i, p in enumerate(values):
+            k = int(saved["state"][i]["step"]) if i in saved["state"] else 0
+            ref_params, ref_moments = reference[k]
+            assert torch.equal(p, ref_params[i]), f"param {i} of a save at step {k} (from {where})"
+            if ref_moments[i] is not None:
+                assert torch.equal(saved["state"][i]["exp_avg"], ref_moments[i]), f"exp_avg {i} at step {k}"
     # and training went on as if nothing had happened
     ref_params, _ = reference[done]
     assert all(torch.equal(v, ref) for v, ref in zip(model.state_dict().values(), ref_params, strict=True))

@@ -24,6 +24,7 @@ from tiermem.core.errors import InvalidArgument, InvalidState
 if TYPE_CHECKING:
     from tiermem.client.link import Client
     from tiermem.client.offload.feeds import Feed
+    from tiermem.client.offload.policy import StepPolicy
     from tiermem.client.offload.reentry import Calls
 
 __all__ = ["OptimizerState"]
@@ -42,6 +43,7 @@ class OptimizerState:
         frozen: list[torch.nn.Parameter]
         _index: dict[int, int]
         _open: Any
+        policy: StepPolicy
         _steps_sent: int
         _step_lag: int
         feed: Feed
@@ -136,11 +138,11 @@ class OptimizerState:
         """The state of each registered tensor that has stepped, by tensor id, in AdamW's format."""
         self._require_open()
         self._flush()
-        if self._open is not None:
-            raise InvalidState("state_dict() during an overlapped backward; call it after step()")
         # a param that never stepped has no state in torch: the step counts first (zero-length reads), then one
-        # pipelined transfer of the state of those that have some, so no memory is taken for the others
-        counts = self.step_counts()
+        # pipelined transfer of the state of those that have some, so no memory is taken for the others.  With
+        # the overlapped update, a bucket's update may land between the two (the staged exchange announces
+        # buckets from its own thread): every tensor is read then.
+        counts = [1] * len(self.tensors) if self.policy.overlap_now else self.step_counts()
         keys = ("exp_avg", "exp_avg_sq", "master")
         reads: list[tuple[int, str, torch.Tensor]] = []
         for index, p in enumerate(self.tensors):
@@ -155,7 +157,20 @@ class OptimizerState:
                 continue
             entry = state.setdefault(index, {"step": torch.tensor(float(step))})
             entry[key] = values
+        attempt = self._open  # read after the state: any bucket updated in the state was announced before it
+        if attempt is not None:
+            self._params_of_open_step(state, attempt.step)
         return state
+
+    def _params_of_open_step(self, state: dict[int, dict[str, Any]], open_step: int) -> None:
+        """A read during an overlapped backward (a signal handler's checkpoint, a hook's): the buckets the
+        daemon has updated so far are at the step being taken, each tensor's ``step`` says which, and their
+        params come into the model now (the staged exchange's; the shared one's are updated in place), so
+        the model saved beside this state is of the same step, tensor by tensor.  Those params are final
+        for this backward (the overlap contract), and ``step()`` brings in the same values again."""
+        ahead = [index for index, entry in state.items() if int(entry["step"]) == open_step]
+        if ahead:
+            self.feed.receive(ahead)
 
     def _state_by_param(self) -> dict[torch.nn.Parameter, dict[str, Any]]:
         return {self.tensors[t]: entry for t, entry in self._state_entries().items()}
