@@ -42,7 +42,8 @@ class Regressor(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), **HYPER)
-        return tiermem.OffloadAdam(self.parameters(), state_dtype=self.state_dtype, **HYPER)
+        overlap = {"overlap_update": True, "bucket_nbytes": 1024} if self.optimizer_name == "offload-overlap" else {}
+        return tiermem.OffloadAdam(self.parameters(), state_dtype=self.state_dtype, **HYPER, **overlap)
 
 
 def data() -> DataLoader[Any]:
@@ -60,7 +61,7 @@ def trainer(out: Path, max_steps: int, *, extra_callbacks: tuple[pl.Callback, ..
     return pl.Trainer(
         max_steps=max_steps,
         accelerator="cpu",
-        gradient_clip_val=0.5,
+        gradient_clip_val=kwargs.pop("gradient_clip_val", 0.5),
         callbacks=[*saves, *extra_callbacks],
         enable_checkpointing=bool(saves),
         logger=False,
