@@ -473,3 +473,77 @@ def test_released_grads_with_the_overlapped_update_train_like_adamw(offload: Off
     train(m_ref, ref, batches, mlp_loss)
     assert_params_close(m_off, m_ref)
     assert opt.stats().rank.overlapped_tensors > 0
+
+
+# ----------------------------------------------------------------------------- storages torch moves
+
+
+def _share_memory(model: nn.Module, i: int) -> None:
+    if i in (1, 3):
+        model.share_memory()  # Hogwild's idiom: every param's (and grad's) storage into a segment of torch's
+
+
+SHARED_OPTIONS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "bf16": {},
+    "delayed": {"delayed_update": True, "warmup_steps": 1},
+    "overlap": {"overlap_update": True, "bucket_nbytes": 1024},
+    "released": {"release_grads": True},
+}
+
+
+@pytest.mark.parametrize("point", ["after_step", "after_backward"])
+@pytest.mark.parametrize("case", list(SHARED_OPTIONS))
+def test_model_share_memory_is_undone_for_the_params_and_training_is_unchanged(
+    offload: OffloadDaemon, tier: str, case: str, point: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``share_memory_()`` swaps a storage's memory for a new segment in place, so a param and the shared
+    storage's view it lives in moved together, out of the daemon's reach: the daemon went on updating the
+    old bytes, the model trained on a stale copy (0.048 off AdamW after 5 steps) and nothing was said.
+    Now the params and their grads are put back, with a warning, and the run equals one without the move,
+    bitwise, after the grads (``after_backward``: the grads moved too) or between steps."""
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    quiet_model, moved_model = (m.to(dtype) for m in replicas(mlp(), 2))
+    batches = [tuple(t.to(dtype) for t in batch) for batch in mlp_batches(6, fixed=False)]
+    options = {**HYPER, **SHARED_OPTIONS[case], "offload": tier}
+    quiet, moved = offload.make(quiet_model.parameters(), **options), offload.make(moved_model.parameters(), **options)
+    train(quiet_model, quiet, batches, mlp_loss)
+    with caplog.at_level("WARNING", logger="tiermem.client.offload.shared"):
+        train(moved_model, moved, batches, mlp_loss, **{point: functools.partial(_share_memory, moved_model)})
+    quiet.flush()
+    moved.flush()
+    assert_params_equal(moved_model, quiet_model)
+    assert moved.shared_feed is not None and moved.shared_feed.rehomed == 2 * len(list(moved_model.parameters()))
+    assert not any(p.is_shared() for p in moved_model.parameters())  # back in the daemon's storage
+    warnings = [r for r in caplog.records if "moved out of tiermemd's shared storage" in r.getMessage()]
+    assert len(warnings) == 2  # one a step that found moved params, not one a param
+
+
+def _sum_in_child(inbox: Any, outbox: Any) -> None:
+    state = inbox.get()
+    outbox.put(float(sum(t.double().sum() for t in state.values())))
+
+
+def test_a_state_dict_sent_to_another_process_leaves_training_unchanged(offload: OffloadDaemon, tier: str) -> None:
+    """A ``torch.multiprocessing`` queue moves each CPU tensor it sends into shared memory of torch's, in place
+    (an evaluation or checkpoint-writing process fed the model's ``state_dict()``): the child gets the values,
+    and the parent's training goes on exactly as without the send."""
+    quiet_model, sent_model = replicas(mlp(), 2)
+    batches = mlp_batches(6, fixed=False)
+    quiet, sent = (offload.make(m.parameters(), **HYPER, offload=tier) for m in (quiet_model, sent_model))
+    ctx = torch.multiprocessing.get_context("fork")
+    inbox, outbox = ctx.SimpleQueue(), ctx.SimpleQueue()
+    child = ctx.Process(target=_sum_in_child, args=(inbox, outbox))
+    child.start()
+    try:
+        train(quiet_model, quiet, batches[:3], mlp_loss)
+        train(sent_model, sent, batches[:3], mlp_loss)
+        expected = float(sum(t.double().sum() for t in sent_model.state_dict().values()))
+        inbox.put(sent_model.state_dict())
+        assert outbox.get() == expected
+    finally:
+        child.join(30)
+    assert child.exitcode == 0
+    train(quiet_model, quiet, batches[3:], mlp_loss)
+    train(sent_model, sent, batches[3:], mlp_loss)
+    assert_params_equal(sent_model, quiet_model)

@@ -574,6 +574,10 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         ]
         for e in entries:
             SharedFeed.bind(e.param, e.view, adopt=reattached)
+        base = client.storage.data_ptr()
+
+        def remap(address: int, like: torch.Tensor) -> torch.Tensor:
+            return view(address - base, like.numel() * like.element_size(), like)
         transfer = self.transfer
 
         def push(tid: int, grad: torch.Tensor, accumulate: bool) -> None:
@@ -585,6 +589,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             release_grads=self.release_grads,
             on_bucket=weak_method(self._on_bucket),
             push=push if self.release_grads else None,
+            remap=remap,
         )
         feed.buffer = self._next_buffer()
         feed.hook()
@@ -795,16 +800,17 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         """Whether staged grads go to the daemon as they land in the coming backward."""
         return self.release_grads or self.policy.overlap_now
 
-    def _on_bucket(self, bucket: int, members: list[int]) -> None:
-        """A bucket's grads are final: with the overlap mode verified, the daemon updates it now."""
+    def _on_bucket(self, bucket: int, members: list[int]) -> bool:
+        """A bucket's grads are final: with the overlap mode verified, the daemon updates it now (True)."""
         if not self.policy.overlap_now:
-            return
+            return False
         if self._open is None:
             self._settle()
             self._open = _OpenAttempt(self._steps_sent + 1, next(self._attempts), self._groups())
         attempt = self._open
         self.client.bucket_ready(attempt.step, attempt.attempt, bucket, members, attempt.groups, self.feed.buffer)
         attempt.applied.update(members)
+        return True
 
     def _abort_open(self) -> None:
         attempt, self._open = self._open, None

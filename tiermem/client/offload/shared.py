@@ -18,7 +18,12 @@ daemon sees.  Grads land in the storage's grad buffer:
 - ``check`` (at ``step()``) catches what the hooks could not see: a grad set
   by hand, a param whose storage was replaced (``p.data = t``: its values are
   copied in and it is bound again), and refuses dtype, device or shape
-  changes (``model.to(torch.bfloat16)``) naming the param.
+  changes (``model.to(torch.bfloat16)``) naming the param;
+- a param whose storage torch moved into a segment of its own, in place
+  (``model.share_memory()``, or the tensor sent through a
+  ``torch.multiprocessing`` queue), moves its view along with it: the hooks
+  and ``check`` find the view off its address and put the param, and its
+  grads, back into the shared storage (``_rehome``), with a warning.
 
 The delayed update reads step t's grad buffer while step t+1's grads land, so
 that mode has two buffers, alternating per step.
@@ -27,6 +32,7 @@ that mode has two buffers, alternating per step.
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +44,8 @@ from tiermem.client.offload.policy import Buckets
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 
 __all__ = ["SharedFeed", "TensorEntry"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,13 +90,22 @@ class SharedFeed:
     release_grads: bool = False
     buffer: int = 0
     """The grad buffer this step's grads land in."""
-    on_bucket: Callable[[int, list[int]], None] | None = None
-    """Called when every tensor of a bucket has landed (the overlapped update)."""
+    on_bucket: Callable[[int, list[int]], bool] | None = None
+    """Called when every tensor of a bucket has landed (the overlapped update); True where the daemon now
+    updates the bucket, in place, before ``step()``."""
+    remap: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+    """A new tensor over the shared storage at an address, with the dtype and shape of the one given (a
+    storage of its own, as every view here has): for a view whose storage was moved out (``_rehome``)."""
     push: Callable[[int, torch.Tensor, bool], None] | None = None
     """With ``release_grads``: hand a grad to the daemon's ``grad`` state key (tensor id, grad, accumulate)
     instead of the storage's grad buffer, so no grad memory stays on this side."""
     accumulated: bool = False
     """A grad landed twice in this step (gradient accumulation)."""
+    rehomed: int = 0
+    """Params put back into the shared storage after their storage was moved out (``_rehome``)."""
+    _rehomed_in_step: bool = False
+    _updating: set[int] = field(default_factory=set)
+    """This step's buckets the daemon updates in place already (the overlapped update)."""
     _by_param: dict[int, TensorEntry] = field(default_factory=dict)
     _left: list[int] = field(default_factory=list)
     _hooks: list[Any] = field(default_factory=list)
@@ -118,6 +135,8 @@ class SharedFeed:
         for e in self.entries:
             e.landed = False
         self.accumulated = False
+        self._rehomed_in_step = False
+        self._updating.clear()
         self._left = [len(m) for m in self.buckets.members]
 
     # ----------------------------------------------------------------- the Feed protocol
@@ -156,8 +175,8 @@ class SharedFeed:
         if self.on_bucket is not None:
             b = entry.bucket
             self._left[b] -= 1
-            if self._left[b] == 0:
-                self.on_bucket(b, list(self.buckets.members[b]))
+            if self._left[b] == 0 and self.on_bucket(b, list(self.buckets.members[b])):
+                self._updating.add(b)
 
     def _land(self, entry: TensorEntry, grad: torch.Tensor) -> None:
         """Bring ``grad`` into the grad buffer (unless it is the buffer) and point ``p.grad`` at it."""
@@ -233,6 +252,8 @@ class SharedFeed:
 
     def _check_param(self, e: TensorEntry) -> None:
         p = e.param
+        if e.view.data_ptr() != e.ptr:
+            self._rehome(e)
         if p.dtype != e.view.dtype:
             raise DTypeError(
                 f"param {e.index} was registered as {e.view.dtype} and is now {p.dtype} (model.to(dtype) after the "
@@ -246,6 +267,45 @@ class SharedFeed:
             raise InvalidState(f"param {e.index} changed shape from {tuple(e.view.shape)} to {tuple(p.shape)}")
         if p.data_ptr() != e.view.data_ptr():
             self.bind(p, e.view, adopt=False)  # ``p.data = t``: take its values and live in the storage again
+
+    def _rehome(self, e: TensorEntry) -> None:
+        """The param's storage, and with it the view it shares, was moved out of the shared storage: torch's
+        ``share_memory_()`` (``model.share_memory()``) and a tensor sent through a ``torch.multiprocessing``
+        queue swap a storage's memory for a shared segment of torch's own, in place.  The daemon would go on
+        reading and updating the old bytes while the model used the copy.  New views over the old bytes
+        take the param's values and its grads back (the values the model has: the daemon writes the params
+        only within ``step()``), and the param and its grad are bound to them again; whatever now holds the
+        moved segment (a process the tensor was sent to) keeps a copy that no longer follows training.  A
+        bucket the overlapped update is updating keeps the old bytes' values: the daemon's, written there
+        after (or while) the move copied them."""
+        if self.remap is None:
+            raise InvalidState(f"{e.describe()} was moved out of tiermemd's shared storage, and cannot be put back")
+        p = e.param
+        daemons = e.bucket in self._updating
+        fresh = self.remap(e.ptr, e.view)
+        grads = tuple(self.remap(ptr, g) for ptr, g in zip(e.grad_ptrs, e.grad_views, strict=True))
+        with torch.no_grad():
+            for old, new in zip(e.grad_views, grads, strict=True):
+                if old.data_ptr() != new.data_ptr() and not daemons:
+                    new.copy_(old)
+                if p.grad is old:
+                    p.grad = new
+            moved = e.view
+            e.view, e.grad_views = fresh, grads
+            if p.data_ptr() == moved.data_ptr():  # else ``p.data = t`` as well: ``_check_param`` binds that
+                self.bind(p, fresh, adopt=daemons)
+        if e.landed:
+            e.landed_version = grads[self.buffer]._version
+        self.rehomed += 1
+        if not self._rehomed_in_step:  # one line a step, whatever the model's size
+            self._rehomed_in_step = True
+            log.warning(
+                "%s (and maybe others) was moved out of tiermemd's shared storage (share_memory_(), or sent "
+                "through torch.multiprocessing); its values and grads were copied back and it was bound to the "
+                "storage again. Send copies (t.clone()) to other processes: training no longer reaches the "
+                "moved tensors",
+                e.describe(),
+            )
 
     # ----------------------------------------------------------------- zeroing
 
