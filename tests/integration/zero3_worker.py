@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from offload_helpers import scaled_step
 from scenarios import end_run, join_group, leave, write_json
+from torch.utils.checkpoint import checkpoint_sequential
 
 from tiermem.client.distributed import LayerShardedAdam, ShardedGradScaler
 from tiermem.core.errors import InvalidState
@@ -51,8 +52,15 @@ def schedule(step: int) -> float:
     return 1.0 / (1.0 + 0.5 * step)
 
 
-def loss_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return (0.5 * (model(x) - x) ** 2).mean()
+def loss_of(model: torch.nn.Module, x: torch.Tensor, checkpoint: str = "") -> torch.Tensor:
+    """``checkpoint`` (``reentrant``, ``non-reentrant``): activation checkpointing, the layers in 3 segments
+    (``checkpoint_sequential``: the first two recomputed in backward, the last run plainly)."""
+    if checkpoint:  # the reentrant kind gives a segment grads only where its input needs one (torch's rule)
+        x_in = x.detach().requires_grad_() if checkpoint == "reentrant" else x
+        y = checkpoint_sequential(model, 3, x_in, use_reentrant=checkpoint == "reentrant")
+    else:
+        y = model(x)
+    return (0.5 * (y - x) ** 2).mean()
 
 
 def analytic_grads(params: list[float], x: torch.Tensor) -> list[float]:
@@ -87,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scaler", choices=["", "sharded", "torch"], default="", help="train under a loss scaler")
     ap.add_argument("--inf-step", type=int, default=-1, help="the last rank's loss is inf at this step")
     ap.add_argument("--schedule", action="store_true", help="an LR schedule on both sides (LambdaLR)")
+    ap.add_argument("--checkpoint", choices=["", "reentrant", "non-reentrant"], default="", help="on our side")
     args = ap.parse_args(argv)
     rank, world, owned = join_group()
     model = make_model()
@@ -114,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         assert opt.events is not None
         opt.events.clear()
         for part in x.chunk(args.micro):  # equal parts: the mean of their mean losses is the batch's
-            loss = loss_of(model, part) / args.micro
+            loss = loss_of(model, part, args.checkpoint) / args.micro
             if step == args.inf_step and rank == world - 1:
                 loss = loss * float("inf")
             (scaler.scale(loss) if scaler is not None else loss).backward()

@@ -20,6 +20,13 @@ the owner); every rank's module holds empty placeholders.  Per step:
   and checks that the loop allows it);
 - ``step()`` waits for what is still in flight.
 
+Activation checkpointing (``torch.utils.checkpoint``) runs a unit's forward
+again inside the backward: that recompute (``_in_backward``) finds the unit
+gathered, or gathers it, leaves it for its backward, whose reduce releases
+it, and gathers nothing ahead: a unit later in the forward order has had its
+backward, so its update may be in flight, and a gather would broadcast its
+old values for the next forward.
+
 Each rank's daemon thus holds only its layers: params, master and moments.
 ``trace`` records the events (``gather``, ``release``, ``reduce``,
 ``update``) per unit, so the pipeline can be checked step by step.
@@ -68,7 +75,8 @@ gathers AdamW's format, which ``load_state_dict`` takes at any world size
 
 Limits: gradient accumulation only with ``paged``, and not with
 ``max_grad_norm`` (the sums of squares are of one backward pass; refused on
-every rank); CPU params; each unit used once per forward; one param group.
+every rank); CPU params; each unit used once per forward (a checkpointing
+recompute is not a second use); one param group.
 """
 
 from __future__ import annotations
@@ -179,6 +187,14 @@ class LayerShardedAdam(ShardedOptimizer):
     reduced = of_strategy("With ``trace``: the last reduced (mean) grads of the units this rank owns, flat.")
     unscale_shards = of_strategy("``ShardedGradScaler``'s check of this owner's reduced grads.")
     gathered_params = of_strategy("Collective: every unit's params, gathered (copies), in the model's order.")
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs a backward now: a unit's forward then is activation checkpointing's recompute
+    (``torch.utils.checkpoint``, either kind, and Hugging Face's ``gradient_checkpointing_enable()``), which
+    must neither release the unit before its backward nor gather ahead, where a unit's update may be in flight
+    (``torch.utils.checkpoint`` asks autograd the same)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 @dataclass(eq=False, repr=False)
@@ -306,6 +322,8 @@ class LayerStrategy(ShardStrategy):
         unit.work = (flat, self.schedule.run("broadcast", unit.name, dist.broadcast, flat, src=src, async_op=True))
 
     def _finish_gather(self, unit: _Unit, *, log: bool = True) -> None:
+        if unit.flat is not None and unit.work is None:
+            return  # gathered already: a recompute's forward, within the unit's backward
         self._start_gather(unit)
         flat, work = unit.work
         self.schedule.wait("broadcast", unit.name, work)
@@ -352,6 +370,9 @@ class LayerStrategy(ShardStrategy):
         return hook
 
     def _before_forward(self, unit: _Unit) -> None:
+        if _in_backward():  # activation checkpointing's recompute: the unit's backward comes next
+            self._finish_gather(unit)
+            return
         if self._recording:
             self._at.setdefault(unit.index, len(self._order))
             self._order.append(unit.index)
@@ -362,7 +383,8 @@ class LayerStrategy(ShardStrategy):
         unit.grads_left = len(unit.params)
 
     def _after_forward(self, unit: _Unit) -> None:
-        self._release(unit)
+        if not _in_backward():  # a recompute's params stay for the backward; its grads release them
+            self._release(unit)
 
     def _before_backward(self, unit: _Unit) -> None:
         self._finish_gather(unit)
