@@ -307,6 +307,16 @@ def test_layer_sharded_refuses_params_off_the_host_naming_the_optimizer_for_a_gp
         LayerShardedAdam(m)
 
 
+def test_layer_sharded_refuses_tied_weights_naming_both_and_the_optimizer_that_takes_them(one_rank_group):
+    """A tied param is in two units, which would each own, gather and update it; the refusal blamed the user
+    for listing a param twice in a group they never wrote."""
+    head = torch.nn.Linear(8, 8, bias=False)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), head)
+    head.weight = m[0].weight
+    with pytest.raises(InvalidArgument, match=r"2\.weight is 0\.weight \(tied weights.*ShardedPagedAdam"):
+        LayerShardedAdam(m)
+
+
 def test_a_closed_layer_sharded_optimizer_leaves_no_hook_on_the_model(daemon, one_rank_group):
     """A closed one would otherwise gather (a collective) on the model's next forward."""
     m = model()

@@ -595,4 +595,22 @@ def _deal_units(model: torch.nn.Module, owners: Iterable[int] | None, world_size
             f"they are on {elsewhere}. For a model on a GPU use tiermem.distributed.ShardedPagedAdam (ZeRO-3 "
             "by shard, paged within device_budget) or ShardedOffloadAdam (ZeRO-2)"
         )
+    _refuse_shared_params(modules)
     return [_Unit(i, n, m, o) for i, ((n, m), o) in enumerate(zip(modules, owner_of, strict=True))]
+
+
+def _refuse_shared_params(modules: list[tuple[str, torch.nn.Module]]) -> None:
+    """A param of two units (tied weights: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) would have
+    two owners, each gathering and updating it: refused, naming both, before any collective (every rank
+    raises)."""
+    seen: dict[int, str] = {}
+    for name, module in modules:
+        for pname, p in module.named_parameters(recurse=False):
+            here = f"{name}.{pname}" if name else pname
+            first = seen.setdefault(id(p), here)
+            if first != here:
+                raise InvalidArgument(
+                    f"LayerShardedAdam: {here} is {first} (tied weights, shape {tuple(p.shape)}); a param "
+                    "belongs to one unit, on one rank. Use tiermem.distributed.ShardedPagedAdam (ZeRO-3 by "
+                    "shard), which takes tied params, or untie them"
+                )
