@@ -317,6 +317,25 @@ def test_layer_sharded_refuses_tied_weights_naming_both_and_the_optimizer_that_t
         LayerShardedAdam(m)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["layers", "paged-layers"])
+def test_layer_sharded_trains_around_a_frozen_layer_like_adamw(daemon, one_rank_group, paged):
+    """A layer whose params are all frozen (a frozen embedding, a LoRA base) is no unit: it stays whole in the
+    model, untouched.  It failed the constructor with an IndexError when it was the model's first."""
+    ours, ref = model(), model()
+    for m in (ours, ref):
+        m[0].requires_grad_(False)
+    frozen = ours[0].weight.detach().clone()
+    opt = LayerShardedAdam(ours, lr=1e-2, paged=paged, client=connect(daemon.socket_path))
+    reference = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    train_alike([(ours, opt), (ref, reference)], range(4))
+    assert torch.equal(ours[0].weight, frozen)
+    assert [u.name for u in opt.units] == ["2 (Linear)"]
+    trained = opt.gathered_params()
+    opt.close()
+    for p, q in zip(trained, [p for p in ref.parameters() if p.requires_grad], strict=True):
+        torch.testing.assert_close(p.view(q.shape), q)
+
+
 def test_a_closed_layer_sharded_optimizer_leaves_no_hook_on_the_model(daemon, one_rank_group):
     """A closed one would otherwise gather (a collective) on the model's next forward."""
     m = model()

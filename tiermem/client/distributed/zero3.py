@@ -1,6 +1,7 @@
 """``LayerShardedAdam``: ZeRO-3 by layer, each layer's params and Adam state on its owner rank's daemon.
 
-The model's units (the submodules that own params directly) are dealt to the
+The model's units (the submodules that own trained params directly; a module
+whose params are all frozen stays whole in every rank's model) are dealt to the
 ranks (``owners``: unit i to rank ``i * world // units`` by default, so four
 layers over four ranks give one layer each, as in ZeRO's example).  A unit's
 params live only in its owner's daemon (the pieces of an ``OffloadAdam`` of
@@ -578,11 +579,12 @@ def _owner_options(offload: str, *, paged: bool, state_dtype: str) -> OffloadOpt
 
 
 def _deal_units(model: torch.nn.Module, owners: Iterable[int] | None, world_size: int) -> list[_Unit]:
-    """The model's units (the submodules that own params directly), each with its owner rank (``owners``, or
-    unit i to rank ``i * world_size // units``); their params must be on the host."""
-    modules = [(n, m) for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    """The model's units (the submodules that own trained params directly), each with its owner rank
+    (``owners``, or unit i to rank ``i * world_size // units``); their params must be on the host.  A module
+    whose params are all frozen is no unit: its params stay whole in every rank's model, as torch's."""
+    modules = [(n, m) for n, m in model.named_modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
     if not modules:
-        raise InvalidArgument("the model has no params")
+        raise InvalidArgument("the model has no trained params (every param has requires_grad=False)")
     count = len(modules)
     owner_of = list(owners) if owners is not None else [i * world_size // count for i in range(count)]
     if len(owner_of) != count or not all(0 <= o < world_size for o in owner_of):
@@ -606,6 +608,8 @@ def _refuse_shared_params(modules: list[tuple[str, torch.nn.Module]]) -> None:
     seen: dict[int, str] = {}
     for name, module in modules:
         for pname, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue  # not gathered: whole in every rank's model
             here = f"{name}.{pname}" if name else pname
             first = seen.setdefault(id(p), here)
             if first != here:
