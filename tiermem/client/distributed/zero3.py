@@ -22,8 +22,9 @@ the owner); every rank's module holds empty placeholders.  Per step:
 - ``step()`` waits for what is still in flight.
 
 Activation checkpointing (``torch.utils.checkpoint``) runs a unit's forward
-again inside the backward: that recompute (``_in_backward``) finds the unit
-gathered, or gathers it, leaves it for its backward, whose reduce releases
+again inside the backward (``in_backward``: autograd runs a backward on this
+thread, the check ``torch.utils.checkpoint`` makes): that recompute finds the
+unit gathered, or gathers it, leaves it for its backward, whose reduce releases
 it, and gathers nothing ahead: a unit later in the forward order has had its
 backward, so its update may be in flight, and a gather would broadcast its
 old values for the next forward.
@@ -105,6 +106,7 @@ from tiermem.client.offload.args import (
 )
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
+from tiermem.client.offload.pagehooks import in_backward
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement
@@ -188,14 +190,6 @@ class LayerShardedAdam(ShardedOptimizer):
     reduced = of_strategy("With ``trace``: the last reduced (mean) grads of the units this rank owns, flat.")
     unscale_shards = of_strategy("``ShardedGradScaler``'s check of this owner's reduced grads.")
     gathered_params = of_strategy("Collective: every unit's params, gathered (copies), in the model's order.")
-
-
-def _in_backward() -> bool:
-    """Whether this thread runs a backward now: a unit's forward then is activation checkpointing's recompute
-    (``torch.utils.checkpoint``, either kind, and Hugging Face's ``gradient_checkpointing_enable()``), which
-    must neither release the unit before its backward nor gather ahead, where a unit's update may be in flight
-    (``torch.utils.checkpoint`` asks autograd the same)."""
-    return bool(torch._C._current_graph_task_id() != -1)
 
 
 @dataclass(eq=False, repr=False)
@@ -371,7 +365,7 @@ class LayerStrategy(ShardStrategy):
         return hook
 
     def _before_forward(self, unit: _Unit) -> None:
-        if _in_backward():  # activation checkpointing's recompute: the unit's backward comes next
+        if in_backward():  # activation checkpointing's recompute: the unit's backward comes next
             self._finish_gather(unit)
             return
         if self._recording:
@@ -384,7 +378,7 @@ class LayerStrategy(ShardStrategy):
         unit.grads_left = len(unit.params)
 
     def _after_forward(self, unit: _Unit) -> None:
-        if not _in_backward():  # a recompute's params stay for the backward; its grads release them
+        if not in_backward():  # a recompute's params stay for the backward; its grads release them
             self._release(unit)
 
     def _before_backward(self, unit: _Unit) -> None:
