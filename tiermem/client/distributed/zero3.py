@@ -362,7 +362,7 @@ class LayerStrategy(ShardStrategy):
         def hook(*_args: Any) -> None:
             fn(unit)
 
-        return hook
+        return torch.compiler.disable(hook)
 
     def _before_forward(self, unit: _Unit) -> None:
         if in_backward():  # activation checkpointing's recompute: the unit's backward comes next
@@ -395,7 +395,7 @@ class LayerStrategy(ShardStrategy):
             if unit.grads_left == 0:
                 self._grads_ready(unit)
 
-        return hook
+        return torch.compiler.disable(hook)
 
     def _grads_ready(self, unit: _Unit) -> None:
         """The unit's grads are complete: reduce them to the owner, release, and let the owner's daemon

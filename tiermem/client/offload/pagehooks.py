@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from tiermem.client.offload.eager import eager_under_compile
 from tiermem.client.offload.pagedparam import PagedParam
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class CatchParams(TorchFunctionMode):
         super().__init__()
         self.pager = pager
 
+    @eager_under_compile
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         pager = self.pager

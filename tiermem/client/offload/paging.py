@@ -48,6 +48,10 @@ When params are on the device:
   again, inside backward, so its params are fetched then and held until
   their grads land (the checkpoint keeps its recomputed tensors, views of
   them, meanwhile): the budget must hold one checkpointed segment's params;
+- ``torch.compile``: the hooks (and ``CatchParams``'s function) are marked
+  for dynamo not to trace: they swap params' data and talk to the daemon, so a
+  graph traced through them was built around placeholders.  They run as
+  Python, between the compiled pieces of each submodule;
 - prefetch: the first step records the order of uses (``FetchTrace``); later
   steps fetch the next ``prefetch`` uses ahead on the I/O thread while the
   trainer computes, and keep a released param that is about to be used
@@ -257,15 +261,16 @@ class ParamPager(PageUses, PageIO, PagedState):
         hooked = dict(self.units)
         hooked.setdefault(model, [])
         for module, own in hooked.items():
-            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._enter, own)))
-            self._hooks.append(module.register_forward_hook(functools.partial(self._exit, own), always_call=True))
+            enter, leave = (torch.compiler.disable(functools.partial(fn, own)) for fn in (self._enter, self._exit))
+            self._hooks.append(module.register_forward_pre_hook(enter))
+            self._hooks.append(module.register_forward_hook(leave, always_call=True))
             if own:
                 self._hooks.append(module.register_state_dict_pre_hook(functools.partial(self._saving_state)))
                 self._hooks.append(module.register_state_dict_post_hook(functools.partial(self._gather_state)))
                 self._hooks.append(module.register_load_state_dict_pre_hook(functools.partial(self._load_pre)))
                 self._hooks.append(module.register_load_state_dict_post_hook(functools.partial(self._load_post)))
         self._hooks.append(_ForwardGuard(model, self._interrupted))
-        self._hooks += hook_grads((e.param for e in self.entries), self._grad_ready)
+        self._hooks += hook_grads((e.param for e in self.entries), torch.compiler.disable(self._grad_ready))
 
     def unhook(self) -> None:
         """Remove every hook (``OffloadAdam.close``); the model keeps its placeholders."""
