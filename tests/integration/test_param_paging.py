@@ -446,6 +446,28 @@ def test_a_compiled_paged_model_trains_like_the_eager_unpaged_one(offload: Offlo
     opt.close()  # the pager is whole: every param back in the daemon
 
 
+def test_evaluation_under_inference_mode_between_steps_leaves_training_bitwise_unpaged(offload: OffloadDaemon) -> None:
+    """An evaluation under ``torch.inference_mode()`` (HF's and Lightning's validation loops) before each step,
+    the first included: its fetches made inference tensors, which the I/O thread then could not write
+    (``Inplace update to inference tensor outside InferenceMode``), leaving the pager broken."""
+    paged, plain = paging_gpt(), paging_gpt()
+    opt = make_opt(offload, paged)
+    tiermem.offload_params(paged, opt, device_budget=param_nbytes(paged) // 4, prefetch=2)
+    plain_opt = make_opt(offload, plain)
+    for x, y in batches(3):
+        for model, o in ((paged, opt), (plain, plain_opt)):
+            model.eval()
+            with torch.inference_mode():
+                evaluated = model(x, y)
+            model.train()
+            loss = model(x, y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            assert evaluated == loss
+    assert_state_equal(paged, plain)
+
+
 def test_eval_under_no_grad_pages_and_matches_unpaged(offload: OffloadDaemon) -> None:
     paged, plain = paging_gpt(), paging_gpt()
     budget = param_nbytes(paged) // 4

@@ -110,7 +110,7 @@ from tiermem.client.distributed.sharded import InnerPlan, ShardedOptimizer, Shar
 from tiermem.client.distributed.zero3_checkpoint import RankShare, Slot
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper, copy_hyper, optimizer_defaults
-from tiermem.client.offload.copies import FetchItem, GradItem
+from tiermem.client.offload.copies import FetchItem, GradItem, param_buffer
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
 from tiermem.client.offload.pageargs import check_buffers
@@ -172,7 +172,7 @@ class ShardCopies:
         return event
 
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=self.device)
+        return param_buffer(shape, dtype, self.device)
 
     def ready(self, token: Any) -> None:
         if token is not None:

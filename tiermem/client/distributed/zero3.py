@@ -104,6 +104,7 @@ from tiermem.client.offload.args import (
     hyper_of,
     optimizer_defaults,
 )
+from tiermem.client.offload.copies import param_buffer
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
 from tiermem.client.offload.pagehooks import in_backward
@@ -301,7 +302,7 @@ class LayerStrategy(ShardStrategy):
     def _start_gather(self, unit: _Unit) -> None:
         if unit.flat is not None or unit.work is not None:
             return
-        flat = torch.empty(unit.numel, dtype=unit.params[0].dtype)
+        flat = param_buffer(torch.Size([unit.numel]), unit.params[0].dtype, torch.device("cpu"))
         if unit.owner == self.rank and self.paged and self.inner is not None:
             self.inner.transfer.pull_many_into(
                 [
@@ -343,7 +344,7 @@ class LayerStrategy(ShardStrategy):
 
     def _release(self, unit: _Unit, *, log: bool = True) -> None:
         for p in unit.params:
-            p.data = torch.empty(0, dtype=p.dtype)
+            p.data = param_buffer(torch.Size([0]), p.dtype, torch.device("cpu"))
         unit.flat = None
         if log:
             self._log("release", unit)

@@ -35,7 +35,7 @@ import torch
 
 from tiermem.client.offload.transfer import StateTransfer
 
-__all__ = ["CudaCopies", "FetchItem", "GradItem", "HostCopies", "ParamCopies", "copies_for"]
+__all__ = ["CudaCopies", "FetchItem", "GradItem", "HostCopies", "ParamCopies", "copies_for", "param_buffer"]
 
 FetchItem = tuple[int, torch.Tensor]
 """``(tensor id, destination)``: a param to fetch."""
@@ -88,7 +88,7 @@ class HostCopies(_DirectMaster):
         self.device = device
 
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=self.device)
+        return param_buffer(shape, dtype, self.device)
 
     def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> Any:
         transfer.pull_many_into([(tid, "param", dest) for tid, dest in items])
@@ -110,7 +110,7 @@ class CudaCopies(_DirectMaster):
         self.stream = torch.cuda.Stream(device=device)
 
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=self.device)
+        return param_buffer(shape, dtype, self.device)
 
     def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> Any:
         with torch.cuda.stream(self.stream):
@@ -133,6 +133,16 @@ class CudaCopies(_DirectMaster):
             self.stream.wait_event(token)
         with torch.cuda.stream(self.stream):
             transfer.push_many([(tid, "grad", grad, 0, accumulate) for tid, grad, accumulate, _ in items])
+
+
+def param_buffer(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer a param is materialized in: never an inference tensor, though a use under
+    ``torch.inference_mode()`` (an evaluation) may be what asks for it.  Buffers outlive that use (they are
+    reused, and written on the I/O thread, outside the mode): an inference tensor there refused the write
+    (``Inplace update to inference tensor outside InferenceMode``), and as a param's data in training it
+    made autograd give the param no grad at all."""
+    with torch.inference_mode(False):
+        return torch.empty(shape, dtype=dtype, device=device)
 
 
 def copies_for(device: torch.device) -> ParamCopies:
