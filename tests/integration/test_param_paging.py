@@ -468,6 +468,35 @@ def test_evaluation_under_inference_mode_between_steps_leaves_training_bitwise_u
     assert_state_equal(paged, plain)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_function_over_submodules_called_without_their_parent_trains_like_unpaged(
+    offload: OffloadDaemon, reentrant: bool
+) -> None:
+    """A loss computed from submodules directly (a LightningModule's ``training_step`` calling ``self.net``
+    parts; the paged root's own forward never runs), with a checkpointed function over two of them: the first
+    submodule's forward opened the pager's saved-tensor hooks over the checkpoint's, which then saw fewer saved
+    tensors in the forward than in its recompute and refused (``Recomputed values for the following tensors
+    have different metadata``)."""
+    torch.manual_seed(0)
+    paged = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 4))
+    plain = copy.deepcopy(paged)
+
+    def loss_of(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(lambda t: torch.tanh(m[1](torch.tanh(m[0](t)))), x, use_reentrant=reentrant)
+        return m[2](h).square().mean()
+
+    opt = make_opt(offload, paged)
+    tiermem.offload_params(paged, opt, device_budget=param_nbytes(paged), prefetch=1)  # a segment held whole
+    plain_opt = make_opt(offload, plain)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step), requires_grad=reentrant)
+        for m, o in ((paged, opt), (plain, plain_opt)):
+            loss_of(m, x).backward()
+            o.step()
+            o.zero_grad()
+    assert_state_equal(paged, plain)
+
+
 def test_eval_under_no_grad_pages_and_matches_unpaged(offload: OffloadDaemon) -> None:
     paged, plain = paging_gpt(), paging_gpt()
     budget = param_nbytes(paged) // 4

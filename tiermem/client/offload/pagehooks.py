@@ -21,7 +21,7 @@ from tiermem.client.offload.pagedparam import PagedParam
 if TYPE_CHECKING:
     from tiermem.client.offload.paging import ParamPager
 
-__all__ = ["CatchParams", "Frame", "Probe", "dedup", "flat_args", "in_backward", "probed"]
+__all__ = ["CatchParams", "Frame", "Probe", "dedup", "flat_args", "in_backward", "in_checkpoint_region", "probed"]
 
 
 class Probe(Protocol):
@@ -77,6 +77,18 @@ def dedup(entries: Iterable[PagedParam]) -> list[PagedParam]:
 
 def in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() >= 0)
+
+
+def in_checkpoint_region() -> bool:
+    """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s (a non-reentrant checkpoint's
+    forward): it saves nothing there, and recomputes in backward.  A forward that starts there (a checkpointed
+    function over submodules, called without their parent: Lightning's ``training_step``) must not push the
+    pager's hooks over the checkpoint's: they would take the region's saved tensors from it in the forward but
+    not in the recompute, and the checkpoint refuses the mismatch (``Recomputed values ... have different
+    metadata``).  Other hooks (``save_on_cpu``, which would keep a param's buffer by reference) stay under
+    the pager's.  torch names its hooks by where they are made; there is no public way to ask."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__qualname__", "").startswith("_checkpoint_hook.")
 
 
 @dataclass

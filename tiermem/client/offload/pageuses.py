@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tiermem.client.offload.pagedparam import GradUnits, PagedParam, PagerRecords, Residency, SavedParam
-from tiermem.client.offload.pagehooks import CatchParams, Frame, in_backward
+from tiermem.client.offload.pagehooks import CatchParams, Frame, in_backward, in_checkpoint_region
 from tiermem.client.offload.trace import FetchTrace
 from tiermem.core.errors import InvalidState
 
@@ -57,7 +57,7 @@ class PageUses(PagerRecords):
             self._saving.clear()  # (a save that raised between its hooks)
             self._mode.__enter__()
             frame.contexts.append(self._mode)
-            if torch.is_grad_enabled() and not in_backward():
+            if torch.is_grad_enabled() and not in_backward() and not in_checkpoint_region():
                 saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                 saved.__enter__()
                 frame.contexts.append(saved)

@@ -47,7 +47,10 @@ When params are on the device:
 - ``torch.utils.checkpoint``: the recomputation runs the forward hooks
   again, inside backward, so its params are fetched then and held until
   their grads land (the checkpoint keeps its recomputed tensors, views of
-  them, meanwhile): the budget must hold one checkpointed segment's params;
+  them, meanwhile): the budget must hold one checkpointed segment's params.
+  A forward that starts inside a checkpointed function (submodules called
+  without their parent) leaves saving to the checkpoint
+  (``pagehooks.in_checkpoint_region``);
 - ``torch.compile``: the hooks (and ``CatchParams``'s function) are marked
   for dynamo not to trace: they swap params' data and talk to the daemon, so a
   graph traced through them was built around placeholders.  They run as
