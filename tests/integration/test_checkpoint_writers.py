@@ -153,3 +153,38 @@ def test_torch_save_writes_each_param_at_its_own_size(offload: OffloadDaemon, na
     for pname, p in model.named_parameters():
         torch.testing.assert_close(loaded[pname], p, rtol=0, atol=0, msg=pname)
     opt.close()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_torch_distributed_checkpoint_resumes_bitwise(offload: OffloadDaemon, name: str, tmp_path: Path) -> None:
+    """``torch.distributed.checkpoint`` as FSDP2 and torchtitan users save: ``get_state_dict`` (the
+    optimizer's state keyed by param names), ``dcp.save``; then fresh objects, ``dcp.load`` into their own
+    state dicts and ``set_state_dict``.  One process, no process group (DCP's single-process mode).  The
+    resumed run ends on the uninterrupted one's bits."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _trained(offload, name, steps=3)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
+    for step in range(3, 5):
+        _loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    fresh = MODELS[name]()
+    fresh_opt = offload.make(fresh.parameters(), offload="cpu", lr=1e-2)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)  # (DCP's own fake step, at lr 0, makes the state)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(loaded, checkpoint_id=str(tmp_path))
+    set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    assert fresh_opt.steps == 3
+    for step in range(3, 5):
+        _loss(fresh, step).backward()
+        fresh_opt.step()
+        fresh_opt.zero_grad()
+    for (pname, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=pname)
+    opt.close()
+    fresh_opt.close()
