@@ -336,17 +336,22 @@ def test_layer_sharded_trains_around_a_frozen_layer_like_adamw(daemon, one_rank_
         torch.testing.assert_close(p.view(q.shape), q)
 
 
+def zero3(which: str, m: torch.nn.Module, daemon: DaemonProcess) -> LayerShardedAdam | ShardedPagedAdam:
+    """``LayerShardedAdam`` (``layers``) or ``ShardedPagedAdam`` (``paged``, the whole model in its budget) over
+    ``m``, on ``daemon``, at lr 1e-2."""
+    client = connect(daemon.socket_path)
+    if which == "layers":
+        return LayerShardedAdam(m, lr=1e-2, client=client)
+    return ShardedPagedAdam(m, lr=1e-2, device_budget="1MiB", client=client)
+
+
 @pytest.mark.parametrize("which", ["layers", "paged"])
 def test_a_compiled_zero3_model_trains_like_adamw(daemon, one_rank_group, which):
     """``torch.compile`` of a ZeRO-3 model: dynamo traced into the gather/release hooks, which swap the params'
     data (``wrong number of dimensions1``, ``expected size 16==16, stride 0==8``).  The hooks now run as
     Python between the compiled pieces; inductor's rounding: close, not bitwise."""
     ours, ref = model(), model()
-    client = connect(daemon.socket_path)
-    if which == "layers":
-        opt = LayerShardedAdam(ours, lr=1e-2, client=client)
-    else:
-        opt = ShardedPagedAdam(ours, lr=1e-2, device_budget="1MiB", client=client)
+    opt = zero3(which, ours, daemon)
     train_alike([(torch.compile(ours), opt), (ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))], range(4))
     trained = ours.state_dict()  # each gathers its params for it
     opt.close()
@@ -363,11 +368,7 @@ def test_zero3_with_an_evaluation_under_inference_mode_before_each_step_trains_l
     stopped updating that layer (0.008 off AdamW in 4 steps), and ZeRO-3 paged failed
     (``Inplace update to inference tensor outside InferenceMode``)."""
     ours, ref = model(), model()
-    client = connect(daemon.socket_path)
-    if which == "layers":
-        opt = LayerShardedAdam(ours, lr=1e-2, client=client)
-    else:
-        opt = ShardedPagedAdam(ours, lr=1e-2, device_budget="1MiB", client=client)
+    opt = zero3(which, ours, daemon)
 
     def evaluate(m: torch.nn.Module) -> None:
         m.eval()
