@@ -344,7 +344,7 @@ class LayerStrategy(ShardStrategy):
 
     def _release(self, unit: _Unit, *, log: bool = True) -> None:
         for p in unit.params:
-            p.data = param_buffer(torch.Size([0]), p.dtype, torch.device("cpu"))
+            p.data = torch.empty(0, dtype=p.dtype)
         unit.flat = None
         if log:
             self._log("release", unit)

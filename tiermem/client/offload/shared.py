@@ -87,15 +87,15 @@ class TensorEntry:
 class SharedFeed:
     entries: list[TensorEntry]
     buckets: Buckets
+    remap: Callable[[int, torch.Tensor], torch.Tensor]
+    """A new tensor over the shared storage at an address, with the dtype and shape of the one given (a
+    storage of its own, as every view here has): for a view whose storage was moved out (``_rehome``)."""
     release_grads: bool = False
     buffer: int = 0
     """The grad buffer this step's grads land in."""
     on_bucket: Callable[[int, list[int]], bool] | None = None
     """Called when every tensor of a bucket has landed (the overlapped update); True where the daemon now
     updates the bucket, in place, before ``step()``."""
-    remap: Callable[[int, torch.Tensor], torch.Tensor] | None = None
-    """A new tensor over the shared storage at an address, with the dtype and shape of the one given (a
-    storage of its own, as every view here has): for a view whose storage was moved out (``_rehome``)."""
     push: Callable[[int, torch.Tensor, bool], None] | None = None
     """With ``release_grads``: hand a grad to the daemon's ``grad`` state key (tensor id, grad, accumulate)
     instead of the storage's grad buffer, so no grad memory stays on this side."""
@@ -278,8 +278,6 @@ class SharedFeed:
         moved segment (a process the tensor was sent to) keeps a copy that no longer follows training.  A
         bucket the overlapped update is updating keeps the old bytes' values: the daemon's, written there
         after (or while) the move copied them."""
-        if self.remap is None:
-            raise InvalidState(f"{e.describe()} was moved out of tiermemd's shared storage, and cannot be put back")
         p = e.param
         daemons = e.bucket in self._updating
         fresh = self.remap(e.ptr, e.view)
