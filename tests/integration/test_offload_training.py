@@ -387,3 +387,47 @@ def test_load_state_dict_checks_shapes(offload: OffloadDaemon) -> None:
     with pytest.raises(InvalidArgument):
         opt.load_state_dict(other.state_dict())
     assert math.isfinite(float(next(model.parameters()).sum()))
+
+
+def test_an_amsgrad_checkpoint_is_refused_and_changes_nothing(offload: OffloadDaemon) -> None:
+    """``torch.optim.AdamW(amsgrad=True)``'s state dict loaded into OffloadAdam went on silently as plain AdamW,
+    its ``max_exp_avg_sq`` dropped; ``CPUAdam`` refuses it, and so does the constructor ``amsgrad=True``."""
+    model, ref_model = replicas(mlp(), 2)
+    ref = torch.optim.AdamW(ref_model.parameters(), amsgrad=True)
+    train(ref_model, ref, mlp_batches(2, fixed=False), mlp_loss)
+    opt = offload.make(model.parameters())
+    train(model, opt, mlp_batches(1, fixed=False), mlp_loss)
+    before = opt.state_dict()
+    with pytest.raises(InvalidArgument, match=r"param_groups\[0\] has amsgrad=True.*torch.optim.AdamW\(amsgrad=True\)"):
+        opt.load_state_dict(ref.state_dict())
+    assert_state_close(opt.state_dict(), before, rtol=0, atol=0)
+    assert opt.param_groups[0]["amsgrad"] is False
+    saved = ref.state_dict()
+    for entry in saved["state"].values():
+        del entry["max_exp_avg_sq"]
+    with pytest.raises(InvalidArgument, match=r"param_groups\[0\] has amsgrad=True"):
+        opt.load_state_dict(saved)
+    saved["param_groups"][0]["amsgrad"] = False  # going on without amsgrad, on purpose
+    opt.load_state_dict(saved)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+def test_a_group_may_name_the_weight_decay_switch_either_way_and_must_not_ask_for_amsgrad(
+    offload: OffloadDaemon,
+) -> None:
+    """A group with torch's ``decoupled_weight_decay=False`` (Adam's L2 decay) trains as torch.optim.AdamW does
+    with that group (it was stepped as AdamW); a group asking for AMSGrad is refused where it is added."""
+    model, ref_model = replicas(mlp(), 2)
+    (first, *rest), (ref_first, *ref_rest) = list(model.parameters()), list(ref_model.parameters())
+    opt = offload.make([{"params": [first], "decoupled_weight_decay": False}, {"params": rest}], weight_decay=0.1)
+    ref = torch.optim.AdamW(
+        [{"params": [ref_first], "decoupled_weight_decay": False}, {"params": ref_rest}], weight_decay=0.1
+    )
+    assert [g["adamw"] for g in opt.param_groups] == [False, True]
+    batches = mlp_batches(3, fixed=False)
+    train(model, opt, batches, mlp_loss)
+    train(ref_model, ref, batches, mlp_loss)
+    assert_params_close(model, ref_model)
+    with pytest.raises(InvalidArgument, match=r"param_groups\[2\]\['amsgrad'\] is True"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "amsgrad": True})
+    assert len(opt.param_groups) == 2

@@ -122,6 +122,31 @@ def test_checkpoints_go_to_and_come_from_torch_adamw(daemon, one_rank_group):
         opt.close()
 
 
+def test_zero2_takes_torchs_weight_decay_switch_in_a_group_and_refuses_an_amsgrad_checkpoint(daemon, one_rank_group):
+    """A group with ``decoupled_weight_decay=False`` (Adam's L2 decay) was stepped as AdamW; an AMSGrad
+    checkpoint loaded as plain AdamW, its ``max_exp_avg_sq`` dropped."""
+    ours, ref = model(), model()
+
+    def groups(m: torch.nn.Module) -> list[dict[str, object]]:
+        first, *rest = m.parameters()
+        return [{"params": [first], "decoupled_weight_decay": False}, {"params": rest}]
+
+    opt = ShardedOffloadAdam(groups(ours), lr=0.02, weight_decay=0.1, client=connect(daemon.socket_path))
+    ref_opt = torch.optim.AdamW(groups(ref), lr=0.02, weight_decay=0.1)
+    try:
+        train_alike(((ours, opt), (ref, ref_opt)), range(3))
+        assert biggest_diff(ours, ref) <= 1e-6
+        other = copy.deepcopy(ref)
+        amsgrad = torch.optim.AdamW(groups(other), lr=0.02, amsgrad=True)
+        train_alike(((other, amsgrad),), range(1))
+        with pytest.raises(InvalidArgument, match=r"param_groups\[0\] has amsgrad=True"):
+            opt.load_state_dict(amsgrad.state_dict())
+        train_alike(((ours, opt), (ref, ref_opt)), range(3, 5))
+        assert biggest_diff(ours, ref) <= 1e-6
+    finally:
+        opt.close()
+
+
 def test_a_shard_of_another_layout_is_refused_before_anything_changes(daemon, one_rank_group):
     m = model()
     opt = ShardedOffloadAdam(m.parameters(), client=connect(daemon.socket_path))

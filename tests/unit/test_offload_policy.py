@@ -185,6 +185,24 @@ def test_a_value_written_into_a_group_out_of_range_fails_with_torchs_message_and
         check_group_values(adamw_group(betas=(0.9, 1.0)))
 
 
+def test_amsgrad_written_into_a_group_fails_the_step_naming_the_group() -> None:
+    """The constructor refuses ``amsgrad=True``; written into a group later, the step went on as plain AdamW."""
+    groups = [adamw_group(amsgrad=False), adamw_group(amsgrad=True)]
+    check_group_values(groups[0], groups)
+    with pytest.raises(InvalidArgument, match=r"^param_groups\[1\]\['amsgrad'\] is True: .*set it back to False"):
+        check_group_values(groups[1], groups)
+
+
+def test_adamw_and_torchs_decoupled_weight_decay_must_agree_in_a_group() -> None:
+    """torch's ``decoupled_weight_decay`` and tiermem's ``adamw`` name one switch; a step read ``adamw`` only, so
+    an edit of torch's key was ignored."""
+    check_group_values(adamw_group(adamw=False, decoupled_weight_decay=False))
+    check_group_values(adamw_group(adamw=True))
+    group = adamw_group(adamw=True, decoupled_weight_decay=False)
+    with pytest.raises(InvalidArgument, match=r"^param_groups\[0\] has adamw=True but decoupled_weight_decay=False"):
+        check_group_values(group, [group])
+
+
 @pytest.mark.parametrize("betas", [(0.9,), (0.9, 0.99, 0.999), 0.9], ids=["one", "three", "scalar"])
 def test_check_hyper_refuses_betas_that_are_not_a_pair(betas: object) -> None:
     with pytest.raises(InvalidArgument, match="betas must be a pair"):

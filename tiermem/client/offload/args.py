@@ -12,6 +12,9 @@ construction is refused here, before any connection is made.
 - A param group's values are checked again as each step sends them
   (``check_group_values``): a string written into ``param_groups`` fails the
   step naming the group, the key and the value, as torch's step fails on it.
+  So are its switches (``check_group_switches``): ``amsgrad`` set true later,
+  or torch's ``decoupled_weight_decay`` edited apart from ``adamw`` (its name
+  here), would change what torch computes but not what the daemon does.
 - torch's implementation switches are accepted where they cannot change the
   result (``foreach``, ``fused``: the daemon's update is always one fused
   pass) and refused by name where they would (``amsgrad=True``,
@@ -37,6 +40,8 @@ from tiermem.core.modes import StepMode
 __all__ = [
     "Hyper",
     "optimizer_defaults",
+    "check_group_switches",
+    "name_both_switches",
     "check_group_values",
     "check_hyper",
     "check_state_dtype",
@@ -197,6 +202,33 @@ def check_group_values(group: Mapping[str, Any], groups: Sequence[Mapping[str, A
     for ok, message in problems:
         if not ok:
             raise InvalidArgument(f"{where()}: {message}")
+    check_group_switches(group, where)
+
+
+def name_both_switches(param_group: dict[str, Any]) -> None:
+    """A group given to ``add_param_group`` with one of ``adamw`` and torch's ``decoupled_weight_decay`` (one
+    switch under two names) gets the other too, before the optimizer's defaults fill it in."""
+    for given, other in (("adamw", "decoupled_weight_decay"), ("decoupled_weight_decay", "adamw")):
+        if given in param_group and other not in param_group:
+            param_group[other] = param_group[given]
+
+
+def check_group_switches(group: Mapping[str, Any], where: Callable[[], str]) -> None:
+    """The switches a group may carry besides its numbers: ``amsgrad`` must stay false (the daemon's Adam keeps
+    no max of the second moment, so the update would go on without it), and torch's ``decoupled_weight_decay``
+    must agree with ``adamw``, its name here (the update reads ``adamw``; an edit of torch's key alone would be
+    ignored).  A group without the keys (a wrapping optimizer's) passes."""
+    if group.get("amsgrad"):
+        raise InvalidArgument(
+            f"{where()}['amsgrad'] is {group['amsgrad']!r}: OffloadAdam's Adam keeps no max of the second moment "
+            "and would step as amsgrad=False; set it back to False"
+        )
+    adamw, decoupled = group.get("adamw"), group.get("decoupled_weight_decay")
+    if adamw is not None and decoupled is not None and bool(adamw) != bool(decoupled):
+        raise InvalidArgument(
+            f"{where()} has adamw={adamw!r} but decoupled_weight_decay={decoupled!r}: the two name one switch "
+            "(tiermem's name and torch's); set both to the same value"
+        )
 
 
 def _group_number(where: Callable[[], str], key: str, value: object) -> float:

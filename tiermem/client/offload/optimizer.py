@@ -85,10 +85,12 @@ import torch
 
 from tiermem.client.link import Client, connect
 from tiermem.client.offload.args import (
+    check_group_switches,
     check_group_values,
     check_hyper,
     check_torch_flags,
     closure_loss,
+    name_both_switches,
     optimizer_defaults,
 )
 from tiermem.client.offload.checkpoint import OptimizerState
@@ -271,10 +273,12 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 "group's hyper-parameters), and this would be one more: put the params that share lr, betas, eps "
                 "and weight_decay in one group"
             )
+        name_both_switches(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
             check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], adamw=group["adamw"])
+            check_group_switches(group, lambda: f"param_groups[{len(self.param_groups) - 1}]")
             for p in group["params"]:
                 if not isinstance(p, torch.Tensor) or p.dtype not in (d.torch for d in dtypes.DTYPES):
                     raise DTypeError(f"OffloadAdam takes float32/float16/bfloat16 params, got {getattr(p, 'dtype', p)}")
@@ -578,6 +582,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
 
         def remap(address: int, like: torch.Tensor) -> torch.Tensor:
             return view(address - base, like.numel() * like.element_size(), like)
+
         transfer = self.transfer
 
         def push(tid: int, grad: torch.Tensor, accumulate: bool) -> None:

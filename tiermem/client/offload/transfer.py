@@ -134,7 +134,14 @@ def plan_load(
             if value.numel() != numels[t]:
                 raise InvalidArgument(f"state {name} of param {key!r} has {value.numel()} elements, not {numels[t]}")
         loads.append((t, entry, int(float(entry["step"]))))
-    for mine, saved in zip(param_groups, groups, strict=True):
+    for index, (mine, saved) in enumerate(zip(param_groups, groups, strict=True)):
+        if saved.get("amsgrad"):
+            raise InvalidArgument(
+                f"the state dict's param_groups[{index}] has amsgrad=True: it was saved by an AMSGrad optimizer, "
+                "and OffloadAdam's Adam keeps no max of the second moment (max_exp_avg_sq), so it would go on as "
+                "plain AdamW. Resume it with torch.optim.AdamW(amsgrad=True); to go on without AMSGrad on "
+                "purpose, set 'amsgrad' to False in the dict's param_groups"
+            )
         saved_adamw = saved.get("adamw", saved.get("decoupled_weight_decay", mine.get("adamw", True)))
         check_hyper(
             saved.get("lr", mine["lr"]),
