@@ -30,6 +30,17 @@ def test_swap_io_error_names_path_offset_and_errno() -> None:
     assert "read 100 of 4096 bytes" in str(short)
 
 
+def test_rank_lost_names_the_collective_the_step_and_a_forward_run_on_some_ranks_only() -> None:
+    """A ZeRO-3 forward on rank 0 only (an evaluation under ``if rank == 0:``) pairs its gathers with the other
+    ranks' training collectives; where their sizes agree, the ranks then wait out the limit on collectives no
+    other rank runs.  The message must point there, not only at a dead rank."""
+    err = errors.RankLost("all-gather of 0 (Linear) (the step's collective 5, limit 8 s)", 1, 2, RuntimeError("x"))
+    text = str(err)
+    assert text.startswith("rank 1: the all-gather of 0 (Linear) (the step's collective 5, limit 8 s) of step 3")
+    assert "this rank's state is at step 2" in text
+    assert "out of step" in text and "run on some ranks only (under `if rank == 0:`)" in text
+
+
 def test_commit_deferred_names_the_manifest_the_errno_what_stands_and_the_fix() -> None:
     err = errors.CommitDeferred("/nvme0/swap/j.manifest", errno.ENOSPC, ["a", "b"], 7)
     assert err.keys == ["a", "b"] and err.errno == errno.ENOSPC

@@ -335,7 +335,9 @@ class DaemonUnavailable(TiermemError):
 
 
 class RankLost(TiermemError):
-    """A collective of a sharded step failed: another rank of the process group died or timed out.
+    """A collective of a sharded step failed: another rank of the process group died, timed out, or ran
+    collectives this rank did not (a ZeRO-3 forward on rank 0 only, for an evaluation, pairs its all-gathers
+    with the other ranks' training collectives: they fail by the limit, and the message says what to look for).
 
     ``during`` names the phase (``reduce-scatter``, ``statistics``, ``all-gather``, ...), ``rank`` this
     rank.  The daemon's state of this rank is at the last step this rank completed (``last_step``); the
@@ -348,8 +350,9 @@ class RankLost(TiermemError):
     def __init__(self, during: str, rank: int, last_step: int, cause: BaseException) -> None:
         super().__init__(
             f"rank {rank}: the {during} of step {last_step + 1} failed, another rank of the process group is "
-            f"gone or timed out ({type(cause).__name__}: {str(cause)[:300]}); this rank's state is at step "
-            f"{last_step}",
+            f"gone, timed out, or out of step ({type(cause).__name__}: {str(cause)[:300]}); this rank's state is "
+            f"at step {last_step}. Out of step: a forward of a ZeRO-3 model, state_dict() or step() run on some "
+            "ranks only (under `if rank == 0:`); every rank must run each",
             during=during,
             rank=rank,
             last_step=last_step,
