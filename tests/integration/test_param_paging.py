@@ -543,6 +543,29 @@ def test_state_dict_round_trip_through_torch_save(offload: OffloadDaemon) -> Non
         other.load_state_dict({**restored, "ln_f.weight": torch.ones(3)})
 
 
+def test_copying_or_pickling_a_paged_model_is_refused_naming_what_to_copy_and_training_goes_on(
+    offload: OffloadDaemon,
+) -> None:
+    """``copy.deepcopy(model)`` (an EMA copy) and ``torch.save(model)`` failed on a paged model with errors that
+    blamed the optimizer or pickle's internals; the copy would hold placeholders and the original's forward.
+    Refused, they leave training bitwise the unpaged run's."""
+    paged, plain = paging_gpt(0), paging_gpt(0)
+    opt = make_opt(offload, paged)
+    tiermem.offload_params(paged, opt, device_budget=param_nbytes(paged) // 4)
+    plain_opt = make_opt(offload, plain)
+    run(paged, opt, batches(1))
+    run(plain, plain_opt, batches(1))
+    wanted = r"params are paged by offload_params.*placeholders.*model\.state_dict\(\) gathers them"
+    with pytest.raises(TypeError, match=wanted):
+        copy.deepcopy(paged)
+    with pytest.raises(TypeError, match=wanted):
+        torch.save(paged, io.BytesIO())
+    run(paged, opt, batches(2, seed=3))
+    run(plain, plain_opt, batches(2, seed=3))
+    for name, value in plain.state_dict().items():
+        assert torch.equal(paged.state_dict()[name], value), name
+
+
 def test_a_model_made_on_the_meta_device_is_initialized_into_the_daemon(offload: OffloadDaemon) -> None:
     with torch.device("meta"):
         model = GPT(PAGING_GPT)

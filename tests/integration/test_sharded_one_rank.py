@@ -9,6 +9,7 @@ of ``torch.optim.AdamW``.
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 from collections.abc import Callable, Iterable, Sequence
 
@@ -382,6 +383,28 @@ def test_a_compiled_zero3_model_trains_like_adamw(daemon, one_rank_group, which)
     opt.close()
     for (name, p), q in zip(trained.items(), ref.state_dict().values(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("which", ["layers", "paged"])
+def test_copying_or_pickling_a_zero3_model_is_refused_naming_what_to_copy(daemon, one_rank_group, which):
+    """The model holds placeholders between forwards; ``copy.deepcopy`` blamed the optimizer and
+    ``torch.save(model)`` pickle's internals."""
+    m, ref = model(), model()
+    opt = zero3(which, m, daemon)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    try:
+        train_alike(((m, opt), (ref, ref_opt)), range(2))
+        how = {"layers": "sharded by layer by LayerShardedAdam", "paged": "paged by ShardedPagedAdam"}[which]
+        wanted = rf"params are {how}.*placeholders.*model\.state_dict\(\) gathers them \(every rank calls it\)"
+        with pytest.raises(TypeError, match=wanted):
+            copy.deepcopy(m)
+        with pytest.raises(TypeError, match=wanted):
+            torch.save(m, io.BytesIO())
+        train_alike(((m, opt), (ref, ref_opt)), range(2, 4))
+        for (name, p), q in zip(m.state_dict().items(), ref.state_dict().values(), strict=True):
+            torch.testing.assert_close(p, q, msg=name)
+    finally:
+        opt.close()
 
 
 @pytest.mark.parametrize("which", ["layers", "paged"])

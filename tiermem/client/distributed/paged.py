@@ -502,6 +502,7 @@ class PagedStrategy(ShardStrategy):
                 params=self.params(),
                 copies=self.copies,
                 probe=self.probe,
+                owner="ShardedPagedAdam",
             )
         finally:
             if own is not None and self.rank != 0:

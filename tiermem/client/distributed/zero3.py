@@ -107,7 +107,7 @@ from tiermem.client.offload.args import (
 from tiermem.client.offload.copies import param_buffer
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
-from tiermem.client.offload.pagehooks import in_backward
+from tiermem.client.offload.pagehooks import ModelHook, in_backward
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.modes import Exchange, Placement
@@ -363,7 +363,7 @@ class LayerStrategy(ShardStrategy):
         def hook(*_args: Any) -> None:
             fn(unit)
 
-        return torch.compiler.disable(hook)
+        return ModelHook(hook, "sharded by layer by LayerShardedAdam", ranks=True)
 
     def _before_forward(self, unit: _Unit) -> None:
         if in_backward():  # activation checkpointing's recompute: the unit's backward comes next

@@ -21,7 +21,17 @@ from tiermem.client.offload.pagedparam import PagedParam
 if TYPE_CHECKING:
     from tiermem.client.offload.paging import ParamPager
 
-__all__ = ["CatchParams", "Frame", "Probe", "dedup", "flat_args", "in_backward", "in_checkpoint_region", "probed"]
+__all__ = [
+    "CatchParams",
+    "Frame",
+    "ModelHook",
+    "Probe",
+    "dedup",
+    "flat_args",
+    "in_backward",
+    "in_checkpoint_region",
+    "probed",
+]
 
 
 class Probe(Protocol):
@@ -73,6 +83,42 @@ def flat_args(args: Any, kwargs: dict[str, Any]) -> Iterable[Any]:
 
 def dedup(entries: Iterable[PagedParam]) -> list[PagedParam]:
     return list({id(e): e for e in entries}.values())
+
+
+class ModelHook:
+    """A forward or backward hook on a module of a model whose params tiermem holds (paged, or sharded by
+    layer): ``fn`` run as Python between compiled pieces (``torch.compiler.disable``: it swaps the params'
+    data and talks to the daemon, so a graph traced through it would be built around placeholders), and
+    a refusal of ``copy.deepcopy`` and pickling.  A module's hooks are copied and pickled with it, so this is
+    where ``copy.deepcopy(model)`` (an EMA copy) and ``torch.save(model)`` stop, with what to copy instead:
+    the copy would hold placeholders, and hooks bound to the original's pager.  ``held``: how the params
+    are held, as the message says it (``paged by offload_params``); ``ranks``: the model is sharded across
+    ranks, so gathering its values is a collective."""
+
+    __slots__ = ("_fn", "_held", "_ranks")
+
+    def __init__(self, fn: Callable[..., Any], held: str, *, ranks: bool = False) -> None:
+        self._fn = torch.compiler.disable(fn)
+        self._held = held
+        self._ranks = ranks
+
+    def __call__(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+    def _refusal(self) -> TypeError:
+        who = " (every rank calls it)" if self._ranks else ""
+        return TypeError(
+            f"this model's params are {self._held}: between forwards the model holds placeholders, and the "
+            "values live in tiermemd, so a copy.deepcopy or pickle (torch.save(model)) of it would hold none. "
+            f"Copy the values instead: model.state_dict() gathers them{who}; load them into a model built "
+            "alike, or save them"
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise self._refusal()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise self._refusal()
 
 
 def in_backward() -> bool:

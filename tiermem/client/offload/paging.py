@@ -82,7 +82,9 @@ buffers must have values already (a meta buffer is refused, naming it).
 
 Not supported: in-place edits of params outside ``load_state_dict`` (they
 are dropped when the param is released), the overlapped and delayed
-updates, a ``GradScaler``.
+updates, a ``GradScaler``; ``copy.deepcopy(model)`` and ``torch.save(model)``
+are refused (``pagehooks.ModelHook``: the copy would hold placeholders), and
+the message says to copy ``model.state_dict()``.
 
 Parts: ``ParamPager`` here (set-up, the window's size, the feed interface,
 figures) is composed of ``pageuses.PageUses`` (the schedule of uses: hooks,
@@ -109,7 +111,7 @@ from tiermem.client.offload.copies import GradItem, ParamCopies, copies_for
 from tiermem.client.offload.feeds import hook_grads, remove_hooks
 from tiermem.client.offload.pageargs import check_budget, check_buffers, check_optimizer, paged_tensors, placeholder
 from tiermem.client.offload.pagedparam import BufferCache, GradUnits, PagedParam, Residency
-from tiermem.client.offload.pagehooks import CatchParams, Frame, Probe, dedup
+from tiermem.client.offload.pagehooks import CatchParams, Frame, ModelHook, Probe, dedup
 from tiermem.client.offload.pageio import PageIO
 from tiermem.client.offload.pagestate import PagedState
 from tiermem.client.offload.pageuses import PageUses
@@ -156,11 +158,13 @@ class ParamPager(PageUses, PageIO, PagedState):
         params: list[nn.Parameter] | None = None,
         copies: ParamCopies | None = None,
         probe: Probe | None = None,
+        owner: str = "offload_params",
     ) -> None:
         """``params`` and ``copies`` are for a pager whose optimizer's tensors are not the model's params
         (``tiermem.distributed.ShardedPagedAdam``: tensor i is this rank's shard of ``params[i]``, and
         ``copies`` gathers and reduce-scatters); by default tensor i is the optimizer's param i.  ``probe``:
-        told of each fetch, grad and transfer (``Probe``)."""
+        told of each fetch, grad and transfer (``Probe``).  ``owner``: what pages the model, as a refused
+        copy of it says (``ModelHook``)."""
         check_optimizer(model, optimizer)
         budget = check_budget(device_budget, prefetch)
         tensors, names = paged_tensors(model, optimizer, params)
@@ -168,6 +172,9 @@ class ParamPager(PageUses, PageIO, PagedState):
         self.budget = budget
         self.prefetch = prefetch
         self.probe = probe
+        self.owner = owner
+        self.sharded = copies is not None
+        """The params are sharded across ranks (``copies`` gathers them)."""
         self.model = model
         self.optimizer = optimizer
         self.calls = optimizer._calls
@@ -264,7 +271,10 @@ class ParamPager(PageUses, PageIO, PagedState):
         hooked = dict(self.units)
         hooked.setdefault(model, [])
         for module, own in hooked.items():
-            enter, leave = (torch.compiler.disable(functools.partial(fn, own)) for fn in (self._enter, self._exit))
+            enter, leave = (
+                ModelHook(functools.partial(fn, own), f"paged by {self.owner}", ranks=self.sharded)
+                for fn in (self._enter, self._exit)
+            )
             self._hooks.append(module.register_forward_pre_hook(enter))
             self._hooks.append(module.register_forward_hook(leave, always_call=True))
             if own:
