@@ -566,6 +566,41 @@ def test_copying_or_pickling_a_paged_model_is_refused_naming_what_to_copy_and_tr
         assert torch.equal(paged.state_dict()[name], value), name
 
 
+EDITS = {
+    "init-in-place": (lambda m: nn.init.zeros_(m.get_parameter("blocks.1.ln_1.bias")), "written in place"),
+    "new-data": (lambda m: setattr(m.get_parameter("blocks.2.fc.weight"), "data", torch.zeros(128, 32)), "given new"),
+    "half": (lambda m: m.half(), "converted to torch.float16"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+@pytest.mark.parametrize("then", ["forward", "state_dict"])
+def test_a_paged_out_param_edited_outside_a_forward_is_refused_at_its_next_use_and_nothing_is_lost(
+    offload: OffloadDaemon, edit: str, then: str
+) -> None:
+    """``nn.init.zeros_`` on a paged-out param wrote its placeholder, so the edit was silently dropped and the
+    param no longer read NaN; ``p.data = t`` and ``model.half()`` failed later with torch's errors.  The
+    next use (a forward's fetch, or ``state_dict()``) now refuses it, naming the param, what happened and
+    the way that works; the placeholders are put back, so training goes on bitwise the unpaged run's."""
+    paged, plain = paging_gpt(0), paging_gpt(0)
+    opt, plain_opt = make_opt(offload, paged), make_opt(offload, plain)
+    tiermem.offload_params(paged, opt, device_budget=param_nbytes(paged) // 4)
+    run(paged, opt, batches(1))
+    run(plain, plain_opt, batches(1))
+    change, what = EDITS[edit]
+    change(paged)
+    x, y = batches(1, seed=3)[0]
+    with pytest.raises(InvalidState, match=rf"param '.*' \(.*\) was {what} .*while paged out.*load_state_dict\(\)"):
+        paged(x, y) if then == "forward" else paged.state_dict()
+    assert all(p.dtype == torch.float32 for p in paged.parameters())
+    run(paged, opt, batches(2, seed=5))
+    run(plain, plain_opt, batches(2, seed=5))
+    for name, value in plain.state_dict().items():
+        assert torch.equal(paged.state_dict()[name], value), name
+    with torch.no_grad():
+        assert all(torch.isnan(p).all() for p in paged.parameters())  # placeholders again, between forwards
+
+
 def test_a_model_made_on_the_meta_device_is_initialized_into_the_daemon(offload: OffloadDaemon) -> None:
     with torch.device("meta"):
         model = GPT(PAGING_GPT)

@@ -65,6 +65,9 @@ class PagedParam:
     dtype: torch.dtype
     placeholder: torch.Tensor
     residency: Residency = Residency.ABSENT
+    version: int = 0
+    """The param's version counter when it was last given its placeholder: a write into the placeholder (an
+    in-place edit while paged out) moves it on."""
     data: torch.Tensor | None = None
     """The param's values on the device: a view of ``buffer``."""
     buffer: torch.Tensor | None = None
@@ -94,6 +97,21 @@ class PagedParam:
 
     def describe(self) -> str:
         return f"param {self.name!r} ({tuple(self.shape)}, {self.dtype}, {format_size(self.nbytes)})"
+
+    def touched(self) -> bool:
+        """The param was written or given other data while it held its placeholder (two reads: a fetch asks)."""
+        return self.param._version != self.version or self.param.data_ptr() != self.placeholder.data_ptr()
+
+    def change_while_absent(self) -> str | None:
+        """What was done to the param while it held its placeholder, as an error says it; None: nothing."""
+        p = self.param
+        if p.dtype != self.dtype or p.device != self.placeholder.device:
+            return f"converted to {p.dtype} on {p.device} (model.half(), model.to())"
+        if p.data_ptr() != self.placeholder.data_ptr() or p.shape != self.shape:
+            return "given new data (p.data = t)"
+        if p._version != self.version:
+            return "written in place (nn.init, p.mul_(), p.zero_(), copy_)"
+        return None
 
 
 @dataclass(frozen=True)

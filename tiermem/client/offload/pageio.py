@@ -97,6 +97,7 @@ class PageIO(PagerRecords):
         """Fetch ``entries`` (a submodule's params) in one transfer: they share the window's slots."""
         if not entries:
             return
+        self._check_untouched(entries)
         items = [(e.index, self._buffer_for(e)) for e in entries]
         names = ", ".join(e.name for e in entries) if self.probe is not None else ""
         if self.probe is not None:
@@ -159,8 +160,38 @@ class PageIO(PagerRecords):
         else:
             with torch.no_grad():
                 e.param.data = e.placeholder
+        e.version = e.param._version
         if buf is not None:
             self._buffers.give(buf)
+
+    def _check_untouched(self, entries: Iterable[PagedParam]) -> None:
+        """Before a paged-out param is used (fetched, or read for a state dict): refuse one that was edited
+        while it held its placeholder (an in-place write, new data, another dtype or device), which the daemon
+        never saw.  Every changed placeholder is put back first, so the model trains on from the daemon's
+        values; the error names the first, what was done, and the way that works.  Only an absent param is
+        checked: one being released (a signal handler's save can land there) still has its data."""
+        with torch._C.DisableTorchFunction():  # in a forward, reading an absent param would lease it (CatchParams)
+            changed = [
+                (e, how)
+                for e in entries
+                if e.residency is Residency.ABSENT and e.touched() and (how := e.change_while_absent()) is not None
+            ]
+            if not changed:
+                return
+            first, how = changed[0]
+            absent = (e for e in self.entries if e.residency is Residency.ABSENT)
+            others = [e for e in absent if e.change_while_absent() is not None]
+            for e in others:
+                with torch.no_grad():
+                    e.placeholder.fill_(float("nan"))  # one element, expanded: an in-place fill wrote it
+                self._drop_data(e)
+        more = f" (and {len(others) - 1} other params)" if len(others) > 1 else ""
+        raise InvalidState(
+            f"{first.describe()} was {how} while paged out{more}: between forwards a paged param is a placeholder "
+            "in the model and its values live in tiermemd, which never saw this; the placeholders are put back "
+            "and the daemon's values stand. Edit paged params with model.load_state_dict() (it writes them to "
+            "tiermemd), or before offload_params; convert the model's dtype or device before making the optimizer"
+        )
 
     def _release_all(self) -> None:
         for e in list(self._present.values()):

@@ -12,7 +12,7 @@ straight into the daemon, so the whole model is never in the trainer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ class PagedState(PagerRecords):
         def _materialize(self, group: list[PagedParam], *, event: str) -> None: ...
         def _settle(self, e: PagedParam) -> None: ...
         def _release(self, e: PagedParam) -> None: ...
+        def _check_untouched(self, entries: Iterable[PagedParam]) -> None: ...
         def _buffer_for(self, e: PagedParam) -> torch.Tensor: ...
 
     def _push_master(self, group: list[PagedParam]) -> None:
@@ -64,6 +65,7 @@ class PagedState(PagerRecords):
         self.drain()
         if e.data is not None and e.residency is Residency.RESIDENT:
             return e.data.detach().to("cpu", copy=True)
+        self._check_untouched([e])
         out = torch.empty(e.shape, dtype=e.dtype)
         # read here, not on the I/O thread (``drain`` waited for what was queued there, or, from a signal handler
         # holding the connection, left what changes no master): a handler's gather may have interrupted this

@@ -80,11 +80,15 @@ a time (``reset_parameters()``, then ``init(module)``) straight into the
 daemon, so no full copy of the model exists in the trainer at any time; its
 buffers must have values already (a meta buffer is refused, naming it).
 
-Not supported: in-place edits of params outside ``load_state_dict`` (they
-are dropped when the param is released), the overlapped and delayed
-updates, a ``GradScaler``; ``copy.deepcopy(model)`` and ``torch.save(model)``
-are refused (``pagehooks.ModelHook``: the copy would hold placeholders), and
-the message says to copy ``model.state_dict()``.
+Not supported: edits of params outside ``load_state_dict``.  One made in a
+forward is dropped when the param is released; one made to a paged-out
+param (an ``nn.init`` function, ``p.data = t``, ``model.half()``) is refused
+at its next use, a fetch or a state dict read, naming the param, and its
+placeholder is put back (``PageIO._check_untouched``: its version counter
+and data pointer, 0.2 us a param fetched).  The overlapped and delayed
+updates and a ``GradScaler`` are not supported either.  ``copy.deepcopy(model)``
+and ``torch.save(model)`` are refused (``pagehooks.ModelHook``: the copy would
+hold placeholders), and the message says to copy ``model.state_dict()``.
 
 Parts: ``ParamPager`` here (set-up, the window's size, the feed interface,
 figures) is composed of ``pageuses.PageUses`` (the schedule of uses: hooks,
