@@ -782,3 +782,34 @@ def test_a_relaunched_rank_reattaches_to_its_state_and_trains_on_like_adamw(daem
             torch.testing.assert_close(a, b)
     finally:
         opt.close()
+
+
+RELEASED_EDITS = {
+    "init-in-place": (lambda m: torch.nn.init.zeros_(m[2].bias), "written in place"),
+    "new-data": (lambda m: setattr(m[2].weight, "data", torch.zeros(2, 12)), "given new data"),
+    "half": (lambda m: m.half(), "converted to torch.float16"),
+}
+
+
+@pytest.mark.parametrize("edit", list(RELEASED_EDITS))
+@pytest.mark.parametrize("paged", [False, True], ids=["layers", "paged-layers"])
+def test_layer_sharded_refuses_a_released_param_edited_outside_a_forward_and_trains_on(
+    daemon, one_rank_group, paged, edit
+):
+    """A released layer's params are empty placeholders: ``nn.init.zeros_`` and ``p.data = t`` were silently
+    dropped at the next gather (0.24 off AdamW), and ``model.half()`` failed inside torch.  The next gather
+    now refuses it, naming the param and ``load_state_dict()``, and puts the placeholders back."""
+    m, ref = model(), model()
+    opt = LayerShardedAdam(m, lr=1e-2, paged=paged, client=connect(daemon.socket_path))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    try:
+        train_alike(((m, opt), (ref, ref_opt)), range(2))
+        change, what = RELEASED_EDITS[edit]
+        change(m)
+        with pytest.raises(InvalidState, match=rf"param '\d\.\w+' \(.*\) was {what}.*load_state_dict\(\)"):
+            loss_of(m, 2)
+        train_alike(((m, opt), (ref, ref_opt)), range(2, 4))
+        for (name, p), q in zip(m.state_dict().items(), ref.state_dict().values(), strict=True):
+            torch.testing.assert_close(p, q, msg=name)
+    finally:
+        opt.close()

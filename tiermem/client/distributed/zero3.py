@@ -123,7 +123,12 @@ class _Unit:
         """The module, as a collective names it."""
         self.module = module
         self.owner = owner
-        self.params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        self.params = [p for _, p in own]
+        self.names = [f"{name}.{n}" if name else n for n, _ in own]
+        self.dtypes = [p.dtype for p in self.params]
+        self.versions = [0] * len(own)
+        """Each param's version counter when it was given its empty placeholder (``_release``)."""
         self.shapes = [tuple(p.shape) for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.numel = sum(self.numels)
@@ -302,6 +307,7 @@ class LayerStrategy(ShardStrategy):
     def _start_gather(self, unit: _Unit) -> None:
         if unit.flat is not None or unit.work is not None:
             return
+        self._check_released(unit)
         flat = param_buffer(torch.Size([unit.numel]), unit.params[0].dtype, torch.device("cpu"))
         if unit.owner == self.rank and self.paged and self.inner is not None:
             self.inner.transfer.pull_many_into(
@@ -343,11 +349,49 @@ class LayerStrategy(ShardStrategy):
         return list(torch.split(flat, unit.numels))
 
     def _release(self, unit: _Unit, *, log: bool = True) -> None:
-        for p in unit.params:
-            p.data = torch.empty(0, dtype=p.dtype)
+        for p, dtype in zip(unit.params, unit.dtypes, strict=True):
+            p.data = torch.empty(0, dtype=dtype)
+        unit.versions = [p._version for p in unit.params]
         unit.flat = None
         if log:
             self._log("release", unit)
+
+    def _check_released(self, unit: _Unit) -> None:
+        """Before a released unit is gathered (every rank, before its collective): refuse params edited while
+        they were empty placeholders (``nn.init``, ``p.data = t``, ``model.half()``), an edit the owner's
+        daemon never saw and the gather would drop.  Every released unit's placeholders are put back first,
+        so training goes on from the daemons' values."""
+        changed = self._released_changes(unit)
+        if not changed:
+            return
+        name, shape, dtype, how = changed[0]
+        others = [c for u in self.units if u.flat is None and u.work is None for c in self._released_changes(u)]
+        for u in self.units:
+            if u.flat is None and u.work is None:
+                self._release(u, log=False)
+        more = f" (and {len(others) - 1} other params)" if len(others) > 1 else ""
+        raise InvalidState(
+            f"param {name!r} ({shape}, {dtype}) was {how} while its layer was released{more}: LayerShardedAdam "
+            "keeps a layer's params on its owner's daemon, and between forwards the model holds empty "
+            "placeholders, so the edit would be dropped at the next gather; the placeholders are put back. "
+            "Edit the params with model.load_state_dict() (it reaches the owner), or before making the "
+            "optimizer; convert the model's dtype first"
+        )
+
+    @staticmethod
+    def _released_changes(unit: _Unit) -> list[tuple[str, tuple[int, ...], torch.dtype, str]]:
+        """What was done to each of a released unit's params since ``_release``: (name, shape, dtype, how)."""
+        found = []
+        for p, name, shape, dtype, version in zip(
+            unit.params, unit.names, unit.shapes, unit.dtypes, unit.versions, strict=True
+        ):
+            if p.dtype != dtype or p.device.type != "cpu":
+                found.append((name, shape, dtype, f"converted to {p.dtype} on {p.device} (model.half(), model.to())"))
+            elif p.numel():
+                found.append((name, shape, dtype, "given new data (p.data = t)"))
+            elif p._version != version:
+                found.append((name, shape, dtype, "written in place (nn.init, p.zero_(), p.mul_())"))
+        return found
 
     def _neighbour(self, unit: _Unit, step: int) -> _Unit | None:
         first = None if self._recording else self._at.get(unit.index)
