@@ -394,7 +394,12 @@ class Service:
         self.server.start()
         if self.socket_keeper is not None:
             self.socket_keeper.start()
-        locked = "locked" if self.pool.locked else "NOT locked (see the RLIMIT_MEMLOCK warning)"
+        if self.pool.locked:
+            locked = "locked"
+        elif not self.config.pool.mlock:
+            locked = "not locked (pool.mlock = false)"
+        else:
+            locked = "NOT locked (see the RLIMIT_MEMLOCK warning)"
         status = f"pool {format_size(self.pool.capacity)} {locked}; listening on {self.listening_on}"
         log.info("ready: %s", status)
         self.notifier.ready(status)

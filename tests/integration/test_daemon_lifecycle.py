@@ -53,6 +53,15 @@ def ping_ok(path: str, request_id: int = 1) -> tuple[RawConn, bool, str]:
     return conn, ok, "" if ok else ("no reply" if reply is None else repr(error_of(reply)))
 
 
+def test_ready_says_an_unlocked_pool_was_the_operators_choice_when_pool_mlock_is_false(daemon_factory):
+    """With ``pool.mlock = false`` the ready line said ``NOT locked (see the RLIMIT_MEMLOCK warning)``, pointing
+    the operator at a warning that was never logged."""
+    d = daemon_factory({"pool": {"mlock": False}})
+    _, ready = d.notify.wait_for("READY", 0)
+    assert "pool 64MiB not locked (pool.mlock = false)" in ready["STATUS"], ready["STATUS"]
+    assert "RLIMIT_MEMLOCK" not in d.log_text()
+
+
 def test_ready_comes_after_the_pool_then_watchdog_reloads_and_stopping(daemon_factory):
     d = daemon_factory(env={"WATCHDOG_USEC": "400000"})
     index, ready = d.notify.wait_for("READY", 0)
