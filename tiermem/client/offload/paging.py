@@ -176,9 +176,7 @@ class ParamPager(PageUses, PageIO, PagedState):
         self.budget = budget
         self.prefetch = prefetch
         self.probe = probe
-        self.owner = owner
-        self.sharded = copies is not None
-        """The params are sharded across ranks (``copies`` gathers them)."""
+        self.owner, self.sharded = owner, copies is not None  # sharded: ranks gather each param (``copies``)
         self.model = model
         self.optimizer = optimizer
         self.calls = optimizer._calls
