@@ -132,17 +132,16 @@ def test_zero2_takes_torchs_weight_decay_switch_in_a_group_and_refuses_an_amsgra
         first, *rest = m.parameters()
         return [{"params": [first], "decoupled_weight_decay": False}, {"params": rest}]
 
+    other = model()
+    amsgrad = torch.optim.AdamW(groups(other), lr=0.02, amsgrad=True)
+    train_alike(((other, amsgrad),), range(1))
     opt = ShardedOffloadAdam(groups(ours), lr=0.02, weight_decay=0.1, client=connect(daemon.socket_path))
     ref_opt = torch.optim.AdamW(groups(ref), lr=0.02, weight_decay=0.1)
     try:
-        train_alike(((ours, opt), (ref, ref_opt)), range(3))
-        assert biggest_diff(ours, ref) <= 1e-6
-        other = copy.deepcopy(ref)
-        amsgrad = torch.optim.AdamW(groups(other), lr=0.02, amsgrad=True)
-        train_alike(((other, amsgrad),), range(1))
-        with pytest.raises(InvalidArgument, match=r"param_groups\[0\] has amsgrad=True"):
-            opt.load_state_dict(amsgrad.state_dict())
-        train_alike(((ours, opt), (ref, ref_opt)), range(3, 5))
+        for steps in (range(2), range(2, 5)):
+            train_alike(((ours, opt), (ref, ref_opt)), steps)
+            with pytest.raises(InvalidArgument, match=r"param_groups\[0\] has amsgrad=True"):
+                opt.load_state_dict(amsgrad.state_dict())  # changes nothing
         assert biggest_diff(ours, ref) <= 1e-6
     finally:
         opt.close()

@@ -52,6 +52,7 @@ from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
 from tiermem.core.errors import InvalidArgument, InvalidState, RankLost
 from tiermem.core.step_rules import GradStats, StepDecision, decide
+from tiermem.core.uncopyable import Uncopyable
 
 __all__ = ["NotCopyable", "RankGroup", "ShardGrads", "check_max_grad_norm"]
 
@@ -61,7 +62,7 @@ def check_max_grad_norm(max_grad_norm: float | None) -> None:
         raise InvalidArgument(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
 
 
-class NotCopyable:
+class NotCopyable(Uncopyable):
     """A sharded optimizer holds a connection to tiermemd and a place in a process group: ``copy.deepcopy``
     and ``pickle`` are refused, naming what to save instead."""
 
@@ -70,12 +71,6 @@ class NotCopyable:
             f"{type(self).__name__} holds a connection to tiermemd; save its state instead: full_state_dict() "
             "(torch.optim.AdamW's format, any world size) or state_dict()"
         )
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        raise self._not_copyable()
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise self._not_copyable()
 
 
 def collective_device(process_group: Any) -> torch.device:

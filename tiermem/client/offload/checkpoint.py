@@ -14,12 +14,13 @@ optimizer's one handle.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tiermem.client.offload.transfer import PushItem, StateTransfer, adopt_saved_groups, packed_groups, plan_load
 from tiermem.core.errors import InvalidArgument, InvalidState
+from tiermem.core.uncopyable import Uncopyable
 
 if TYPE_CHECKING:
     from tiermem.client.link import Client
@@ -35,7 +36,7 @@ _COPY_ERROR = (
 )
 
 
-class OptimizerState:
+class OptimizerState(Uncopyable):
     """``OffloadAdam``'s state dicts, state reads and copy guards; see the module docstring."""
 
     if TYPE_CHECKING:
@@ -236,11 +237,8 @@ class OptimizerState:
         new.__dict__.update(self.__dict__)
         return new
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
-        raise TypeError(_COPY_ERROR)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(_COPY_ERROR)
+    def _not_copyable(self) -> TypeError:
+        return TypeError(_COPY_ERROR)
 
     def __getstate__(self) -> Any:
-        raise TypeError(_COPY_ERROR)
+        raise self._not_copyable()

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from tiermem.client.offload.eager import eager_under_compile
 from tiermem.client.offload.pagedparam import PagedParam
+from tiermem.core.uncopyable import Uncopyable
 
 if TYPE_CHECKING:
     from tiermem.client.offload.paging import ParamPager
@@ -85,7 +86,7 @@ def dedup(entries: Iterable[PagedParam]) -> list[PagedParam]:
     return list({id(e): e for e in entries}.values())
 
 
-class ModelHook:
+class ModelHook(Uncopyable):
     """A forward or backward hook on a module of a model whose params tiermem holds (paged, or sharded by
     layer): ``fn`` run as Python between compiled pieces (``torch.compiler.disable``: it swaps the params'
     data and talks to the daemon, so a graph traced through it would be built around placeholders), and
@@ -105,7 +106,7 @@ class ModelHook:
     def __call__(self, *args: Any) -> Any:
         return self._fn(*args)
 
-    def _refusal(self) -> TypeError:
+    def _not_copyable(self) -> TypeError:
         who = " (every rank calls it)" if self._ranks else ""
         return TypeError(
             f"this model's params are {self._held}: between forwards the model holds placeholders, and the "
@@ -113,12 +114,6 @@ class ModelHook:
             f"Copy the values instead: model.state_dict() gathers them{who}; load them into a model built "
             "alike, or save them"
         )
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        raise self._refusal()
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise self._refusal()
 
 
 def in_backward() -> bool:
