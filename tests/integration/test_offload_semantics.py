@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tiermem import OffloadAdam
-from tiermem.core.errors import InvalidState
+from tiermem.core.errors import GradsAfterRelease, InvalidState
 
 HYPER: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
 """Explicit hyper-parameters for every test but the defaults' own (so a wrong default cannot mask another error)."""
@@ -463,6 +463,33 @@ def test_released_grads_accumulate_in_the_daemon_like_adamw(offload: OffloadDaem
         scaler.step(opt)
     for name in ("grad_scale", "found_inf"):
         opt.__dict__.pop(name, None)
+
+
+@pytest.mark.parametrize("exchange", ["shared", "staged"])
+def test_a_grad_written_after_its_release_is_refused_at_step_and_nothing_is_applied(
+    offload: OffloadDaemon, tier: str, exchange: str
+) -> None:
+    """DDP all-reduces the grads after the hooks released them and writes the averages into ``p.grad`` when
+    backward ends; the step added them to the released local grads (0.07 off AdamW after 4 steps at 2 ranks).
+    A grad written after its release (by DDP, or by hand) is now refused at ``step()``, naming the param, with
+    nothing of that step applied; the next step starts afresh."""
+    kwargs = {"release_grads": True, "exchange": exchange}
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, offload_only=kwargs, **HYPER)
+    batches = mlp_batches(4, fixed=False)
+    train(m_off, opt, batches[:1], mlp_loss)
+    train(m_ref, ref, batches[:1], mlp_loss)
+    before = [p.detach().clone() for p in m_off.parameters()]
+    mlp_loss(m_off, batches[1]).backward()
+    late = m_off[2].weight
+    late.grad = torch.ones_like(late)  # what DDP's reducer does with the averaged bucket
+    with pytest.raises(GradsAfterRelease, match=r"param 2 \(shape \(64, 64\).*written after.*DDP.*release_grads=False"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(m_off.parameters(), before, strict=True))
+    assert opt.steps == 1
+    opt.zero_grad()
+    train(m_off, opt, batches[2:], mlp_loss)
+    train(m_ref, ref, batches[2:], mlp_loss)
+    assert_params_close(m_off, m_ref)
 
 
 def test_released_grads_with_the_overlapped_update_train_like_adamw(offload: OffloadDaemon, tier: str) -> None:

@@ -126,14 +126,35 @@ for dtype in COMPRESSED_GAP:
     TWO_RANKS[dtype] = ["--state-dtype", dtype, "--steps", "6", "--clip", "0.05", "--reload"]
 
 
+# plain DDP with OffloadAdam on each rank (``ddp_worker.py``), in the same launch
+DDP_WORKER = str(Path(__file__).with_name("ddp_worker.py"))
+DDP = {"ddp": [], "ddp_released": ["--release"], "ddp_released_staged": ["--release", "--exchange", "staged"]}
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Launch, DaemonProcess]]:
     tmp = tmp_path_factory.mktemp("zero2")
     d = start_daemon(tmp / "tiermemd", LONG_GRACE)
     try:
-        yield Launch(WORKER, 2, TWO_RANKS, tmp, d.socket_path).run(), d
+        plan = {**TWO_RANKS, **DDP}
+        yield Launch(WORKER, 2, plan, tmp, d.socket_path, workers=dict.fromkeys(DDP, DDP_WORKER)).run(), d
     finally:
         d.cleanup()
+
+
+def test_offload_adam_under_plain_ddp_trains_like_adamw_and_released_grads_are_refused(two_ranks):
+    """DDP writes the averaged grads into ``p.grad`` when backward ends.  ``OffloadAdam`` steps on them like
+    AdamW; with ``release_grads`` its hooks had handed the local grads to the daemon already, and the step
+    added DDP's averages to them, silently (0.07 off AdamW after 4 steps): now every rank refuses the first
+    step, naming DDP, with nothing applied."""
+    ranks = [json.loads(p.read_text()) for p in sorted(_scenario(two_ranks, "ddp").glob("out.*"))]
+    assert len(ranks) == 2 and all(r["error"] is None and r["diff"] <= 1e-6 for r in ranks), ranks
+    for name in ("ddp_released", "ddp_released_staged"):
+        ranks = [json.loads(p.read_text()) for p in sorted(_scenario(two_ranks, name).glob("out.*"))]
+        assert len(ranks) == 2, (name, ranks)
+        for r in ranks:
+            assert r["error"] == "GradsAfterRelease" and "DDP" in r["message"], (name, r)
+            assert r["steps"] == 0 and r["unchanged"], (name, r)
 
 
 def _scenario(two_ranks: tuple[Launch, DaemonProcess], name: str) -> Path:

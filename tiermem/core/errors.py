@@ -283,6 +283,13 @@ class InvalidState(TiermemError):
     """An object was asked for a transition its current state does not allow."""
 
 
+class GradsAfterRelease(InvalidState):
+    """``step()`` found grads written after ``release_grads`` handed them to tiermemd: DDP's all-reduce writes
+    the averaged grads into ``p.grad`` when backward ends, after the hooks released the local ones.  Added to
+    what was released they would be the wrong sum, so the step is refused, nothing of it applied, and the next
+    backward starts afresh."""
+
+
 class StepFailed(InvalidState):
     """An update of the rank failed part-way: its state is inconsistent until it is reloaded.
 

@@ -25,7 +25,9 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Feed", "hook_grads", "remove_hooks", "zero_grads"]
+from tiermem.core.errors import GradsAfterRelease
+
+__all__ = ["Feed", "grads_after_release", "hook_grads", "remove_hooks", "zero_grads"]
 
 
 def hook_grads(params: Iterable[torch.Tensor], on_grad: Callable[[torch.Tensor], None]) -> list[Any]:
@@ -42,6 +44,19 @@ def zero_grads(
         if p.grad is None:
             continue
         p.grad = None if set_to_none else zeroed(i, p.grad)
+
+
+def grads_after_release(params: Sequence[str]) -> GradsAfterRelease:
+    """The refusal of grads written after ``release_grads`` handed them over (``params``: their
+    descriptions)."""
+    more = f" (and {len(params) - 1} other params)" if len(params) > 1 else ""
+    return GradsAfterRelease(
+        f"{params[0]}{more} has a grad written after release_grads handed its grad to tiermemd: DDP all-reduces "
+        "the grads after backward released them and writes the averages into p.grad (as does a p.grad set by "
+        "hand after backward), and adding them to the released grads would train on the wrong sum. Nothing of "
+        "this step was applied. Under DDP, use release_grads=False (the grads then stay in the shared buffer "
+        "DDP averages) or tiermem.distributed.ShardedOffloadAdam (ZeRO-2)"
+    )
 
 
 def remove_hooks(handles: list[Any]) -> None:

@@ -109,6 +109,7 @@ from tiermem.core import dtypes
 from tiermem.core.errors import (
     AdmissionError,
     DTypeError,
+    GradsAfterRelease,
     InvalidArgument,
     InvalidState,
     ProtocolError,
@@ -700,7 +701,12 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         scaled = grad_scale is not False
         # only the overlap mode refuses grads changed after they landed (its early updates saw them before)
         changed = self.policy.mode is StepMode.OVERLAP and self.feed.changed_after_landing
-        ids = self.feed.check()
+        try:
+            ids = self.feed.check()
+        except GradsAfterRelease:
+            self._abort_open()
+            self._new_step()
+            raise
         open_attempt = self._open
         try:
             self.policy.check_step(

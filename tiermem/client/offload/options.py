@@ -46,7 +46,8 @@ class OffloadOptions:
     """Clip the global grad norm to this (``clip_grad_norm_``), in the daemon; None: no clipping."""
     release_grads: bool = False
     """Grads go to the daemon as they land and the model keeps none (no ``GradScaler``, no delayed update; clip
-    with ``max_grad_norm``: ``clip_grad_norm_`` finds no grads, returns 0 and clips nothing)."""
+    with ``max_grad_norm``: ``clip_grad_norm_`` finds no grads, returns 0 and clips nothing; not under DDP, whose
+    averaged grads come after the release: ``GradsAfterRelease``)."""
     window_nbytes: int | None = None
     """The staging window's bytes; None: the daemon's default (which ``offload_params`` may grow)."""
     bucket_nbytes: int = 32 * MiB

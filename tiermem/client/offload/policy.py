@@ -76,8 +76,8 @@ class StepPolicy:
             problems.append("grads were accumulated over several backward passes (the early update saw only the first)")
         if changed:
             problems.append(
-                "grads changed after backward produced them (clip_grad_norm_, unscale_: the early update saw them "
-                "before)"
+                "grads changed after backward produced them (clip_grad_norm_, unscale_, DDP's all-reduce: the "
+                "early update saw them before)"
             )
         if not problems:
             self.verified = True
@@ -90,5 +90,6 @@ class StepPolicy:
         )
         raise InvalidState(
             "overlap_update=True cannot run this training loop: " + "; ".join(problems) + f". {done}. "
-            "Use overlap_update=False for loops with loss scaling, clipping or gradient accumulation"
+            "Use overlap_update=False for loops with loss scaling, clipping, gradient accumulation or DDP "
+            "(tiermem.distributed.ShardedOffloadAdam(overlap_comm=True) overlaps its reduction with backward)"
         )

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from tiermem.client.offload.feeds import hook_grads, remove_hooks, zero_grads
+from tiermem.client.offload.feeds import grads_after_release, hook_grads, remove_hooks, zero_grads
 from tiermem.client.offload.policy import Buckets
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
 
@@ -236,7 +236,12 @@ class SharedFeed:
             target.copy_(grad)
 
     def check(self) -> list[int]:
-        """At ``step()``: bind replaced params again, land grads the hooks did not see; ids with a grad."""
+        """At ``step()``: bind replaced params again, land grads the hooks did not see; ids with a grad.  A
+        grad written after its release (``GradsAfterRelease``) is refused before any is landed."""
+        if self.push is not None:
+            late = [e.describe() for e in self.entries if e.landed and e.param.grad is not None]
+            if late:
+                raise grads_after_release(late)
         ids = []
         for e in self.entries:
             if not e.bound():

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from tiermem.client.offload.feeds import hook_grads, remove_hooks, zero_grads
+from tiermem.client.offload.feeds import grads_after_release, hook_grads, remove_hooks, zero_grads
 from tiermem.client.offload.policy import Buckets
 from tiermem.client.offload.transfer import PushItem, StateTransfer
 from tiermem.core.errors import DTypeError, InvalidArgument, InvalidState
@@ -295,6 +295,10 @@ class StagedFeed:
 
     def check(self) -> list[int]:
         self.settle()
+        if self.release_grads:
+            late = [e.describe() for e in self.entries if e.landed and e.param.grad is not None]
+            if late:
+                raise grads_after_release(late)
         ids = []
         for e in self.entries:
             p = e.param
@@ -347,8 +351,8 @@ class StagedFeed:
         return len(todo)
 
     def push_grads(self, ids: list[int]) -> None:
-        """Push the grads the hooks did not push as they landed (all of them unless grads go in early);
-        a released grad set again by hand adds to what was pushed."""
+        """Push the grads the hooks did not push as they landed (all of them unless grads go in early); a
+        grad set after its release was refused by ``check``."""
         items: list[PushItem] = []
         for tid in ids:
             e = self.entries[tid]
