@@ -196,3 +196,22 @@ def assert_state_close(saved: dict[str, Any], reference: dict[str, Any], **toler
             torch.testing.assert_close(
                 mine[name].float(), ref[name].float(), msg=lambda m, k=key, n=name: f"state {k} {n}: {m}", **tolerance
             )
+
+
+def record_state_dict_hooks(opt: torch.optim.Optimizer, calls: list[str]) -> None:
+    """torch.optim's four state-dict hooks on ``opt``, each appending its name to ``calls``: the save's post
+    hook adds a key, the load's pre hook takes it out again (as a library that saves its own state beside the
+    optimizer's does)."""
+
+    def saved(o: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        calls.append("save post")
+        return {**state_dict, "extra": {"ema_decay": 0.999}}
+
+    def loading(o: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        calls.append(f"load pre {state_dict.get('extra')}")
+        return {k: v for k, v in state_dict.items() if k != "extra"}
+
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+    opt.register_state_dict_post_hook(saved)
+    opt.register_load_state_dict_pre_hook(loading)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))

@@ -29,7 +29,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from offload_helpers import OffloadDaemon, assert_params_close, assert_state_close, offload_and_adamw, train
+from offload_helpers import (
+    OffloadDaemon,
+    assert_params_close,
+    assert_state_close,
+    offload_and_adamw,
+    record_state_dict_hooks,
+    train,
+)
 from small_models import TwoBranches, mlp, mlp_batches, mlp_loss
 from torch import nn
 from torch.nn import functional as F
@@ -419,6 +426,26 @@ def test_deepcopy_and_pickle_raise_type_error_pointing_to_state_dict(offload: Of
 
 
 # ----------------------------------------------------------------------------- what the optimizer answers
+
+
+def test_torchs_state_dict_hooks_run_as_they_do_on_adamw(offload: OffloadDaemon, tier: str) -> None:
+    """``register_state_dict_pre_hook`` and its three siblings (torch.optim's, used by libraries that save their
+    own state with the optimizer's) were silently never called: ``state_dict`` and ``load_state_dict`` are
+    ours.  They run as on AdamW: the post hook's dict is what is saved, the pre hook's what is loaded."""
+    m_off, opt, m_ref, ref = offload_and_adamw(offload, mlp(), tier, **HYPER)
+    ours: list[str] = []
+    torchs: list[str] = []
+    record_state_dict_hooks(opt, ours)
+    record_state_dict_hooks(ref, torchs)
+    batches = mlp_batches(2, fixed=False)
+    train(m_off, opt, batches, mlp_loss)
+    train(m_ref, ref, batches, mlp_loss)
+    saved, ref_saved = opt.state_dict(), ref.state_dict()
+    assert saved["extra"] == ref_saved["extra"] == {"ema_decay": 0.999}
+    opt.load_state_dict(saved)
+    ref.load_state_dict(ref_saved)
+    assert ours == torchs == ["save pre", "save post", "load pre {'ema_decay': 0.999}", "load post"]
+    assert_state_close(opt.state_dict(), ref.state_dict())
 
 
 def test_state_mapping_answers_like_adamw(offload: OffloadDaemon, tier: str) -> None:

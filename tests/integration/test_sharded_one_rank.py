@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 import pytest
 import torch
 from conftest import DaemonProcess
+from offload_helpers import record_state_dict_hooks
 
 from tiermem.client.distributed import LayerShardedAdam, ShardedGradScaler, ShardedOffloadAdam, ShardedPagedAdam
 from tiermem.client.link import connect
@@ -143,6 +144,27 @@ def test_zero2_takes_torchs_weight_decay_switch_in_a_group_and_refuses_an_amsgra
             with pytest.raises(InvalidArgument, match=r"param_groups\[0\] has amsgrad=True"):
                 opt.load_state_dict(amsgrad.state_dict())  # changes nothing
         assert biggest_diff(ours, ref) <= 1e-6
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("which", ["zero2", "layers", "paged"])
+def test_torchs_state_dict_hooks_run_on_the_sharded_optimizers(daemon, one_rank_group, which):
+    """torch.optim's state-dict hooks were never called by the sharded optimizers' own ``state_dict`` and
+    ``load_state_dict``; they run as on AdamW, around the rank file."""
+    m = model()
+    if which == "zero2":
+        opt = ShardedOffloadAdam(m.parameters(), lr=0.02, client=connect(daemon.socket_path))
+    else:
+        opt = zero3(which, m, daemon)
+    calls: list[str] = []
+    record_state_dict_hooks(opt, calls)
+    try:
+        train_alike(((m, opt),), range(2))
+        saved = opt.state_dict()
+        assert saved["extra"] == {"ema_decay": 0.999}
+        opt.load_state_dict(saved)
+        assert calls == ["save pre", "save post", "load pre {'ema_decay': 0.999}", "load post"]
     finally:
         opt.close()
 

@@ -83,6 +83,7 @@ from tiermem.client.offload.args import check_group_switches, closure_loss, name
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
 from tiermem.client.offload.reentry import Calls
+from tiermem.client.offload.transfer import hooked_load, hooked_state_dict
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.param_groups import check_params_once
 from tiermem.core.step_rules import StepDecision
@@ -482,7 +483,11 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         """This rank's file (``shard_state_dict()``), for every strategy: the fp32 values and Adam state of the
         stretches of params the rank holds, and what merges it with the other ranks' files.  ``torch.save`` it
         on every rank; ``load_state_dict`` takes it back at the same world size, ``load_shards`` takes the
-        files of all ranks at any world size, ``tiermem consolidate`` merges them."""
+        files of all ranks at any world size, ``tiermem consolidate`` merges them.  torch.optim's state-dict
+        hooks run around it."""
+        return hooked_state_dict(self, self._shard_state_dict)
+
+    def _shard_state_dict(self) -> dict[str, Any]:
         with self._calls.enter("state_dict()", reads=True):
             return self.checkpoint.shard_state_dict()
 
@@ -491,7 +496,10 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         layout), params' values and the model's buffers too; or ``torch.optim.AdamW``'s format over the
         optimizer's params (``full_state_dict()``, ``tiermem consolidate``, ``torch.optim.AdamW``,
         ``OffloadAdam``: any world size; the params are not touched, torch's rule).  Checked whole before
-        anything changes.  Every rank calls it."""
+        anything changes.  Every rank calls it; torch.optim's load hooks run around it."""
+        hooked_load(self, state_dict, self._load_guarded)
+
+    def _load_guarded(self, state_dict: dict[str, Any]) -> None:
         with self._calls.enter("load_state_dict()", reads=False):
             self._load_state_dict(state_dict)
 

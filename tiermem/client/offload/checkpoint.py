@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiermem.client.offload.transfer import PushItem, StateTransfer, adopt_saved_groups, packed_groups, plan_load
+from tiermem.client.offload.transfer import (
+    PushItem,
+    StateTransfer,
+    adopt_saved_groups,
+    hooked_load,
+    hooked_state_dict,
+    packed_groups,
+    plan_load,
+)
 from tiermem.core.errors import InvalidArgument, InvalidState
 from tiermem.core.uncopyable import Uncopyable
 
@@ -178,7 +186,11 @@ class OptimizerState(Uncopyable):
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW``'s format (plus ``master`` for low-precision params): the state keyed by each
-        param's position in the groups, frozen params included, as torch numbers them."""
+        param's position in the groups, frozen params included, as torch numbers them; torch.optim's
+        state-dict hooks run around it."""
+        return hooked_state_dict(self, self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
         with self._calls.enter("state_dict()", reads=True):
             by_param = self._state_by_param()
             state = {i: by_param[p] for i, p in enumerate(self._flat_params()) if p in by_param}
@@ -189,7 +201,11 @@ class OptimizerState(Uncopyable):
 
         Everything is checked before anything changes.  Params that have no state in it start afresh
         (step 0), as in torch; the model's params are not touched.  A frozen param with state in it joins
-        the registration first (it holds state now, as it would in torch)."""
+        the registration first (it holds state now, as it would in torch).  torch.optim's load hooks run
+        around it."""
+        hooked_load(self, state_dict, self._load_guarded)
+
+    def _load_guarded(self, state_dict: dict[str, Any]) -> None:
         with self._calls.enter("load_state_dict()", reads=False):
             self._load_state_dict(state_dict)
 

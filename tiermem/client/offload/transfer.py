@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,8 @@ __all__ = [
     "PushItem",
     "Span",
     "StateTransfer",
+    "hooked_load",
+    "hooked_state_dict",
     "pack_spans",
     "plan_load",
     "staged_dtype",
@@ -91,6 +93,35 @@ def adopt_saved_groups(mine: Sequence[dict[str, Any]], saved: Sequence[dict[str,
         elif "decoupled_weight_decay" in loaded:
             group["adamw"] = bool(loaded["decoupled_weight_decay"])
         group["decoupled_weight_decay"] = group["adamw"]
+
+
+def hooked_state_dict(opt: Any, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``build()``'s state dict between the state-dict hooks of ``opt`` (a ``torch.optim.Optimizer``), as
+    ``Optimizer.state_dict`` runs them: the pre hooks first, then each post hook, whose returned dict (when
+    not None) replaces it."""
+    for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
+        pre_hook(opt)
+    state_dict = build()
+    for post_hook in opt._optimizer_state_dict_post_hooks.values():
+        returned = post_hook(opt, state_dict)
+        if returned is not None:
+            state_dict = returned
+    return state_dict
+
+
+def hooked_load(opt: Any, state_dict: Any, load: Callable[[Any], None]) -> None:
+    """``load(state_dict)`` between the load hooks of ``opt`` (a ``torch.optim.Optimizer``), as
+    ``Optimizer.load_state_dict`` runs them: each pre hook gets a shallow copy and may return the dict to load
+    instead; the post hooks run after."""
+    if isinstance(state_dict, dict):
+        state_dict = state_dict.copy()
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        returned = pre_hook(opt, state_dict)
+        if returned is not None:
+            state_dict = returned
+    load(state_dict)
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
 
 
 def plan_load(
