@@ -402,6 +402,35 @@ class CheckpointedGPT(GPT):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def test_a_backward_through_frozen_layers_stays_within_the_budget_and_trains_bitwise_unpaged(
+    offload: OffloadDaemon,
+) -> None:
+    """Bias-only fine-tuning (frozen weights in every layer, as LoRA's frozen base): backward runs through every
+    frozen weight.  Each was held until backward ended, as a trained param is until its grad lands, but no
+    grad ever came: a budget of a quarter of the model failed (``device_budget 58.2KiB cannot hold
+    blocks.3.fc.weight``).  Freezing part of the model between steps failed the same way.  Both now train
+    bitwise like the unpaged model within the budget."""
+    paged, plain = paging_gpt(0), paging_gpt(0)
+    for m in (paged, plain):
+        for name, p in m.named_parameters():
+            p.requires_grad_(not name.endswith("weight"))
+    opt, plain_opt = make_opt(offload, paged), make_opt(offload, plain)
+    budget = param_nbytes(paged) // 4
+    pager = tiermem.offload_params(paged, opt, device_budget=budget)
+    data = batches(6)
+    for i, batch in enumerate(data):
+        if i == 3:  # the other way round, between steps: train the weights of the first blocks, freeze the rest
+            for m in (paged, plain):
+                m.requires_grad_(False)
+                m.blocks[0].requires_grad_(True)
+                m.blocks[1].requires_grad_(True)
+        run(paged, opt, [batch])
+        run(plain, plain_opt, [batch])
+    for name, value in plain.state_dict().items():
+        assert torch.equal(paged.state_dict()[name], value), name
+    assert pager.peak_nbytes <= budget
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing_refetches_during_recomputation(offload: OffloadDaemon, reentrant: bool) -> None:
     torch.manual_seed(0)

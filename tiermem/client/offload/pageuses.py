@@ -20,6 +20,7 @@ The module docstring of ``tiermem.client.offload.paging`` says why, and what
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +41,10 @@ class PageUses(PagerRecords):
     _tasks: set[int]
     _mode: CatchParams
     _grad_units: GradUnits[Any]
+    _unhooked: list[PagedParam]
+    """Params without a grad hook: frozen when the pager was made."""
+    _on_grad: Callable[[torch.Tensor], None]
+    _hooks: list[Any]
 
     if TYPE_CHECKING:
 
@@ -55,6 +60,8 @@ class PageUses(PagerRecords):
         frame = Frame(module)
         if not self._frames:
             self._saving.clear()  # (a save that raised between its hooks)
+            if self._unhooked:
+                self._hook_unfrozen()
             self._mode.__enter__()
             frame.contexts.append(self._mode)
             if torch.is_grad_enabled() and not in_backward() and not in_checkpoint_region():
@@ -64,6 +71,13 @@ class PageUses(PagerRecords):
         self._frames.append(frame)
         if own:
             self._use(own, lease=True)
+
+    def _hook_unfrozen(self) -> None:
+        """At a forward's start: params frozen when the pager was made (torch takes no grad hook on them) and
+        trained now get their grad hook, so their grads land, and end their holds, as the others' do."""
+        for e in [e for e in self._unhooked if e.param.requires_grad]:
+            self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+            self._unhooked.remove(e)
 
     def _exit(self, own: list[PagedParam], module: nn.Module, args: Any, output: Any) -> None:
         if not self._frames or self._frames[-1].module is not module:
@@ -98,17 +112,40 @@ class PageUses(PagerRecords):
 
     def _unpack(self, saved: Any) -> Any:
         """A saved param is used again: in backward, with the other params of its submodule saved for it, in
-        one fetch (one all-gather at ZeRO-3), held until their grads land."""
+        one fetch (one all-gather at ZeRO-3), held until their grads land.  A frozen param gets no grad to
+        end a hold: its node gets a copy of its own instead, freed with the node (``_frozen_copy``)."""
         if not isinstance(saved, SavedParam):
             return saved
         e = saved.entry
-        if in_backward():
-            self._use([x for x in self._grad_units.owner(e) if x is e or x.saved], lease=False, hold=True)
-        else:
+        if not in_backward():
             self._use([e], lease=False)
+            return self._saved_view(e, saved)
+        if e.param.requires_grad:
+            self._use([x for x in self._grad_units.owner(e) if x is e or x.saved], lease=False, hold=True)
+            return self._saved_view(e, saved)
+        return self._frozen_copy(e, saved)
+
+    def _saved_view(self, e: PagedParam, saved: SavedParam) -> torch.Tensor:
         if e.data is None:  # pragma: no cover - _use makes it resident
             raise InvalidState(f"{e.describe()} is not on the device after its fetch")
         return e.data.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _frozen_copy(self, e: PagedParam, saved: SavedParam) -> torch.Tensor:
+        """A frozen param (LoRA's base, a partly frozen model) for a backward node: a copy the node owns, in
+        the saved view's layout, and the param free to go.  Held like a trained one, it stayed until backward
+        ended (no grad lands to end the hold), so a backward through every frozen layer needed them all within
+        ``device_budget`` at once; the copies are one node's at a time, freed by autograd as each node is done.
+        The param is pinned (a lease) while it is fetched and copied: nothing holds it otherwise."""
+        e.leases += 1
+        try:
+            self._use([x for x in self._grad_units.owner(e) if x is e or x.saved], lease=False, hold=True)
+            view = self._saved_view(e, saved)
+            copy = torch.empty_strided(saved.size, saved.stride, dtype=view.dtype, device=view.device)
+            copy.copy_(view)
+        finally:
+            e.leases -= 1
+        self._settle(e)
+        return copy
 
     # ----------------------------------------------------------------- uses, leases, holds
 
@@ -133,7 +170,8 @@ class PageUses(PagerRecords):
         if hold:
             task = self._watch_backward()
             for e in group:
-                e.hold_task = task
+                if e.param.requires_grad:  # a frozen one gets no grad to end the hold (``_frozen_copy``)
+                    e.hold_task = task
         self._look_ahead()
 
     def _unlease(self, e: PagedParam) -> None:

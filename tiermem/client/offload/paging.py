@@ -43,7 +43,12 @@ When params are on the device:
   submodule's saved params in one fetch (a first layer, whose input needs
   no grad, is not fetched again: as in the seed's pipeline, layer m's
   backward needs layer m+1's weights), and holds each until its grad has
-  landed or the backward pass ends;
+  landed or the backward pass ends.  A frozen param (LoRA's base) gets no
+  grad to end a hold: its node gets a copy of its own, freed by autograd
+  with the node, so a backward through frozen layers holds one node's
+  frozen weights at a time (``PageUses._frozen_copy``); a param frozen when
+  the pager was made and trained later gets its grad hook at the next
+  forward;
 - ``torch.utils.checkpoint``: the recomputation runs the forward hooks
   again, inside backward, so its params are fetched then and held until
   their grads land (the checkpoint keeps its recomputed tensors, views of
@@ -285,7 +290,9 @@ class ParamPager(PageUses, PageIO, PagedState):
                 self._hooks.append(module.register_load_state_dict_pre_hook(functools.partial(self._load_pre)))
                 self._hooks.append(module.register_load_state_dict_post_hook(functools.partial(self._load_post)))
         self._hooks.append(_ForwardGuard(model, self._interrupted))
-        self._hooks += hook_grads((e.param for e in self.entries), torch.compiler.disable(self._grad_ready))
+        self._on_grad = torch.compiler.disable(self._grad_ready)
+        self._hooks += hook_grads((e.param for e in self.entries), self._on_grad)
+        self._unhooked = [e for e in self.entries if not e.param.requires_grad]
 
     def unhook(self) -> None:
         """Remove every hook (``OffloadAdam.close``); the model keeps its placeholders."""
