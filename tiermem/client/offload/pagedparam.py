@@ -76,6 +76,9 @@ class PagedParam:
     """Running forwards that use it (nested or repeated modules count once each)."""
     hold_task: int = -1
     """The autograd graph task that needs it until its grad lands (-1: none)."""
+    hold_saved: bool = False
+    """The hold is a backward node's use of a saved view (``PageUses._unpack``), which ends with the node: it
+    may be given up for room (a recomputation's hold may not: the checkpoint keeps its tensors)."""
     landed: bool = False
     """Its grad reached the daemon in this step."""
     saved: bool = False

@@ -85,6 +85,17 @@ class PageIO(PagerRecords):
             self._release(e)
             if self.nbytes + nbytes <= self.budget:
                 return
+        # then holds of backward nodes that are done: the param's grad has not landed (it is used by another
+        # node still to come, as in one loss over two forwards) but no running node needs it now; one that
+        # does still views the buffer, which is then dropped, never reused (``BufferCache.give``)
+        spent = [e for e in self._present.values() if self._spent_hold(e) and id(e) not in kept]
+        spent.sort(key=lambda e: e.index in self._upcoming)
+        for e in spent:
+            e.hold_task, e.hold_saved = -1, False
+            self._release(e)
+            self.counters["holds_given_up"] += 1
+            if self.nbytes + nbytes <= self.budget:
+                return
         held = [e for e in self._present.values() if not e.idle]
         raise InvalidState(
             f"device_budget {format_size(self.budget)} cannot hold {', '.join(e.name for e in need)} "
@@ -92,6 +103,11 @@ class PageIO(PagerRecords):
             f"{format_size(self.nbytes)} are in use by {len(held)} params "
             f"({', '.join(e.name for e in held[:6])}{', ...' if len(held) > 6 else ''}); raise device_budget"
         )
+
+    @staticmethod
+    def _spent_hold(e: PagedParam) -> bool:
+        """Held only by a backward node's saved view (no lease, no recomputation), and resident."""
+        return e.residency is Residency.RESIDENT and e.leases == 0 and e.hold_task >= 0 and e.hold_saved
 
     def _start_fetches(self, entries: list[PagedParam], *, event: str) -> None:
         """Fetch ``entries`` (a submodule's params) in one transfer: they share the window's slots."""

@@ -171,7 +171,7 @@ class PageUses(PagerRecords):
             task = self._watch_backward()
             for e in group:
                 if e.param.requires_grad:  # a frozen one gets no grad to end the hold (``_frozen_copy``)
-                    e.hold_task = task
+                    e.hold_task, e.hold_saved = task, True
         self._look_ahead()
 
     def _unlease(self, e: PagedParam) -> None:
@@ -180,7 +180,7 @@ class PageUses(PagerRecords):
             return
         if in_backward() and torch.is_grad_enabled() and e.param.requires_grad:
             # a recomputation (checkpoint) inside backward: its saved tensors keep the param until its grad lands
-            e.hold_task = self._watch_backward()
+            e.hold_task, e.hold_saved = self._watch_backward(), False
             return
         self._settle(e)
 

@@ -48,11 +48,13 @@ When params are on the device:
   with the node, so a backward through frozen layers holds one node's
   frozen weights at a time (``PageUses._frozen_copy``); a param frozen when
   the pager was made and trained later gets its grad hook at the next
-  forward.  A trained param's grad lands once per backward, so one loss
-  over two forwards of the model (``(model(a) + model(b)).backward()``)
-  holds each trained param from its use in the second forward's backward
-  until the first's: the budget must hold what the two forwards share (a
-  GPT at a third of its size does not; one backward per forward does);
+  forward.  A trained param's grad lands once per backward, so in one loss
+  over two forwards of the model (``(model(a) + model(b)).backward()``) a
+  param is used by the second forward's nodes long before the first's: a
+  hold whose node is done is given up when a fetch needs the room
+  (``holds_given_up`` in the figures), and the param is fetched again for
+  its next node; a buffer that a running node still views is dropped,
+  never reused (``BufferCache.give``);
 - ``torch.utils.checkpoint``: the recomputation runs the forward hooks
   again, inside backward, so its params are fetched then and held until
   their grads land (the checkpoint keeps its recomputed tensors, views of
