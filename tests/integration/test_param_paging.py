@@ -402,6 +402,39 @@ class CheckpointedGPT(GPT):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+class _LaggingLinear(nn.Linear):
+    """A Linear whose kernels run late: the compute stream spins first, so the forward hook that releases its
+    params returns while the matmul that reads them is still queued."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(20_000_000)  # about 10 ms of GPU cycles
+        return super().forward(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_reused_buffer_is_not_overwritten_while_queued_kernels_read_it(offload: OffloadDaemon) -> None:
+    """On a GPU the pager releases a layer's params when its forward hook returns, while the layer's kernels
+    may still be queued; a prefetch then reuses the buffer on the copy stream.  It must wait for the compute
+    stream (``ParamCopies.mark``), or a lagging matmul reads the next layer's weights: the paged run must
+    equal the unpaged one bitwise."""
+    torch.manual_seed(0)
+    layers = [_LaggingLinear(1024, 1024) for _ in range(6)]
+    paged = nn.Sequential(*layers).cuda()
+    plain = copy.deepcopy(paged)
+    opt = offload.make(paged.parameters(), offload="cpu", exchange="staged", **HYPER)
+    plain_opt = offload.make(plain.parameters(), offload="cpu", exchange="staged", **HYPER)
+    tiermem.offload_params(paged, opt, device_budget=3 * param_nbytes(layers[0]), prefetch=2)
+    x = torch.randn(4096, 1024, device="cuda")
+    for _ in range(3):
+        for model, o in ((paged, opt), (plain, plain_opt)):
+            model(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    with torch.no_grad():
+        assert torch.equal(paged(x), plain(x))
+
+
 def test_a_backward_through_frozen_layers_stays_within_the_budget_and_trains_bitwise_unpaged(
     offload: OffloadDaemon,
 ) -> None:

@@ -110,7 +110,7 @@ from tiermem.client.distributed.sharded import InnerPlan, ShardedOptimizer, Shar
 from tiermem.client.distributed.zero3_checkpoint import RankShare, Slot
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_hyper, copy_hyper, optimizer_defaults
-from tiermem.client.offload.copies import FetchItem, GradItem, param_buffer
+from tiermem.client.offload.copies import FetchItem, GradItem, compute_mark, param_buffer
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
 from tiermem.client.offload.pageargs import check_buffers
@@ -205,7 +205,12 @@ class ShardCopies:
                 _from_rows(whole[:, at : at + n], out.view(-1))  # to a host ``out``: complete when it returns
                 at += n
 
-    def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> Any:
+    def mark(self) -> Any:
+        return compute_mark(self.device) if self.stream is not None else None
+
+    def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem], after: Any = None) -> Any:
+        if after is not None and self.stream is not None:
+            self.stream.wait_event(after)
         self._gather(transfer, items)
         return self._event()
 

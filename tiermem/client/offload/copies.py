@@ -19,7 +19,10 @@ what it needs.  Two engines share one interface:
   (``record_stream``) so the caching allocator does not hand its memory out
   before the copy read it.  Materialized params are allocated on the compute
   stream, written on the copy stream only before the event the compute
-  stream waits on, so their memory is never reused early either.
+  stream waits on, so their memory is never reused early either.  A buffer
+  the pager reuses (a released param's) is written only after the compute
+  stream reached the point where the fetch was submitted (``mark``): the
+  kernels that read the released param were enqueued before it.
 
 Each piece goes through the window synchronously (the window is reused for
 the next piece), which ``Tensor.copy_`` between pinned host memory and the
@@ -35,7 +38,16 @@ import torch
 
 from tiermem.client.offload.transfer import StateTransfer
 
-__all__ = ["CudaCopies", "FetchItem", "GradItem", "HostCopies", "ParamCopies", "copies_for", "param_buffer"]
+__all__ = [
+    "CudaCopies",
+    "FetchItem",
+    "GradItem",
+    "HostCopies",
+    "ParamCopies",
+    "compute_mark",
+    "copies_for",
+    "param_buffer",
+]
 
 FetchItem = tuple[int, torch.Tensor]
 """``(tensor id, destination)``: a param to fetch."""
@@ -48,8 +60,15 @@ class ParamCopies(Protocol):
         """A tensor to fetch a param into (trainer's thread)."""
         ...
 
-    def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> Any:
-        """Read each param (its ``param`` key) into its destination (I/O thread); returns what ``ready`` needs."""
+    def mark(self) -> Any:
+        """Where the compute stream is (trainer's thread), taken as a fetch's buffers are chosen: the fetch
+        writes them only after it, so a buffer reused from a released param is not overwritten while kernels
+        enqueued before still read it (None on the host, where work is done when it returns)."""
+        ...
+
+    def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem], after: Any = None) -> Any:
+        """Read each param (its ``param`` key) into its destination (I/O thread), after ``after`` (a ``mark``);
+        returns what ``ready`` needs."""
         ...
 
     def ready(self, token: Any) -> None:
@@ -90,7 +109,10 @@ class HostCopies(_DirectMaster):
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return param_buffer(shape, dtype, self.device)
 
-    def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> Any:
+    def mark(self) -> Any:
+        return None
+
+    def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem], after: Any = None) -> Any:
         transfer.pull_many_into([(tid, "param", dest) for tid, dest in items])
         return None
 
@@ -112,7 +134,12 @@ class CudaCopies(_DirectMaster):
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return param_buffer(shape, dtype, self.device)
 
-    def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem]) -> Any:
+    def mark(self) -> Any:
+        return compute_mark(self.device)
+
+    def fetch_many(self, transfer: StateTransfer, items: Sequence[FetchItem], after: Any = None) -> Any:
+        if after is not None:
+            self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
             transfer.pull_many_into([(tid, "param", dest) for tid, dest in items])
             event = torch.cuda.Event()
@@ -133,6 +160,14 @@ class CudaCopies(_DirectMaster):
             self.stream.wait_event(token)
         with torch.cuda.stream(self.stream):
             transfer.push_many([(tid, "grad", grad, 0, accumulate) for tid, grad, accumulate, _ in items])
+
+
+def compute_mark(device: torch.device) -> Any:
+    """An event recorded on ``device``'s current (compute) stream: what a copy stream waits on before it
+    writes a buffer that kernels enqueued so far may still read."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def param_buffer(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -118,7 +118,8 @@ class PageIO(PagerRecords):
         names = ", ".join(e.name for e in entries) if self.probe is not None else ""
         if self.probe is not None:
             self.probe.at("fetch", names)
-        future = self._submit(f"fetch {names}", self.copies.fetch_many, self.transfer, items)
+        after = self.copies.mark()  # the kernels that read a reused buffer's last param are enqueued before
+        future = self._submit(f"fetch {names}", self.copies.fetch_many, self.transfer, items, after)
         for e in entries:
             e.fetch = future
             e.move(Residency.FETCHING)
