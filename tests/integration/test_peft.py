@@ -91,8 +91,8 @@ def test_the_daemon_holds_bytes_for_the_adapter_only(offload: OffloadDaemon) -> 
 def test_a_paged_lora_model_trains_bitwise_unpaged_within_a_quarter_of_the_model(offload: OffloadDaemon) -> None:
     """``offload_params`` over a LoRA model: backward goes through every frozen base weight, and each was held
     until backward ended, as a trained param is until its grad lands; the budget had to hold the whole base
-    (``device_budget 113.8KiB cannot hold ...h.1.mlp.c_fc.base_layer.weight``).  Each node now gets a copy of
-    its own."""
+    (``device_budget 113.8KiB cannot hold ...h.1.mlp.c_fc.base_layer.weight``).  A frozen param is no
+    longer held: it goes once its node has its view."""
     paged, plain = _lora(), _lora()
     opt = offload.make(paged.parameters(), exchange="staged", window_nbytes=1 << 20, **HYPER)
     plain_opt = offload.make(_trainable(plain), exchange="staged", window_nbytes=1 << 20, **HYPER)

@@ -15,7 +15,7 @@ class Uncopyable:
     __slots__ = ()
 
     def _not_copyable(self) -> TypeError:
-        raise NotImplementedError
+        return TypeError(f"{type(self).__name__} cannot be copied or pickled")
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         raise self._not_copyable()

@@ -107,6 +107,7 @@ from tiermem.client.offload.args import (
 from tiermem.client.offload.copies import param_buffer
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
+from tiermem.client.offload.pagedparam import placeholder_edit
 from tiermem.client.offload.pagehooks import ModelHook, in_backward
 from tiermem.core import dtypes
 from tiermem.core.errors import InvalidArgument, InvalidState
@@ -381,16 +382,14 @@ class LayerStrategy(ShardStrategy):
     @staticmethod
     def _released_changes(unit: _Unit) -> list[tuple[str, tuple[int, ...], torch.dtype, str]]:
         """What was done to each of a released unit's params since ``_release``: (name, shape, dtype, how)."""
+        cpu = torch.device("cpu")
         found = []
         for p, name, shape, dtype, version in zip(
             unit.params, unit.names, unit.shapes, unit.dtypes, unit.versions, strict=True
         ):
-            if p.dtype != dtype or p.device.type != "cpu":
-                found.append((name, shape, dtype, f"converted to {p.dtype} on {p.device} (model.half(), model.to())"))
-            elif p.numel():
-                found.append((name, shape, dtype, "given new data (p.data = t)"))
-            elif p._version != version:
-                found.append((name, shape, dtype, "written in place (nn.init, p.zero_(), p.mul_())"))
+            how = placeholder_edit(p, dtype, cpu, version, same_data=p.numel() == 0)
+            if how is not None:
+                found.append((name, shape, dtype, how))
         return found
 
     def _neighbour(self, unit: _Unit, step: int) -> _Unit | None:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from tiermem.client.offload.copies import ParamCopies
     from tiermem.client.offload.transfer import StateTransfer
 
-__all__ = ["BufferCache", "GradUnits", "PagedParam", "PagerRecords", "Residency", "SavedParam"]
+__all__ = ["BufferCache", "GradUnits", "PagedParam", "PagerRecords", "Residency", "SavedParam", "placeholder_edit"]
 
 T = TypeVar("T")
 
@@ -108,13 +108,23 @@ class PagedParam:
     def change_while_absent(self) -> str | None:
         """What was done to the param while it held its placeholder, as an error says it; None: nothing."""
         p = self.param
-        if p.dtype != self.dtype or p.device != self.placeholder.device:
-            return f"converted to {p.dtype} on {p.device} (model.half(), model.to())"
-        if p.data_ptr() != self.placeholder.data_ptr() or p.shape != self.shape:
-            return "given new data (p.data = t)"
-        if p._version != self.version:
-            return "written in place (nn.init, p.mul_(), p.zero_(), copy_)"
-        return None
+        same = p.data_ptr() == self.placeholder.data_ptr() and p.shape == self.shape
+        return placeholder_edit(p, self.dtype, self.placeholder.device, self.version, same_data=same)
+
+
+def placeholder_edit(
+    p: torch.Tensor, dtype: torch.dtype, device: torch.device, version: int, *, same_data: bool
+) -> str | None:
+    """What was done to a param that holds a placeholder (the pager's, or ZeRO-3 by layer's empty one) since it
+    got it with ``dtype``, on ``device``, at version counter ``version``, as an error says it; None: nothing.
+    ``same_data``: it still holds that placeholder (each owner knows its own)."""
+    if p.dtype != dtype or p.device != device:
+        return f"converted to {p.dtype} on {p.device} (model.half(), model.to())"
+    if not same_data:
+        return "given new data (p.data = t)"
+    if p._version != version:
+        return "written in place (nn.init, p.mul_(), p.zero_(), copy_)"
+    return None
 
 
 @dataclass(frozen=True)

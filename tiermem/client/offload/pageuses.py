@@ -113,39 +113,31 @@ class PageUses(PagerRecords):
     def _unpack(self, saved: Any) -> Any:
         """A saved param is used again: in backward, with the other params of its submodule saved for it, in
         one fetch (one all-gather at ZeRO-3), held until their grads land.  A frozen param gets no grad to
-        end a hold: its node gets a copy of its own instead, freed with the node (``_frozen_copy``)."""
+        end a hold, so it is not held: it may be released as soon as its node has its view, whose buffer
+        ``BufferCache.give`` then drops rather than reuses, and autograd frees with the node.  Held like a
+        trained one, it stayed until backward ended, so a backward through every frozen layer (LoRA's base)
+        needed them all within ``device_budget`` at once."""
         if not isinstance(saved, SavedParam):
             return saved
         e = saved.entry
         if not in_backward():
             self._use([e], lease=False)
             return self._saved_view(e, saved)
-        if e.param.requires_grad:
+        frozen = not e.param.requires_grad  # no grad will end a hold of it: pinned only while it is fetched
+        e.leases += frozen
+        try:
             self._use([x for x in self._grad_units.owner(e) if x is e or x.saved], lease=False, hold=True)
-            return self._saved_view(e, saved)
-        return self._frozen_copy(e, saved)
+            view = self._saved_view(e, saved)
+        finally:
+            e.leases -= frozen
+        if frozen:
+            self._settle(e)  # may go at once: its buffer is not reused while the node views it (BufferCache.give)
+        return view
 
     def _saved_view(self, e: PagedParam, saved: SavedParam) -> torch.Tensor:
         if e.data is None:  # pragma: no cover - _use makes it resident
             raise InvalidState(f"{e.describe()} is not on the device after its fetch")
         return e.data.as_strided(saved.size, saved.stride, saved.offset)
-
-    def _frozen_copy(self, e: PagedParam, saved: SavedParam) -> torch.Tensor:
-        """A frozen param (LoRA's base, a partly frozen model) for a backward node: a copy the node owns, in
-        the saved view's layout, and the param free to go.  Held like a trained one, it stayed until backward
-        ended (no grad lands to end the hold), so a backward through every frozen layer needed them all within
-        ``device_budget`` at once; the copies are one node's at a time, freed by autograd as each node is done.
-        The param is pinned (a lease) while it is fetched and copied: nothing holds it otherwise."""
-        e.leases += 1
-        try:
-            self._use([x for x in self._grad_units.owner(e) if x is e or x.saved], lease=False, hold=True)
-            view = self._saved_view(e, saved)
-            copy = torch.empty_strided(saved.size, saved.stride, dtype=view.dtype, device=view.device)
-            copy.copy_(view)
-        finally:
-            e.leases -= 1
-        self._settle(e)
-        return copy
 
     # ----------------------------------------------------------------- uses, leases, holds
 
@@ -170,7 +162,7 @@ class PageUses(PagerRecords):
         if hold:
             task = self._watch_backward()
             for e in group:
-                if e.param.requires_grad:  # a frozen one gets no grad to end the hold (``_frozen_copy``)
+                if e.param.requires_grad:  # a frozen one gets no grad to end the hold (``_unpack``)
                     e.hold_task, e.hold_saved = task, True
         self._look_ahead()
 

@@ -44,11 +44,12 @@ When params are on the device:
   no grad, is not fetched again: as in the seed's pipeline, layer m's
   backward needs layer m+1's weights), and holds each until its grad has
   landed or the backward pass ends.  A frozen param (LoRA's base) gets no
-  grad to end a hold: its node gets a copy of its own, freed by autograd
-  with the node, so a backward through frozen layers holds one node's
-  frozen weights at a time (``PageUses._frozen_copy``); a param frozen when
-  the pager was made and trained later gets its grad hook at the next
-  forward.  A trained param's grad lands once per backward, so in one loss
+  grad to end a hold, so it is not held: released once its node has its
+  view, its buffer stays with the node (``BufferCache.give`` drops a viewed
+  buffer rather than reuse it), so a backward through frozen layers keeps
+  one node's frozen weights at a time (``PageUses._unpack``); a param
+  frozen when the pager was made and trained later gets its grad hook at
+  the next forward.  A trained param's grad lands once per backward, so in one loss
   over two forwards of the model (``(model(a) + model(b)).backward()``) a
   param is used by the second forward's nodes long before the first's: a
   hold whose node is done is given up when a fetch needs the room
