@@ -24,10 +24,12 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from offload_helpers import (
     OffloadDaemon,
     assert_params_close,
@@ -41,6 +43,7 @@ from offload_helpers import (
 )
 from small_models import TwoBranches, mlp, mlp_batches, mlp_loss, replicas
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn import functional as F
 
 from tiermem import OffloadAdam
@@ -183,6 +186,20 @@ def _load(
 ORDERS = ["optimizer-first", "model-first"]
 
 
+def _trained(
+    offload: OffloadDaemon, tier: str, source: str, batches: list[Any]
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """An MLP trained on ``batches`` by ``OffloadAdam`` (``source`` "offload") or ``torch.optim.AdamW``."""
+    model = mlp()
+    opt: torch.optim.Optimizer = (
+        offload.make(model.parameters(), offload=tier, **HYPER)
+        if source == "offload"
+        else torch.optim.AdamW(model.parameters(), **HYPER)
+    )
+    train(model, opt, batches, mlp_loss)
+    return model, opt
+
+
 @pytest.mark.parametrize("source", ["offload", "adamw"], ids=["saved-by-offload", "saved-by-adamw"])
 @pytest.mark.parametrize("order", ORDERS)
 def test_resume_continues_from_the_checkpoint_in_either_load_order(
@@ -190,13 +207,7 @@ def test_resume_continues_from_the_checkpoint_in_either_load_order(
 ) -> None:
     """A new optimizer on a model with other values resumes from the checkpoint, as AdamW resumed the same way."""
     batches = mlp_batches(6, fixed=False)
-    m_src = mlp()
-    src: torch.optim.Optimizer = (
-        offload.make(m_src.parameters(), offload=tier, **HYPER)
-        if source == "offload"
-        else torch.optim.AdamW(m_src.parameters(), **HYPER)
-    )
-    train(m_src, src, batches[:3], mlp_loss)
+    m_src, src = _trained(offload, tier, source, batches[:3])
     ckpt = (copy.deepcopy(m_src.state_dict()), copy.deepcopy(src.state_dict()))
 
     m_off, m_ref = mlp(seed=7), mlp(seed=7)  # other values: the checkpoint must bring everything back
@@ -209,6 +220,32 @@ def test_resume_continues_from_the_checkpoint_in_either_load_order(
     train(m_ref, ref, batches[3:], mlp_loss)
     assert_params_close(m_off, m_ref)
     assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+@pytest.mark.parametrize("source", ["offload", "adamw"], ids=["saved-by-offload", "saved-by-adamw"])
+def test_a_torch_distributed_checkpoint_resumes_in_either_optimizer(
+    offload: OffloadDaemon, tier: str, source: str, tmp_path: Path
+) -> None:
+    """``get_state_dict`` and ``dcp.save`` (torch's checkpoint by param name, as FSDP2's users save), then a new
+    model and optimizer of other values: ``get_state_dict`` of them as the template, ``dcp.load``,
+    ``set_state_dict``.  Either optimizer's checkpoint resumes in either, as AdamW resumes it."""
+    batches = mlp_batches(6, fixed=False)
+    m_src, src = _trained(offload, tier, source, batches[:3])
+    model_state, optim_state = get_state_dict(m_src, src)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_path, no_dist=True)
+    m_off, m_ref = mlp(seed=7), mlp(seed=7)
+    opt = offload.make(m_off.parameters(), offload=tier, lr=0.5, weight_decay=0.5)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=0.5, weight_decay=0.5)
+    for model, optimizer in ((m_off, opt), (m_ref, ref)):
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert_params_equal(m_off, m_ref)
+    assert_state_close(opt.state_dict(), ref.state_dict())
+    train(m_off, opt, batches[3:], mlp_loss)
+    train(m_ref, ref, batches[3:], mlp_loss)
+    assert_params_close(m_off, m_ref)
 
 
 def test_state_dict_is_taken_when_called_and_later_steps_leave_it_alone(offload: OffloadDaemon, tier: str) -> None:

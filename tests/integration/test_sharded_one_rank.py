@@ -169,6 +169,37 @@ def test_torchs_state_dict_hooks_run_on_the_sharded_optimizers(daemon, one_rank_
         opt.close()
 
 
+@pytest.mark.parametrize("which", ["zero2", "layers", "paged"])
+def test_opt_state_is_torchs_entries_over_this_ranks_stretches(daemon, one_rank_group, which):
+    """Each param that requires grad has an entry from the start (what torch.distributed.checkpoint saves and
+    loads into: with an empty ``opt.state`` it would step the optimizer to make some); its tensors are this
+    rank's stretches (here, one rank's: all of it).  Handing an entry back unchanged, as Lightning does when it
+    moves an optimizer, is accepted; any other write is refused."""
+    m = model()
+    m[2].bias.requires_grad_(False)
+    opt = ShardedOffloadAdam(m.parameters(), lr=0.02, client=connect(daemon.socket_path)) if which == "zero2" else None
+    opt = opt or zero3(which, m, daemon)
+    try:
+        assert len(opt.state) == 3 and m[2].bias not in opt.state and m[0].weight in opt.state
+        assert float(opt.state[m[0].weight]["step"].flat(0, 1)[0]) == 0.0
+        train_alike(((m, opt),), range(2))
+        full = opt.full_state_dict()["state"]
+        for i, p in enumerate(list(m.parameters())[:3]):  # (the by-layer placeholders are 0-element)
+            entry, whole = opt.state[p], full[i]["exp_avg_sq"]
+            assert sorted(entry) == ["exp_avg", "exp_avg_sq", "step"] and entry["exp_avg"].shape == whole.shape
+            assert float(entry["step"].flat(0, 1)[0]) == 2.0
+            assert torch.equal(entry["exp_avg_sq"].flat(0, whole.numel()), whole.reshape(-1))
+            opt.state[p] = {key: value.to("cpu") for key, value in entry.items()}  # Lightning's move: nothing
+        with pytest.raises(InvalidState, match=r"a sharded optimizer's opt\.state cannot be written.*load_state_dict"):
+            opt.state[m[0].weight] = {"step": torch.tensor(0.0)}
+        with pytest.raises(InvalidState, match="cannot be written"):
+            del opt.state[m[0].bias]
+        train_alike(((m, opt),), range(2, 3))
+        assert int(opt.full_state_dict()["state"][0]["step"]) == 3
+    finally:
+        opt.close()
+
+
 def test_a_shard_of_another_layout_is_refused_before_anything_changes(daemon, one_rank_group):
     m = model()
     opt = ShardedOffloadAdam(m.parameters(), client=connect(daemon.socket_path))

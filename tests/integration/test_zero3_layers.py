@@ -189,11 +189,14 @@ def test_paged_layers_under_a_sharded_scaler_skip_a_global_overflow_and_clip_uns
     print(f"\nzero3 by layer, paged, scaled + clipped, one overflow skipped: params within {diff:.1e} of AdamW")
 
 
-@pytest.mark.parametrize("how", ["shards", "full"])
-@pytest.mark.parametrize("kind", reshard.KINDS)
+WAYS = [(k, h) for k in reshard.KINDS for h in ("shards", "full")] + [(k, "dcp") for k in reshard.DCP_KINDS]
+
+
+@pytest.mark.parametrize(("kind", "how"), WAYS)
 def test_a_checkpoint_saved_by_three_ranks_resumes_on_four_like_adamw(launch, kind, how):
     """``shards``: each of the four ranks takes its stretches from the three rank files (layer owners and
-    param shards both move); ``full``: the gathered dicts.  Then two more steps, as AdamW on the whole batch."""
+    param shards both move); ``full``: the gathered dicts; ``dcp``: ``torch.distributed.checkpoint``, each rank
+    reading the elements it holds now (ZeRO-2 too).  Then two more steps, as AdamW on the whole batch."""
     done, _ = launch
     result = json.loads(done.check("reshard").read_text())[f"{kind}-{how}"]
     expected, _ = reshard.reference(kind, reshard.SAVED_AT + reshard.MORE)

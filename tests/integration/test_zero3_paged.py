@@ -19,7 +19,11 @@ optimizers, a scenario of each launch): saved at two ranks, as rank files and
 as the gathered ``full_state_dict()``; resumed at three ranks (a scenario of
 the three-rank launch), at one (in this process) and in ``torch.optim.AdamW``
 (after ``tiermem consolidate``, run as a command), each then training on like
-``torch.optim.AdamW`` on the whole batch.
+``torch.optim.AdamW`` on the whole batch.  The same through
+``torch.distributed.checkpoint`` (``get_state_dict``, ``dcp.save``), for all
+three sharded optimizers: saved at two ranks, resumed at three and in
+``torch.optim.AdamW``; and ``torch.optim.AdamW``'s own such checkpoint resumed
+in each.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import zero3_reshard_worker as reshard
 from child_env import child_env
 from conftest import run_tiermem_cli, start_daemon
 from launch import Launch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from tiermem.client import cli
 from tiermem.client.distributed import ShardedPagedAdam
@@ -209,6 +215,61 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_three_like_adamw(three_ranks
     saved(two_ranks)  # its failure first, if it failed
     result = json.loads(three_ranks.check("reshard-load").read_text())[f"{kind}-{how}"]
     _assert_trains_on_like_adamw(kind, {k: torch.tensor(v) for k, v in result.items()})
+
+
+@pytest.mark.parametrize("kind", reshard.DCP_KINDS)
+def test_a_torch_distributed_checkpoint_saved_at_two_ranks_resumes_at_three_like_adamw(three_ranks, two_ranks, kind):
+    """``get_state_dict`` and ``dcp.save`` at two ranks, each writing its own stretches; at three, the new
+    optimizer's ``get_state_dict`` as the template, ``dcp.load`` (each rank reads the elements it holds now)
+    and ``set_state_dict``, into a model of other values and an optimizer with another learning rate."""
+    saved(two_ranks)
+    result = json.loads(three_ranks.check("reshard-load").read_text())[f"{kind}-dcp"]
+    _assert_trains_on_like_adamw(kind, {k: torch.tensor(v) for k, v in result.items()})
+
+
+@pytest.mark.parametrize("kind", reshard.DCP_KINDS)
+def test_a_torch_distributed_checkpoint_of_two_ranks_resumes_in_torch_adamw(two_ranks, one_rank_group, kind):
+    """What the two ranks saved is torch's own format by param name: a plain model and torch.optim.AdamW load
+    it the usual way, hold AdamW's state after the same steps, and train on like it."""
+    model = reshard.make_model(seed=7)
+    opt = torch.optim.AdamW(reshard.groups(kind, model), lr=0.5, weight_decay=0.01)
+    _dcp_load(model, opt, saved(two_ranks) / f"{kind}-dcp")
+    _, ref_opt = reshard.reference(kind, reshard.SAVED_AT)
+    _assert_same_adam_state(opt.state_dict(), ref_opt)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    reshard.train(model, opt, range(reshard.SAVED_AT, reshard.SAVED_AT + reshard.MORE))
+    _assert_trains_on_like_adamw(kind, dict(model.state_dict()))
+
+
+@pytest.mark.parametrize("kind", reshard.DCP_KINDS)
+def test_torch_adamws_distributed_checkpoint_resumes_in_a_sharded_optimizer(two_ranks, one_rank_group, tmp_path, kind):
+    """The other way: AdamW's ``dcp.save`` loads into each sharded optimizer.  And taking a state dict changes
+    nothing: ``get_state_dict`` steps an optimizer whose ``opt.state`` is empty, which a sharded one's never is."""
+    reference = reshard.make_model()
+    ref_opt = torch.optim.AdamW(reshard.groups(kind, reference), lr=reshard.LR, weight_decay=0.01)
+    reshard.train(reference, ref_opt, range(reshard.SAVED_AT))
+    model_state, optim_state = get_state_dict(reference, ref_opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_path / "adamw")
+    model = reshard.make_model(seed=7)
+    opt = reshard.make_optimizer(kind, model, lr=0.5, client=connect(two_ranks.socket_path))
+    try:
+        _dcp_load(model, opt, tmp_path / "adamw")
+        before = opt.full_state_dict()
+        assert len(opt.state) == len(list(model.parameters())) and opt.steps == reshard.SAVED_AT
+        get_state_dict(model, opt)
+        _assert_same_adam_state(opt.full_state_dict(), ref_opt)
+        assert torch.equal(opt.full_state_dict()["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
+        reshard.train(model, opt, range(reshard.SAVED_AT, reshard.SAVED_AT + reshard.MORE))
+        _assert_trains_on_like_adamw(kind, reshard.values(model, opt))
+    finally:
+        opt.close()
+
+
+def _dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 @pytest.mark.parametrize("kind", reshard.KINDS)

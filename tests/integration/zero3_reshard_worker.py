@@ -16,6 +16,13 @@ the model's values to ``DIR/<kind>-model.pt``.
 ``--save-ranks K``: only the first K ranks save, as a process group of their
 own (a save at K ranks inside a launch of more).
 
+With ``torch.distributed.checkpoint`` (``DCP_KINDS``: ZeRO-2 too), ``--save``
+also trains each kind ``SAVED_AT`` steps and saves model and optimizer the
+way FSDP2's users do (``get_state_dict``, ``dcp.save`` into
+``DIR/<kind>-dcp``), and ``--load`` resumes each (``<kind>-dcp``): a model of
+other values and an optimizer with another learning rate, ``get_state_dict``
+of them as the template, ``dcp.load`` into it, ``set_state_dict``.
+
 ``--load DIR`` (M ranks): per kind, two resumes of that save, each into a
 model of other values and an optimizer made with another learning rate (the
 load must restore both) and trained ``MORE`` steps: ``shards`` from the rank
@@ -33,12 +40,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from scenarios import end_run, join_group, leave
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from tiermem.client.distributed import LayerShardedAdam, ShardedPagedAdam
+from tiermem.client.distributed import LayerShardedAdam, ShardedOffloadAdam, ShardedPagedAdam
 
 KINDS = ("paged", "layers")
+DCP_KINDS = ("paged", "layers", "zero2")
+Sharded = ShardedPagedAdam | LayerShardedAdam | ShardedOffloadAdam
 GLOBAL_BATCH = 12
 SAVED_AT = 3
 MORE = 2
@@ -61,14 +72,17 @@ def groups(kind: str, model: nn.Module) -> list[dict]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": LR / 2}]
 
 
-def make_optimizer(kind: str, model: nn.Module, lr: float = LR, **kwargs: Any) -> ShardedPagedAdam | LayerShardedAdam:
-    if kind == "paged":
-        gs = groups(kind, model)
-        gs[1]["lr"] = lr / 2
-        return ShardedPagedAdam(
-            model, param_groups=gs, lr=lr, weight_decay=0.01, offload="cpu", device_budget=4096, prefetch=1, **kwargs
-        )
-    return LayerShardedAdam(model, lr=lr, weight_decay=0.01, **kwargs)
+def make_optimizer(kind: str, model: nn.Module, lr: float = LR, **kwargs: Any) -> Sharded:
+    """``zero2``: ``ShardedOffloadAdam`` with the paged one's two groups."""
+    if kind == "layers":
+        return LayerShardedAdam(model, lr=lr, weight_decay=0.01, **kwargs)
+    gs = groups(kind, model)
+    gs[1]["lr"] = lr / 2
+    if kind == "zero2":
+        return ShardedOffloadAdam(gs, lr=lr, weight_decay=0.01, offload="cpu", **kwargs)
+    return ShardedPagedAdam(
+        model, param_groups=gs, lr=lr, weight_decay=0.01, offload="cpu", device_budget=4096, prefetch=1, **kwargs
+    )
 
 
 def saved_in(out: str | Path) -> Path:
@@ -94,9 +108,9 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int 
         opt.zero_grad()
 
 
-def values(model: nn.Module, opt: ShardedPagedAdam | LayerShardedAdam) -> dict[str, torch.Tensor]:
+def values(model: nn.Module, opt: Sharded) -> dict[str, torch.Tensor]:
     """Collective: the model's values (``LayerShardedAdam``'s modules hold placeholders: gathered from the owners)."""
-    if isinstance(opt, ShardedPagedAdam):
+    if not isinstance(opt, LayerShardedAdam):
         return dict(model.state_dict())
     gathered = opt.gathered_params()
     return {**dict(zip((n for n, _ in model.named_parameters()), gathered, strict=True)), "shift": model.shift.clone()}
@@ -122,6 +136,31 @@ def save(kind: str, folder: Path, group: Any) -> None:
         torch.save(full, folder / f"{kind}-full.pt")
         torch.save(saved, folder / f"{kind}-model.pt")
     opt.close()
+
+
+def save_dcp(kind: str, folder: Path, group: Any) -> None:
+    """``SAVED_AT`` steps, then model and optimizer through ``torch.distributed.checkpoint``."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    model = make_model()
+    opt = make_optimizer(kind, model, process_group=group)
+    train(model, opt, range(SAVED_AT), rank, world)
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder / f"{kind}-dcp", process_group=group)
+    opt.close()
+
+
+def resume_dcp(kind: str, folder: Path) -> dict[str, list]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(seed=7)
+    opt = make_optimizer(kind, model, lr=0.5)
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=folder / f"{kind}-dcp")
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    train(model, opt, range(SAVED_AT, SAVED_AT + MORE), rank, world)
+    final = values(model, opt)
+    opt.close()
+    return {k: v.tolist() for k, v in final.items()}
 
 
 def resume(kind: str, how: str, folder: Path) -> dict[str, list]:
@@ -152,10 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.save and (group is None or dist.get_rank() < args.save_ranks):
         for kind in KINDS:
             save(kind, saved_in(args.out), group)
+        for kind in DCP_KINDS:
+            save_dcp(kind, saved_in(args.out), group)
     dist.barrier()
     results = {}
     if args.load:
         results = {f"{kind}-{how}": resume(kind, how, Path(args.load)) for kind in KINDS for how in ("shards", "full")}
+        results.update({f"{kind}-dcp": resume_dcp(kind, Path(args.load)) for kind in DCP_KINDS})
     dist.barrier()
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))

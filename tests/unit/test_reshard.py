@@ -206,9 +206,24 @@ def test_files_that_are_not_rank_files_are_named(tmp_path: Path):
     with pytest.raises(InvalidArgument, match="holds no ZeRO-3 rank files"):
         open_shards(tmp_path)
     newer = rank_files([(2,)], 1)[0]
-    newer["version"] = 2
-    with pytest.raises(InvalidArgument, match="version 2 of the format; this tiermem reads 1"):
+    newer["version"] = 3
+    with pytest.raises(InvalidArgument, match="version 3 of the format; this tiermem reads 1, 2"):
         ShardSet([("f", newer)])
+
+
+def test_version_2_lists_the_groups_by_position_as_torch_does_and_its_order_maps_them_to_params():
+    """A version-2 file's groups are torch's (positions in the optimizer), ``order`` the param behind each
+    position; read, the groups list params, as version 1's did, so a load or a merge sees no difference."""
+    files = rank_files([(2,), (3,), (4,)], 1)
+    files[0]["param_groups"] = [{"lr": 0.1, "params": [1, 2]}, {"lr": 0.2, "params": [0]}]
+    v2 = {**files[0], "version": 2, "order": [1, 2, 0], "param_groups": [
+        {"lr": 0.1, "params": [0, 1]}, {"lr": 0.2, "params": [2]}]}  # fmt: skip
+    assert ShardSet([("v1", files[0])]).param_groups == ShardSet([("v2", v2)]).param_groups
+    assert [g["params"] for g in ShardSet([("v2", v2)]).param_groups] == [[1, 2], [0]]
+    with pytest.raises(InvalidArgument, match="v2: 'order' is missing or not a list"):
+        ShardSet([("v2", {k: v for k, v in v2.items() if k != "order"})])
+    with pytest.raises(InvalidArgument, match="v2: its param_groups list positions its 'order' does not have"):
+        ShardSet([("v2", {**v2, "order": [1, 2]})])
 
 
 def test_a_rank_file_is_written_whole_under_its_final_name(tmp_path: Path):

@@ -29,17 +29,24 @@ Why this design:
 Layout of one rank's file (``torch.save`` of a dict; every tensor fp32, 1-D,
 on the CPU):
 
-    format, version  "tiermem.zero3", 1
+    format, version  "tiermem.zero3", 2
     optimizer        the class that saved it
     job_id, steps    the job and its applied steps (None on a rank holding no state):
                      every file of one save has the same
     rank, world_size
     params           per param of the model, in model.parameters() order: names (every
                      state-dict key of it: tied params have several), shape, dtype
-    param_groups     torch's param groups; "params" lists indices into params
+    param_groups     torch's param groups; "params" lists positions in the optimizer
+    order            per position in the optimizer, its index into params
     pieces           per stretch: param, lo, hi, step, value, and exp_avg, exp_avg_sq
                      when step > 0
     buffers          the model's persistent buffers (in every file: each rank holds them)
+    state            torch's per-param state over the pieces, by position (what
+                     torch.distributed.checkpoint saves: ``stretches``); a load ignores it
+
+Version 1 had no ``order`` and listed indices into ``params`` in its groups; it
+is read as before.  Version 2's groups are torch's own, so that the dict with
+its ``state`` is also an optimizer state dict in torch's sense.
 
 Files are named ``zero3-rank00003-of-00008.pt`` and written under a temporary
 name, synced and renamed, so a save that dies leaves no half file under a
@@ -78,7 +85,9 @@ __all__ = [
 ]
 
 FORMAT = "tiermem.zero3"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)
+"""The versions this tiermem reads: 1 had no ``order`` and gave ``param_groups`` as indices into ``params``."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FILE_GLOB = "zero3-rank*-of-*.pt"
 
@@ -327,14 +336,24 @@ class ShardSet:
 def _check_head(label: str, d: Any) -> tuple[str, dict[str, Any]]:
     if not isinstance(d, Mapping) or d.get("format") != FORMAT:
         raise InvalidArgument(f"{label} is not a tiermem ZeRO-3 rank file (no 'format': {FORMAT!r} in it)")
-    if d.get("version") != VERSION:
-        raise InvalidArgument(f"{label} is in version {d.get('version')!r} of the format; this tiermem reads {VERSION}")
+    version = d.get("version")
+    if version not in READS:
+        raise InvalidArgument(
+            f"{label} is in version {version!r} of the format; this tiermem reads {', '.join(map(str, READS))}"
+        )
     out = dict(d)
-    for key, kind in (("rank", int), ("world_size", int), ("params", list), ("param_groups", list)):
+    needed = (("rank", int), ("world_size", int), ("params", list), ("param_groups", list))
+    for key, kind in needed + ((("order", list),) if version >= 2 else ()):
         if not isinstance(out.get(key), kind):
             raise InvalidArgument(f"{label}: {key!r} is missing or not a {kind.__name__}")
     for key, default in (("optimizer", ""), ("job_id", ""), ("steps", None), ("pieces", []), ("buffers", {})):
         out.setdefault(key, default)
+    if version >= 2:  # the groups by position in the optimizer, as torch saves them: by param index here
+        order = out["order"]
+        try:
+            out["param_groups"] = [{**g, "params": [int(order[i]) for i in g["params"]]} for g in out["param_groups"]]
+        except (IndexError, KeyError, TypeError, ValueError):
+            raise InvalidArgument(f"{label}: its param_groups list positions its 'order' does not have") from None
     return label, out
 
 

@@ -38,7 +38,10 @@ The facade owns what does not depend on the strategy, once:
     grad, and whether it was skipped;
 - the checkpoints, one format for every strategy: ``state_dict()`` is this
   rank's file (``zero3_checkpoint``), loading at any world size
-  (``load_shards``) and merged by ``tiermem consolidate``;
+  (``load_shards``) and merged by ``tiermem consolidate``, with torch's
+  ``state`` over the rank's stretches beside it, which
+  ``torch.distributed.checkpoint`` saves and loads at any world size;
+  ``opt.state`` is that ``state`` by param (``stretches.HeldStateView``);
 - ``close()``: the hooks taken off the model, the job id released, the inner
   optimizer detached, the schedule's group given back; twice is once, and a
   closed optimizer refuses ``step()``.
@@ -77,6 +80,7 @@ from tiermem.client.distributed.group import NotCopyable, RankGroup
 from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.distributed.reshard import ShardSet, Source, is_rank_file, open_shards
 from tiermem.client.distributed.schedule import Collectives, Probe, check_timeout
+from tiermem.client.distributed.stretches import HeldStateView
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Zero3Checkpoint
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_group_switches, closure_loss, name_both_switches
@@ -296,6 +300,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         self._join(process_group, strategy)
         groups, defaults = strategy.param_groups_for(self.group)
         super().__init__(groups, defaults)
+        self.state = HeldStateView(self._held_entries)  # type: ignore[assignment]
         self._start(client, job_id, token, collective_timeout_s, probe)
 
     def _join(self, process_group: Any, strategy: ShardStrategy) -> None:
@@ -509,6 +514,17 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
             return
         self.checkpoint.load_full(state_dict)
         self.outcome.adopt(self.inner)
+
+    def _held_entries(self, param: torch.Tensor | None) -> dict[torch.Tensor, dict[str, Any]]:
+        """``opt.state``'s reads (``HeldStateView``): ``param``'s entry, or every key with no value read."""
+        if not self._started or self._closed:
+            return {}
+        flat = [p for g in self.param_groups for p in g["params"]]
+        with self._calls.enter("opt.state", reads=True):
+            if param is None:
+                return {flat[pos]: {} for pos in self.checkpoint.held_positions()}
+            at = {pos for pos, p in enumerate(flat) if p is param}
+            return {flat[pos]: entry for pos, entry in self.checkpoint.torch_state(at).items()} if at else {}
 
     def save_shard(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``shard_state_dict()`` to ``directory/zero3-rank<r>-of-<n>.pt`` (atomically; every rank

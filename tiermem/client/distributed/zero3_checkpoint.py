@@ -4,7 +4,8 @@ the part every sharded optimizer (``ShardedOptimizer``, whatever its strategy) i
 ``OffloadAdam``).
 
 - ``shard_state_dict()`` (not collective): this rank's file: the fp32 values and Adam state of the
-  stretches of params it holds, with the metadata to merge it with the others (``reshard``);
+  stretches of params it holds, with the metadata to merge it with the others (``reshard``), and torch's
+  ``state`` over them (``held_state``: ``torch.distributed.checkpoint`` saves that, and loads into it);
   ``save_shard(directory)`` writes it there, atomically, under its rank's name;
 - ``load_shards(source)``: every rank takes the stretches it holds now from the rank files of a save made
   at any world size (a directory, or the files): values, moments and steps, the groups'
@@ -13,7 +14,8 @@ the part every sharded optimizer (``ShardedOptimizer``, whatever its strategy) i
   index in ``model.parameters()``, each param's moments summed over the ranks holding its stretches
   (every other rank contributes zeros: one all-reduce per param, the same for either layout);
 - ``load_full(state_dict)``: this rank's stretches of a dict in that format, from any world size, or
-  from ``torch.optim.AdamW`` itself; the model's params are not touched (torch's rule).
+  from ``torch.optim.AdamW`` itself, or one ``torch.distributed.checkpoint`` loaded into what
+  ``held_state`` gave; the model's params are not touched (torch's rule).
 
 A rank's tensor ``tid`` in its daemon is a ``Slot``: elements ``[lo, hi)`` of one param, then zero
 padding up to the tensor's ``numel``; the ``master`` state key is the param's fp32 value.
@@ -48,6 +50,7 @@ from tiermem.client.distributed.reshard import (
     persistent_buffers,
     save_file,
 )
+from tiermem.client.distributed.stretches import flat_range, held_state, resolve_steps
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.transfer import StateTransfer, adopt_saved_groups, packed_groups, plan_load
 from tiermem.core.errors import InvalidArgument
@@ -171,14 +174,16 @@ class Zero3Checkpoint:
 
     # ----------------------------------------------------------------- saving
 
-    def read_pieces(self) -> tuple[list[Piece], int | None]:
+    def read_pieces(self, params: set[int] | None = None) -> tuple[list[Piece], int | None]:
+        """This rank's stretches (of ``params`` only, indices into ``share.params``, where given)."""
         share = self.share
         io, steps = self.store.read()
         keys = ("master", *MOMENTS)
-        reads = [(s.tid, key, torch.empty(s.numel, dtype=torch.float32)) for s in share.slots for key in keys]
+        slots = [s for s in share.slots if params is None or s.param in params]
+        reads = [(s.tid, key, torch.empty(s.numel, dtype=torch.float32)) for s in slots for key in keys]
         counts = io.pull_many_into(reads) if io is not None and reads else []
         pieces = []
-        for k, slot in enumerate(share.slots):
+        for k, slot in enumerate(slots):
             n = slot.hi - slot.lo
             if n == 0 and share.params[slot.param].numel > 0:  # padding only (an empty param: for its step)
                 continue
@@ -209,10 +214,42 @@ class Zero3Checkpoint:
             "rank": share.rank,
             "world_size": share.world_size,
             "params": [info.to_dict() for info in share.params],
-            "param_groups": share.groups(self.store.param_groups),
+            "param_groups": packed_groups(self.store.param_groups),
+            "order": list(share.order),
             "pieces": [piece.to_dict() for piece in pieces],
+            "state": self.held_state(pieces, steps),
             "buffers": {k: v.detach().to("cpu", copy=True) for k, v in persistent_buffers(share.model).items()},
         }
+
+    def held_state(self, pieces: list[Piece], steps: int | None) -> dict[int, dict[str, Any]]:
+        """torch's ``state`` over ``pieces`` (``stretches.held_state``; ``steps``, the applied ones, as
+        ``read_pieces`` gives them): what ``torch.distributed.checkpoint`` saves of this rank, by the
+        optimizer's positions."""
+        return held_state(self.share.params, self.share.order, pieces, self._wanted(), steps)
+
+    def _wanted(self) -> list[bool]:
+        """Whether each of the optimizer's params requires grad, read past torch-function modes: a paged
+        forward's catches a read of a param, and a save may run in a signal handler in the middle of one."""
+        with torch._C.DisableTorchFunction():
+            return [bool(p.requires_grad) for g in self.store.param_groups for p in g["params"]]
+
+    def torch_state(self, positions: set[int]) -> dict[int, dict[str, Any]]:
+        """``held_state``'s entries at ``positions`` (the optimizer's), read from this rank's stretches of them."""
+        pieces, steps = self.read_pieces({self.share.order[pos] for pos in positions})
+        return {pos: entry for pos, entry in self.held_state(pieces, steps).items() if pos in positions}
+
+    def held_positions(self) -> list[int]:
+        """The positions ``held_state`` has an entry at, reading no values: those that require grad, and those
+        this rank holds state of (their step counts, read)."""
+        share, wanted = self.share, self._wanted()
+        frozen = {share.order[pos] for pos, w in enumerate(wanted) if not w}
+        slots = [s for s in share.slots if s.param in frozen]
+        stepped: set[int] = set()
+        if slots:
+            io, _ = self.store.read()
+            counts = io.pull_many_into([(s.tid, "exp_avg", torch.empty(0)) for s in slots]) if io is not None else []
+            stepped = {s.param for s, count in zip(slots, counts, strict=False) if count > 0}
+        return [pos for pos, w in enumerate(wanted) if w or share.order[pos] in stepped]
 
     def save_shard(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``shard_state_dict()`` to ``directory/zero3-rank<r>-of-<n>.pt`` (atomically; every rank
@@ -252,8 +289,11 @@ class Zero3Checkpoint:
     # ----------------------------------------------------------------- loading
 
     def load_full(self, state_dict: dict[str, Any]) -> None:
-        """This rank's stretches of a ``torch.optim.AdamW``-format dict (checked whole before anything changes)."""
+        """This rank's stretches of a ``torch.optim.AdamW``-format dict (checked whole before anything changes):
+        whole tensors, or ``Stretches`` holding at least this rank's (``torch.distributed.checkpoint`` loads into
+        the dict ``state_dict()`` made)."""
         share = self.share
+        state_dict = resolve_steps(state_dict)
         loads = plan_load(state_dict, self.store.param_groups, [share.params[i].numel for i in share.order])
         by_param = {share.order[pos]: (entry, step) for pos, entry, step in loads}
         state: dict[int, dict[str, Any]] = {}
@@ -266,8 +306,7 @@ class Zero3Checkpoint:
             for key in (*MOMENTS, "master"):
                 value = entry.get(key)
                 if isinstance(value, torch.Tensor):
-                    flat = value.detach().reshape(-1)[slot.lo : slot.hi].to("cpu", torch.float32)
-                    cut[key] = _padded(flat, slot.numel)
+                    cut[key] = _padded(flat_range(value, slot.lo, slot.hi), slot.numel)
             state[slot.tid] = cut
         self.store.load(state, list(state_dict["param_groups"]))
 

@@ -65,11 +65,15 @@ __all__ = [
 
 
 def packed_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``param_groups`` as ``torch.optim`` saves them: every setting, and the params as running indices."""
+    """``param_groups`` as ``torch.optim`` saves them: every setting, and the params as running indices.  The
+    weight-decay switch under torch's name only (``decoupled_weight_decay``; ``adamw`` is its other name here,
+    and a load takes either): a dict with a key torch's AdamW lacks could not load into it through
+    ``torch.distributed.checkpoint``, whose load asks the checkpoint for every key the loading side has."""
     groups = []
     index = 0
     for group in param_groups:
-        packed = {k: v for k, v in group.items() if k != "params"}
+        alias = "adamw" if "decoupled_weight_decay" in group else None
+        packed = {k: v for k, v in group.items() if k not in ("params", alias)}
         packed["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         groups.append(packed)
