@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import DaemonProcess
 from offload_helpers import record_state_dict_hooks
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
 from tiermem.client.distributed import LayerShardedAdam, ShardedGradScaler, ShardedOffloadAdam, ShardedPagedAdam
 from tiermem.client.link import connect
@@ -196,6 +198,28 @@ def test_opt_state_is_torchs_entries_over_this_ranks_stretches(daemon, one_rank_
             del opt.state[m[0].bias]
         train_alike(((m, opt),), range(2, 3))
         assert int(opt.full_state_dict()["state"][0]["step"]) == 3
+    finally:
+        opt.close()
+
+
+def test_what_torch_distributed_checkpoint_cannot_take_of_a_sharded_optimizer_is_refused_naming_the_way(
+    daemon, one_rank_group, tmp_path
+):
+    """``async_save`` stages each tensor whole, and ``full_state_dict=True`` gathers only DTensor and
+    ShardedTensor: the first is refused as it stages, the second's result (this rank's stretches) when loaded."""
+    m = model()
+    opt = ShardedOffloadAdam(m.parameters(), lr=0.02, client=connect(daemon.socket_path))
+    try:
+        train_alike(((m, opt),), range(2))
+        model_state, optim_state = get_state_dict(m, opt)
+        with pytest.raises(InvalidState, match="not its async_save, whose staging copies each tensor whole: use dcp"):
+            dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_path / "async")
+        _, whole = get_state_dict(m, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        torch.save(whole, tmp_path / "optim.pt")
+        before = opt.full_state_dict()
+        with pytest.raises(InvalidArgument, match=r"is one rank's stretches of a sharded optimizer's state.*shards"):
+            set_optimizer_state_dict(m, opt, torch.load(tmp_path / "optim.pt"))
+        assert torch.equal(opt.full_state_dict()["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
     finally:
         opt.close()
 

@@ -20,6 +20,11 @@ to the whole values (not a ``TypeError``, which a Python operator would turn
 into one that names nothing).  ``torch.save`` writes it as a plain dict (its shape, dtype
 and boxes), so a file of it loads with ``weights_only=True`` and without
 tiermem.
+
+What DCP does not know of it: ``get_state_dict``'s ``full_state_dict=True``
+gathers ``DTensor`` and ``ShardedTensor`` only, so it returns each rank's own
+``Stretches`` (a load of that names it and ``full_state_dict()``), and
+``async_save`` stages tensors whole (refused, naming ``dcp.save``).
 """
 
 from __future__ import annotations
@@ -147,8 +152,9 @@ class Stretches(torch.Tensor):
         shape = list(this.shape) if this is not None else "?"
         raise InvalidState(
             f"{func} on a sharded optimizer's state tensor of shape {shape}, of which this rank holds only its own "
-            "stretches: opt.full_state_dict() gathers the whole state (on every rank), and "
-            "torch.distributed.checkpoint saves and loads it as it is"
+            "stretches: opt.full_state_dict() gathers the whole state (a collective, on every rank); "
+            "torch.distributed.checkpoint's save and load take it as it is, but not its async_save, whose staging "
+            "copies each tensor whole: use dcp.save"
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:

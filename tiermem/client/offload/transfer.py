@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,6 +164,13 @@ def plan_load(
             )
         for name in ("exp_avg", "exp_avg_sq"):
             value = entry[name]
+            if isinstance(value, Mapping) and "boxes" in value:
+                raise InvalidArgument(
+                    f"state {name} of param {key!r} is one rank's stretches of a sharded optimizer's state, not the "
+                    "whole tensor (torch.save of its state_dict() writes them so, and get_state_dict with "
+                    "full_state_dict=True does not gather them): load every rank's file with load_shards, or save "
+                    "opt.full_state_dict() (collective) for a whole state"
+                )
             if not isinstance(value, torch.Tensor):
                 raise InvalidArgument(f"state {name} of param {key!r} is a {type(value).__name__}, not a tensor")
             if value.numel() != numels[t]:
