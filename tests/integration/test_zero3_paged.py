@@ -43,7 +43,7 @@ import zero3_reshard_worker as reshard
 from child_env import child_env
 from conftest import run_tiermem_cli, start_daemon
 from launch import Launch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tiermem.client import cli
 from tiermem.client.distributed import ShardedPagedAdam
@@ -241,19 +241,25 @@ def test_a_torch_distributed_checkpoint_of_two_ranks_resumes_in_torch_adamw(two_
     _assert_trains_on_like_adamw(kind, dict(model.state_dict()))
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flattened"])
 @pytest.mark.parametrize("kind", reshard.DCP_KINDS)
-def test_torch_adamws_distributed_checkpoint_resumes_in_a_sharded_optimizer(two_ranks, one_rank_group, tmp_path, kind):
-    """The other way: AdamW's ``dcp.save`` loads into each sharded optimizer.  And taking a state dict changes
-    nothing: ``get_state_dict`` steps an optimizer whose ``opt.state`` is empty, which a sharded one's never is."""
+def test_torch_adamws_distributed_checkpoint_resumes_in_a_sharded_optimizer(
+    two_ranks, one_rank_group, tmp_path, kind, flat
+):
+    """The other way: AdamW's ``dcp.save`` loads into each sharded optimizer, also with torchtitan's
+    ``flatten_optimizer_state_dict`` (whose load reads every key of the loading optimizer's groups from the
+    checkpoint).  And taking a state dict changes nothing: ``get_state_dict`` steps an optimizer whose
+    ``opt.state`` is empty, which a sharded one's never is."""
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
     reference = reshard.make_model()
     ref_opt = torch.optim.AdamW(reshard.groups(kind, reference), lr=reshard.LR, weight_decay=0.01)
     reshard.train(reference, ref_opt, range(reshard.SAVED_AT))
-    model_state, optim_state = get_state_dict(reference, ref_opt)
+    model_state, optim_state = get_state_dict(reference, ref_opt, options=options)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_path / "adamw")
     model = reshard.make_model(seed=7)
     opt = reshard.make_optimizer(kind, model, lr=0.5, client=connect(two_ranks.socket_path))
     try:
-        _dcp_load(model, opt, tmp_path / "adamw")
+        _dcp_load(model, opt, tmp_path / "adamw", options)
         before = opt.full_state_dict()
         assert len(opt.state) == len(list(model.parameters())) and opt.steps == reshard.SAVED_AT
         get_state_dict(model, opt)
@@ -265,11 +271,13 @@ def test_torch_adamws_distributed_checkpoint_resumes_in_a_sharded_optimizer(two_
         opt.close()
 
 
-def _dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
-    model_state, optim_state = get_state_dict(model, opt)
+def _dcp_load(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path, options: StateDictOptions | None = None
+) -> None:
+    model_state, optim_state = get_state_dict(model, opt, options=options)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
 
 
 @pytest.mark.parametrize("kind", reshard.KINDS)

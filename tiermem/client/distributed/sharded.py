@@ -83,7 +83,7 @@ from tiermem.client.distributed.schedule import Collectives, Probe, check_timeou
 from tiermem.client.distributed.stretches import HeldStateView
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Zero3Checkpoint
 from tiermem.client.link import Client
-from tiermem.client.offload.args import check_group_switches, closure_loss, name_both_switches
+from tiermem.client.offload.args import check_group_switches, closure_loss, torch_switch_name
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
 from tiermem.client.offload.reentry import Calls
@@ -397,7 +397,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         if self._started:
             raise InvalidArgument(f"{self.strategy.name} {self.strategy.groups_rule}")
         check_params_once(param_group, self.strategy.name)
-        name_both_switches(param_group)
+        torch_switch_name(param_group)
         super().add_param_group(param_group)
         check_group_switches(self.param_groups[-1], lambda: f"param_groups[{len(self.param_groups) - 1}]")
 

@@ -41,7 +41,7 @@ __all__ = [
     "Hyper",
     "optimizer_defaults",
     "check_group_switches",
-    "name_both_switches",
+    "torch_switch_name",
     "check_group_values",
     "check_hyper",
     "check_state_dtype",
@@ -52,7 +52,7 @@ __all__ = [
 ADAMW_WEIGHT_DECAY = 1e-2
 
 
-HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "adamw")
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "decoupled_weight_decay")
 """The keys of a param group that its updates read (what a wrapping optimizer copies into its inner one)."""
 
 
@@ -98,7 +98,6 @@ def optimizer_defaults(
         "capturable": False,
         "differentiable": False,
         "fused": fused,
-        "adamw": adamw,
         "decoupled_weight_decay": adamw,
     }
 
@@ -205,19 +204,23 @@ def check_group_values(group: Mapping[str, Any], groups: Sequence[Mapping[str, A
     check_group_switches(group, where)
 
 
-def name_both_switches(param_group: dict[str, Any]) -> None:
-    """A group given to ``add_param_group`` with one of ``adamw`` and torch's ``decoupled_weight_decay`` (one
-    switch under two names) gets the other too, before the optimizer's defaults fill it in."""
-    for given, other in (("adamw", "decoupled_weight_decay"), ("decoupled_weight_decay", "adamw")):
-        if given in param_group and other not in param_group:
-            param_group[other] = param_group[given]
+def torch_switch_name(param_group: dict[str, Any]) -> None:
+    """A group given to ``add_param_group`` with ``adamw`` (the constructors' name of the switch) gets torch's
+    ``decoupled_weight_decay`` in its place, before the optimizer's defaults fill it in: the groups carry
+    torch's key alone, as ``torch.optim.AdamW``'s do (``torch.distributed.checkpoint`` asks a checkpoint for
+    every key of the loading optimizer's groups, so a key AdamW's lack would keep its checkpoints out).  Both
+    given and different: left for ``check_group_switches`` to refuse."""
+    if "adamw" in param_group:
+        decoupled = param_group.setdefault("decoupled_weight_decay", param_group["adamw"])
+        if bool(decoupled) == bool(param_group["adamw"]):
+            del param_group["adamw"]
 
 
 def check_group_switches(group: Mapping[str, Any], where: Callable[[], str]) -> None:
     """The switches a group may carry besides its numbers: ``amsgrad`` must stay false (the daemon's Adam keeps
-    no max of the second moment, so the update would go on without it), and torch's ``decoupled_weight_decay``
-    must agree with ``adamw``, its name here (the update reads ``adamw``; an edit of torch's key alone would be
-    ignored).  A group without the keys (a wrapping optimizer's) passes."""
+    no max of the second moment, so the update would go on without it), and an ``adamw`` written into a group
+    must agree with torch's ``decoupled_weight_decay``, which the update reads (an edit of ``adamw`` alone
+    would be ignored).  A group without the keys (a wrapping optimizer's) passes."""
     if group.get("amsgrad"):
         raise InvalidArgument(
             f"{where()}['amsgrad'] is {group['amsgrad']!r}: OffloadAdam's Adam keeps no max of the second moment "

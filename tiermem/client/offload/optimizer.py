@@ -90,8 +90,8 @@ from tiermem.client.offload.args import (
     check_hyper,
     check_torch_flags,
     closure_loss,
-    name_both_switches,
     optimizer_defaults,
+    torch_switch_name,
 )
 from tiermem.client.offload.checkpoint import OptimizerState
 from tiermem.client.offload.eager import eager_under_compile
@@ -274,11 +274,13 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
                 "group's hyper-parameters), and this would be one more: put the params that share lr, betas, eps "
                 "and weight_decay in one group"
             )
-        name_both_switches(param_group)
+        torch_switch_name(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], adamw=group["adamw"])
+            check_hyper(
+                group["lr"], group["betas"], group["eps"], group["weight_decay"], adamw=group["decoupled_weight_decay"]
+            )
             check_group_switches(group, lambda: f"param_groups[{len(self.param_groups) - 1}]")
             for p in group["params"]:
                 if not isinstance(p, torch.Tensor) or p.dtype not in (d.torch for d in dtypes.DTYPES):
@@ -636,7 +638,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             betas=(float(group["betas"][0]), float(group["betas"][1])),
             eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]),
-            adamw=bool(group.get("adamw", True)),
+            adamw=bool(group.get("decoupled_weight_decay", True)),
             maximize=bool(group.get("maximize", False)),
         )
 

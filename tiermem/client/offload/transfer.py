@@ -65,15 +65,11 @@ __all__ = [
 
 
 def packed_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``param_groups`` as ``torch.optim`` saves them: every setting, and the params as running indices.  The
-    weight-decay switch under torch's name only (``decoupled_weight_decay``; ``adamw`` is its other name here,
-    and a load takes either): a dict with a key torch's AdamW lacks could not load into it through
-    ``torch.distributed.checkpoint``, whose load asks the checkpoint for every key the loading side has."""
+    """``param_groups`` as ``torch.optim`` saves them: every setting, and the params as running indices."""
     groups = []
     index = 0
     for group in param_groups:
-        alias = "adamw" if "decoupled_weight_decay" in group else None
-        packed = {k: v for k, v in group.items() if k not in ("params", alias)}
+        packed = {k: v for k, v in group.items() if k != "params"}
         packed["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         groups.append(packed)
@@ -87,16 +83,16 @@ FIXED_GROUP_KEYS = frozenset({"params", "amsgrad", "capturable", "differentiable
 def adopt_saved_groups(mine: Sequence[dict[str, Any]], saved: Sequence[dict[str, Any]]) -> None:
     """Take a loaded state dict's groups (checked by ``plan_load``) into ``mine``, as torch does: every saved
     key but ``FIXED_GROUP_KEYS``, a scheduler's ``initial_lr`` and the trainer's own keys included;
-    ``adamw`` from ``adamw`` or torch's ``decoupled_weight_decay``."""
+    torch's ``decoupled_weight_decay`` from itself or, in a dict saved before the groups carried torch's key
+    alone, ``adamw``, which is not kept (``args.torch_switch_name``)."""
     for group, loaded in zip(mine, saved, strict=True):
         for name, value in loaded.items():
-            if name not in FIXED_GROUP_KEYS:
+            if name not in FIXED_GROUP_KEYS and name != "adamw":
                 group[name] = tuple(value) if name == "betas" else value
-        if "adamw" in loaded:
-            group["adamw"] = bool(loaded["adamw"])
-        elif "decoupled_weight_decay" in loaded:
-            group["adamw"] = bool(loaded["decoupled_weight_decay"])
-        group["decoupled_weight_decay"] = group["adamw"]
+        switch = loaded.get("decoupled_weight_decay", loaded.get("adamw"))
+        if switch is not None:
+            group["decoupled_weight_decay"] = bool(switch)
+        group.pop("adamw", None)
 
 
 def hooked_state_dict(opt: Any, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -184,7 +180,7 @@ def plan_load(
                 "plain AdamW. Resume it with torch.optim.AdamW(amsgrad=True); to go on without AMSGrad on "
                 "purpose, set 'amsgrad' to False in the dict's param_groups"
             )
-        saved_adamw = saved.get("adamw", saved.get("decoupled_weight_decay", mine.get("adamw", True)))
+        saved_adamw = saved.get("decoupled_weight_decay", saved.get("adamw", mine.get("decoupled_weight_decay", True)))
         check_hyper(
             saved.get("lr", mine["lr"]),
             tuple(saved.get("betas", mine["betas"])),
