@@ -192,8 +192,15 @@ def test_opt_state_is_torchs_entries_over_this_ranks_stretches(daemon, one_rank_
             assert float(entry["step"].flat(0, 1)[0]) == 2.0
             assert torch.equal(entry["exp_avg_sq"].flat(0, whole.numel()), whole.reshape(-1))
             opt.state[p] = {key: value.to("cpu") for key, value in entry.items()}  # Lightning's move: nothing
+            opt.state[p] = {key: value.clone() for key, value in entry.items()}  # and back from a GPU: nothing
         with pytest.raises(InvalidState, match=r"a sharded optimizer's opt\.state cannot be written.*load_state_dict"):
             opt.state[m[0].weight] = {"step": torch.tensor(0.0)}
+        entry = opt.state[m[0].weight]
+        with pytest.raises(InvalidState, match="cannot be written"):
+            opt.state[m[0].weight] = {key: value.to(torch.float64) for key, value in entry.items()}
+        send_to_device = pytest.importorskip("accelerate.utils.operations").send_to_device
+        moved = send_to_device(opt.state_dict(), torch.device("meta"))  # accelerate's placement of the state
+        assert moved["state"][0]["exp_avg"].device.type == "meta"
         with pytest.raises(InvalidState, match="cannot be written"):
             del opt.state[m[0].bias]
         train_alike(((m, opt),), range(2, 3))

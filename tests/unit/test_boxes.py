@@ -81,6 +81,16 @@ def test_any_other_operation_says_what_the_tensor_is_and_where_the_whole_one_is(
     assert "holds 7 of 15 elements in 2 box(es)" in repr(held)
 
 
+def test_to_moves_every_box_as_accelerate_and_lightning_move_optimizer_state():
+    full = torch.randn(3, 5)
+    held = _held(full, 2, 11)
+    assert held.to("cpu") is held
+    wider = held.to(torch.float64)
+    assert isinstance(wider, Stretches) and torch.equal(wider.flat(2, 11), full.reshape(-1)[2:11].double())
+    moved = held.to("meta")
+    assert moved.device.type == "meta" and all(values.device.type == "meta" for _, values in moved._boxes)
+
+
 def test_a_copy_is_a_copy_and_torch_save_writes_a_plain_dict():
     full = torch.randn(3, 5)
     held = _held(full, 3, 12)

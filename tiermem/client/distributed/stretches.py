@@ -51,13 +51,21 @@ class Stretches(torch.Tensor):
     _boxes: tuple[tuple[Box, torch.Tensor], ...]
 
     @staticmethod
-    def __new__(cls, shape: Iterable[int], dtype: torch.dtype, boxes: Iterable[tuple[Box, torch.Tensor]]) -> Stretches:
-        size = torch.Size(shape)
-        out = torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=torch.device("cpu"))
+    def __new__(
+        cls,
+        shape: Iterable[int],
+        dtype: torch.dtype,
+        boxes: Iterable[tuple[Box, torch.Tensor]],
+        device: torch.device | str = "cpu",
+    ) -> Stretches:
+        size, where = torch.Size(shape), torch.device(device)
+        out = torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=where)
         out._boxes = tuple(boxes)
         for box, values in out._boxes:
             if tuple(values.shape) != box.sizes or values.dtype != dtype or len(box.offsets) != len(size):
                 raise InvalidArgument(f"box {box} of a {list(size)} tensor holds {values.dtype} {list(values.shape)}")
+            if values.device != where:
+                raise InvalidArgument(f"box {box} of a tensor on {where} is on {values.device}")
         return out
 
     @classmethod
@@ -65,13 +73,13 @@ class Stretches(torch.Tensor):
         """From flat stretches ``(lo, values)`` of a row-major tensor of ``shape``: the boxes are views of them."""
         shape = tuple(shape)
         boxes = []
-        dtype = torch.float32
+        dtype, device = torch.float32, torch.device("cpu")
         for lo, values in pieces:
-            dtype = values.dtype
+            dtype, device = values.dtype, values.device
             flat = values.reshape(-1)
             for box in flat_boxes(shape, lo, lo + flat.numel()):
                 boxes.append((box, flat[box.start - lo : box.stop - lo].view(box.sizes)))
-        return cls(shape, dtype, boxes)
+        return cls(shape, dtype, boxes, device)
 
     @property
     def held_numel(self) -> int:
@@ -95,13 +103,20 @@ class Stretches(torch.Tensor):
             )
         return out
 
+    def _moved(self, *, dtype: torch.dtype | None = None, device: Any = None, **options: Any) -> Stretches:
+        """``.to(device, dtype)``: the same boxes, each moved."""
+        dtype, device = dtype or self.dtype, torch.device(device) if device is not None else self.device
+        blocking = bool(options.get("non_blocking", False))
+        moved = ((box, values.to(device=device, dtype=dtype, non_blocking=blocking)) for box, values in self._boxes)
+        return Stretches(self.shape, dtype, moved, device)
+
     def _same(self, other: Stretches) -> bool:
         """``torch.equal``: the same shape, boxes and values (two holdings of one rank's, compared)."""
         return (
             self.shape == other.shape
             and self.dtype == other.dtype
             and [box for box, _ in self._boxes] == [box for box, _ in other._boxes]
-            and all(torch.equal(a, b) for (_, a), (_, b) in zip(self._boxes, other._boxes, strict=True))
+            and all(torch.equal(a.cpu(), b.cpu()) for (_, a), (_, b) in zip(self._boxes, other._boxes, strict=True))
         )
 
     # ----------------------------------------------------------------- torch.distributed.checkpoint's protocol
@@ -144,9 +159,11 @@ class Stretches(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         this = args[0] if args and isinstance(args[0], Stretches) else None
         if this is not None and func is torch.ops.aten.detach.default:
-            return Stretches(this.shape, this.dtype, this._boxes)
+            return Stretches(this.shape, this.dtype, this._boxes, this.device)
         if this is not None and func is torch.ops.aten.clone.default:
-            return Stretches(this.shape, this.dtype, ((box, values.clone()) for box, values in this._boxes))
+            return Stretches(this.shape, this.dtype, ((b, v.clone()) for b, v in this._boxes), this.device)
+        if this is not None and func is torch.ops.aten._to_copy.default:  # .to(): accelerate and Lightning move state
+            return this._moved(**(kwargs or {}))
         if this is not None and func is torch.ops.aten.equal.default and isinstance(args[1], Stretches):
             return this._same(args[1])
         shape = list(this.shape) if this is not None else "?"
@@ -249,7 +266,8 @@ class HeldStateView(MutableMapping[torch.Tensor, dict[str, Any]]):
     finds state to save and to load into, and never takes a step of its own to make some (it steps an
     optimizer whose ``state`` is empty).  Reading an entry reads this rank's stretches of it from the daemon,
     a copy.  Assigning back the entry a read returned, as PyTorch Lightning does when it moves an optimizer,
-    changes nothing; any other write is refused: ``load_state_dict`` loads state."""
+    changes nothing, moved to another device or not (compared by value); any other write is refused:
+    ``load_state_dict`` loads state."""
 
     def __init__(self, read: Callable[[torch.Tensor | None], dict[torch.Tensor, dict[str, Any]]]) -> None:
         self._read = read
@@ -275,7 +293,7 @@ class HeldStateView(MutableMapping[torch.Tensor, dict[str, Any]]):
     def __setitem__(self, param: torch.Tensor, value: Any) -> None:
         given = self._given.get(id(param)) or {}
         handed_back = bool(given) and hasattr(value, "items") and value.keys() == given.keys()
-        if handed_back and all(value[key] is given[key] for key in given):
+        if handed_back and all(_same(value[key], given[key]) for key in given):
             return  # the entry a read returned, handed back
         raise InvalidState(
             "a sharded optimizer's opt.state cannot be written: each rank holds only its stretches of the state, "
@@ -285,3 +303,8 @@ class HeldStateView(MutableMapping[torch.Tensor, dict[str, Any]]):
 
     def __delitem__(self, param: torch.Tensor) -> None:
         self[param] = None  # refused, with the same words
+
+
+def _same(value: Any, given: Stretches) -> bool:
+    """``value`` is what a read gave, or a copy of it on another device."""
+    return value is given or (isinstance(value, Stretches) and value.dtype == given.dtype and value._same(given))
