@@ -427,6 +427,29 @@ def test_bf16_model_trains_like_cpu_adam(offload: OffloadDaemon, tier: str) -> N
     assert_params_equal(m_off, m_eng)
 
 
+def test_a_bf16_models_own_state_dict_loaded_back_changes_nothing_with_the_staged_exchange(
+    offload: OffloadDaemon, tier: str
+) -> None:
+    """``model.load_state_dict(model.state_dict())`` between steps, as a resume through
+    ``torch.distributed.checkpoint`` does (it loads the optimizer, then the model): the staged exchange (the
+    GPU path) wrote every edited param whole as its master, dropping the fp32 bits below bf16 of all its
+    elements.  A master element that rounds to the loaded value is kept now, as the shared exchange keeps it."""
+    base = mlp()
+    batches = mlp_batches(5, fixed=False)
+    runs = []
+    for reload in (False, True):
+        model = replicas(base, 1)[0].to(torch.bfloat16)
+        opt = offload.make(model.parameters(), offload=tier, exchange="staged", **HYPER)
+
+        def after(i: int, model: nn.Module = model, reload: bool = reload) -> None:
+            if reload and i == 2:
+                model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+
+        train(model, opt, batches, mlp_loss, after_step=after)
+        runs.append(model)
+    assert_params_equal(*runs)
+
+
 BF16_CLAMP = 0.01
 """WGAN's clip value: most weights sit on the bound, so each clamp changes some elements of every tensor."""
 

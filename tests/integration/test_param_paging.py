@@ -625,6 +625,23 @@ def test_state_dict_round_trip_through_torch_save(offload: OffloadDaemon) -> Non
         other.load_state_dict({**restored, "ln_f.weight": torch.ones(3)})
 
 
+def test_a_bf16_models_own_state_dict_loaded_back_changes_nothing(offload: OffloadDaemon) -> None:
+    """The pager wrote each loaded param whole as its master, dropping its fp32 bits below bf16; a master element
+    that rounds to the loaded value is kept now, so a reload of what the model holds changes nothing."""
+    runs = []
+    for reload in (False, True):
+        model = paging_gpt(0).to(torch.bfloat16)
+        opt = make_opt(offload, model)
+        tiermem.offload_params(model, opt, device_budget=param_nbytes(model) // 4)
+        run(model, opt, batches(2))
+        if reload:
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+        run(model, opt, batches(2, seed=3))
+        runs.append(model.state_dict())
+    for name, value in runs[0].items():
+        assert torch.equal(runs[1][name], value), name
+
+
 def test_copying_or_pickling_a_paged_model_is_refused_naming_what_to_copy_and_training_goes_on(
     offload: OffloadDaemon,
 ) -> None:

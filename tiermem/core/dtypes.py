@@ -14,7 +14,7 @@ import torch
 
 from tiermem.core.errors import DTypeError
 
-__all__ = ["DTYPES", "WorkingDType", "by_name", "by_torch", "names"]
+__all__ = ["DTYPES", "WorkingDType", "adopt_edits", "by_name", "by_torch", "names"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,3 +55,16 @@ def by_torch(dtype: torch.dtype) -> WorkingDType:
         return _BY_TORCH[dtype]
     except KeyError:
         raise DTypeError(f"unsupported dtype {dtype}; tiermem trains float32, float16 or bfloat16 params") from None
+
+
+def adopt_edits(master: torch.Tensor, params: torch.Tensor) -> int:
+    """Take the params' values (their working dtype) into the fp32 ``master`` where they differ from the master
+    cast to their dtype; returns how many.  The one rule for a param's values reaching its master, in the daemon
+    (in-place edits of shared params) and in the trainer (a model's state dict loaded, a staged param edited): a
+    master element that rounds to the param's value is kept, so a value the param already had costs the
+    master none of its precision, and only what was edited is written."""
+    edited = params != master.to(params.dtype)
+    count = int(edited.sum())
+    if count:
+        master[edited] = params[edited].to(torch.float32)  # only the edited elements are written
+    return count

@@ -40,6 +40,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from tiermem.core.dtypes import adopt_edits
 from tiermem.core.errors import InvalidState
 from tiermem.core.histogram import UPDATE_SECONDS, Histogram
 from tiermem.core.lowbit import LowbitMoments
@@ -111,15 +112,6 @@ class UpdateTarget:
     """The params are fp32 and are the master (the state has no master key)."""
     write_params: bool
     """Write the updated params in the same pass (False: a delayed step, installed later)."""
-
-
-def adopt_edits(master: torch.Tensor, params: torch.Tensor) -> int:
-    """Take the params' values where they differ from the master cast to their dtype; returns how many."""
-    edited = params != master.to(params.dtype)
-    count = int(edited.sum())
-    if count:
-        master[edited] = params[edited].to(torch.float32)  # only the edited elements are written
-    return count
 
 
 class UpdateRunner:

@@ -234,6 +234,9 @@ class ShardCopies:
     def write_master(self, transfer: StateTransfer, tid: int, values: torch.Tensor) -> None:
         transfer.push(tid, "master", self.mine(tid, values), step=0)
 
+    def adopt_master(self, transfer: StateTransfer, tid: int, values: torch.Tensor) -> None:
+        transfer.adopt_many([(tid, self.mine(tid, values))])
+
     def push_many(self, transfer: StateTransfer, items: Sequence[GradItem]) -> None:
         """A submodule's grads in one flat buffer (rank r's stretch of each after rank r-1's), one
         reduce-scatter of it, and this rank's reduced shards written in one transfer."""

@@ -96,8 +96,8 @@ class RankShare:
         return packed
 
 
-def _padded(values: torch.Tensor, numel: int) -> torch.Tensor:
-    out = torch.zeros(numel, dtype=torch.float32)
+def _padded(values: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    out = torch.zeros(numel, dtype=dtype)
     out[: values.numel()].copy_(values.reshape(-1))
     return out
 
@@ -118,6 +118,10 @@ class RankStore(Protocol):
 
     def write_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
         """Make each slot's fp32 values (padded to its ``numel``) its param's values."""
+
+    def adopt_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
+        """Make each slot's values in the param's dtype (a model state dict's) its param's values, taken into the
+        master where they differ from it at that precision (``StateTransfer.adopt_many``)."""
 
 
 @dataclass
@@ -161,6 +165,18 @@ class InnerStore:
                     piece = self.inner.tensors[slot.tid]
                     piece.copy_(value.view(piece.shape))
         self.inner.transfer.push_many((slot.tid, "master", value, 0, False) for slot, value in values)
+
+    def adopt_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
+        if self.inner is None:
+            return
+        self.inner.flush()
+        padded = [(slot, _padded(value, slot.numel, value.dtype)) for slot, value in values]
+        if self.keeps_values:
+            with torch.no_grad():
+                for slot, value in padded:
+                    piece = self.inner.tensors[slot.tid]
+                    piece.copy_(value.view(piece.shape))
+        self.inner.transfer.adopt_many([(slot.tid, value) for slot, value in padded])
 
 
 class Zero3Checkpoint:

@@ -88,7 +88,12 @@ class ParamCopies(Protocol):
         ...
 
     def write_master(self, transfer: StateTransfer, tid: int, values: torch.Tensor) -> None:
-        """Write ``values`` as the param's master (I/O thread; a load or an initialization)."""
+        """Write ``values`` as the param's master (I/O thread; an initialization)."""
+        ...
+
+    def adopt_master(self, transfer: StateTransfer, tid: int, values: torch.Tensor) -> None:
+        """Take ``values`` (the param's, loaded into the model) into its master where they differ from it at
+        the param's precision (I/O thread; ``StateTransfer.adopt_many``)."""
         ...
 
 
@@ -100,6 +105,9 @@ class _DirectMaster:
 
     def write_master(self, transfer: StateTransfer, tid: int, values: torch.Tensor) -> None:
         transfer.push(tid, "master", values, step=0)
+
+    def adopt_master(self, transfer: StateTransfer, tid: int, values: torch.Tensor) -> None:
+        transfer.adopt_many([(tid, values)])
 
 
 class HostCopies(_DirectMaster):

@@ -4,8 +4,9 @@ records, residency and I/O thread).
 ``model.state_dict()`` gathers each paged param (a CPU copy: from the device
 when it is there, else read from the daemon's master); ``load_state_dict()``
 materializes one submodule's params in its pre-hook, lets torch check and copy
-into them, and in its post-hook writes the loaded ones back as their masters
-and releases them.  A model made on the meta device gets its values one
+into them, and in its post-hook takes the loaded ones into their masters (a
+master element that rounds to the loaded value is kept) and releases
+them.  A model made on the meta device gets its values one
 submodule at a time (``reset_parameters()``, then ``init``), each written
 straight into the daemon, so the whole model is never in the trainer.
 """
@@ -39,13 +40,15 @@ class PagedState(PagerRecords):
         def _check_untouched(self, entries: Iterable[PagedParam]) -> None: ...
         def _buffer_for(self, e: PagedParam) -> torch.Tensor: ...
 
-    def _push_master(self, group: list[PagedParam]) -> None:
-        """Write the device values of ``group`` as their masters in the daemon."""
+    def _push_master(self, group: list[PagedParam], *, adopt: bool = False) -> None:
+        """Write the device values of ``group`` as their masters in the daemon (``adopt``: loaded values, taken
+        where they differ from the master at the param's precision, ``ParamCopies.adopt_master``)."""
+        write = self.copies.adopt_master if adopt else self.copies.write_master
         futures = []
         for e in group:
             if e.data is None:  # pragma: no cover - callers materialize first
                 raise InvalidState(f"{e.describe()} is not on the device")
-            futures.append(self._submit(f"master {e.name}", self.copies.write_master, self.transfer, e.index, e.data))
+            futures.append(self._submit(f"master {e.name}", write, self.transfer, e.index, e.data))
         for future in futures:
             future.result()
 
@@ -103,7 +106,7 @@ class PagedState(PagerRecords):
         if loaded is None:
             return
         own = self.units.get(module, [])
-        self._push_master(loaded)
+        self._push_master(loaded, adopt=True)
         self._unlease_quietly(own)
 
     def _initialize(self, init: Callable[[nn.Module], None] | None) -> None:

@@ -434,6 +434,22 @@ class StateTransfer:
         finally:
             self.client.window.copy_(saved)
 
+    def adopt_many(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Make ``values`` (each in its param's working dtype, flat) the tensors' masters by
+        ``dtypes.adopt_edits``: a low-precision param's fp32 master is read, takes the elements that differ
+        from it at the param's precision, and is written back, so a model state dict loaded over values the
+        model already had, or one element edited, costs the rest of the master none of its precision.  fp32
+        values are the master whole, written as they are."""
+        low = [(tid, values) for tid, values in items if values.dtype != torch.float32]
+        masters = [(tid, "master", torch.empty(values.numel(), dtype=torch.float32)) for tid, values in low]
+        if masters:
+            self.pull_many_into(masters)
+        pushes: list[PushItem] = [(tid, "master", v, 0, False) for tid, v in items if v.dtype == torch.float32]
+        for (_, values), (tid, _, master) in zip(low, masters, strict=True):
+            dtypes.adopt_edits(master, values.detach().reshape(-1).to("cpu"))
+            pushes.append((tid, "master", master, 0, False))
+        self.push_many(pushes)
+
     def push(self, tid: int, key: str, values: torch.Tensor, *, step: int, accumulate: bool = False) -> None:
         """Write state ``key`` of tensor ``tid`` (``step`` sets its count when ``key`` is a moment)."""
         self.push_many([(tid, key, values, step, accumulate)])
