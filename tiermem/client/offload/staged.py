@@ -337,9 +337,11 @@ class StagedFeed:
 
     # the exchange
     def push_params(self, entries: list[StagedEntry] | None = None, *, only_edited: bool = True) -> int:
-        """Push params whose fingerprint changed (``only_edited``) into their masters; returns how many.  A
-        low-precision master keeps the elements that round to the param's value (``StateTransfer.adopt_many``):
-        a state dict loaded over the values the model had, or one element edited, loses the rest nothing."""
+        """Push params whose fingerprint changed (``only_edited``) into their masters; returns how many.  An
+        edit is adopted: a low-precision master keeps the elements that round to the param's value
+        (``StateTransfer.adopt_many``), so a state dict loaded over the values the model had, or one element
+        edited, loses the rest nothing.  Every param (a registration, a load: the masters start from the
+        params) is written whole, at the working dtype's size."""
         todo: list[tuple[StagedEntry, tuple[int, int, int]]] = []
         for e in entries if entries is not None else self.entries:
             if e.param.is_meta:  # no values here to push: they reach the daemon another way (an init, a pager)
@@ -347,7 +349,10 @@ class StagedFeed:
             mark = fingerprint(e.param)
             if not only_edited or mark != e.mark:
                 todo.append((e, mark))
-        self.transfer.adopt_many([(e.index, e.param.detach()) for e, _ in todo])
+        if only_edited:
+            self.transfer.adopt_many([(e.index, e.param.detach()) for e, _ in todo])
+        else:
+            self.transfer.push_many([(e.index, "master", e.param.detach(), 0, False) for e, _ in todo])
         for e, mark in todo:
             e.mark = mark
         return len(todo)
