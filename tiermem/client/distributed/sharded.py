@@ -89,6 +89,7 @@ from tiermem.client.offload.options import OffloadOptions
 from tiermem.client.offload.reentry import Calls
 from tiermem.client.offload.transfer import hooked_load, hooked_state_dict
 from tiermem.core.errors import InvalidArgument, InvalidState
+from tiermem.core.grad_mode import without_grad
 from tiermem.core.param_groups import check_params_once
 from tiermem.core.step_rules import StepDecision
 
@@ -435,7 +436,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the step
 
-    @torch.no_grad()
+    @without_grad
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Decide on the global grad statistics (collective), apply that decision in the rank's daemon, gather."""
         loss = closure_loss(closure)

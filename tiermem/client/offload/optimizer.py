@@ -115,6 +115,7 @@ from tiermem.core.errors import (
     ProtocolError,
     TiermemError,
 )
+from tiermem.core.grad_mode import without_grad
 from tiermem.core.modes import Exchange, StepMode
 from tiermem.core.param_groups import check_params_once
 from tiermem.core.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
@@ -685,7 +686,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
     # ----------------------------------------------------------------- the step
 
     @eager_under_compile
-    @torch.no_grad()
+    @without_grad
     def step(self, closure: Callable[[], float] | None = None, *, decision: StepDecision | None = None) -> float | None:
         """One step.  ``decision``: taken by a sharding strategy over the global grad statistics (its skip,
         inverse scale and clip coefficient replace the scaler's hand-over and ``max_grad_norm``)."""

@@ -39,6 +39,7 @@ import torch
 
 from tiermem.core.adam_math import AdamHyper
 from tiermem.core.errors import DTypeError, InvalidArgument
+from tiermem.core.grad_mode import without_grad
 from tiermem.core.param_groups import check_params_once
 from tiermem.core.step_rules import combine_grad_stats, decide
 from tiermem.engine.optim.engine import AdamEngine, PendingUpdate
@@ -128,7 +129,7 @@ class CPUAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------- step
 
-    @torch.no_grad()
+    @without_grad
     def step(  # type: ignore[override]
         self,
         closure: Callable[[], float] | None = None,
