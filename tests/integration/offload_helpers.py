@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from small_models import Batch, LossFn, replicas
+from small_models import Batch, LossFn, mlp, mlp_batches, mlp_loss, replicas
 from torch import nn
 
 from tiermem.client.connection import Connection
@@ -215,3 +215,16 @@ def record_state_dict_hooks(opt: torch.optim.Optimizer, calls: list[str]) -> Non
     opt.register_state_dict_post_hook(saved)
     opt.register_load_state_dict_pre_hook(loading)
     opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+
+
+def assert_bf16_trains_like_cpu_adam(make: Callable[[Any], torch.optim.Optimizer], **hyper: Any) -> None:
+    """A bf16 MLP trained 5 steps by ``make(params)`` equals ``CPUAdam``'s training with ``hyper`` bitwise (the
+    daemon's own arithmetic, fp32 master)."""
+    base = mlp()
+    m_off, m_eng = (m.to(torch.bfloat16) for m in replicas(base, 2))
+    opt = make(m_off.parameters())
+    eng = cpu_adam(m_eng.parameters(), **hyper)
+    batches = mlp_batches(5, fixed=False)
+    train(m_off, opt, batches, mlp_loss)
+    train(m_eng, eng, batches, mlp_loss)
+    assert_params_equal(m_off, m_eng)

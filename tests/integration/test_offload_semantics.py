@@ -32,6 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from offload_helpers import (
     OffloadDaemon,
+    assert_bf16_trains_like_cpu_adam,
     assert_params_close,
     assert_params_equal,
     assert_state_close,
@@ -417,19 +418,10 @@ def test_overlap_update_plain_loop_trains_like_adamw(offload: OffloadDaemon, tie
 
 
 def test_bf16_model_trains_like_cpu_adam(offload: OffloadDaemon, tier: str) -> None:
-    base = mlp()
-    m_off, m_eng = (m.to(torch.bfloat16) for m in replicas(base, 2))
-    opt = offload.make(m_off.parameters(), offload=tier, **HYPER)
-    eng = cpu_adam(m_eng.parameters(), **HYPER)
-    batches = mlp_batches(5, fixed=False)
-    train(m_off, opt, batches, mlp_loss)
-    train(m_eng, eng, batches, mlp_loss)
-    assert_params_equal(m_off, m_eng)
+    assert_bf16_trains_like_cpu_adam(lambda params: offload.make(params, offload=tier, **HYPER), **HYPER)
 
 
-def test_a_bf16_models_own_state_dict_loaded_back_changes_nothing_with_the_staged_exchange(
-    offload: OffloadDaemon, tier: str
-) -> None:
+def test_a_bf16_state_dict_reloaded_changes_nothing_with_staged_params(offload: OffloadDaemon, tier: str) -> None:
     """``model.load_state_dict(model.state_dict())`` between steps, as a resume through
     ``torch.distributed.checkpoint`` does (it loads the optimizer, then the model): the staged exchange (the
     GPU path) wrote every edited param whole as its master, dropping the fp32 bits below bf16 of all its

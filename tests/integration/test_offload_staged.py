@@ -18,10 +18,10 @@ import pytest
 import torch
 from offload_helpers import (
     OffloadDaemon,
+    assert_bf16_trains_like_cpu_adam,
     assert_params_close,
     assert_params_equal,
     assert_state_close,
-    cpu_adam,
     offload_and_adamw,
     scaled_step,
     train,
@@ -149,14 +149,7 @@ def test_staged_delayed_update_matches_the_synchronous_engine_one_step_late(offl
 
 
 def test_staged_bf16_equals_cpu_adam(offload: OffloadDaemon, tier: str) -> None:
-    base = mlp()
-    m_off, m_eng = (m.to(torch.bfloat16) for m in replicas(base, 2))
-    opt = staged(offload, m_off.parameters(), tier, **HYPER)
-    eng = cpu_adam(m_eng.parameters(), **HYPER)
-    batches = mlp_batches(5, fixed=False)
-    train(m_off, opt, batches, mlp_loss)
-    train(m_eng, eng, batches, mlp_loss)
-    assert_params_equal(m_off, m_eng)
+    assert_bf16_trains_like_cpu_adam(lambda params: staged(offload, params, tier, **HYPER), **HYPER)
 
 
 def test_staged_overlapped_update_trains_like_adamw(offload: OffloadDaemon, tier: str) -> None:
