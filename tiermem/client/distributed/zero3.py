@@ -595,7 +595,7 @@ class LayerStrategy(ShardStrategy):
             if loaded and unit.owner == self.rank and self.inner is not None:
                 slots = {slot.tid: slot for slot in self.opt.checkpoint.share.slots}
                 tids = self._entry_of[unit.index]
-                self.opt.checkpoint.store.adopt_values(
+                self.opt.checkpoint.store.write_values(
                     [(slots[tids[j]], unit.params[j].detach().reshape(-1)) for j in loaded]
                 )
         finally:

@@ -117,11 +117,9 @@ class RankStore(Protocol):
         ``groups``' hyper-parameters (checked to match the optimizer's groups)."""
 
     def write_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
-        """Make each slot's fp32 values (padded to its ``numel``) its param's values."""
-
-    def adopt_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
-        """Make each slot's values in the param's dtype (a model state dict's) its param's values, taken into the
-        master where they differ from it at that precision (``StateTransfer.adopt_many``)."""
+        """Make each slot's values (padded to its ``numel``) its param's values: fp32 ones (a checkpoint's) are
+        the masters whole; ones in a lower dtype (a model state dict's) are taken into the master where they
+        differ from it at that precision (``StateTransfer.adopt_many``)."""
 
 
 @dataclass
@@ -159,18 +157,7 @@ class InnerStore:
         if self.inner is None:
             return
         self.inner.flush()
-        if self.keeps_values:
-            with torch.no_grad():
-                for slot, value in values:
-                    piece = self.inner.tensors[slot.tid]
-                    piece.copy_(value.view(piece.shape))
-        self.inner.transfer.push_many((slot.tid, "master", value, 0, False) for slot, value in values)
-
-    def adopt_values(self, values: list[tuple[Slot, torch.Tensor]]) -> None:
-        if self.inner is None:
-            return
-        self.inner.flush()
-        padded = [(slot, _padded(value, slot.numel, value.dtype)) for slot, value in values]
+        padded = [(s, v if v.numel() == s.numel else _padded(v, s.numel, v.dtype)) for s, v in values]
         if self.keeps_values:
             with torch.no_grad():
                 for slot, value in padded:
