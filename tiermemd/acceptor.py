@@ -18,6 +18,12 @@ The acceptor takes that work out of the daemon's interpreter:
 - it passes a connection that talks to the daemon (``SCM_RIGHTS`` over a
   ``SOCK_SEQPACKET`` pair), which admits it (the per-uid limit over its
   sessions, a thread, a pidfd) as it admitted any connection before;
+- told to end (SIGTERM: the daemon restarts it with a new policy, or on a
+  socket bound again), it hands the connections it still holds silent to
+  the daemon (``HELD``), which watches them for their first frame itself: a
+  client that connected and has not spoken yet (importing torch, building
+  its model) keeps its connection.  An acceptor killed or crashed takes its
+  silent connections with it; their clients see the daemon close them;
 - it tells the daemon what it refused (a ``counts`` message before every
   connection it passes, and every ``COUNTS_EVERY_S``, changed or not: its
   heartbeat), so the daemon's STATS and metrics count refusals as before, in
@@ -51,6 +57,10 @@ from tiermemd import admission
 __all__ = ["Acceptor", "main"]
 
 log = logging.getLogger("tiermemd.acceptor")
+
+HAND_OVER_TIMEOUT_S = 2.0
+"""How long one silent connection's hand-over may wait for room in the channel (the daemon waits 5 s for an
+acceptor it stops)."""
 
 
 class Acceptor:
@@ -95,6 +105,7 @@ class Acceptor:
                 self._flush_counts()
                 self._end_lingering(now)
                 self.refusals.flush(now)
+        self._hand_over()
 
     def _channel_readable(self) -> bool:
         """The daemon sends nothing; readable means it closed its end (or died): the acceptor ends."""
@@ -137,6 +148,20 @@ class Acceptor:
         self.silent[conn.fileno()] = (conn, cred)
         self.per_uid[cred.uid] = self.per_uid.get(cred.uid, 0) + 1
         self.selector.register(conn, selectors.EVENT_READ, "silent")
+
+    def _hand_over(self) -> None:
+        """Pass the connections still silent to the daemon (``HELD``), so they outlive this process; nothing
+        to pass to once the daemon closed the channel."""
+        with contextlib.suppress(OSError):
+            self.channel.settimeout(HAND_OVER_TIMEOUT_S)  # the daemon's channel thread reads while it waits for us
+        for conn, cred in list(self.silent.values()):
+            self._forget_silent(conn)
+            try:
+                socket.send_fds(self.channel, [admission.HELD], [conn.fileno()])
+            except OSError as exc:
+                log.warning("handing a silent connection of pid %d to tiermemd failed: %s", cred.pid, exc)
+            finally:
+                conn.close()
 
     def _forget_silent(self, conn: socket.socket) -> PeerCred:
         with contextlib.suppress(KeyError, ValueError):

@@ -5,7 +5,7 @@ Shared by the two places that accept connections: the daemon's accept thread
 process (``tiermemd.acceptor``, with it), so a peer is refused with the same
 frame, the same linger and the same log lines by either.  Also the two
 processes' channel: the acceptor's ``Policy`` (on its command line) and the
-messages it sends the daemon (``CONN`` with a passed fd, ``COUNTS``).
+messages it sends the daemon (``CONN`` and ``HELD`` with a passed fd, ``COUNTS``).
 
 It imports no more than the wire protocol needs, so the acceptor starts
 small (see ``tiermemd.acceptor``).
@@ -36,6 +36,7 @@ __all__ = [
     "COUNTS",
     "COUNTS_EVERY_S",
     "EXPLAINED_REFUSALS_PER_S",
+    "HELD",
     "MAX_ERROR_CHARS",
     "MAX_LINGERING",
     "REFUSAL_LINGER_S",
@@ -72,7 +73,10 @@ another, so connections do not wait in the backlog behind it."""
 COUNTS = struct.Struct("<4sQQ")
 """The ``counts`` message: b"CNTS", refusals of a disallowed uid, refusals over the per-uid limit (totals)."""
 CONN = b"CONN"
-"""The message that carries a passed connection's fd."""
+"""The message that carries a passed connection's fd: it sent its first frame."""
+HELD = b"HELD"
+"""The message that carries a connection that has not spoken yet, from an acceptor told to end (a new
+policy, a rebound socket): the daemon watches it from then on, so its client keeps its connection."""
 
 
 @dataclass(frozen=True)

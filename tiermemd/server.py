@@ -104,6 +104,7 @@ from tiermemd.admission import (
     CONN,
     COUNTS,
     EXPLAINED_REFUSALS_PER_S,
+    HELD,
     MAX_LINGERING,
     REFUSAL_LINGER_S,
     REFUSAL_LOG_EVERY_S,
@@ -566,8 +567,8 @@ class Server:
             self._counted = (auth, admission)
         for fd in fds:
             conn = socket.socket(fileno=fd)
-            if data != CONN:
-                conn.close()
+            if data not in (CONN, HELD) or (data == HELD and not self._accepting):
+                conn.close()  # a connection held silent by an acceptor stopped with the daemon: not served
                 continue
             conn.setblocking(True)  # the acceptor's non-blocking mode came with the file (O_NONBLOCK is shared)
             try:
@@ -576,7 +577,7 @@ class Server:
                 conn.close()
                 continue
             try:
-                self._admit(conn, cred, talking=True)
+                self._admit(conn, cred, talking=data == CONN)  # a HELD one is watched here until it talks
             except Exception:
                 log.exception("admitting a connection from pid %d failed; closing it", cred.pid)
                 conn.close()

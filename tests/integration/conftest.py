@@ -293,6 +293,25 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
         d.cleanup()
 
 
+LOG_TAIL_CHARS = 6000
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that ran against a daemon of these fixtures reports the tail of each one's log: what the
+    daemon saw (a closed session and why, an acceptor restarted) is what a flaky failure needs."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "setup" or not report.failed:
+        return
+    funcargs = getattr(item, "funcargs", {})
+    daemons = [funcargs["daemon"]] if isinstance(funcargs.get("daemon"), DaemonProcess) else []
+    daemons += getattr(funcargs.get("daemon_factory"), "started", [])
+    for d in daemons:
+        with contextlib.suppress(OSError):
+            report.sections.append((f"tiermemd log {d.log_path} (tail)", d.log_text()[-LOG_TAIL_CHARS:]))
+
+
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     started: list[DaemonProcess] = []
@@ -302,6 +321,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
         started.append(d)
         return d
 
+    start.started = started  # type: ignore[attr-defined]  # for the failure report's logs
     yield start
     for d in started:
         d.cleanup()

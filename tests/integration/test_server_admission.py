@@ -198,3 +198,28 @@ def test_a_new_policy_restarts_the_acceptor_with_it(accepting) -> None:
     server.config = dataclasses.replace(server.config, send_timeout_s=3.0)  # not the acceptor's business
     time.sleep(0.3)
     assert server._acceptor is unchanged
+
+
+def test_connections_held_silent_outlive_a_restart_of_the_acceptor(accepting) -> None:
+    """A client that connected and has not spoken yet (importing torch, building its model) keeps its
+    connection when a new policy (SIGHUP) or a rebound socket restarts the acceptor that held it."""
+    server, _handlers, path = accepting
+    first = server._acceptor
+    assert first is not None
+    waiting = [Connection.open(path, timeout_s=5.0) for _ in range(LIMIT)]
+    time.sleep(0.3)
+    assert server.sessions() == [], "a connection that sent nothing reached the daemon"
+    server.config = dataclasses.replace(server.config, max_connections_per_uid=LIMIT + 1)
+    _wait(lambda: server._acceptor is not None and server._acceptor is not first, "the acceptor with the new policy")
+    assert _session_threads() == 0, "a handed-over connection got a thread before it spoke"
+    for conn in waiting:
+        assert conn.request(Ping()) == Pong()
+    assert len(server.sessions()) == LIMIT
+    assert _session_threads() == LIMIT
+    # the new acceptor counts the daemon's sessions against the uid's new limit, as before
+    with Connection.open(path, timeout_s=5.0) as conn:
+        assert conn.request(Ping()) == Pong()
+    for conn in waiting:
+        conn.close()
+    _wait(lambda: not server.sessions(), "the sessions to end")
+
