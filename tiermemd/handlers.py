@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tiermem.core.errors import AdmissionError, AuthError, InvalidState, ProtocolError, UnknownJob
+from tiermem.core.errors import AdmissionError, AuthError, DaemonStopping, InvalidState, ProtocolError, UnknownJob
 from tiermem.core.modes import Placement
 from tiermem.core.protocol import (
     Abort,
@@ -108,7 +108,7 @@ class Handlers:
                 "connection; attach on another one (an optimizer made without client= makes its own)"
             )
         if self.service.draining:
-            raise AdmissionError("tiermemd is shutting down; attach to it again once it has restarted")
+            raise DaemonStopping(session.socket_path(), "ATTACH")
         cfg = self.service.config.jobs
         if cfg.max_window and msg.window_nbytes > cfg.max_window:
             raise AdmissionError(

@@ -51,8 +51,8 @@ work never runs on these threads: it goes to the ``CpuScheduler``.
   exception is logged with its traceback and closes that session only.  Error
   replies are clipped to what the wire allows, so a hostile request cannot
   provoke an error frame the client could not decode.
-- Drain: once ``Server.draining`` is set, a request that arrives gets an
-  ``AdmissionError`` instead of being started, so the service waits only for
+- Drain: once ``Server.draining`` is set, a request that arrives gets a
+  ``DaemonStopping`` instead of being started, so the service waits only for
   the requests already running (``Session.busy``, which ends before the
   reply is sent: a reply stuck on a client that does not read delays nothing)
   before it frees memory.
@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tiermem.core.config import ServerConfig
-from tiermem.core.errors import AdmissionError, ConnectionClosed, ProtocolError, TiermemError
+from tiermem.core.errors import AdmissionError, ConnectionClosed, DaemonStopping, ProtocolError, TiermemError
 from tiermem.core.protocol import (
     DEFAULT_MAX_FRAME,
     FLAG_FDS,
@@ -215,7 +215,7 @@ class Session:
     def serve(self, handlers: Handlers, draining: Callable[[], bool] = lambda: False) -> None:
         """The session thread: receive, dispatch, reply, until the peer goes away.
 
-        ``draining()`` true: requests are refused (``AdmissionError``) instead of started.
+        ``draining()`` true: requests are refused (``DaemonStopping``) instead of started.
         """
         why = "client closed the connection"
         reason = DisconnectReason.CLIENT_CLOSED
@@ -267,7 +267,15 @@ class Session:
         except ProtocolError:
             return
         if not frame.flags & (FLAG_ONEWAY | FLAG_MORE):  # a request's last part: refuse it once
-            self._send_error(frame.request_id, AdmissionError("tiermemd is shutting down; the request was not started"))
+            self._send_error(frame.request_id, DaemonStopping(self.socket_path(), frame.type.name))
+
+    def socket_path(self) -> str:
+        """The path of the socket this session's client connected to (as the daemon bound it)."""
+        try:
+            name = self.peer.frames.sock.getsockname()
+        except OSError:
+            return "?"
+        return name.decode(errors="replace") if isinstance(name, bytes) else str(name) or "?"
 
     def _handle(self, handlers: Handlers, data: bytes) -> bool:
         """Decode one frame; dispatch and answer what it completes (a message, or one in parts); False when the

@@ -18,7 +18,7 @@ import pytest
 from local_server import serving
 
 from tiermem.client.connection import Connection
-from tiermem.core.errors import AdmissionError
+from tiermem.core.errors import AdmissionError, DaemonStopping, DaemonUnavailable
 from tiermem.core.protocol import Message, Ping, Pong, Stats, encode_message
 from tiermemd.health import Health
 from tiermemd.server import Reply, Server, Session
@@ -223,3 +223,22 @@ def test_connections_held_silent_outlive_a_restart_of_the_acceptor(accepting) ->
         conn.close()
     _wait(lambda: not server.sessions(), "the sessions to end")
 
+
+
+def test_a_draining_server_refuses_a_request_with_daemon_stopping_naming_it(served) -> None:
+    """A request that arrives while the daemon drains (SIGTERM) is refused unstarted, as a ``DaemonUnavailable``
+    (what a daemon's restart raises otherwise), naming the socket, the request and where the state stands."""
+    server, _handlers, path = served
+    with Connection.open(path, timeout_s=5.0) as conn:
+        assert conn.request(Ping()) == Pong()
+        server.draining = True
+        with pytest.raises(DaemonStopping) as caught:
+            conn.request(Ping())
+        assert isinstance(caught.value, DaemonUnavailable)
+        assert (caught.value.path, caught.value.during) == (path, "PING")
+        assert f"tiermemd at {path} is stopping" in str(caught.value) and "refused PING without starting it" in str(
+            caught.value
+        )
+        assert "opt.token" in str(caught.value) and "state_dict()" in str(caught.value)
+        server.draining = False
+        assert conn.request(Ping()) == Pong(), "the refusal closed the connection"

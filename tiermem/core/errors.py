@@ -388,6 +388,29 @@ class DaemonTimeout(DaemonUnavailable):
         )
 
 
+class DaemonStopping(DaemonUnavailable):
+    """The daemon is stopping (SIGTERM or SIGINT) and refused a request without starting it.
+
+    ``path`` is its socket and ``during`` the request it refused.  Nothing of that request was applied: the
+    job's state is at its last completed step.  A ``DaemonUnavailable``, as a daemon that is gone: a program
+    that catches that for a daemon's restart catches this too.
+    """
+
+    fields: ClassVar[tuple[str, ...]] = ("path", "during")
+
+    def __init__(self, path: str, during: str) -> None:
+        TiermemError.__init__(
+            self,
+            f"the tiermemd at {path} is stopping (SIGTERM or SIGINT: its service was stopped or restarted, or the "
+            f"process that started a private one is ending it) and refused {during} without starting it; the "
+            "job's state is at its last completed step. A node daemon's NVMe-placed state is committed by the "
+            "stop and comes back with the next tiermemd, for a new optimizer with the job's token (opt.token); "
+            "CPU-tier state, and a private daemon's, ends with it: load the last checkpoint (state_dict())",
+            path=path,
+            during=during,
+        )
+
+
 class DaemonGone(DaemonUnavailable):
     """The daemon closed the connection in the middle of a session: it stopped, crashed or was killed, or it
     ended this session.
