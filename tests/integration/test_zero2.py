@@ -119,6 +119,7 @@ OVERLAP = ["--steps", "5", "--clip", "0.05", "--scaler", "--inf-step", "2", "--o
 TWO_RANKS["no_sync"] = [*OVERLAP, "--no-sync"]
 TWO_RANKS["accumulated"] = OVERLAP
 TWO_RANKS["delayed"] = ["--steps", "6", "--clip", "0.05", "--delayed", "2", "--overlap", "--reload"]
+TWO_RANKS["torch_clip"] = ["--steps", "3", "--scaler", "--torch-clip", "0.05", "--overlap"]
 # compressed moments: how far from fp32 AdamW the params end, per state_dtype (twice the gap
 # measured 2.9e-4 and 4.8e-3 after 6 steps at lr 2e-2)
 COMPRESSED_GAP = {"bf16": 6e-4, "int8": 1e-2}
@@ -176,6 +177,19 @@ def test_two_ranks_against_one_daemon_equal_one_process_with_clipping_overflow_a
     log = two_ranks[1].log_text()
     for r in range(2):
         assert _attached(log, ranks[0]["job_id"], r, 2), log[-2000:]
+    # ShardedGradScaler unscales the grads in place, the same on every rank: not an edit to warn of
+    assert not [w for r in ranks for w in r["warnings"] if "changed in place" in w], ranks
+
+
+def test_torchs_clip_of_the_local_grads_is_told_once_per_rank_naming_max_grad_norm(two_ranks):
+    """``torch.nn.utils.clip_grad_norm_`` after ``unscale_``, as HF Trainer, accelerate and Lightning clip: the
+    grads are each rank's own, so each is clipped by its own norm, and the step averages them (not DDP's clip
+    of the mean).  Before, silently; now each rank warns once, naming the way that clips the mean."""
+    ranks = results(_scenario(two_ranks, "torch_clip"), 2, "out")
+    for r in ranks:
+        told = [w for w in r["warnings"] if "changed in place" in w]
+        assert len(told) == 1, r["warnings"]
+        assert "clip_grad_norm_" in told[0] and "max_grad_norm=" in told[0] and "HF Trainer" in told[0], told
 
 
 @pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "accumulated"])

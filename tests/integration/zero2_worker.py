@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--late-close", type=float, default=0.0, help="ranks but 0 wait this long before close()")
     ap.add_argument("--delayed", type=int, default=-1, help="delayed_update=True after this many warmup steps")
     ap.add_argument("--state-dtype", default="fp32", help="how the daemon keeps the moments (fp32, bf16, int8)")
+    ap.add_argument("--torch-clip", type=float, default=0.0, help="unscale_, then torch's clip_grad_norm_ to this")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rank, world, owned = join_group(outlive_a_killed_peer=args.kill_step >= 0)
@@ -142,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                         loss.backward()
             if step == args.kill_step and rank == world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.torch_clip:  # as HF Trainer, accelerate and Lightning clip: on the local grads
+                if scaler is not None:
+                    scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.torch_clip)
             scaled_step(opt, scaler)
             opt.zero_grad()
             sched.step()

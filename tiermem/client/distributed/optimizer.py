@@ -231,6 +231,9 @@ class Zero2Strategy(ShardStrategy):
         """This step's found-inf flags from ``ShardedGradScaler`` (``take_found_inf``)."""
         self._has_grad: list[bool] | None = None
         """This step's: per param, whether any rank had a grad."""
+        self._landed: dict[int, tuple[torch.Tensor, int]] = {}
+        """Per param index: the grad its last backward left and that grad's version then (``_tell_edits``)."""
+        self._told_edits = False
 
     # ----------------------------------------------------------------- the start
 
@@ -266,21 +269,49 @@ class Zero2Strategy(ShardStrategy):
         return InnerPlan(inner_groups, self.dtype.name)
 
     def attached(self) -> None:
-        """The buckets bound to the daemon's storage, the hooks that reduce during backward (``overlap_comm``),
-        and where the job's state is."""
+        """The buckets bound to the daemon's storage, the grad hooks (which note each grad backward leaves,
+        and reduce during backward with ``overlap_comm``), and where the job's state is."""
         params = self.params()
         self.rounds.attach(self.inner)
-        if self.overlap_comm:
-            for index, p in enumerate(params):
-                if p.requires_grad:
-                    self.keep_hook(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
+        for index, p in enumerate(params):
+            if p.requires_grad:
+                self.keep_hook(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
         self._resume(params)
 
     def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            self.rounds.grad_landed(index, self.params)
+            grad = param.grad
+            if grad is not None:
+                self._landed[index] = (grad, grad._version)
+            if self.overlap_comm:
+                self.rounds.grad_landed(index, self.params)
 
         return hook
+
+    def _tell_edits(self, params: list[torch.nn.Parameter]) -> None:
+        """Warn once when a grad was changed in place after backward left it: ``p.grad`` is this rank's own,
+        unreduced grad, so ``clip_grad_norm_`` (HF Trainer's and accelerate's ``max_grad_norm``, Lightning's
+        ``gradient_clip_val``) clips each rank's by its own norm, and the step averages the results: not the
+        clip of DDP's mean.  A grad replaced (``p.grad = g``) is taken as the user's; edits through ``.data``
+        are not seen."""
+        if self._told_edits:
+            return
+        landed = self._landed.items()
+        edited = [i for i, (grad, version) in landed if params[i].grad is grad and grad._version != version]
+        if not edited:
+            return
+        self._told_edits = True
+        log.warning(
+            "ShardedOffloadAdam: the grads of %d param(s) (param %d first) were changed in place after backward "
+            "left them (torch.nn.utils.clip_grad_norm_, or an edit of your own). p.grad holds this rank's own "
+            "grads, not yet reduced: a clip by their norm differs on each rank, and the step averages what each "
+            "rank clipped, which is not the clip of the mean that DDP's clip_grad_norm_ makes. Clip with "
+            "ShardedOffloadAdam(max_grad_norm=...), by the global norm of the reduced grads, and set HF Trainer's "
+            "or accelerate's max_grad_norm to 0 (Lightning: no gradient_clip_val). An edit that is the same on "
+            "every rank (a division by a constant) is right as it is. Said once",
+            len(edited),
+            edited[0],
+        )
 
     @property
     def pieces(self) -> list[Piece]:
@@ -327,8 +358,13 @@ class Zero2Strategy(ShardStrategy):
 
     def take_found_inf(self, per_device: dict[torch.device, torch.Tensor]) -> None:
         """``ShardedGradScaler``'s found-inf flags of this step, already global (all-reduced over the group);
-        ``step()`` sets them too when the reduced grads overflow, so the scaler backs off as every rank does."""
+        ``step()`` sets them too when the reduced grads overflow, so the scaler backs off as every rank does.
+        The scaler has just unscaled the grads in place, by the same figure on every rank: not an edit to tell."""
         self._global_found_inf = per_device
+        params = self.params()
+        for index, (grad, _) in list(self._landed.items()):
+            if params[index].grad is grad:
+                self._landed[index] = (grad, grad._version)
 
     def decide(self) -> StepDecision:
         """Where ZeRO-2's grads come from: the trainer's, reduce-scattered now (or during backward, with
@@ -345,6 +381,7 @@ class Zero2Strategy(ShardStrategy):
             )
         params = self.params()
         self._check_params(params)
+        self._tell_edits(params)
         need_norm = scaled or self.max_grad_norm is not None
         flags = [0.0] + [0.0 if p.grad is None else 1.0 for p in params]
         stats = torch.tensor(flags, dtype=torch.float64).to(self.device)
@@ -394,6 +431,7 @@ class Zero2Strategy(ShardStrategy):
     def end_step(self) -> None:
         self.rounds.drop_grads()
         self._has_grad = None
+        self._landed.clear()
 
     def _check_params(self, params: list[torch.nn.Parameter]) -> None:
         for i, p in enumerate(params):
