@@ -120,6 +120,7 @@ TWO_RANKS["no_sync"] = [*OVERLAP, "--no-sync"]
 TWO_RANKS["accumulated"] = OVERLAP
 TWO_RANKS["delayed"] = ["--steps", "6", "--clip", "0.05", "--delayed", "2", "--overlap", "--reload"]
 TWO_RANKS["torch_clip"] = ["--steps", "3", "--scaler", "--torch-clip", "0.05", "--overlap"]
+TWO_RANKS["ddp_torch_clip"] = ["--steps", "4", "--scaler", "--torch-clip", "0.05", "--ddp"]
 # compressed moments: how far from fp32 AdamW the params end, per state_dtype (twice the gap
 # measured 2.9e-4 and 4.8e-3 after 6 steps at lr 2e-2)
 COMPRESSED_GAP = {"bf16": 6e-4, "int8": 1e-2}
@@ -190,6 +191,15 @@ def test_torchs_clip_of_the_local_grads_is_told_once_per_rank_naming_max_grad_no
         told = [w for w in r["warnings"] if "changed in place" in w]
         assert len(told) == 1, r["warnings"]
         assert "clip_grad_norm_" in told[0] and "max_grad_norm=" in told[0] and "HF Trainer" in told[0], told
+
+
+def test_under_ddp_torchs_clip_is_of_the_mean_and_trains_like_adamw_without_a_warning(two_ranks):
+    """The model wrapped in DDP, as HF Trainer wraps it at two ranks: DDP writes the mean of the ranks' grads
+    into ``p.grad`` as backward ends, so ``clip_grad_norm_`` after it is the global clip (AdamW with the same
+    clip on the global batch, within the usual ulps), and the step does not warn of it."""
+    tmp = _scenario(two_ranks, "ddp_torch_clip")
+    check_equal(tmp, 2, base="out")
+    assert not [w for r in results(tmp, 2, "out") for w in r["warnings"] if "changed in place" in w]
 
 
 @pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "accumulated"])

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delayed", type=int, default=-1, help="delayed_update=True after this many warmup steps")
     ap.add_argument("--state-dtype", default="fp32", help="how the daemon keeps the moments (fp32, bf16, int8)")
     ap.add_argument("--torch-clip", type=float, default=0.0, help="unscale_, then torch's clip_grad_norm_ to this")
+    ap.add_argument("--ddp", action="store_true", help="the model wrapped in DistributedDataParallel (HF Trainer's)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rank, world, owned = join_group(outlive_a_killed_peer=args.kill_step >= 0)
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(f"{args.out}.{rank}", {"rank": rank, "error": type(exc).__name__, "message": str(exc)})
         return 4
     sched = schedule(opt)
+    net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if args.ddp else None
     start = opt.steps  # a relaunch reattached to the job's state continues where it is
     for _ in range(start):
         sched.step()
@@ -134,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for step in range(start, args.steps):
             for k in range(args.accumulate):  # K equal micro-batches of 1/K each: the same grads, exactly (K=2)
-                loss = local_losses(model, step, world, args.inf_step)[rank] / args.accumulate
+                if net is not None:  # DDP runs one forward a backward: this rank's batch alone
+                    x, y = batch(step, world)
+                    rows = slice(rank * BATCH, (rank + 1) * BATCH)
+                    loss = torch.nn.functional.mse_loss(net(x[rows]), y[rows]) / args.accumulate
+                else:
+                    loss = local_losses(model, step, world, args.inf_step)[rank] / args.accumulate
                 held = args.no_sync and k < args.accumulate - 1
                 with opt.no_sync() if held else contextlib.nullcontext():
                     if scaler is not None:
@@ -218,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                     install()  # the model gets update t-1 while update t runs
             if ref_scaler is not None:
                 ref_scaler.unscale_(ref_opt)
-            if args.clip:
-                result["ref_norm"] = float(torch.nn.utils.clip_grad_norm_(master.parameters(), args.clip))
+            if args.clip or args.torch_clip:
+                norm = float(torch.nn.utils.clip_grad_norm_(master.parameters(), args.clip or args.torch_clip))
+                if args.clip:  # the optimizer's own clip, whose norm it reports
+                    result["ref_norm"] = norm
             skipped += scaled_step(ref_opt, ref_scaler)
             if master is not ref and step < args.delayed:
                 install()  # a warmup step: synchronous

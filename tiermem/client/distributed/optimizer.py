@@ -232,7 +232,13 @@ class Zero2Strategy(ShardStrategy):
         self._has_grad: list[bool] | None = None
         """This step's: per param, whether any rank had a grad."""
         self._landed: dict[int, tuple[torch.Tensor, int]] = {}
-        """Per param index: the grad its last backward left and that grad's version then (``_tell_edits``)."""
+        """Per param index: the grad its last backward left and that grad's version when it ended
+        (``_tell_edits``)."""
+        self._backward_ending = False
+        """The end-of-backward look at the landed grads is queued (``_grad_hook``)."""
+        self._reduced_in_backward = False
+        """The last backward's grads were rewritten before it ended: DDP wraps the model, and they are the
+        mean of every rank's already."""
         self._told_edits = False
 
     # ----------------------------------------------------------------- the start
@@ -283,18 +289,42 @@ class Zero2Strategy(ShardStrategy):
             grad = param.grad
             if grad is not None:
                 self._landed[index] = (grad, grad._version)
+                if not self._backward_ending:
+                    self._backward_ending = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._queue_backward_end)
             if self.overlap_comm:
                 self.rounds.grad_landed(index, self.params)
 
         return hook
+
+    def _queue_backward_end(self) -> None:
+        """Run as backward ends, queued by the first grad hook: DDP queues the write of its averaged grads later
+        in backward, so a look queued from here runs after it."""
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+
+    def _backward_end(self) -> None:
+        """Once backward (and DDP's write of the mean into the grads, if DDP wraps the model) is over: whether the
+        grads changed since their hooks, and their versions now, against which ``_tell_edits`` looks."""
+        self._backward_ending = False
+        params = self.params()
+        rewritten = False
+        for index, (grad, version) in list(self._landed.items()):
+            now = params[index].grad
+            rewritten = rewritten or now is not grad or (now is not None and now._version != version)
+            if now is None:
+                del self._landed[index]
+            else:
+                self._landed[index] = (now, now._version)
+        self._reduced_in_backward = rewritten
 
     def _tell_edits(self, params: list[torch.nn.Parameter]) -> None:
         """Warn once when a grad was changed in place after backward left it: ``p.grad`` is this rank's own,
         unreduced grad, so ``clip_grad_norm_`` (HF Trainer's and accelerate's ``max_grad_norm``, Lightning's
         ``gradient_clip_val``) clips each rank's by its own norm, and the step averages the results: not the
         clip of DDP's mean.  A grad replaced (``p.grad = g``) is taken as the user's; edits through ``.data``
-        are not seen."""
-        if self._told_edits:
+        are not seen.  Not when DDP wraps the model: its grads are the mean of every rank's when backward ends,
+        and a clip of them is DDP's (``_backward_end``)."""
+        if self._told_edits or self._reduced_in_backward:
             return
         landed = self._landed.items()
         edited = [i for i, (grad, version) in landed if params[i].grad is grad and grad._version != version]
