@@ -89,6 +89,10 @@ def test_to_moves_every_box_as_accelerate_and_lightning_move_optimizer_state():
     assert isinstance(wider, Stretches) and torch.equal(wider.flat(2, 11), full.reshape(-1)[2:11].double())
     moved = held.to("meta")
     assert moved.device.type == "meta" and all(values.device.type == "meta" for _, values in moved._boxes)
+    # accelerate's device for a CPU process of a distributed run is "cpu:0", where a tensor lands on "cpu"
+    indexed = held.to(torch.device("cpu:0"))
+    assert isinstance(indexed, Stretches) and indexed.device == torch.device("cpu")
+    assert torch.equal(indexed.flat(2, 11), full.reshape(-1)[2:11])
 
 
 def test_a_copy_is_a_copy_and_torch_save_writes_a_plain_dict():

@@ -104,11 +104,13 @@ class Stretches(torch.Tensor):
         return out
 
     def _moved(self, *, dtype: torch.dtype | None = None, device: Any = None, **options: Any) -> Stretches:
-        """``.to(device, dtype)``: the same boxes, each moved."""
+        """``.to(device, dtype)``: the same boxes, each moved; the result is on the device they land on (``cpu``
+        for ``cpu:0``, the current GPU for ``cuda``), as a plain tensor's ``.to`` is."""
         dtype, device = dtype or self.dtype, torch.device(device) if device is not None else self.device
         blocking = bool(options.get("non_blocking", False))
-        moved = ((box, values.to(device=device, dtype=dtype, non_blocking=blocking)) for box, values in self._boxes)
-        return Stretches(self.shape, dtype, moved, device)
+        moved = [(box, values.to(device=device, dtype=dtype, non_blocking=blocking)) for box, values in self._boxes]
+        landed = moved[0][1].device if moved else torch.empty(0, device=device).device
+        return Stretches(self.shape, dtype, moved, landed)
 
     def _same(self, other: Stretches) -> bool:
         """``torch.equal``: the same shape, boxes and values (two holdings of one rank's, compared)."""
