@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tiermem.client.distributed import LayerShardedAdam, ShardedGradScaler, ShardedOffloadAdam, ShardedPagedAdam
+from tiermem.client.distributed.reshard import is_rank_file
 from tiermem.client.link import connect
 from tiermem.core.errors import InvalidArgument, InvalidState, RankLost
 
@@ -172,6 +173,39 @@ def test_torchs_state_dict_hooks_run_on_the_sharded_optimizers(daemon, one_rank_
         assert saved["extra"] == {"ema_decay": 0.999}
         opt.load_state_dict(saved)
         assert calls == ["save pre", "save post", "load pre {'ema_decay': 0.999}", "load post"]
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("which", ["zero2", "layers", "paged"])
+def test_consolidate_state_dict_makes_the_next_state_dict_the_whole_state_until_a_step(daemon, one_rank_group, which):
+    """``ZeroRedundancyOptimizer``'s protocol, which PyTorch Lightning and Fabric follow for any optimizer that has
+    ``consolidate_state_dict``: every rank calls it, then rank 0 alone saves ``state_dict()``.  Before, the
+    sharded optimizers had none, so Lightning saved rank 0's rank file alone and the other ranks could not
+    resume from it.  Now ``state_dict()`` after it is the whole state in AdamW's format (which AdamW loads and
+    trains on alike), until the next step; a rank outside the group is refused."""
+    m, ref = model(), model()
+    if which == "zero2":
+        opt: torch.optim.Optimizer = ShardedOffloadAdam(m.parameters(), lr=1e-2, client=connect(daemon.socket_path))
+    else:
+        opt = zero3(which, m, daemon)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    try:
+        train_alike(((m, opt), (ref, ref_opt)), range(2))
+        with pytest.raises(InvalidArgument, match="to=1 is not a rank"):
+            opt.consolidate_state_dict(1)
+        assert is_rank_file(opt.state_dict())
+        opt.consolidate_state_dict()
+        whole, full = opt.state_dict(), opt.full_state_dict()
+        assert not is_rank_file(whole) and whole["param_groups"] == full["param_groups"]
+        assert all(torch.equal(whole["state"][i][k], v) for i, e in full["state"].items() for k, v in e.items())
+        assert opt.state_dict()["state"].keys() == full["state"].keys()  # again, until a step
+        adamw = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        adamw.load_state_dict(whole)
+        train_alike(((m, opt), (ref, adamw)), range(2, 4))
+        assert is_rank_file(opt.state_dict())
+        ours = m.state_dict()  # gathered for ZeRO-3
+        assert max(float((ours[k] - v).abs().max()) for k, v in ref.state_dict().items()) <= 1e-6
     finally:
         opt.close()
 

@@ -10,8 +10,10 @@ on the whole batch in one process.
 
 ``--save`` (N ranks): ``SAVED_AT`` steps, then every rank writes its rank
 file to ``DIR/<kind>/`` (``save_shard``; ``DIR`` is ``saved_in(OUT)``), and
-rank 0 writes the gathered ``full_state_dict()`` to ``DIR/<kind>-full.pt`` and
-the model's values to ``DIR/<kind>-model.pt``.
+rank 0 writes the whole state to ``DIR/<kind>-full.pt`` as PyTorch Lightning
+saves a sharded optimizer (``consolidate_state_dict(0)`` on every rank, then
+rank 0's ``state_dict()``, checked equal to ``full_state_dict()``) and the
+model's values to ``DIR/<kind>-model.pt``.
 
 ``--save-ranks K``: only the first K ranks save, as a process group of their
 own (a save at K ranks inside a launch of more).
@@ -131,9 +133,20 @@ def save(kind: str, folder: Path, group: Any) -> None:
     train(model, opt, range(SAVED_AT), rank, world)
     opt.save_shard(folder / kind)
     full = opt.full_state_dict()
+    # PyTorch Lightning's and Fabric's save (ZeroRedundancyOptimizer's protocol): every rank consolidates, then
+    # rank 0 alone writes state_dict(), which must be the whole state: that file is what the ``full`` resumes load
+    opt.consolidate_state_dict(0)
+    consolidated = opt.state_dict() if rank == 0 else None
     saved = values(model, opt)
     if rank == 0:
-        torch.save(full, folder / f"{kind}-full.pt")
+        assert consolidated is not None and consolidated.keys() == full.keys() == {"state", "param_groups"}
+        assert consolidated["param_groups"] == full["param_groups"]
+        assert consolidated["state"].keys() == full["state"].keys()
+        for i, entry in full["state"].items():
+            assert entry.keys() == consolidated["state"][i].keys() and all(
+                torch.equal(entry[k], consolidated["state"][i][k]) for k in entry
+            ), f"param {i}: the consolidated state differs from full_state_dict()'s"
+        torch.save(consolidated, folder / f"{kind}-full.pt")
         torch.save(saved, folder / f"{kind}-model.pt")
     opt.close()
 

@@ -297,6 +297,8 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         arguments of the same names, in this order: ``client`` this rank's connection to its node's daemon
         (None: found, or started for the node); ``job_id``, ``token`` (None: agreed, ``identity``)."""
         self._calls = Calls(type(self).__name__)
+        self._consolidated: dict[str, Any] | None = None
+        """``consolidate_state_dict``'s whole state, on the rank it went to, until a step or a load."""
         check_timeout(collective_timeout_s)
         self._join(process_group, strategy)
         groups, defaults = strategy.param_groups_for(self.group)
@@ -446,6 +448,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
 
     def _step(self) -> None:
         self._check_open()
+        self._consolidated = None
         strategy = self.strategy
         decision = strategy.decide()
         try:
@@ -489,9 +492,25 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         """This rank's file (``shard_state_dict()``), for every strategy: the fp32 values and Adam state of the
         stretches of params the rank holds, and what merges it with the other ranks' files.  ``torch.save`` it
         on every rank; ``load_state_dict`` takes it back at the same world size, ``load_shards`` takes the
-        files of all ranks at any world size, ``tiermem consolidate`` merges them.  torch.optim's state-dict
-        hooks run around it."""
+        files of all ranks at any world size, ``tiermem consolidate`` merges them.  On the rank that
+        ``consolidate_state_dict`` gathered the whole state on, that state instead, until a step or a load.
+        torch.optim's state-dict hooks run around it."""
+        consolidated = self._consolidated
+        if consolidated is not None:
+            return hooked_state_dict(self, lambda: dict(consolidated))
         return hooked_state_dict(self, self._shard_state_dict)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective: the whole state in ``torch.optim.AdamW``'s format (``full_state_dict()``), gathered on rank
+        ``to`` of the optimizer's process group alone; its next ``state_dict()`` returns it, until a step or a
+        load.  ``torch.distributed.optim.ZeroRedundancyOptimizer``'s protocol, which the checkpoints of PyTorch
+        Lightning and Fabric follow: every rank calls this, then rank 0 alone saves ``state_dict()``, and that
+        file resumes every rank at any world size (``load_state_dict``)."""
+        if not 0 <= to < self.world_size:
+            raise InvalidArgument(f"to={to} is not a rank of this optimizer's process group of {self.world_size}")
+        with self._calls.enter("consolidate_state_dict()", reads=True):
+            self._check_open()
+            self._consolidated = self.checkpoint.gather_full((to, self.group.global_rank(to)))
 
     def _shard_state_dict(self) -> dict[str, Any]:
         with self._calls.enter("state_dict()", reads=True):
@@ -510,6 +529,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
             self._load_state_dict(state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._consolidated = None
         if is_rank_file(state_dict):
             self.load_shards([state_dict], complete=False)
             return
@@ -540,6 +560,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         """This rank's stretches of the rank files of a save at any world size (params and buffers too); the
         counters go on from the save's applied steps."""
         shards = source if isinstance(source, ShardSet) else open_shards(source)
+        self._consolidated = None
         self.checkpoint.load_shards(shards, complete=complete)
         self.strategy.values_loaded()
         self.outcome.adopt(self.inner)
@@ -561,6 +582,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         if self._started:
             self.strategy.before_close()
         self._closed = True
+        self._consolidated = None
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

@@ -263,7 +263,15 @@ class Zero3Checkpoint:
         """Collective: the whole optimizer state in ``torch.optim.AdamW``'s format, on every rank (state keyed
         by the index in ``model.parameters()``; ``master`` too for low-precision params), which
         ``torch.optim.AdamW`` and either ZeRO-3 optimizer at any world size load."""
+        full = self.gather_full(None)
+        assert full is not None  # every rank's
+        return full
+
+    def gather_full(self, to: tuple[int, int] | None) -> dict[str, Any] | None:
+        """``full_state_dict()`` on every rank (``to`` None), or on one alone: ``to`` is its rank in the group and
+        its global rank; the others get None, and none of them holds more than one param's whole state."""
         share = self.share
+        alone = to is not None and to[0] != share.rank
         pieces, _ = self.read_pieces()
         steps = torch.zeros(len(share.params), dtype=torch.float64, device=share.device)
         mine: dict[int, list[Piece]] = {}
@@ -282,9 +290,16 @@ class Zero3Checkpoint:
                 if piece.step > 0:
                     for k, key in enumerate(keys):
                         flat[k, piece.lo : piece.hi] = piece.tensors[key]
-            self._collective("gather of the state", dist.all_reduce, flat)
+            if to is None:
+                self._collective("gather of the state", dist.all_reduce, flat)
+            else:
+                self._collective("gather of the state", dist.reduce, flat, dst=to[1])
+            if alone:
+                continue
             for k, key in enumerate(keys):
                 gathered[(i, key)] = flat[k].to("cpu", copy=True)
+        if alone:
+            return None
         return build_adamw(
             share.params, share.groups(self.store.param_groups), step_of.__getitem__, lambda i, key: gathered[(i, key)]
         )
