@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from child_env import child_env
 from conftest import DaemonProcess, start_daemon
 from launch import Launch
@@ -133,13 +134,29 @@ DDP_WORKER = str(Path(__file__).with_name("ddp_worker.py"))
 DDP = {"ddp": [], "ddp_released": ["--release"], "ddp_released_staged": ["--release", "--exchange", "staged"]}
 
 
+# HF Trainer at two ranks (``hf_trainer_worker.py``), in the same launch: ShardedOffloadAdam with its
+# checkpoint callback, a resume of its step-3 checkpoint in new objects, and AdamW under the same Trainer
+HF_WORKER = str(Path(__file__).with_name("hf_trainer_worker.py"))
+
+
+def hf_plan(tmp: Path) -> dict[str, list[str]]:
+    trained = str(tmp / "hf-zero2-run")
+    return {
+        "hf_zero2": ["--optimizer", "zero2", "--output-dir", trained],
+        "hf_zero2_resumed": ["--optimizer", "zero2", "--output-dir", str(tmp / "hf-resumed"), "--resume", trained],
+        "hf_adamw": ["--optimizer", "adamw", "--output-dir", str(tmp / "hf-adamw-run")],
+    }
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Launch, DaemonProcess]]:
     tmp = tmp_path_factory.mktemp("zero2")
     d = start_daemon(tmp / "tiermemd", LONG_GRACE)
     try:
-        plan = {**TWO_RANKS, **DDP}
-        yield Launch(WORKER, 2, plan, tmp, d.socket_path, workers=dict.fromkeys(DDP, DDP_WORKER)).run(), d
+        hf = hf_plan(tmp)
+        plan = {**TWO_RANKS, **DDP, **hf}
+        workers = {**dict.fromkeys(DDP, DDP_WORKER), **dict.fromkeys(hf, HF_WORKER)}
+        yield Launch(WORKER, 2, plan, tmp, d.socket_path, workers=workers).run(), d
     finally:
         d.cleanup()
 
@@ -157,6 +174,22 @@ def test_offload_adam_under_plain_ddp_trains_like_adamw_and_released_grads_are_r
         for r in ranks:
             assert r["error"] == "GradsAfterRelease" and "DDP" in r["message"], (name, r)
             assert r["steps"] == 0 and r["unchanged"], (name, r)
+
+
+def test_hf_trainer_at_two_ranks_trains_like_adamw_and_resumes_every_rank_from_its_checkpoint(two_ranks):
+    """HF Trainer (DDP, its clip at 1.0, checkpoints every 3 steps) with ShardedOffloadAdam logs AdamW's losses
+    under the same Trainer.  Its ``optimizer.pt`` is rank 0's ``state_dict()``: with ``WholeOptimizerState`` it
+    holds every rank's state, and ``resume_from_checkpoint`` in new objects ends where the uninterrupted run
+    does (before, rank 1's resume was refused: its elements were in no file)."""
+    launch = two_ranks[0]
+    runs = {name: launch.check(name) for name in ("hf_zero2", "hf_zero2_resumed", "hf_adamw")}
+    losses = {name: json.loads(Path(f"{out}.json").read_text())["losses"] for name, out in runs.items()}
+    final = {name: torch.load(f"{out}.pt") for name, out in runs.items()}
+    assert len(losses["hf_zero2"]) == 6 and losses["hf_zero2"] == pytest.approx(losses["hf_adamw"], rel=1e-5)
+    assert losses["hf_zero2_resumed"][3:] == pytest.approx(losses["hf_zero2"][3:], rel=1e-6), losses
+    for key, value in final["hf_adamw"].items():
+        torch.testing.assert_close(final["hf_zero2"][key], value, rtol=0, atol=1e-6, msg=key)
+        torch.testing.assert_close(final["hf_zero2_resumed"][key], final["hf_zero2"][key], rtol=0, atol=1e-7, msg=key)
 
 
 def _scenario(two_ranks: tuple[Launch, DaemonProcess], name: str) -> Path:

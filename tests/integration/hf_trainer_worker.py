@@ -1,0 +1,80 @@
+"""One rank of Hugging Face ``Trainer`` over a small GPT-2 at several ranks (``torchrun``, gloo, the CPU), a
+scenario of ``test_zero2.py``'s two-rank launch.
+
+``Trainer`` wraps the model in DDP, clips with its default ``max_grad_norm`` of 1.0 and checkpoints every
+``SAVE_EVERY`` steps.  ``--optimizer zero2`` trains through ``ShardedOffloadAdam`` with
+``WholeOptimizerState`` among the callbacks; ``adamw`` through ``torch.optim.AdamW`` (the reference).
+``--resume DIR`` resumes from ``DIR``'s checkpoint at ``SAVE_EVERY`` steps, in new objects.  Rank 0 writes the
+final model's ``state_dict()`` to ``OUT.pt`` and the logged losses to ``OUT.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import transformers
+from scenarios import end_run, join_group
+from small_models import tiny_gpt2
+
+from tiermem.client.distributed import ShardedOffloadAdam
+from tiermem.client.distributed.hf_trainer import WholeOptimizerState
+
+STEPS = 6
+SAVE_EVERY = 3
+LR = 1e-3
+
+
+class TokenData(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--optimizer", choices=["zero2", "adamw"], required=True)
+    ap.add_argument("--output-dir", required=True, help="Trainer's output_dir (its checkpoints)")
+    ap.add_argument("--resume", default=None, help="an output_dir to resume from, at step SAVE_EVERY")
+    args = ap.parse_args(argv)
+    rank, _, owned = join_group()
+    model = tiny_gpt2()
+    if args.optimizer == "zero2":
+        opt: torch.optim.Optimizer = ShardedOffloadAdam(model.parameters(), lr=LR, weight_decay=0.0)
+        callbacks = [WholeOptimizerState()]
+    else:
+        opt, callbacks = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0), []
+    training = transformers.TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=LR,
+        save_strategy="steps",
+        save_steps=SAVE_EVERY,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        ddp_backend="gloo",
+    )
+    sched = transformers.get_linear_schedule_with_warmup(opt, 2, STEPS)
+    trainer = transformers.Trainer(
+        model=model, args=training, train_dataset=TokenData(), optimizers=(opt, sched), callbacks=callbacks
+    )
+    resume = os.path.join(args.resume, f"checkpoint-{SAVE_EVERY}") if args.resume else None
+    trainer.train(resume_from_checkpoint=resume)
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{args.out}.pt")
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        with open(f"{args.out}.json", "w") as f:
+            json.dump({"losses": losses}, f)
+    return end_run(owned, *([opt] if isinstance(opt, ShardedOffloadAdam) else []))
