@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tiermem
+import tiermem.distributed
 
 HYPER = {"lr": 1e-2, "weight_decay": 0.1}
 STEPS = 8
@@ -42,6 +43,8 @@ class Regressor(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), **HYPER)
+        if self.optimizer_name == "zero2":  # DDP's process group is up: Lightning's checkpoints consolidate it
+            return tiermem.distributed.ShardedOffloadAdam(self.parameters(), state_dtype=self.state_dtype, **HYPER)
         overlap = {"overlap_update": True, "bucket_nbytes": 1024} if self.optimizer_name == "offload-overlap" else {}
         return tiermem.OffloadAdam(self.parameters(), state_dtype=self.state_dtype, **HYPER, **overlap)
 
