@@ -137,6 +137,7 @@ DDP = {"ddp": [], "ddp_released": ["--release"], "ddp_released_staged": ["--rele
 # HF Trainer at two ranks (``hf_trainer_worker.py``), in the same launch: ShardedOffloadAdam with its
 # checkpoint callback, a resume of its step-3 checkpoint in new objects, and AdamW under the same Trainer
 HF_WORKER = str(Path(__file__).with_name("hf_trainer_worker.py"))
+ACCELERATE_WORKER = str(Path(__file__).with_name("accelerate_worker.py"))
 
 
 def hf_plan(tmp: Path) -> dict[str, list[str]]:
@@ -145,6 +146,7 @@ def hf_plan(tmp: Path) -> dict[str, list[str]]:
         "hf_zero2": ["--optimizer", "zero2", "--output-dir", trained],
         "hf_zero2_resumed": ["--optimizer", "zero2", "--output-dir", str(tmp / "hf-resumed"), "--resume", trained],
         "hf_adamw": ["--optimizer", "adamw", "--output-dir", str(tmp / "hf-adamw-run")],
+        "accelerate": [],
     }
 
 
@@ -155,7 +157,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Launch
     try:
         hf = hf_plan(tmp)
         plan = {**TWO_RANKS, **DDP, **hf}
-        workers = {**dict.fromkeys(DDP, DDP_WORKER), **dict.fromkeys(hf, HF_WORKER)}
+        workers = {**dict.fromkeys(DDP, DDP_WORKER), **dict.fromkeys(hf, HF_WORKER), "accelerate": ACCELERATE_WORKER}
         yield Launch(WORKER, 2, plan, tmp, d.socket_path, workers=workers).run(), d
     finally:
         d.cleanup()
@@ -190,6 +192,19 @@ def test_hf_trainer_at_two_ranks_trains_like_adamw_and_resumes_every_rank_from_i
     for key, value in final["hf_adamw"].items():
         torch.testing.assert_close(final["hf_zero2"][key], value, rtol=0, atol=1e-6, msg=key)
         torch.testing.assert_close(final["hf_zero2_resumed"][key], final["hf_zero2"][key], rtol=0, atol=1e-7, msg=key)
+
+
+def test_accelerate_save_state_after_consolidate_state_dict_resumes_every_rank_exactly(two_ranks):
+    """accelerate's ``save_state`` writes ``optimizer.state_dict()`` from the main process alone; after
+    ``consolidate_state_dict(0)`` on every rank that is the whole state, so ``load_state`` into new objects made
+    from other values resumes every rank: the run ends where the uninterrupted one does, bit for bit, and
+    accelerate's clip of DDP's grads warns of nothing."""
+    out = two_ranks[0].check("accelerate")
+    final = torch.load(f"{out}.pt")
+    gap = (final["resumed"] - final["uninterrupted"]).abs().max()
+    assert torch.equal(final["resumed"], final["uninterrupted"]), gap
+    for rank in results(out.parent, 2, "out"):
+        assert rank["warnings"] == [] and rank["steps"] == 6, rank
 
 
 def _scenario(two_ranks: tuple[Launch, DaemonProcess], name: str) -> Path:
