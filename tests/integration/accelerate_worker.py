@@ -18,7 +18,7 @@ from typing import Any
 
 import accelerate
 import torch
-from scenarios import end_run, join_group, write_json
+from scenarios import Warnings, end_run, join_group, write_json
 
 from tiermem.client.distributed import ShardedOffloadAdam
 
@@ -58,21 +58,12 @@ def flat(net: Any) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rank, _, owned = join_group()
-    warned = _Warnings()
+    warned = Warnings()
     logging.getLogger("tiermem").addHandler(warned)
     saved = Path(f"{args.out}-state")
     accelerator, net, opt = prepared(0)

@@ -17,7 +17,7 @@ import os
 import torch
 import transformers
 from scenarios import end_run, join_group
-from small_models import tiny_gpt2
+from small_models import TokenData, tiny_gpt2
 
 from tiermem.client.distributed import ShardedOffloadAdam
 from tiermem.client.distributed.hf_trainer import WholeOptimizerState
@@ -25,15 +25,6 @@ from tiermem.client.distributed.hf_trainer import WholeOptimizerState
 STEPS = 6
 SAVE_EVERY = 3
 LR = 1e-3
-
-
-class TokenData(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import signal
 import sys
@@ -96,6 +97,17 @@ def end_run(owned: bool, *closing: Closeable) -> int:
     if owned:
         dist.destroy_process_group()
     return 0
+
+
+class Warnings(logging.Handler):
+    """The warnings a scenario's code logs (add it to the ``tiermem`` logger; remove it at the scenario's end)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def write_json(path: str | Path, value: Any) -> None:

@@ -128,6 +128,18 @@ def tiny_llama(vocab_size: int = LLAMA_VOCAB) -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+class TokenData(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """64 fixed sequences of 12 tokens below 64 (``tiny_gpt2``'s vocabulary), each its own labels: HF Trainer's
+    dataset in the tests that drive it."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
 def tiny_gpt2(*, n_embd: int = 32, vocab_size: int = 64, n_positions: int = 16) -> nn.Module:
     """A GPT-2 of 2 layers and 2 heads, no dropout, its embedding and head tied."""
     import transformers

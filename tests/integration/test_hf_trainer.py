@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from offload_helpers import OffloadDaemon
-from small_models import tiny_gpt2
+from small_models import TokenData, tiny_gpt2
 
 import tiermem
 
@@ -22,15 +22,6 @@ transformers = pytest.importorskip("transformers")
 
 STEPS = 6
 LR = 1e-3
-
-
-class TokenData(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
 
 
 OFFLOAD_DAEMON: dict[str, Any] = {"pool_size": 256 << 20}

@@ -26,7 +26,7 @@ import time
 
 import torch
 from offload_helpers import scaled_step
-from scenarios import end_run, join_group, leave, write_json
+from scenarios import Warnings, end_run, join_group, leave, write_json
 
 from tiermem.client.distributed import ShardedGradScaler, ShardedOffloadAdam
 from tiermem.core.errors import RankLost, TiermemError
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rank, world, owned = join_group(outlive_a_killed_peer=args.kill_step >= 0)
-    warned = _Warnings()
+    warned = Warnings()
     logging.getLogger("tiermem").addHandler(warned)
     model = make_model(7)
     try:
@@ -264,15 +264,6 @@ def main(argv: list[str] | None = None) -> int:
     closed = {"close_s": time.monotonic() - t0, "warnings": warned.messages}
     write_json(f"{args.out}.{rank}.close", closed)
     return end_run(owned)
-
-
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 if __name__ == "__main__":
