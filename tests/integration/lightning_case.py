@@ -1,6 +1,6 @@
 """One PyTorch Lightning training case, the same for every optimizer: a small regression model, fixed data,
 ``Trainer.fit`` with gradient clipping and a ``ModelCheckpoint``; run in-process by the single-process tests
-and as ``python lightning_case.py OUT_DIR OPTIMIZER STATE_DTYPES`` on each rank of a DDP launch.
+and as ``python lightning_case.py OUT_DIR OPTIMIZER:STATE_DTYPE,...`` on each rank of a DDP launch.
 """
 
 from __future__ import annotations
@@ -145,14 +145,14 @@ def flat_params(module: nn.Module) -> torch.Tensor:
 
 
 def main() -> None:
-    """One DDP launch trains every state dtype named (comma-separated) in turn, each fit resumed from its own
-    checkpoint, and saves each rank's params per dtype."""
-    out, optimizer, state_dtypes = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
+    """One DDP launch trains every ``optimizer:state_dtype`` named (comma-separated) in turn, each fit resumed
+    from its own checkpoint, and saves each rank's params per run (``params-<optimizer>-<dtype>-<rank>.pt``)."""
+    out, runs = Path(sys.argv[1]), [run.split(":") for run in sys.argv[2].split(",")]
     rank = int(os.environ["RANK"])
-    for state_dtype in state_dtypes:
-        run = out / state_dtype
-        module = fit_resumed(run, optimizer, state_dtype, stop=4, devices=2, strategy="ddp")
-        torch.save(flat_params(module), out / f"params-{state_dtype}-{rank}.pt")
+    for optimizer, state_dtype in runs:
+        name = f"{optimizer}-{state_dtype}"
+        module = fit_resumed(out / name, optimizer, state_dtype, stop=4, devices=2, strategy="ddp")
+        torch.save(flat_params(module), out / f"params-{name}-{rank}.pt")
     # torch's teardown at interpreter exit, with a gloo process group, now and then aborts a rank ("terminate
     # called without an active exception", SIGABRT) after everything is saved: 2 of 25 launches of this test
     # beside a busy core, one of them the torch.optim.AdamW reference, which runs no tiermem at all (and 3 of
