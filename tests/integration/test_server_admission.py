@@ -224,7 +224,6 @@ def test_connections_held_silent_outlive_a_restart_of_the_acceptor(accepting) ->
     _wait(lambda: not server.sessions(), "the sessions to end")
 
 
-
 def test_a_draining_server_refuses_a_request_with_daemon_stopping_naming_it(served) -> None:
     """A request that arrives while the daemon drains (SIGTERM) is refused unstarted, as a ``DaemonUnavailable``
     (what a daemon's restart raises otherwise), naming the socket, the request and where the state stands."""
