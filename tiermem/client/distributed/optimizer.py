@@ -306,16 +306,21 @@ class Zero2Strategy(ShardStrategy):
         """Once backward (and DDP's write of the mean into the grads, if DDP wraps the model) is over: whether the
         grads changed since their hooks, and their versions now, against which ``_tell_edits`` looks."""
         self._backward_ending = False
+        self._reduced_in_backward = self._note_grads()
+
+    def _note_grads(self) -> bool:
+        """The landed grads' versions as they are now (a grad replaced since: the new one; gone: forgotten);
+        whether any had changed."""
         params = self.params()
-        rewritten = False
+        changed = False
         for index, (grad, version) in list(self._landed.items()):
             now = params[index].grad
-            rewritten = rewritten or now is not grad or (now is not None and now._version != version)
+            changed = changed or now is not grad or (now is not None and now._version != version)
             if now is None:
                 del self._landed[index]
             else:
                 self._landed[index] = (now, now._version)
-        self._reduced_in_backward = rewritten
+        return changed
 
     def _tell_edits(self, params: list[torch.nn.Parameter]) -> None:
         """Warn once when a grad was changed in place after backward left it: ``p.grad`` is this rank's own,
@@ -391,10 +396,7 @@ class Zero2Strategy(ShardStrategy):
         ``step()`` sets them too when the reduced grads overflow, so the scaler backs off as every rank does.
         The scaler has just unscaled the grads in place, by the same figure on every rank: not an edit to tell."""
         self._global_found_inf = per_device
-        params = self.params()
-        for index, (grad, _) in list(self._landed.items()):
-            if params[index].grad is grad:
-                self._landed[index] = (grad, grad._version)
+        self._note_grads()
 
     def decide(self) -> StepDecision:
         """Where ZeRO-2's grads come from: the trainer's, reduce-scattered now (or during backward, with

@@ -263,13 +263,17 @@ class Zero3Checkpoint:
         """Collective: the whole optimizer state in ``torch.optim.AdamW``'s format, on every rank (state keyed
         by the index in ``model.parameters()``; ``master`` too for low-precision params), which
         ``torch.optim.AdamW`` and either ZeRO-3 optimizer at any world size load."""
-        full = self.gather_full(None)
-        assert full is not None  # every rank's
-        return full
+        return self._as_adamw(*self._gather(None))
 
-    def gather_full(self, to: tuple[int, int] | None) -> dict[str, Any] | None:
-        """``full_state_dict()`` on every rank (``to`` None), or on one alone: ``to`` is its rank in the group and
-        its global rank; the others get None, and none of them holds more than one param's whole state."""
+    def gather_full(self, to: tuple[int, int]) -> dict[str, Any] | None:
+        """``full_state_dict()`` on one rank alone: ``to`` is its rank in the group and its global rank; the others
+        get None, and none of them holds more than one param's whole state."""
+        gathered = self._gather(to)
+        return self._as_adamw(*gathered) if to[0] == self.share.rank else None
+
+    def _gather(self, to: tuple[int, int] | None) -> tuple[list[int], dict[tuple[int, str], torch.Tensor]]:
+        """Collective: every param's step, and its whole state (by param and key) on every rank (``to`` None) or
+        on ``to`` alone (empty elsewhere)."""
         share = self.share
         alone = to is not None and to[0] != share.rank
         pieces, _ = self.read_pieces()
@@ -298,8 +302,10 @@ class Zero3Checkpoint:
                 continue
             for k, key in enumerate(keys):
                 gathered[(i, key)] = flat[k].to("cpu", copy=True)
-        if alone:
-            return None
+        return step_of, gathered
+
+    def _as_adamw(self, step_of: list[int], gathered: dict[tuple[int, str], torch.Tensor]) -> dict[str, Any]:
+        share = self.share
         return build_adamw(
             share.params, share.groups(self.store.param_groups), step_of.__getitem__, lambda i, key: gathered[(i, key)]
         )
