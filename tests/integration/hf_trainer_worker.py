@@ -3,7 +3,10 @@ scenario of ``test_zero2.py``'s two-rank launch.
 
 ``Trainer`` wraps the model in DDP, clips with its default ``max_grad_norm`` of 1.0 and checkpoints every
 ``SAVE_EVERY`` steps.  ``--optimizer zero2`` trains through ``ShardedOffloadAdam`` with
-``WholeOptimizerState`` among the callbacks; ``adamw`` through ``torch.optim.AdamW`` (the reference).
+``WholeOptimizerState`` among the callbacks; ``adamw`` through ``torch.optim.AdamW`` (the reference);
+``paged`` through ``ShardedPagedAdam`` (ZeRO-3), which clips itself (Trainer's clip would find no grads) and
+saves no checkpoint (Trainer gathers the model on rank 0 alone); ``layer`` through ``LayerShardedAdam`` over an
+untied model, which Trainer's DDP, made after it, cannot wrap: each rank writes the error to ``OUT.json``.
 ``--resume DIR`` resumes from ``DIR``'s checkpoint at ``SAVE_EVERY`` steps, in new objects.  Rank 0 writes the
 final model's ``state_dict()`` to ``OUT.pt`` and the logged losses to ``OUT.json``.
 """
@@ -19,8 +22,9 @@ import transformers
 from scenarios import end_run, join_group
 from small_models import TokenData, tiny_gpt2
 
-from tiermem.client.distributed import ShardedOffloadAdam
+from tiermem.client.distributed import LayerShardedAdam, ShardedOffloadAdam, ShardedPagedAdam
 from tiermem.client.distributed.hf_trainer import WholeOptimizerState
+from tiermem.core.errors import InvalidArgument
 
 STEPS = 6
 SAVE_EVERY = 3
@@ -30,24 +34,31 @@ LR = 1e-3
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--optimizer", choices=["zero2", "adamw"], required=True)
+    ap.add_argument("--optimizer", choices=["zero2", "paged", "layer", "adamw"], required=True)
     ap.add_argument("--output-dir", required=True, help="Trainer's output_dir (its checkpoints)")
     ap.add_argument("--resume", default=None, help="an output_dir to resume from, at step SAVE_EVERY")
     args = ap.parse_args(argv)
     rank, _, owned = join_group()
-    model = tiny_gpt2()
+    model = tiny_gpt2(tied=args.optimizer != "layer")
+    zero3 = args.optimizer in ("paged", "layer")
+    callbacks = []
     if args.optimizer == "zero2":
         opt: torch.optim.Optimizer = ShardedOffloadAdam(model.parameters(), lr=LR, weight_decay=0.0)
         callbacks = [WholeOptimizerState()]
+    elif args.optimizer == "paged":
+        opt = ShardedPagedAdam(model, lr=LR, weight_decay=0.0, offload="cpu", device_budget="1MiB", max_grad_norm=1.0)
+    elif args.optimizer == "layer":
+        opt = LayerShardedAdam(model, lr=LR, weight_decay=0.0)
     else:
-        opt, callbacks = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0), []
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     training = transformers.TrainingArguments(
         output_dir=args.output_dir,
         max_steps=STEPS,
         per_device_train_batch_size=4,
         learning_rate=LR,
-        save_strategy="steps",
+        save_strategy="no" if zero3 else "steps",
         save_steps=SAVE_EVERY,
+        max_grad_norm=0.0 if zero3 else 1.0,
         logging_steps=1,
         report_to=[],
         use_cpu=True,
@@ -62,10 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         model=model, args=training, train_dataset=TokenData(), optimizers=(opt, sched), callbacks=callbacks
     )
     resume = os.path.join(args.resume, f"checkpoint-{SAVE_EVERY}") if args.resume else None
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except InvalidArgument as e:
+        with open(f"{args.out}.json.{rank}", "w") as f:
+            json.dump({"error": type(e).__name__, "message": str(e)}, f)
+        return end_run(owned, opt)
+    final = {k: v.detach().clone() for k, v in model.state_dict().items()}  # ZeRO-3's gathers on every rank
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{args.out}.pt")
+        torch.save(final, f"{args.out}.pt")
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         with open(f"{args.out}.json", "w") as f:
             json.dump({"losses": losses}, f)
-    return end_run(owned, *([opt] if isinstance(opt, ShardedOffloadAdam) else []))
+    return end_run(owned, *([opt] if not isinstance(opt, torch.optim.AdamW) else []))

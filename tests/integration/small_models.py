@@ -140,8 +140,8 @@ class TokenData(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return {"input_ids": ids, "labels": ids}
 
 
-def tiny_gpt2(*, n_embd: int = 32, vocab_size: int = 64, n_positions: int = 16) -> nn.Module:
-    """A GPT-2 of 2 layers and 2 heads, no dropout, its embedding and head tied."""
+def tiny_gpt2(*, n_embd: int = 32, vocab_size: int = 64, n_positions: int = 16, tied: bool = True) -> nn.Module:
+    """A GPT-2 of 2 layers and 2 heads, no dropout, its embedding and head tied unless ``tied`` is False."""
     import transformers
 
     config = transformers.GPT2Config(
@@ -153,6 +153,7 @@ def tiny_gpt2(*, n_embd: int = 32, vocab_size: int = 64, n_positions: int = 16) 
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)

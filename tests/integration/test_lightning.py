@@ -130,8 +130,11 @@ def _per_rank(stderr: str, keep: int = 2500) -> str:
 def test_ddp_fit_and_resume_at_two_ranks(tmp_path: Path) -> None:
     """OffloadAdam per rank, and ShardedOffloadAdam: Lightning's DDP checkpoints call ``consolidate_state_dict``
     on every rank, then save rank 0's ``state_dict()``, which is the whole state (before, rank 0's share alone,
-    and rank 1's resume was refused)."""
-    ours = _ddp(tmp_path / "ddp", ("offload-fp32", "offload-bf16", "offload-int8", "zero2-fp32", "adamw-fp32"))
+    and rank 1's resume was refused).  The ZeRO-3 optimizers under Lightning's DDP, made before them: their
+    forwards turn DDP's all-reduce off (before, ``LayerShardedAdam``'s second step failed inside DDP's
+    reducer, "grad.numel() == bucket_view.numel()"), and they clip in place of Lightning."""
+    runs = ("offload-fp32", "offload-bf16", "offload-int8", "zero2-fp32", "layer-fp32", "paged-fp32", "adamw-fp32")
+    ours = _ddp(tmp_path / "ddp", runs)
     ref = ours.pop("adamw-fp32")
     for run, ranks in ours.items():
         # DDP keeps the replicas equal: each rank's optimizer saw the same grads

@@ -700,6 +700,27 @@ def test_a_paged_out_param_edited_outside_a_forward_is_refused_at_its_next_use_a
         assert all(torch.isnan(p).all() for p in paged.parameters())  # placeholders again, between forwards
 
 
+def test_a_move_to_the_device_named_otherwise_copies_the_placeholders_and_changes_nothing(
+    offload: OffloadDaemon,
+) -> None:
+    """``model.to(torch.device("cpu:0"))`` (HF Trainer's and accelerate's move at several CPU ranks) copies
+    every CPU tensor, placeholders included, into new data of the same shape, dtype and device.  The next use
+    refused that as an edit (``p.data = t``); now a copy that is all NaN, as the placeholder is, is taken as
+    no change: the placeholder is put back (the copy's memory freed) and training goes on bitwise."""
+    paged, plain = paging_gpt(0), paging_gpt(0)
+    opt, plain_opt = make_opt(offload, paged), make_opt(offload, plain)
+    tiermem.offload_params(paged, opt, device_budget=param_nbytes(paged) // 4)
+    run(paged, opt, batches(1))
+    run(plain, plain_opt, batches(1))
+    paged.to(torch.device("cpu:0"))
+    assert all(p.stride() != (0,) * p.dim() for p in paged.parameters())  # whole copies now
+    run(paged, opt, batches(2, seed=5))
+    run(plain, plain_opt, batches(2, seed=5))
+    for name, value in plain.state_dict().items():
+        assert torch.equal(paged.state_dict()[name], value), name
+    assert all(p.stride() == (0,) * p.dim() for p in paged.parameters())  # placeholders again
+
+
 def test_a_model_made_on_the_meta_device_is_initialized_into_the_daemon(offload: OffloadDaemon) -> None:
     with torch.device("meta"):
         model = GPT(PAGING_GPT)

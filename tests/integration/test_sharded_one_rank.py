@@ -981,3 +981,57 @@ def test_layer_sharded_refuses_a_released_param_edited_outside_a_forward_and_tra
             torch.testing.assert_close(p, q, msg=name)
     finally:
         opt.close()
+
+
+class _WithHead(torch.nn.Module):
+    """``model()`` and a head of its own: what a DDP wraps when the optimizer is given only ``body``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = model(), torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("kind", ["layers", "paged"])
+def test_a_ddp_around_a_zero3_model_reduces_nothing_and_is_refused_where_that_would_lose_grads(
+    daemon, one_rank_group, kind
+):
+    """ZeRO-3 reduces its grads itself: a DDP around the model (made first, as Lightning does) has its
+    all-reduce turned off in every forward, and the run trains as AdamW does.  Refused at the first forward,
+    naming the way out: a DDP whose module has trainable params the optimizer does not hold (they would go
+    unreduced), and ``static_graph=True`` (which reduces whatever the flag says)."""
+
+    def make(m: torch.nn.Module) -> torch.optim.Optimizer:
+        client = connect(daemon.socket_path)
+        if kind == "layers":
+            return LayerShardedAdam(m, lr=1e-2, client=client)
+        return ShardedPagedAdam(m, lr=1e-2, offload="cpu", device_budget="1MiB", client=client)
+
+    m, ref = model(), model()
+    ddp = torch.nn.parallel.DistributedDataParallel(m)
+    opt, ref_opt = make(m), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    try:
+        train_alike(((ddp, opt), (ref, ref_opt)), range(3))
+        assert ddp.require_backward_grad_sync is False
+        for (name, p), q in zip(m.state_dict().items(), ref.state_dict().values(), strict=True):
+            torch.testing.assert_close(p, q, msg=name)
+    finally:
+        opt.close()
+    whole = _WithHead()
+    ddp = torch.nn.parallel.DistributedDataParallel(whole)
+    opt = make(whole.body)
+    try:
+        with pytest.raises(InvalidArgument, match=r"trainable params that \w+ does not hold \(head.weight, head.bias"):
+            loss_of(ddp, 0)
+    finally:
+        opt.close()
+    m = model()
+    ddp = torch.nn.parallel.DistributedDataParallel(m, static_graph=True)
+    opt = make(m)
+    try:
+        with pytest.raises(InvalidArgument, match=r"static_graph=True.*drop static_graph=True"):
+            loss_of(ddp, 0)
+    finally:
+        opt.close()

@@ -146,6 +146,8 @@ def hf_plan(tmp: Path) -> dict[str, list[str]]:
         "hf_zero2": ["--optimizer", "zero2", "--output-dir", trained],
         "hf_zero2_resumed": ["--optimizer", "zero2", "--output-dir", str(tmp / "hf-resumed"), "--resume", trained],
         "hf_adamw": ["--optimizer", "adamw", "--output-dir", str(tmp / "hf-adamw-run")],
+        "hf_paged": ["--optimizer", "paged", "--output-dir", str(tmp / "hf-paged-run")],
+        "hf_layer": ["--optimizer", "layer", "--output-dir", str(tmp / "hf-layer-run")],
         "accelerate": [],
     }
 
@@ -192,6 +194,27 @@ def test_hf_trainer_at_two_ranks_trains_like_adamw_and_resumes_every_rank_from_i
     for key, value in final["hf_adamw"].items():
         torch.testing.assert_close(final["hf_zero2"][key], value, rtol=0, atol=1e-6, msg=key)
         torch.testing.assert_close(final["hf_zero2_resumed"][key], final["hf_zero2"][key], rtol=0, atol=1e-7, msg=key)
+
+
+def test_hf_trainer_at_two_ranks_trains_zero3_paged_like_adamw_and_refuses_ddp_over_layer_placeholders(two_ranks):
+    """Trainer wraps the model in DDP after the optimizer is made.  ``ShardedPagedAdam`` reduces its grads
+    itself, so DDP's all-reduce is turned off in its forwards; its placeholders survive Trainer's
+    ``model.to("cpu:0")`` (a copy of each, which changed nothing: before, the first forward refused it as an
+    edit), and it logs AdamW's losses with the same clip.  DDP made over ``LayerShardedAdam``'s empty
+    placeholders holds grad accumulators sized 0 (before: backward failed, "TBackward0 returned an invalid
+    gradient"): every rank refuses at the first forward, saying to wrap first or use ShardedPagedAdam."""
+    launch = two_ranks[0]
+    paged, adamw = (json.loads(Path(f"{launch.check(n)}.json").read_text())["losses"] for n in ("hf_paged", "hf_adamw"))
+    assert len(paged) == 6 and paged == pytest.approx(adamw, rel=1e-5)
+    final = {name: torch.load(f"{launch.check(name)}.pt") for name in ("hf_paged", "hf_adamw")}
+    for key, value in final["hf_adamw"].items():
+        torch.testing.assert_close(final["hf_paged"][key], value, rtol=0, atol=2e-6, msg=key)  # 9.3e-7 here
+    out = launch.check("hf_layer")
+    refused = [json.loads(p.read_text()) for p in sorted(out.parent.glob(f"{out.name}.json.*"))]
+    assert len(refused) == 2, refused
+    for r in refused:
+        assert r["error"] == "InvalidArgument" and "placeholders" in r["message"], r
+        assert "ShardedPagedAdam" in r["message"] and "before making the optimizer" in r["message"], r
 
 
 def test_accelerate_save_state_after_consolidate_state_dict_resumes_every_rank_exactly(two_ranks):

@@ -516,6 +516,9 @@ class PagedStrategy(ShardStrategy):
             if own is not None and self.rank != 0:
                 _set_generators(own, self.device)
 
+    def reduced_model(self) -> nn.Module:
+        return self.model
+
     def _write_masters(self) -> None:
         """This rank's stretch of each param (rank 0's values: broadcast at the start) to the daemon as its
         master, one param at a time; a reattach keeps the daemon's instead."""

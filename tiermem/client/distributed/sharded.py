@@ -81,11 +81,13 @@ from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.distributed.reshard import ShardSet, Source, is_rank_file, open_shards
 from tiermem.client.distributed.schedule import Collectives, Probe, check_timeout
 from tiermem.client.distributed.stretches import HeldStateView
+from tiermem.client.distributed.under_ddp import DdpOff
 from tiermem.client.distributed.zero3_checkpoint import InnerStore, RankShare, Zero3Checkpoint
 from tiermem.client.link import Client
 from tiermem.client.offload.args import check_group_switches, closure_loss, torch_switch_name
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
+from tiermem.client.offload.pagehooks import ModelHook
 from tiermem.client.offload.reentry import Calls
 from tiermem.client.offload.transfer import hooked_load, hooked_state_dict
 from tiermem.core.errors import InvalidArgument, InvalidState
@@ -211,6 +213,12 @@ class ShardStrategy(abc.ABC):
     @abc.abstractmethod
     def share(self) -> RankShare:
         """What this rank holds, in the rank files' terms; asked once attached, before ``attached``."""
+
+    def reduced_model(self) -> torch.nn.Module | None:
+        """The model whose forwards turn off the grad reduction of a DDP that wraps it (``under_ddp``): ZeRO-3's,
+        which reduces every grad itself.  None by default: ZeRO-2 takes DDP's reduced grads where DDP wraps the
+        model (``Zero2Strategy._backward_end``)."""
+        return None
 
     def refresh(self) -> None:  # noqa: B027 (an optional hook)
         """Before a checkpoint reads the rank's share: bring it up to the model (ZeRO-2: in-place edits)."""
@@ -347,6 +355,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
             self._attach_inner(client, plan)
             share = strategy.share()  # while the model still holds whole params (``attached`` may release them)
             strategy.attached()
+            self._turn_off_ddp(strategy.reduced_model(), params)
         except BaseException:
             self.close(keep_state=True)  # a rank attached while another failed leaves the job's state waiting
             raise
@@ -360,6 +369,16 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         )
         self.checkpoint = Zero3Checkpoint(share, store, self.group.collective)
         self._started = True
+
+    def _turn_off_ddp(self, model: torch.nn.Module | None, params: Sequence[torch.nn.Parameter]) -> None:
+        """A forward pre-hook on each module of ``model`` that owns one of ``params``: a DDP around the model
+        reduces no grads (``under_ddp``)."""
+        if model is None:
+            return
+        off = DdpOff(self.strategy.name, model, params)
+        hook = ModelHook(off, f"sharded across ranks by {self.strategy.name}", ranks=True)
+        for module in off.modules():
+            self._hooks.append(module.register_forward_pre_hook(hook))
 
     def _agree_on_model(self, params: Sequence[torch.Tensor], group_of: Sequence[int]) -> None:
         """Collective: every rank holds the same model (dtypes, shapes, param groups), or every rank raises."""

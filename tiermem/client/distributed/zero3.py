@@ -270,6 +270,9 @@ class LayerStrategy(ShardStrategy):
             ):
                 self.keep_hook(handle)
 
+    def reduced_model(self) -> torch.nn.Module:
+        return self.model
+
     def _page(self, inner: OffloadAdam) -> DaemonGrads:
         """``paged``: the daemon has the values now (the staged exchange wrote them as masters): every copy here
         is dropped, and the grads go to the daemon as each layer's reduce lands (the feed only counts them)."""

@@ -105,6 +105,18 @@ class PagedParam:
         """The param was written or given other data while it held its placeholder (two reads: a fetch asks)."""
         return self.param._version != self.version or self.param.data_ptr() != self.placeholder.data_ptr()
 
+    def holds_a_copy(self) -> bool:
+        """The param holds a copy of its placeholder, not an edit: new data of its shape, dtype and device, all
+        NaN as the placeholder is.  ``model.to(device)`` copies every param whose device is named otherwise
+        (``torch.device("cpu:0")`` for a CPU tensor, as HF Trainer and accelerate name it at several ranks),
+        which changes no value."""
+        p = self.param
+        return (
+            p.data_ptr() != self.placeholder.data_ptr()
+            and (p.shape, p.dtype, p.device) == (self.shape, self.dtype, self.placeholder.device)
+            and bool(torch.isnan(p).all())
+        )
+
     def change_while_absent(self) -> str | None:
         """What was done to the param while it held its placeholder, as an error says it; None: nothing."""
         p = self.param
