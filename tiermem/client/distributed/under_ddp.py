@@ -26,12 +26,17 @@ Refused, on the first forward, naming the way out:
 - a DDP that also reduces trainable params the optimizer does not hold: they
   would go unreduced (give them to the optimizer, or freeze them);
 - ``static_graph=True``: DDP then reduces at the end of backward whatever the
-  flag says.
+  flag says;
+- a DDP made over ``LayerShardedAdam``'s empty placeholders (HF Trainer makes
+  it after the optimizer): it keeps each param's grad accumulator from then,
+  sized 0, and autograd reuses it, so backward would fail ("Function
+  TBackward0 returned an invalid gradient").  ``ShardedPagedAdam``'s
+  placeholders keep their shapes.
 
-Left: a DDP made over the whole params (Lightning makes it before the
-optimizer) keeps the buckets it sized then, one grad-sized buffer per rank
-that is never used; a DDP made after the optimizer (HF Trainer, accelerate)
-sized them over the placeholders.
+Left: a DDP keeps the grad buckets it sized at its construction, never used
+here.  Over whole params (Lightning makes it before the optimizer; HF Trainer
+on CPU ranks makes it after ``model.to("cpu:0")``, which copies every
+placeholder whole) that is one grad-sized buffer per rank.
 """
 
 from __future__ import annotations
