@@ -31,7 +31,12 @@ Refused, on the first forward, naming the way out:
   it after the optimizer): it keeps each param's grad accumulator from then,
   sized 0, and autograd reuses it, so backward would fail ("Function
   TBackward0 returned an invalid gradient").  ``ShardedPagedAdam``'s
-  placeholders keep their shapes.
+  placeholders keep their shapes, but DDP's constructor cannot write them
+  (its broadcast of rank 0's values: "more than one element of the
+  written-to tensor refers to a single memory location"), unless a
+  ``model.to()`` copied them first, as HF Trainer's move to ``cpu:0`` does on
+  CPU ranks (``PagedParam.holds_a_copy``).  Where neither works, wrap the
+  model before making the optimizer.
 
 Left: a DDP keeps the grad buckets it sized at its construction, never used
 here.  Over whole params (Lightning makes it before the optimizer; HF Trainer
@@ -132,6 +137,6 @@ class DdpOff:
                 f"{self._names.get(id(p), '?')!r} was empty then, and is {tuple(p.shape)} now): DDP keeps each "
                 "param's grad accumulator from its construction, and backward would fail. Wrap the model in DDP before "
                 "making the optimizer (PyTorch Lightning does; with accelerate, prepare the model first, then make "
-                "the optimizer over the unwrapped model), or use ShardedPagedAdam, whose placeholders keep their "
-                "shapes (HF Trainer wraps the model after the optimizer is made)"
+                "the optimizer over the unwrapped model); HF Trainer wraps it after the optimizer is made: there, "
+                "use ShardedPagedAdam, whose placeholders keep their shapes"
             )
