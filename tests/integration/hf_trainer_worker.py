@@ -4,9 +4,10 @@ scenario of ``test_zero2.py``'s two-rank launch.
 ``Trainer`` wraps the model in DDP, clips with its default ``max_grad_norm`` of 1.0 and checkpoints every
 ``SAVE_EVERY`` steps.  ``--optimizer zero2`` trains through ``ShardedOffloadAdam`` with
 ``WholeOptimizerState`` among the callbacks; ``adamw`` through ``torch.optim.AdamW`` (the reference);
-``paged`` through ``ShardedPagedAdam`` (ZeRO-3), which clips itself (Trainer's clip would find no grads) and
-saves no checkpoint (Trainer gathers the model on rank 0 alone); ``layer`` through ``LayerShardedAdam`` over an
-untied model, which Trainer's DDP, made after it, cannot wrap: each rank writes the error to ``OUT.json``.
+``paged`` through ``ShardedPagedAdam`` (ZeRO-3) with the same callback, which also gathers the model for
+rank 0's save; it clips itself (Trainer's clip would find no grads); ``layer`` through ``LayerShardedAdam`` over
+an untied model, which Trainer's DDP, made after it, cannot wrap: each rank writes the error to
+``OUT.json.<rank>``.
 ``--resume DIR`` resumes from ``DIR``'s checkpoint at ``SAVE_EVERY`` steps, in new objects.  Rank 0 writes the
 final model's ``state_dict()`` to ``OUT.pt`` and the logged losses to ``OUT.json``.
 """
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         callbacks = [WholeOptimizerState()]
     elif args.optimizer == "paged":
         opt = ShardedPagedAdam(model, lr=LR, weight_decay=0.0, offload="cpu", device_budget="1MiB", max_grad_norm=1.0)
+        callbacks = [WholeOptimizerState()]
     elif args.optimizer == "layer":
         opt = LayerShardedAdam(model, lr=LR, weight_decay=0.0)
     else:
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=STEPS,
         per_device_train_batch_size=4,
         learning_rate=LR,
-        save_strategy="no" if zero3 else "steps",
+        save_strategy="steps",
         save_steps=SAVE_EVERY,
         max_grad_norm=0.0 if zero3 else 1.0,
         logging_steps=1,

@@ -1035,3 +1035,44 @@ def test_a_ddp_around_a_zero3_model_reduces_nothing_and_is_refused_where_that_wo
             loss_of(ddp, 0)
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("kind", ["layers", "paged"])
+def test_consolidate_model_state_serves_the_next_model_state_dict_once_and_never_after_a_change(
+    daemon, one_rank_group, kind
+):
+    """``consolidate_model_state(to)``: every rank gathers the model, and rank ``to``'s next
+    ``model.state_dict()`` takes those values with no collective (HF Trainer saves the model on rank 0
+    alone), once; a step, a load of the model or of the optimizer drops them first, so they are never older
+    than the params.  ``to`` must be a rank of the group."""
+    m, ref = model(), model()
+    client = connect(daemon.socket_path)
+    if kind == "layers":
+        opt = LayerShardedAdam(m, lr=1e-2, client=client)
+    else:
+        opt = ShardedPagedAdam(m, lr=1e-2, offload="cpu", device_budget="1MiB", client=client)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    try:
+        with pytest.raises(InvalidArgument, match=r"to=1 is not a rank of this optimizer's process group of 1"):
+            opt.consolidate_model_state(1)
+        train_alike(((m, opt), (ref, ref_opt)), range(2))
+        opt.consolidate_model_state(0)
+        kept = {name: opt.kept_model.value(p) for name, p in m.named_parameters()}
+        state = m.state_dict()
+        assert all(state[name] is value for name, value in kept.items())  # taken, not gathered again
+        assert not opt.kept_model.kept  # once
+        for (name, p), q in zip(state.items(), ref.state_dict().values(), strict=True):
+            torch.testing.assert_close(p, q, msg=name)
+        for change in (
+            lambda: train_alike(((m, opt), (ref, ref_opt)), range(2, 3)),
+            lambda: m.load_state_dict(ref.state_dict()),
+            lambda: opt.load_state_dict(ref_opt.state_dict()),
+        ):
+            opt.consolidate_model_state(0)
+            assert opt.kept_model.kept
+            change()
+            assert not opt.kept_model.kept
+        for (name, p), q in zip(m.state_dict().items(), ref.state_dict().values(), strict=True):
+            torch.testing.assert_close(p, q, msg=name)
+    finally:
+        opt.close()

@@ -147,6 +147,10 @@ def hf_plan(tmp: Path) -> dict[str, list[str]]:
         "hf_zero2_resumed": ["--optimizer", "zero2", "--output-dir", str(tmp / "hf-resumed"), "--resume", trained],
         "hf_adamw": ["--optimizer", "adamw", "--output-dir", str(tmp / "hf-adamw-run")],
         "hf_paged": ["--optimizer", "paged", "--output-dir", str(tmp / "hf-paged-run")],
+        "hf_paged_resumed": [
+            *("--optimizer", "paged", "--output-dir", str(tmp / "hf-paged-resumed")),
+            *("--resume", str(tmp / "hf-paged-run")),
+        ],
         "hf_layer": ["--optimizer", "layer", "--output-dir", str(tmp / "hf-layer-run")],
         "accelerate": [],
     }
@@ -200,15 +204,21 @@ def test_hf_trainer_at_two_ranks_trains_zero3_paged_like_adamw_and_refuses_ddp_o
     """Trainer wraps the model in DDP after the optimizer is made.  ``ShardedPagedAdam`` reduces its grads
     itself, so DDP's all-reduce is turned off in its forwards; its placeholders survive Trainer's
     ``model.to("cpu:0")`` (a copy of each, which changed nothing: before, the first forward refused it as an
-    edit), and it logs AdamW's losses with the same clip.  DDP made over ``LayerShardedAdam``'s empty
-    placeholders holds grad accumulators sized 0 (before: backward failed, "TBackward0 returned an invalid
-    gradient"): every rank refuses at the first forward, saying to wrap first or use ShardedPagedAdam."""
+    edit), and it logs AdamW's losses with the same clip.  Trainer saves the model on rank 0 alone, which
+    left rank 0 in a gather no other rank joined (``RankLost`` after 30 s): ``WholeOptimizerState`` gathers
+    it on every rank first, and a resume from step 3 in new objects ends where the uninterrupted run does.
+    DDP made over ``LayerShardedAdam``'s empty placeholders holds grad accumulators sized 0 (before: backward
+    failed, "TBackward0 returned an invalid gradient"): every rank refuses at the first forward, saying to
+    wrap first or use ShardedPagedAdam."""
     launch = two_ranks[0]
-    paged, adamw = (json.loads(Path(f"{launch.check(n)}.json").read_text())["losses"] for n in ("hf_paged", "hf_adamw"))
-    assert len(paged) == 6 and paged == pytest.approx(adamw, rel=1e-5)
-    final = {name: torch.load(f"{launch.check(name)}.pt") for name in ("hf_paged", "hf_adamw")}
+    names = ("hf_paged", "hf_paged_resumed", "hf_adamw")
+    losses = {name: json.loads(Path(f"{launch.check(name)}.json").read_text())["losses"] for name in names}
+    assert len(losses["hf_paged"]) == 6 and losses["hf_paged"] == pytest.approx(losses["hf_adamw"], rel=1e-5)
+    assert losses["hf_paged_resumed"][3:] == pytest.approx(losses["hf_paged"][3:], rel=1e-6), losses
+    final = {name: torch.load(f"{launch.check(name)}.pt") for name in names}
     for key, value in final["hf_adamw"].items():
         torch.testing.assert_close(final["hf_paged"][key], value, rtol=0, atol=2e-6, msg=key)  # 9.3e-7 here
+        torch.testing.assert_close(final["hf_paged_resumed"][key], final["hf_paged"][key], rtol=0, atol=1e-7, msg=key)
     out = launch.check("hf_layer")
     refused = [json.loads(p.read_text()) for p in sorted(out.parent.glob(f"{out.name}.json.*"))]
     assert len(refused) == 2, refused

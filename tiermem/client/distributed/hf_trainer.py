@@ -19,6 +19,15 @@ Why a callback and not a change of ``state_dict()``: ``Trainer`` calls
 of the other ranks is in their own daemons.  ``on_save`` is the first point
 where every rank runs the same code after the save.
 
+A ZeRO-3 model (``LayerShardedAdam``, ``ShardedPagedAdam``) has the same
+problem with the model: ``Trainer`` saves ``model.state_dict()`` on rank 0
+alone, and that gathers the params from every rank.  So in ``on_step_end``
+and ``on_epoch_end``, where ``Trainer`` has decided to save
+(``control.should_save``) but not yet saved, every rank gathers the model
+(``consolidate_model_state(0)``), and rank 0's save takes those values.
+``trainer.save_model()`` after training is called on rank 0 alone too: call
+``opt.consolidate_model_state(0)`` on every rank just before it.
+
 Importing this module imports ``transformers``.
 """
 
@@ -55,8 +64,30 @@ def sharded_optimizer(optimizer: Any) -> Any:
 class WholeOptimizerState(transformers.TrainerCallback):
     """``Trainer(..., callbacks=[WholeOptimizerState()])``: each checkpoint's ``optimizer.pt`` holds the whole
     state of the sharded optimizer (see the module docstring), so ``trainer.train(resume_from_checkpoint=...)``
-    resumes every rank, at any world size.  An optimizer that does not shard (``torch.optim.AdamW``,
-    ``OffloadAdam``) is left alone."""
+    resumes every rank, at any world size; with a ZeRO-3 optimizer, the checkpoint's model is gathered from
+    every rank first.  An optimizer that does not shard (``torch.optim.AdamW``, ``OffloadAdam``) is left
+    alone."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._gather_model(args, control, kwargs.get("optimizer"))
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._gather_model(args, control, kwargs.get("optimizer"))
+
+    @staticmethod
+    def _gather_model(args: Any, control: Any, optimizer: Any) -> None:
+        """Before a save ``Trainer`` decided on (the same decision on every rank): a ZeRO-3 model gathered on
+        every rank for rank 0's ``model.state_dict()``."""
+        opt = sharded_optimizer(optimizer)
+        if opt is None or not control.should_save or opt.strategy.reduced_model() is None:
+            return
+        if getattr(args, "save_on_each_node", False):
+            raise InvalidArgument(
+                f"save_on_each_node=True has each node's first process save the model, and {opt.strategy.name} "
+                "gathers it for one rank (consolidate_model_state): use save_on_each_node=False, or save with "
+                "opt.save_shard(dir) on every rank"
+            )
+        opt.consolidate_model_state(0)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = sharded_optimizer(kwargs.get("optimizer"))

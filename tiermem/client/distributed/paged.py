@@ -512,6 +512,7 @@ class PagedStrategy(ShardStrategy):
                 probe=self.probe,
                 owner="ShardedPagedAdam",
             )
+            self.pager.kept = self.opt.kept_model.value
         finally:
             if own is not None and self.rank != 0:
                 _set_generators(own, self.device)

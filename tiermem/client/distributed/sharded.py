@@ -67,6 +67,7 @@ only its own: the facade is the one owner of each.
 from __future__ import annotations
 
 import abc
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ import torch.distributed as dist
 
 from tiermem.client.distributed.group import NotCopyable, RankGroup
 from tiermem.client.distributed.identity import release_job_id
+from tiermem.client.distributed.kept_model import KeptModelState
 from tiermem.client.distributed.reshard import ShardSet, Source, is_rank_file, open_shards
 from tiermem.client.distributed.schedule import Collectives, Probe, check_timeout
 from tiermem.client.distributed.stretches import HeldStateView
@@ -327,6 +329,8 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         self.outcome = StepOutcome()
         self._hooks: list[Any] = []
         """The handles of the hooks on the model or its params, removed at ``close()``."""
+        self.kept_model = KeptModelState()
+        """ZeRO-3: ``consolidate_model_state``'s values, on the rank that keeps them."""
         self._started = False
         self._closed = False
 
@@ -372,9 +376,13 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
 
     def _turn_off_ddp(self, model: torch.nn.Module | None, params: Sequence[torch.nn.Parameter]) -> None:
         """A forward pre-hook on each module of ``model`` that owns one of ``params``: a DDP around the model
-        reduces no grads (``under_ddp``)."""
+        reduces no grads (``under_ddp``).  Also the hooks that end the use of ``consolidate_model_state``'s
+        values: the end of a ``model.state_dict()`` and of a ``model.load_state_dict()``."""
         if model is None:
             return
+        drop = functools.partial(KeptModelState.drop, self.kept_model)  # torch marks its hooks: not a method
+        self._hooks.append(model.register_state_dict_post_hook(drop))
+        self._hooks.append(model.register_load_state_dict_post_hook(drop))
         off = DdpOff(self.strategy.name, model, params)
         hook = ModelHook(off, f"sharded across ranks by {self.strategy.name}", ranks=True)
         for module in off.modules():
@@ -468,6 +476,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
     def _step(self) -> None:
         self._check_open()
         self._consolidated = None
+        self.kept_model.drop()
         strategy = self.strategy
         decision = strategy.decide()
         try:
@@ -531,6 +540,20 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
             self._check_open()
             self._consolidated = self.checkpoint.gather_full((to, self.group.global_rank(to)))
 
+    def consolidate_model_state(self, to: int = 0) -> None:
+        """Collective, ZeRO-3: every rank gathers ``model.state_dict()``, and rank ``to`` of the optimizer's
+        process group keeps it: its next ``model.state_dict()``, before a step or a load, returns those values
+        with no collective (``kept_model``).  For a framework that saves the model from one process alone
+        (HF Trainer: ``WholeOptimizerState`` calls it before each checkpoint): every rank calls this just
+        before that save.  ZeRO-2's model is whole on every rank: nothing to gather."""
+        if not 0 <= to < self.world_size:
+            raise InvalidArgument(f"to={to} is not a rank of this optimizer's process group of {self.world_size}")
+        model = self.strategy.reduced_model()
+        with self._calls.enter("consolidate_model_state()", reads=True):
+            self._check_open()
+            if model is not None:
+                self.kept_model.gather(model, keep=self.rank == to)
+
     def _shard_state_dict(self) -> dict[str, Any]:
         with self._calls.enter("state_dict()", reads=True):
             return self.checkpoint.shard_state_dict()
@@ -549,6 +572,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._consolidated = None
+        self.kept_model.drop()
         if is_rank_file(state_dict):
             self.load_shards([state_dict], complete=False)
             return
@@ -580,6 +604,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         counters go on from the save's applied steps."""
         shards = source if isinstance(source, ShardSet) else open_shards(source)
         self._consolidated = None
+        self.kept_model.drop()
         self.checkpoint.load_shards(shards, complete=complete)
         self.strategy.values_loaded()
         self.outcome.adopt(self.inner)
@@ -602,6 +627,7 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
             self.strategy.before_close()
         self._closed = True
         self._consolidated = None
+        self.kept_model.drop()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

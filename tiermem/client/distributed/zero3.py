@@ -558,7 +558,14 @@ class LayerStrategy(ShardStrategy):
 
     def _save_unit(self, unit: _Unit, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, _: Any) -> None:
         """``model.state_dict()``: the unit's params, gathered from their owner (a collective: every rank
-        calls it, as it gathers before a forward), as copies in place of the placeholders."""
+        calls it, as it gathers before a forward), as copies in place of the placeholders; from
+        ``consolidate_model_state``'s values where this rank keeps them (no collective)."""
+        kept = [self.opt.kept_model.value(p) for p in unit.params]
+        if all(v is not None for v in kept):
+            for name, value in zip(self._named(unit), kept, strict=True):
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = value
+            return
         held = unit.flat is not None
         if not held:
             self._finish_gather(unit, log=False)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -155,6 +155,9 @@ class PagerRecords:
 
     entries: list[PagedParam]
     """One per paged tensor, in the optimizer's order (``PagedParam.index``)."""
+    kept: Callable[[nn.Parameter], torch.Tensor | None] | None = None
+    """A param's value gathered for a save before (``ShardedPagedAdam.consolidate_model_state``): a state dict
+    takes it instead of reading the param (a collective when sharded)."""
     transfer: StateTransfer
     copies: ParamCopies
     budget: int

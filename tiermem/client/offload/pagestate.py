@@ -86,8 +86,9 @@ class PagedState(PagerRecords):
         self._saving.discard(id(module))
         for name, p in module._parameters.items():
             e = self._by_param.get(id(p)) if p is not None else None
-            if e is not None and prefix + name in state_dict:
-                state_dict[prefix + name] = self.gather(e)
+            if p is not None and e is not None and prefix + name in state_dict:
+                kept = self.kept(p) if self.kept is not None else None
+                state_dict[prefix + name] = kept if kept is not None else self.gather(e)
 
     def _load_pre(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any, *rest: Any) -> None:
         if local_metadata.get("assign_to_params_buffers", False):
