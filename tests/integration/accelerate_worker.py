@@ -1,5 +1,7 @@
 """One rank of an ``accelerate`` training loop with ``ShardedOffloadAdam`` at several ranks (``torchrun``, gloo,
-the CPU), a scenario of ``test_zero2.py``'s two-rank launch.
+the CPU), a scenario of ``test_zero2.py``'s two-rank launch; ``--optimizer paged``: with ``ShardedPagedAdam``
+(ZeRO-3), which clips itself (``accelerator.clip_grad_norm_`` would find no grads) and whose model is gathered
+by its state dict on every rank.
 
 ``Accelerator.prepare`` wraps the model in DDP; the loop clips with ``accelerator.clip_grad_norm_`` (the mean's
 norm, as DDP's grads are).  ``accelerator.save_state`` writes ``optimizer.state_dict()`` from the main process
@@ -20,7 +22,7 @@ import accelerate
 import torch
 from scenarios import Warnings, end_run, join_group, write_json
 
-from tiermem.client.distributed import ShardedOffloadAdam
+from tiermem.client.distributed import ShardedOffloadAdam, ShardedPagedAdam
 
 STEPS = 3
 DIM = 12
@@ -37,10 +39,18 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).cos()
 
 
-def prepared(seed: int) -> tuple[Any, Any, Any]:
+CLIP = 0.05
+
+
+def prepared(seed: int, optimizer: str) -> tuple[Any, Any, Any]:
     accelerator = accelerate.Accelerator(cpu=True)
     model = make_model(seed)
-    opt = ShardedOffloadAdam(model.parameters(), lr=2e-2, weight_decay=0.01)
+    if optimizer == "paged":
+        opt: Any = ShardedPagedAdam(
+            model, lr=2e-2, weight_decay=0.01, offload="cpu", device_budget="1MiB", max_grad_norm=CLIP
+        )
+    else:
+        opt = ShardedOffloadAdam(model.parameters(), lr=2e-2, weight_decay=0.01)
     net, wrapped = accelerator.prepare(model, opt)
     return accelerator, net, wrapped
 
@@ -49,35 +59,39 @@ def train(accelerator: Any, net: Any, opt: Any, steps: range, rank: int) -> None
     for step in steps:
         x, y = batch(step, rank)
         accelerator.backward(torch.nn.functional.mse_loss(net(x), y))
-        accelerator.clip_grad_norm_(net.parameters(), 0.05)
+        if not isinstance(opt.optimizer, ShardedPagedAdam):
+            accelerator.clip_grad_norm_(net.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
 
 
-def flat(net: Any) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
+def flat(accelerator: Any, net: Any) -> torch.Tensor:
+    """The model's values (a ZeRO-3 model's state dict gathers them: every rank calls this)."""
+    return torch.cat([v.reshape(-1).clone() for v in accelerator.unwrap_model(net).state_dict().values()])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--optimizer", choices=["zero2", "paged"], default="zero2")
     args = ap.parse_args(argv)
     rank, _, owned = join_group()
     warned = Warnings()
     logging.getLogger("tiermem").addHandler(warned)
     saved = Path(f"{args.out}-state")
-    accelerator, net, opt = prepared(0)
+    accelerator, net, opt = prepared(0, args.optimizer)
     train(accelerator, net, opt, range(STEPS), rank)
     opt.optimizer.consolidate_state_dict(0)  # every rank: the main process's state_dict() is then the whole state
     accelerator.save_state(str(saved))
     train(accelerator, net, opt, range(STEPS, 2 * STEPS), rank)
-    uninterrupted = flat(net)
+    uninterrupted = flat(accelerator, net)
     opt.optimizer.close()
-    accelerator, net, opt = prepared(5)
+    accelerator, net, opt = prepared(5, args.optimizer)
     accelerator.load_state(str(saved))
     train(accelerator, net, opt, range(STEPS, 2 * STEPS), rank)
+    resumed = flat(accelerator, net)
     if rank == 0:
-        torch.save({"uninterrupted": uninterrupted, "resumed": flat(net)}, f"{args.out}.pt")
+        torch.save({"uninterrupted": uninterrupted, "resumed": resumed}, f"{args.out}.pt")
     logging.getLogger("tiermem").removeHandler(warned)
     write_json(f"{args.out}.{rank}", {"warnings": warned.messages, "steps": opt.optimizer.steps})
     return end_run(owned, opt.optimizer)

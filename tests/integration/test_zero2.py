@@ -153,6 +153,7 @@ def hf_plan(tmp: Path) -> dict[str, list[str]]:
         ],
         "hf_layer": ["--optimizer", "layer", "--output-dir", str(tmp / "hf-layer-run")],
         "accelerate": [],
+        "accelerate_paged": ["--optimizer", "paged"],
     }
 
 
@@ -163,7 +164,11 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Launch
     try:
         hf = hf_plan(tmp)
         plan = {**TWO_RANKS, **DDP, **hf}
-        workers = {**dict.fromkeys(DDP, DDP_WORKER), **dict.fromkeys(hf, HF_WORKER), "accelerate": ACCELERATE_WORKER}
+        workers = {
+            **dict.fromkeys(DDP, DDP_WORKER),
+            **dict.fromkeys(hf, HF_WORKER),
+            **dict.fromkeys(("accelerate", "accelerate_paged"), ACCELERATE_WORKER),
+        }
         yield Launch(WORKER, 2, plan, tmp, d.socket_path, workers=workers).run(), d
     finally:
         d.cleanup()
@@ -231,13 +236,20 @@ def test_accelerate_save_state_after_consolidate_state_dict_resumes_every_rank_e
     """accelerate's ``save_state`` writes ``optimizer.state_dict()`` from the main process alone; after
     ``consolidate_state_dict(0)`` on every rank that is the whole state, so ``load_state`` into new objects made
     from other values resumes every rank: the run ends where the uninterrupted one does, bit for bit, and
-    accelerate's clip of DDP's grads warns of nothing."""
-    out = two_ranks[0].check("accelerate")
-    final = torch.load(f"{out}.pt")
-    gap = (final["resumed"] - final["uninterrupted"]).abs().max()
-    assert torch.equal(final["resumed"], final["uninterrupted"]), gap
-    for rank in results(out.parent, 2, "out"):
-        assert rank["warnings"] == [] and rank["steps"] == 6, rank
+    accelerate's clip of DDP's grads warns of nothing.  The same with ``ShardedPagedAdam`` (ZeRO-3), whose
+    model accelerate's ``save_state`` gathers on every rank, and which trains as ZeRO-2 does."""
+    finals = {}
+    for name in ("accelerate", "accelerate_paged"):
+        out = two_ranks[0].check(name)
+        final = finals[name] = torch.load(f"{out}.pt")
+        gap = (final["resumed"] - final["uninterrupted"]).abs().max()
+        assert torch.equal(final["resumed"], final["uninterrupted"]), (name, gap)
+        for rank in results(out.parent, 2, "out"):
+            assert rank["warnings"] == [] and rank["steps"] == 6, (name, rank)
+    # ZeRO-3 paged, prepared with the model (accelerate's DDP made after it, its all-reduce off), clipping at
+    # the same global norm as accelerate's clip of DDP's grads: the same run
+    gap = float((finals["accelerate_paged"]["uninterrupted"] - finals["accelerate"]["uninterrupted"]).abs().max())
+    assert gap <= 1e-6, gap
 
 
 def _scenario(two_ranks: tuple[Launch, DaemonProcess], name: str) -> Path:
