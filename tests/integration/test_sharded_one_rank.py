@@ -1076,3 +1076,35 @@ def test_consolidate_model_state_serves_the_next_model_state_dict_once_and_never
             torch.testing.assert_close(p, q, msg=name)
     finally:
         opt.close()
+
+
+def test_hf_callback_warns_that_trainers_clip_finds_no_grads_of_a_zero3_model(daemon, one_rank_group, tmp_path, caplog):
+    """HF Trainer clips at ``max_grad_norm=1.0`` by default; a ZeRO-3 model holds no grads in the trainer, so
+    that clip finds none and clips nothing.  ``WholeOptimizerState`` says so as training begins, unless the
+    optimizer clips itself."""
+    import transformers
+
+    from tiermem.client.distributed.hf_trainer import WholeOptimizerState
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    assert args.max_grad_norm == 1.0
+    for clip, warned in ((None, True), (1.0, False)):
+        opt = ShardedPagedAdam(
+            model(),
+            lr=1e-2,
+            offload="cpu",
+            device_budget="1MiB",
+            max_grad_norm=clip,
+            client=connect(daemon.socket_path),
+        )
+        try:
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="tiermem"):
+                state, control = transformers.TrainerState(), transformers.TrainerControl()
+                WholeOptimizerState().on_train_begin(args, state, control, optimizer=opt)
+            said = [r.getMessage() for r in caplog.records if "clips nothing" in r.getMessage()]
+            assert len(said) == warned, said
+            if warned:
+                assert "Give the optimizer max_grad_norm=1.0" in said[0] and "ShardedPagedAdam" in said[0]
+        finally:
+            opt.close()

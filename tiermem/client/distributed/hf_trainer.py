@@ -28,6 +28,10 @@ and ``on_epoch_end``, where ``Trainer`` has decided to save
 ``trainer.save_model()`` after training is called on rank 0 alone too: call
 ``opt.consolidate_model_state(0)`` on every rank just before it.
 
+A ZeRO-3 model holds no grads in the trainer either, so ``Trainer``'s clip
+(``max_grad_norm``, 1.0 by default) finds none and clips nothing, silently:
+``on_train_begin`` warns where the optimizer does not clip itself.
+
 Importing this module imports ``transformers``.
 """
 
@@ -67,6 +71,20 @@ class WholeOptimizerState(transformers.TrainerCallback):
     resumes every rank, at any world size; with a ZeRO-3 optimizer, the checkpoint's model is gathered from
     every rank first.  An optimizer that does not shard (``torch.optim.AdamW``, ``OffloadAdam``) is left
     alone."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        opt = sharded_optimizer(kwargs.get("optimizer"))
+        if opt is None or opt.strategy.reduced_model() is None:
+            return
+        if (getattr(args, "max_grad_norm", 0) or 0) > 0 and opt.max_grad_norm is None:
+            log.warning(
+                "Trainer clips at max_grad_norm=%s, but %s holds no grads in the trainer: Trainer's clip finds "
+                "none and clips nothing. Give the optimizer max_grad_norm=%s (it clips by the global norm) and "
+                "Trainer max_grad_norm=0",
+                args.max_grad_norm,
+                opt.strategy.name,
+                args.max_grad_norm,
+            )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._gather_model(args, control, kwargs.get("optimizer"))
