@@ -42,6 +42,9 @@ The facade owns what does not depend on the strategy, once:
   ``state`` over the rank's stretches beside it, which
   ``torch.distributed.checkpoint`` saves and loads at any world size;
   ``opt.state`` is that ``state`` by param (``stretches.HeldStateView``);
+- a ZeRO-3 model's place in the frameworks: a DDP around it reduces no grads
+  (``under_ddp``), and ``consolidate_model_state`` gathers it for a save
+  from one process (``kept_model``);
 - ``close()``: the hooks taken off the model, the job id released, the inner
   optimizer detached, the schedule's group given back; twice is once, and a
   closed optimizer refuses ``step()``.
