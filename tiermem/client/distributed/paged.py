@@ -513,6 +513,7 @@ class PagedStrategy(ShardStrategy):
                 owner="ShardedPagedAdam",
             )
             self.pager.kept = self.opt.kept_model.value
+            self.pager.on_forward = self.opt.ddp_off
         finally:
             if own is not None and self.rank != 0:
                 _set_generators(own, self.device)

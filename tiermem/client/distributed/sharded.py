@@ -92,7 +92,6 @@ from tiermem.client.link import Client
 from tiermem.client.offload.args import check_group_switches, closure_loss, torch_switch_name
 from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.client.offload.options import OffloadOptions
-from tiermem.client.offload.pagehooks import ModelHook
 from tiermem.client.offload.reentry import Calls
 from tiermem.client.offload.transfer import hooked_load, hooked_state_dict
 from tiermem.core.errors import InvalidArgument, InvalidState
@@ -334,6 +333,8 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         """The handles of the hooks on the model or its params, removed at ``close()``."""
         self.kept_model = KeptModelState()
         """ZeRO-3: ``consolidate_model_state``'s values, on the rank that keeps them."""
+        self.ddp_off: DdpOff | None = None
+        """ZeRO-3: called by the strategy's forward hooks with the module about to run (``under_ddp``)."""
         self._started = False
         self._closed = False
 
@@ -361,8 +362,8 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
                 client = self.group.node_client(plan.numels, strategy.options, dtype=plan.dtype)
             self._attach_inner(client, plan)
             share = strategy.share()  # while the model still holds whole params (``attached`` may release them)
+            self._hook_model(strategy.reduced_model(), params)
             strategy.attached()
-            self._turn_off_ddp(strategy.reduced_model(), params)
         except BaseException:
             self.close(keep_state=True)  # a rank attached while another failed leaves the job's state waiting
             raise
@@ -377,19 +378,17 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         self.checkpoint = Zero3Checkpoint(share, store, self.group.collective)
         self._started = True
 
-    def _turn_off_ddp(self, model: torch.nn.Module | None, params: Sequence[torch.nn.Parameter]) -> None:
-        """A forward pre-hook on each module of ``model`` that owns one of ``params``: a DDP around the model
-        reduces no grads (``under_ddp``).  Also the hooks that end the use of ``consolidate_model_state``'s
-        values: the end of a ``model.state_dict()`` and of a ``model.load_state_dict()``."""
+    def _hook_model(self, model: torch.nn.Module | None, params: Sequence[torch.nn.Parameter]) -> None:
+        """ZeRO-3 (``model`` given): ``ddp_off``, which the strategy's forward hooks call so that a DDP around
+        the model reduces no grads (``under_ddp``), and the hooks that end the use of
+        ``consolidate_model_state``'s values: the end of a ``model.state_dict()`` and of a
+        ``model.load_state_dict()``."""
         if model is None:
             return
+        self.ddp_off = DdpOff(self.strategy.name, model, params)
         drop = functools.partial(KeptModelState.drop, self.kept_model)  # torch marks its hooks: not a method
         self._hooks.append(model.register_state_dict_post_hook(drop))
         self._hooks.append(model.register_load_state_dict_post_hook(drop))
-        off = DdpOff(self.strategy.name, model, params)
-        hook = ModelHook(off, f"sharded across ranks by {self.strategy.name}", ranks=True)
-        for module in off.modules():
-            self._hooks.append(module.register_forward_pre_hook(hook))
 
     def _agree_on_model(self, params: Sequence[torch.Tensor], group_of: Sequence[int]) -> None:
         """Collective: every rank holds the same model (dtypes, shapes, param groups), or every rank raises."""

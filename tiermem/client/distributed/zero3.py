@@ -419,6 +419,8 @@ class LayerStrategy(ShardStrategy):
             self._at.setdefault(unit.index, len(self._order))
             self._order.append(unit.index)
         self._finish_gather(unit)
+        if self.opt.ddp_off is not None:
+            self.opt.ddp_off(unit.module)
         ahead = self._neighbour(unit, +1)
         if ahead is not None:
             self._start_gather(ahead)  # overlaps this unit's forward

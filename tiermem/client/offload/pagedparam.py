@@ -155,6 +155,8 @@ class PagerRecords:
 
     entries: list[PagedParam]
     """One per paged tensor, in the optimizer's order (``PagedParam.index``)."""
+    on_forward: Callable[[nn.Module], None] | None = None
+    """Called with the module about to run as a forward enters the paged model (``under_ddp.DdpOff``)."""
     kept: Callable[[nn.Parameter], torch.Tensor | None] | None = None
     """A param's value gathered for a save before (``ShardedPagedAdam.consolidate_model_state``): a state dict
     takes it instead of reading the param (a collective when sharded)."""
