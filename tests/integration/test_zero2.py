@@ -122,6 +122,7 @@ TWO_RANKS["accumulated"] = OVERLAP
 TWO_RANKS["delayed"] = ["--steps", "6", "--clip", "0.05", "--delayed", "2", "--overlap", "--reload"]
 TWO_RANKS["torch_clip"] = ["--steps", "3", "--scaler", "--torch-clip", "0.05", "--overlap"]
 TWO_RANKS["ddp_torch_clip"] = ["--steps", "4", "--scaler", "--torch-clip", "0.05", "--ddp"]
+TWO_RANKS["refused_load"] = ["--steps", "2", "--refused-load"]
 # compressed moments: how far from fp32 AdamW the params end, per state_dtype (twice the gap
 # measured 2.9e-4 and 4.8e-3 after 6 steps at lr 2e-2)
 COMPRESSED_GAP = {"bf16": 6e-4, "int8": 1e-2}
@@ -187,6 +188,22 @@ def test_offload_adam_under_plain_ddp_trains_like_adamw_and_released_grads_are_r
         for r in ranks:
             assert r["error"] == "GradsAfterRelease" and "DDP" in r["message"], (name, r)
             assert r["steps"] == 0 and r["unchanged"], (name, r)
+
+
+def test_a_load_refused_on_one_rank_is_refused_on_every_rank_at_once_and_changes_nothing(two_ranks):
+    """Every rank loads rank 0's rank file, which holds none of rank 1's stretches.  Rank 1 refused it and rank
+    0 loaded it, and went on to its next collective, where it waited out ``collective_timeout_s`` (30 s) and
+    raised ``RankLost`` without the cause.  Now ``load_state_dict`` is collective: the ranks exchange their
+    checks' outcomes first, so rank 0 refuses too, naming rank 1 and its reason; nothing changed on either,
+    and both train on."""
+    ranks = results(_scenario(two_ranks, "refused_load"), 2, "out")
+    first, second = ranks
+    assert first["refused_load"]["error"] == "InvalidArgument", first
+    assert "rank 1 of 2 refused this load_state_dict, so no rank loaded it" in first["refused_load"]["message"]
+    assert "rank(s) 1" in first["refused_load"]["message"], first  # rank 1's own reason, passed on
+    assert second["refused_load"]["error"] == "InvalidArgument" and "rank(s) 1" in second["refused_load"]["message"]
+    for r in ranks:
+        assert r["load_changed_nothing"] and r["steps"] == 2, r
 
 
 def test_hf_trainer_at_two_ranks_trains_like_adamw_and_resumes_every_rank_from_its_checkpoint(two_ranks):

@@ -23,8 +23,10 @@ import logging
 import os
 import signal
 import time
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from offload_helpers import scaled_step
 from scenarios import Warnings, end_run, join_group, leave, write_json
 
@@ -95,6 +97,24 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> ShardedO
     )
 
 
+def refused_load(opt: ShardedOffloadAdam, rank: int) -> dict[str, Any]:
+    """Every rank loads rank 0's rank file, which lacks the other ranks' stretches: what each rank raised, how
+    long it took, and whether the state stayed as it was (the optimizer goes on training after)."""
+    before = opt.full_state_dict()
+    files = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(files, src=0)
+    began = time.monotonic()
+    try:
+        opt.load_state_dict(files[0])
+        raised: dict[str, Any] = {"error": None}
+    except TiermemError as exc:
+        raised = {"error": type(exc).__name__, "message": str(exc)}
+    raised["seconds"] = time.monotonic() - began
+    after = opt.full_state_dict()
+    same = all(torch.equal(after["state"][i][k], v) for i, entry in before["state"].items() for k, v in entry.items())
+    return {"refused_load": raised, "load_changed_nothing": same}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
@@ -115,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dtype", default="fp32", help="how the daemon keeps the moments (fp32, bf16, int8)")
     ap.add_argument("--torch-clip", type=float, default=0.0, help="unscale_, then torch's clip_grad_norm_ to this")
     ap.add_argument("--ddp", action="store_true", help="the model wrapped in DistributedDataParallel (HF Trainer's)")
+    ap.add_argument("--refused-load", action="store_true", help="every rank loads rank 0's file after training")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rank, world, owned = join_group(outlive_a_killed_peer=args.kill_step >= 0)
@@ -161,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(error="RankLost", during=exc.during, message=str(exc), at=time.monotonic())
         write_json(f"{args.out}.{rank}", result)
         return 3
+    if args.refused_load:
+        result.update(refused_load(opt, rank))
     if args.delayed >= 0:
         opt.flush()  # every rank: the last update's params into the model
     result.update(

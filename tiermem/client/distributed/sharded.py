@@ -278,6 +278,10 @@ class of_strategy:
         raise AttributeError(f"{type(opt).__name__}.{self.name} is its strategy's (opt.strategy.{self.name})")
 
 
+def _no_change() -> None:
+    """A load refused on some rank: nothing to do."""
+
+
 class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
     """The facade of the sharded optimizers; see the module docstring.  Made by the thin constructors
     (``ShardedOffloadAdam``, ``LayerShardedAdam``, ``ShardedPagedAdam``), each with its strategy."""
@@ -573,13 +577,42 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
             self._load_state_dict(state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Collective: every rank checks the dict, then all load it or none does (``_agreed``)."""
         self._consolidated = None
         self.kept_model.drop()
         if is_rank_file(state_dict):
-            self.load_shards([state_dict], complete=False)
+            shards = open_shards([state_dict])
+            self._agreed(lambda: self.checkpoint.prepare_shards(shards, complete=False))()
+            self._shards_loaded(shards)
             return
-        self.checkpoint.load_full(state_dict)
+        self._agreed(lambda: self.checkpoint.prepare_full(state_dict))()
         self.outcome.adopt(self.inner)
+
+    def _agreed(self, prepare: Callable[[], Callable[[], None]]) -> Callable[[], None]:
+        """Collective: ``prepare`` (a load's checks, changing nothing) on every rank, then one exchange of the
+        outcomes; the load's change to make, once every rank's checks passed.  A rank whose checks failed
+        raises its error, and every other rank says which rank refused and why, at once: without this, the
+        others went on to their next collective and waited out ``collective_timeout_s`` there (``RankLost``),
+        or failed at once, without the cause, where the refused rank's process had ended."""
+        failure: Exception | None = None
+        apply: Callable[[], None] = _no_change
+        try:
+            apply = prepare()
+        except Exception as exc:  # every rank must reach the exchange: the error is raised after it
+            failure = exc
+        mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+        everyone: list[Any] = [None] * self.world_size
+        self.group.collective("agreement on the load", dist.all_gather_object, everyone, mine)
+        if failure is not None:
+            raise failure
+        refused = [(r, said) for r, said in enumerate(everyone) if said is not None]
+        if refused:
+            r, said = refused[0]
+            raise InvalidArgument(
+                f"rank {r} of {self.world_size} refused this load_state_dict, so no rank loaded it (rank {r}: "
+                f"{said}); load a checkpoint that holds every rank's state, on every rank"
+            )
+        return apply
 
     def _held_entries(self, param: torch.Tensor | None) -> dict[torch.Tensor, dict[str, Any]]:
         """``opt.state``'s reads (``HeldStateView``): ``param``'s entry, or every key with no value read."""
@@ -608,6 +641,9 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         self._consolidated = None
         self.kept_model.drop()
         self.checkpoint.load_shards(shards, complete=complete)
+        self._shards_loaded(shards)
+
+    def _shards_loaded(self, shards: ShardSet) -> None:
         self.strategy.values_loaded()
         self.outcome.adopt(self.inner)
         if shards.steps is not None:

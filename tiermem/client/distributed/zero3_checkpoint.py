@@ -316,6 +316,10 @@ class Zero3Checkpoint:
         """This rank's stretches of a ``torch.optim.AdamW``-format dict (checked whole before anything changes):
         whole tensors, or ``Stretches`` holding at least this rank's (``torch.distributed.checkpoint`` loads into
         the dict ``state_dict()`` made)."""
+        self.prepare_full(state_dict)()
+
+    def prepare_full(self, state_dict: dict[str, Any]) -> Callable[[], None]:
+        """``load_full``'s checks and cuts, changing nothing: what is left to do, as a call."""
         share = self.share
         state_dict = resolve_steps(state_dict)
         loads = plan_load(state_dict, self.store.param_groups, [share.params[i].numel for i in share.order])
@@ -332,7 +336,8 @@ class Zero3Checkpoint:
                 if isinstance(value, torch.Tensor):
                     cut[key] = _padded(flat_range(value, slot.lo, slot.hi), slot.numel)
             state[slot.tid] = cut
-        self.store.load(state, list(state_dict["param_groups"]))
+        groups = list(state_dict["param_groups"])
+        return lambda: self.store.load(state, groups)
 
     def load_shards(self, source: Source | ShardSet, *, complete: bool = True) -> None:
         """Take this rank's stretches from the rank files of a save at any world size (``source``: their
@@ -340,6 +345,10 @@ class Zero3Checkpoint:
         the groups' hyper-parameters, and the model's persistent buffers and unsharded params.  Every rank
         calls it; it is not collective.  ``complete``: every rank's file must be there (a directory always
         must); without it, only the stretches this rank needs."""
+        self.prepare_shards(source, complete=complete)()
+
+    def prepare_shards(self, source: Source | ShardSet, *, complete: bool = True) -> Callable[[], None]:
+        """``load_shards``' checks and reads, changing nothing: what is left to do, as a call."""
         share = self.share
         shards = source if isinstance(source, ShardSet) else open_shards(source)
         if complete:
@@ -366,15 +375,19 @@ class Zero3Checkpoint:
                     f"buffer {name!r} has shape {list(shards.buffers[name].shape)} in the checkpoint, "
                     f"{list(buf.shape)} in this model"
                 )
-        # checked: now change things
-        self.store.load(state, [dict(g) for g in shards.param_groups])
-        self.store.write_values(values)
-        with torch.no_grad():
-            for i, value in replicated:
-                p = module_params[i]
-                p.copy_(value.view(p.shape))
-            for name, buf in buffers.items():
-                buf.copy_(shards.buffers[name])
+        groups = [dict(g) for g in shards.param_groups]
+
+        def apply() -> None:  # checked: now change things
+            self.store.load(state, groups)
+            self.store.write_values(values)
+            with torch.no_grad():
+                for i, value in replicated:
+                    p = module_params[i]
+                    p.copy_(value.view(p.shape))
+                for name, buf in buffers.items():
+                    buf.copy_(shards.buffers[name])
+
+        return apply
 
     def check_compatible(self, shards: ShardSet) -> None:
         share = self.share
