@@ -569,7 +569,8 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         layout), params' values and the model's buffers too; or ``torch.optim.AdamW``'s format over the
         optimizer's params (``full_state_dict()``, ``tiermem consolidate``, ``torch.optim.AdamW``,
         ``OffloadAdam``: any world size; the params are not touched, torch's rule).  Checked whole before
-        anything changes.  Every rank calls it; torch.optim's load hooks run around it."""
+        anything changes.  Collective: every rank calls it, and all load it or none does (``_agreed``);
+        torch.optim's load hooks run around it."""
         hooked_load(self, state_dict, self._load_guarded)
 
     def _load_guarded(self, state_dict: dict[str, Any]) -> None:
@@ -581,9 +582,14 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
         self._consolidated = None
         self.kept_model.drop()
         if is_rank_file(state_dict):
-            shards = open_shards([state_dict])
-            self._agreed(lambda: self.checkpoint.prepare_shards(shards, complete=False))()
-            self._shards_loaded(shards)
+            opened: list[ShardSet] = []
+
+            def prepare() -> Callable[[], None]:
+                opened.append(open_shards([state_dict]))  # a malformed file fails here, inside the agreement
+                return self.checkpoint.prepare_shards(opened[0], complete=False)
+
+            self._agreed(prepare)()
+            self._shards_loaded(opened[0])
             return
         self._agreed(lambda: self.checkpoint.prepare_full(state_dict))()
         self.outcome.adopt(self.inner)
