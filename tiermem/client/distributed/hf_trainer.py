@@ -65,6 +65,12 @@ def sharded_optimizer(optimizer: Any) -> Any:
     return None
 
 
+def zero3_optimizer(optimizer: Any) -> Any:
+    """``sharded_optimizer``'s, where it is ZeRO-3 (its model holds placeholders), or None."""
+    opt = sharded_optimizer(optimizer)
+    return opt if opt is not None and opt.strategy.reduced_model() is not None else None
+
+
 class WholeOptimizerState(transformers.TrainerCallback):
     """``Trainer(..., callbacks=[WholeOptimizerState()])``: each checkpoint's ``optimizer.pt`` holds the whole
     state of the sharded optimizer (see the module docstring), so ``trainer.train(resume_from_checkpoint=...)``
@@ -73,10 +79,8 @@ class WholeOptimizerState(transformers.TrainerCallback):
     alone."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        opt = sharded_optimizer(kwargs.get("optimizer"))
-        if opt is None or opt.strategy.reduced_model() is None:
-            return
-        if (getattr(args, "max_grad_norm", 0) or 0) > 0 and opt.max_grad_norm is None:
+        opt = zero3_optimizer(kwargs.get("optimizer"))
+        if opt is not None and (getattr(args, "max_grad_norm", 0) or 0) > 0 and opt.max_grad_norm is None:
             log.warning(
                 "Trainer clips at max_grad_norm=%s, but %s holds no grads in the trainer: Trainer's clip finds "
                 "none and clips nothing. Give the optimizer max_grad_norm=%s (it clips by the global norm) and "
@@ -96,8 +100,8 @@ class WholeOptimizerState(transformers.TrainerCallback):
     def _gather_model(args: Any, control: Any, optimizer: Any) -> None:
         """Before a save ``Trainer`` decided on (the same decision on every rank): a ZeRO-3 model gathered on
         every rank for rank 0's ``model.state_dict()``."""
-        opt = sharded_optimizer(optimizer)
-        if opt is None or not control.should_save or opt.strategy.reduced_model() is None:
+        opt = zero3_optimizer(optimizer)
+        if opt is None or not control.should_save:
             return
         if getattr(args, "save_on_each_node", False):
             raise InvalidArgument(

@@ -75,7 +75,6 @@ class DdpOff:
 
     def __init__(self, name: str, model: nn.Module, params: Iterable[nn.Parameter]) -> None:
         self.name = name
-        self.model = model
         self._ours = {id(p) for p in params}
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._checked: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()

@@ -188,14 +188,14 @@ class PageIO(PagerRecords):
         values; the error names the first, what was done, and the way that works.  Only an absent param is
         checked: one being released (a signal handler's save can land there) still has its data."""
         with torch._C.DisableTorchFunction():  # in a forward, reading an absent param would lease it (CatchParams)
+            changed = []
             for e in entries:
-                if e.residency is Residency.ABSENT and e.touched() and e.holds_a_copy():
-                    self._drop_data(e)  # the placeholder back: the copy's memory is freed
-            changed = [
-                (e, how)
-                for e in entries
-                if e.residency is Residency.ABSENT and e.touched() and (how := e.change_while_absent()) is not None
-            ]
+                if e.residency is not Residency.ABSENT or not e.touched():
+                    continue
+                if e.holds_a_copy():
+                    self._drop_data(e)  # no edit: the placeholder back, the copy's memory freed
+                elif (how := e.change_while_absent()) is not None:
+                    changed.append((e, how))
             if not changed:
                 return
             first, how = changed[0]

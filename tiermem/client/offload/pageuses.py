@@ -57,10 +57,10 @@ class PageUses(PagerRecords):
     # ----------------------------------------------------------------- forward hooks
 
     def _enter(self, own: list[PagedParam], module: nn.Module, args: Any) -> None:
-        if not self._frames and self.on_forward is not None:
-            self.on_forward(module)
         frame = Frame(module)
         if not self._frames:
+            if self.on_forward is not None:
+                self.on_forward(module)
             self._saving.clear()  # (a save that raised between its hooks)
             if self._unhooked:
                 self._hook_unfrozen()
