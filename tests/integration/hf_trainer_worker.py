@@ -8,8 +8,9 @@ scenario of ``test_zero2.py``'s two-rank launch.
 rank 0's save; it clips itself (Trainer's clip would find no grads); ``layer`` through ``LayerShardedAdam`` over
 an untied model, which Trainer's DDP, made after it, cannot wrap: each rank writes the error to
 ``OUT.json.<rank>``.
-``--resume DIR`` resumes from ``DIR``'s checkpoint at ``SAVE_EVERY`` steps, in new objects.  Rank 0 writes the
-final model's ``state_dict()`` to ``OUT.pt`` and the logged losses to ``OUT.json``.
+``--resume DIR`` resumes from ``DIR``'s checkpoint at ``SAVE_EVERY`` steps, in new objects.  Every rank then
+calls ``trainer.save_model()`` twice, as scripts do; rank 0 writes the saved model to ``OUT.pt`` and the logged
+losses to ``OUT.json``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 
+import safetensors.torch
 import torch
 import transformers
 from scenarios import end_run, join_group
@@ -25,7 +27,7 @@ from small_models import TokenData, tiny_gpt2
 
 from tiermem.client.distributed import LayerShardedAdam, ShardedOffloadAdam, ShardedPagedAdam
 from tiermem.client.distributed.hf_trainer import WholeOptimizerState
-from tiermem.core.errors import InvalidArgument
+from tiermem.core.errors import InvalidArgument, InvalidState
 
 STEPS = 6
 SAVE_EVERY = 3
@@ -81,10 +83,41 @@ def main(argv: list[str] | None = None) -> int:
         with open(f"{args.out}.json.{rank}", "w") as f:
             json.dump({"error": type(e).__name__, "message": str(e)}, f)
         return end_run(owned, opt)
-    final = {k: v.detach().clone() for k, v in model.state_dict().items()}  # ZeRO-3's gathers on every rank
+    trainer.save_model()  # every rank calls it, as scripts do; Trainer saves on rank 0 alone
+    trainer.save_model()  # again (push_to_hub() saves again): rank 0 takes the kept values a second time
+    if args.optimizer == "paged":
+        after_save(rank, opt, model, args)
     if rank == 0:
+        final = safetensors.torch.load_file(os.path.join(args.output_dir, "model.safetensors"))
         torch.save(final, f"{args.out}.pt")
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         with open(f"{args.out}.json", "w") as f:
             json.dump({"losses": losses}, f)
     return end_run(owned, *([opt] if not isinstance(opt, torch.optim.AdamW) else []))
+
+
+def after_save(rank: int, opt: ShardedPagedAdam, model: torch.nn.Module, args: argparse.Namespace) -> None:
+    """Rank 0 keeps the model gathered as training ended, until the next step: rank 1's own gather, which
+    rank 0 would not join, is refused at once; after ``release_model_state()`` every rank gathers again, and
+    the values are the saved ones.  ``save_on_each_node=True`` (each node's first process saving a model
+    gathered for one) is refused where training begins.  Each rank writes ``OUT.after.<rank>``."""
+    each_node_args = transformers.TrainingArguments(
+        output_dir=args.output_dir, save_on_each_node=True, use_cpu=True, report_to=[], ddp_backend="gloo"
+    )
+    try:
+        WholeOptimizerState().on_train_begin(each_node_args, None, None, optimizer=opt)
+        each_node = ""
+    except InvalidArgument as e:
+        each_node = str(e)
+    refused = ""
+    if rank == 1:
+        try:
+            model.state_dict()
+        except InvalidState as e:
+            refused = str(e)
+    opt.release_model_state()
+    again = model.state_dict()  # a collective: rank 0's save is written by now
+    saved = safetensors.torch.load_file(os.path.join(args.output_dir, "model.safetensors"))
+    same = all(torch.equal(again[key], value) for key, value in saved.items())
+    with open(f"{args.out}.after.{rank}", "w") as f:
+        json.dump({"refused": refused, "same_as_saved": same, "saved_keys": len(saved), "each_node": each_node}, f)

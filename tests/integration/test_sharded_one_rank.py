@@ -1038,13 +1038,15 @@ def test_a_ddp_around_a_zero3_model_reduces_nothing_and_is_refused_where_that_wo
 
 
 @pytest.mark.parametrize("kind", ["layers", "paged"])
-def test_consolidate_model_state_serves_the_next_model_state_dict_once_and_never_after_a_change(
+def test_consolidate_model_state_serves_the_next_model_state_dict_once_or_until_a_step_and_never_after_a_change(
     daemon, one_rank_group, kind
 ):
     """``consolidate_model_state(to)``: every rank gathers the model, and rank ``to``'s next
     ``model.state_dict()`` takes those values with no collective (HF Trainer saves the model on rank 0
     alone), once; a step, a load of the model or of the optimizer drops them first, so they are never older
-    than the params.  ``to`` must be a rank of the group."""
+    than the params.  With ``until_step`` (the callback's, as training ends, for ``save_model()`` and then
+    ``push_to_hub()``), every ``model.state_dict()`` takes them until a step, ``release_model_state()`` or
+    ``close()``.  ``to`` must be a rank of the group."""
     m, ref = model(), model()
     client = connect(daemon.socket_path)
     if kind == "layers":
@@ -1074,8 +1076,23 @@ def test_consolidate_model_state_serves_the_next_model_state_dict_once_and_never
             assert not opt.kept_model.kept
         for (name, p), q in zip(m.state_dict().items(), ref.state_dict().values(), strict=True):
             torch.testing.assert_close(p, q, msg=name)
+        opt.consolidate_model_state(0, until_step=True)
+        kept = {name: opt.kept_model.value(p) for name, p in m.named_parameters()}
+        for _ in range(3):
+            state = m.state_dict()
+            assert all(state[name] is value for name, value in kept.items())
+        opt.release_model_state()
+        state = m.state_dict()
+        assert not opt.kept_model.kept and all(state[name] is not value for name, value in kept.items())
+        for (name, p), q in zip(state.items(), ref.state_dict().values(), strict=True):
+            torch.testing.assert_close(p, q, msg=name)
+        opt.consolidate_model_state(0, until_step=True)
+        train_alike(((m, opt), (ref, ref_opt)), range(3, 4))
+        assert not opt.kept_model.kept
+        opt.consolidate_model_state(0, until_step=True)
     finally:
         opt.close()
+    assert not opt.kept_model.kept
 
 
 def test_hf_callback_warns_that_trainers_clip_finds_no_grads_of_a_zero3_model(daemon, one_rank_group, tmp_path, caplog):

@@ -229,6 +229,12 @@ def test_hf_trainer_at_two_ranks_trains_zero3_paged_like_adamw_and_refuses_ddp_o
     edit), and it logs AdamW's losses with the same clip.  Trainer saves the model on rank 0 alone, which
     left rank 0 in a gather no other rank joined (``RankLost`` after 30 s): ``WholeOptimizerState`` gathers
     it on every rank first, and a resume from step 3 in new objects ends where the uninterrupted run does.
+    ``trainer.save_model()`` after training (twice, as ``push_to_hub()`` saves again) left rank 0 in the same
+    lone gather, and saved nothing: the callback gathers the model as training ends, kept on rank 0 until the
+    next step, so both saves hold the trained params; rank 1's own ``model.state_dict()`` meanwhile, which
+    rank 0 would not join, is refused at once, and after ``release_model_state()`` every rank gathers the
+    saved values again.  ``save_on_each_node=True`` is refused where training begins (it was at the first
+    save).
     DDP made over ``LayerShardedAdam``'s empty placeholders holds grad accumulators sized 0 (before: backward
     failed, "TBackward0 returned an invalid gradient"): every rank refuses at the first forward, saying to
     wrap first or use ShardedPagedAdam."""
@@ -241,6 +247,12 @@ def test_hf_trainer_at_two_ranks_trains_zero3_paged_like_adamw_and_refuses_ddp_o
     for key, value in final["hf_adamw"].items():
         torch.testing.assert_close(final["hf_paged"][key], value, rtol=0, atol=2e-6, msg=key)  # 9.3e-7 here
         torch.testing.assert_close(final["hf_paged_resumed"][key], final["hf_paged"][key], rtol=0, atol=1e-7, msg=key)
+    for name in ("hf_paged", "hf_paged_resumed"):
+        out = launch.check(name)
+        after = [json.loads(out.with_name(f"out.after.{rank}").read_text()) for rank in range(2)]
+        assert all(r["same_as_saved"] and r["saved_keys"] == len(final[name]) for r in after), after
+        assert after[0]["refused"] == "" and "opt.release_model_state() on every rank" in after[1]["refused"]
+        assert all("save_on_each_node=False" in r["each_node"] for r in after), after
     out = launch.check("hf_layer")
     refused = [json.loads(p.read_text()) for p in sorted(out.parent.glob(f"{out.name}.json.*"))]
     assert len(refused) == 2, refused

@@ -25,8 +25,14 @@ alone, and that gathers the params from every rank.  So in ``on_step_end``
 and ``on_epoch_end``, where ``Trainer`` has decided to save
 (``control.should_save``) but not yet saved, every rank gathers the model
 (``consolidate_model_state(0)``), and rank 0's save takes those values.
-``trainer.save_model()`` after training is called on rank 0 alone too: call
-``opt.consolidate_model_state(0)`` on every rank just before it.
+``trainer.save_model()`` after training saves on rank 0 alone too, as many
+times as the script says (``push_to_hub()`` saves again): ``on_train_end``
+gathers the model once more, kept on rank 0 until the next step
+(``until_step``), so that every such save takes those values.  Before, the
+first ``save_model()`` of a ZeRO-3 model left rank 0 in a gather no other
+rank joined: ``RankLost`` after ``collective_timeout_s``, and no model saved.
+``save_on_each_node=True`` has each node's first process save, and the model
+is gathered for one: refused as training begins.
 
 A ZeRO-3 model holds no grads in the trainer either, so ``Trainer``'s clip
 (``max_grad_norm``, 1.0 by default) finds none and clips nothing, silently:
@@ -80,6 +86,12 @@ class WholeOptimizerState(transformers.TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = zero3_optimizer(kwargs.get("optimizer"))
+        if opt is not None and opt.world_size > 1 and getattr(args, "save_on_each_node", False):
+            raise InvalidArgument(
+                f"save_on_each_node=True has each node's first process save the model, and {opt.strategy.name} "
+                "gathers it for one rank (consolidate_model_state): use save_on_each_node=False, or save with "
+                "opt.save_shard(dir) on every rank"
+            )
         if opt is not None and (getattr(args, "max_grad_norm", 0) or 0) > 0 and opt.max_grad_norm is None:
             log.warning(
                 "Trainer clips at max_grad_norm=%s, but %s holds no grads in the trainer: Trainer's clip finds "
@@ -96,20 +108,20 @@ class WholeOptimizerState(transformers.TrainerCallback):
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._gather_model(args, control, kwargs.get("optimizer"))
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """For ``trainer.save_model()`` and ``push_to_hub()`` after ``train()``, on rank 0 alone: a ZeRO-3
+        model gathered on every rank, kept on rank 0 until the next step or load."""
+        opt = zero3_optimizer(kwargs.get("optimizer"))
+        if opt is not None and opt.world_size > 1:
+            opt.consolidate_model_state(0, until_step=True)
+
     @staticmethod
     def _gather_model(args: Any, control: Any, optimizer: Any) -> None:
         """Before a save ``Trainer`` decided on (the same decision on every rank): a ZeRO-3 model gathered on
         every rank for rank 0's ``model.state_dict()``."""
         opt = zero3_optimizer(optimizer)
-        if opt is None or not control.should_save:
-            return
-        if getattr(args, "save_on_each_node", False):
-            raise InvalidArgument(
-                f"save_on_each_node=True has each node's first process save the model, and {opt.strategy.name} "
-                "gathers it for one rank (consolidate_model_state): use save_on_each_node=False, or save with "
-                "opt.save_shard(dir) on every rank"
-            )
-        opt.consolidate_model_state(0)
+        if opt is not None and opt.world_size > 1 and control.should_save:
+            opt.consolidate_model_state(0)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = sharded_optimizer(kwargs.get("optimizer"))

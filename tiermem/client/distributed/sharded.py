@@ -385,14 +385,15 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
     def _hook_model(self, model: torch.nn.Module | None, params: Sequence[torch.nn.Parameter]) -> None:
         """ZeRO-3 (``model`` given): ``ddp_off``, which the strategy's forward hooks call so that a DDP around
         the model reduces no grads (``under_ddp``), and the hooks that end the use of
-        ``consolidate_model_state``'s values: the end of a ``model.state_dict()`` and of a
+        ``consolidate_model_state``'s values: the start and end of a ``model.state_dict()``, and the end of a
         ``model.load_state_dict()``."""
         if model is None:
             return
         self.ddp_off = DdpOff(self.strategy.name, model, params)
-        drop = functools.partial(KeptModelState.drop, self.kept_model)  # torch marks its hooks: not a method
-        self._hooks.append(model.register_state_dict_post_hook(drop))
-        self._hooks.append(model.register_load_state_dict_post_hook(drop))
+        kept = self.kept_model  # torch marks its hooks: partials, not bound methods
+        self._hooks.append(model.register_state_dict_pre_hook(functools.partial(KeptModelState.check_gather, kept)))
+        self._hooks.append(model.register_state_dict_post_hook(functools.partial(KeptModelState.used, kept)))
+        self._hooks.append(model.register_load_state_dict_post_hook(functools.partial(KeptModelState.drop, kept)))
 
     def _agree_on_model(self, params: Sequence[torch.Tensor], group_of: Sequence[int]) -> None:
         """Collective: every rank holds the same model (dtypes, shapes, param groups), or every rank raises."""
@@ -546,19 +547,27 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
             self._check_open()
             self._consolidated = self.checkpoint.gather_full((to, self.group.global_rank(to)))
 
-    def consolidate_model_state(self, to: int = 0) -> None:
+    def consolidate_model_state(self, to: int = 0, *, until_step: bool = False) -> None:
         """Collective, ZeRO-3: every rank gathers ``model.state_dict()``, and rank ``to`` of the optimizer's
         process group keeps it: its next ``model.state_dict()``, before a step or a load, returns those values
-        with no collective (``kept_model``).  For a framework that saves the model from one process alone
-        (HF Trainer: ``WholeOptimizerState`` calls it before each checkpoint): every rank calls this just
-        before that save.  ZeRO-2's model is whole on every rank: nothing to gather."""
+        with no collective (``kept_model``); with ``until_step``, every one until then, and the other ranks'
+        ``model.state_dict()`` is refused meanwhile (``release_model_state`` ends it).  For a framework that
+        saves the model from one process alone (HF Trainer: ``WholeOptimizerState`` calls it before each
+        checkpoint, and with ``until_step`` as training ends): every rank calls this just before that save.
+        ZeRO-2's model is whole on every rank: nothing to gather."""
         if not 0 <= to < self.world_size:
             raise InvalidArgument(f"to={to} is not a rank of this optimizer's process group of {self.world_size}")
         model = self.strategy.reduced_model()
         with self._calls.enter("consolidate_model_state()", reads=True):
             self._check_open()
             if model is not None:
-                self.kept_model.gather(model, keep=self.rank == to)
+                self.kept_model.gather(model, keep=self.rank == to, keeper=to, until_step=until_step)
+
+    def release_model_state(self) -> None:
+        """Every rank (no communication): drop what ``consolidate_model_state`` kept, so that the next
+        ``model.state_dict()`` gathers on every rank again."""
+        with self._calls.enter("release_model_state()", reads=True):
+            self.kept_model.drop()
 
     def _shard_state_dict(self) -> dict[str, Any]:
         with self._calls.enter("state_dict()", reads=True):

@@ -560,7 +560,8 @@ class LayerStrategy(ShardStrategy):
 
     def _save_unit(self, unit: _Unit, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, _: Any) -> None:
         """``model.state_dict()``: the unit's params, gathered from their owner (a collective: every rank
-        calls it, as it gathers before a forward), as copies in place of the placeholders; from
+        calls it, as it gathers before a forward), as CPU copies in place of the placeholders (as the paged
+        strategy's: a whole model in the device memory of each rank is what ZeRO-3 is there to avoid); from
         ``consolidate_model_state``'s values where this rank keeps them (no collective)."""
         kept = [self.opt.kept_model.value(p) for p in unit.params]
         if all(v is not None for v in kept):
@@ -573,7 +574,7 @@ class LayerStrategy(ShardStrategy):
             self._finish_gather(unit, log=False)
         for name, p in zip(self._named(unit), unit.params, strict=True):
             if prefix + name in state_dict:
-                state_dict[prefix + name] = p.detach().clone()
+                state_dict[prefix + name] = p.detach().to("cpu", copy=True)
         if not held:
             self._release(unit, log=False)
 
