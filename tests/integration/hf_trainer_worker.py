@@ -5,9 +5,9 @@ scenario of ``test_zero2.py``'s two-rank launch.
 ``SAVE_EVERY`` steps.  ``--optimizer zero2`` trains through ``ShardedOffloadAdam`` with
 ``WholeOptimizerState`` among the callbacks; ``adamw`` through ``torch.optim.AdamW`` (the reference);
 ``paged`` through ``ShardedPagedAdam`` (ZeRO-3) with the same callback, which also gathers the model for
-rank 0's save; it clips itself (Trainer's clip would find no grads); ``layer`` through ``LayerShardedAdam`` over
-an untied model, which Trainer's DDP, made after it, cannot wrap: each rank writes the error to
-``OUT.json.<rank>``.
+rank 0's save and hands Trainer's clip to it (Trainer's own would find no grads); ``layer`` through
+``LayerShardedAdam`` over an untied model, which Trainer's DDP, made after it, cannot wrap: each rank writes
+the error to ``OUT.json.<rank>``.
 ``--resume DIR`` resumes from ``DIR``'s checkpoint at ``SAVE_EVERY`` steps, in new objects.  Every rank then
 calls ``trainer.save_model()`` twice, as scripts do; rank 0 writes the saved model to ``OUT.pt`` and the logged
 losses to ``OUT.json``.
@@ -43,13 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rank, _, owned = join_group()
     model = tiny_gpt2(tied=args.optimizer != "layer")
-    zero3 = args.optimizer in ("paged", "layer")
     callbacks = []
     if args.optimizer == "zero2":
         opt: torch.optim.Optimizer = ShardedOffloadAdam(model.parameters(), lr=LR, weight_decay=0.0)
         callbacks = [WholeOptimizerState()]
     elif args.optimizer == "paged":
-        opt = ShardedPagedAdam(model, lr=LR, weight_decay=0.0, offload="cpu", device_budget="1MiB", max_grad_norm=1.0)
+        opt = ShardedPagedAdam(model, lr=LR, weight_decay=0.0, offload="cpu", device_budget="1MiB")
         callbacks = [WholeOptimizerState()]
     elif args.optimizer == "layer":
         opt = LayerShardedAdam(model, lr=LR, weight_decay=0.0)
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         learning_rate=LR,
         save_strategy="steps",
         save_steps=SAVE_EVERY,
-        max_grad_norm=0.0 if zero3 else 1.0,
+        max_grad_norm=1.0,
         logging_steps=1,
         report_to=[],
         use_cpu=True,

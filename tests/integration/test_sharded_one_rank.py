@@ -1095,33 +1095,48 @@ def test_consolidate_model_state_serves_the_next_model_state_dict_once_or_until_
     assert not opt.kept_model.kept
 
 
-def test_hf_callback_warns_that_trainers_clip_finds_no_grads_of_a_zero3_model(daemon, one_rank_group, tmp_path, caplog):
-    """HF Trainer clips at ``max_grad_norm=1.0`` by default; a ZeRO-3 model holds no grads in the trainer, so
-    that clip finds none and clips nothing.  ``WholeOptimizerState`` says so as training begins, unless the
-    optimizer clips itself."""
+def test_hf_callback_hands_trainers_clip_to_a_zero3_optimizer_which_then_trains_as_if_made_with_it(
+    daemon, one_rank_group, tmp_path, caplog
+):
+    """HF Trainer clips at ``max_grad_norm`` (1.0 by default); a ZeRO-3 model holds no grads in the trainer, so
+    that clip finds none and clips nothing (before, ``WholeOptimizerState`` only warned).  The callback hands
+    Trainer's value to the optimizer as training begins (``set_max_grad_norm``), which then trains exactly as
+    one made with it; one that clips itself keeps its own; ``LayerShardedAdam`` without ``paged=True`` cannot
+    clip, and the callback warns.  Once a grad of the step was reduced, the rule is refused until the step."""
     import transformers
 
     from tiermem.client.distributed.hf_trainer import WholeOptimizerState
 
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    assert args.max_grad_norm == 1.0
-    for clip, warned in ((None, True), (1.0, False)):
-        opt = ShardedPagedAdam(
-            model(),
-            lr=1e-2,
-            offload="cpu",
-            device_budget="1MiB",
-            max_grad_norm=clip,
-            client=connect(daemon.socket_path),
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_grad_norm=0.05)
+    models = [model() for _ in range(3)]
+    opts = [
+        ShardedPagedAdam(
+            m, lr=1e-2, offload="cpu", device_budget="1MiB", max_grad_norm=clip, client=connect(daemon.socket_path)
         )
-        try:
-            caplog.clear()
-            with caplog.at_level("WARNING", logger="tiermem"):
-                state, control = transformers.TrainerState(), transformers.TrainerControl()
-                WholeOptimizerState().on_train_begin(args, state, control, optimizer=opt)
-            said = [r.getMessage() for r in caplog.records if "clips nothing" in r.getMessage()]
-            assert len(said) == warned, said
-            if warned:
-                assert "Give the optimizer max_grad_norm=1.0" in said[0] and "ShardedPagedAdam" in said[0]
-        finally:
+        for m, clip in zip(models, (None, 0.05, 2.0), strict=True)
+    ]
+    layer = LayerShardedAdam(model(), lr=1e-2, client=connect(daemon.socket_path))
+    try:
+        with caplog.at_level("INFO", logger="tiermem"):
+            for opt in (*opts, layer):
+                WholeOptimizerState().on_train_begin(args, None, None, optimizer=opt)
+        assert [o.max_grad_norm for o in opts] == [0.05, 0.05, 2.0] and layer.max_grad_norm is None
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("clips at Trainer's max_grad_norm=0.05" in m for m in said) == 1, said
+        warned = [m for m in said if "clips nothing" in m]
+        assert len(warned) == 1 and "LayerShardedAdam" in warned[0] and "paged=True" in warned[0], said
+        train_alike(list(zip(models[:2], opts[:2], strict=True)), range(3))
+        assert opts[0].last_grad_norm is not None and opts[0].last_grad_norm > 0.05  # it clipped
+        for (name, p), q in zip(models[0].state_dict().items(), models[1].state_dict().values(), strict=True):
+            assert torch.equal(p, q), name
+        loss_of(models[0], 3).backward()
+        with pytest.raises(InvalidState, match=r"after some of this step's grads were reduced"):
+            opts[0].set_max_grad_norm(None)
+        opts[0].step()
+        opts[0].set_max_grad_norm(None)
+        assert opts[0].max_grad_norm is None
+        with pytest.raises(InvalidArgument, match=r"max_grad_norm needs paged=True"):
+            layer.set_max_grad_norm(1.0)
+    finally:
+        for opt in (*opts, layer):
             opt.close()

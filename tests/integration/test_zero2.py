@@ -226,9 +226,10 @@ def test_hf_trainer_at_two_ranks_trains_zero3_paged_like_adamw_and_refuses_ddp_o
     """Trainer wraps the model in DDP after the optimizer is made.  ``ShardedPagedAdam`` reduces its grads
     itself, so DDP's all-reduce is turned off in its forwards; its placeholders survive Trainer's
     ``model.to("cpu:0")`` (a copy of each, which changed nothing: before, the first forward refused it as an
-    edit), and it logs AdamW's losses with the same clip.  Trainer saves the model on rank 0 alone, which
-    left rank 0 in a gather no other rank joined (``RankLost`` after 30 s): ``WholeOptimizerState`` gathers
-    it on every rank first, and a resume from step 3 in new objects ends where the uninterrupted run does.
+    edit), and it logs AdamW's losses under Trainer's clip, which the callback hands to it.  Trainer saves
+    the model on rank 0 alone, which left rank 0 in a gather no other rank joined (``RankLost`` after 30 s):
+    ``WholeOptimizerState`` gathers it on every rank first, and a resume from step 3 in new objects ends where
+    the uninterrupted run does.
     ``trainer.save_model()`` after training (twice, as ``push_to_hub()`` saves again) left rank 0 in the same
     lone gather, and saved nothing: the callback gathers the model as training ends, kept on rank 0 until the
     next step, so both saves hold the trained params; rank 1's own ``model.state_dict()`` meanwhile, which

@@ -250,6 +250,16 @@ class ShardGrads:
         """Whether ``add`` takes the figures of the grads."""
         return self.clipping or self.scaled is not False
 
+    def set_clipping(self, clipping: bool, name: str) -> None:
+        """Take the figures for clipping, or not, from this step on: refused once a grad of this step went to
+        the daemon (``name``: the optimizer's), whose figures would be missing or half of the step's."""
+        if clipping != self.clipping and (self._seen or self.unchecked):
+            raise InvalidState(
+                f"set_max_grad_norm() on {name} after some of this step's grads were reduced: the global norm "
+                "needs all of them; call it before the step's first backward (or after step())"
+            )
+        self.clipping = clipping
+
     def add(self, key: Hashable, grad: torch.Tensor, *, accumulate: bool = False) -> None:
         """A reduced grad went to the daemon (``accumulate``: added to the one there; its square is then no
         figure of one pass, and only marks the step as accumulated)."""

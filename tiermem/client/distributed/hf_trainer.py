@@ -35,8 +35,13 @@ rank joined: ``RankLost`` after ``collective_timeout_s``, and no model saved.
 is gathered for one: refused as training begins.
 
 A ZeRO-3 model holds no grads in the trainer either, so ``Trainer``'s clip
-(``max_grad_norm``, 1.0 by default) finds none and clips nothing, silently:
-``on_train_begin`` warns where the optimizer does not clip itself.
+(``max_grad_norm``, 1.0 by default) finds none and clips nothing, silently.
+``on_train_begin`` hands Trainer's ``max_grad_norm`` to a ZeRO-3 optimizer
+that does not clip itself (``set_max_grad_norm``: the same rule, by the
+global norm of the reduced grads), as the DeepSpeed integration fills its
+``gradient_clipping: auto``; it warns where the optimizer cannot
+(``LayerShardedAdam`` without ``paged=True``).  Trainer still logs its own
+clip's ``grad_norm``, 0; the optimizer's ``last_grad_norm`` is the norm.
 
 Importing this module imports ``transformers``.
 """
@@ -92,15 +97,21 @@ class WholeOptimizerState(transformers.TrainerCallback):
                 "gathers it for one rank (consolidate_model_state): use save_on_each_node=False, or save with "
                 "opt.save_shard(dir) on every rank"
             )
-        if opt is not None and (getattr(args, "max_grad_norm", 0) or 0) > 0 and opt.max_grad_norm is None:
+        clip = getattr(args, "max_grad_norm", 0) or 0
+        if opt is None or clip <= 0 or opt.max_grad_norm is not None:
+            return
+        try:
+            opt.set_max_grad_norm(clip)
+        except InvalidArgument as e:
             log.warning(
                 "Trainer clips at max_grad_norm=%s, but %s holds no grads in the trainer: Trainer's clip finds "
-                "none and clips nothing. Give the optimizer max_grad_norm=%s (it clips by the global norm) and "
-                "Trainer max_grad_norm=0",
-                args.max_grad_norm,
+                "none and clips nothing, and the optimizer cannot clip for it (%s); set Trainer max_grad_norm=0",
+                clip,
                 opt.strategy.name,
-                args.max_grad_norm,
+                e,
             )
+            return
+        log.info("%s clips at Trainer's max_grad_norm=%s (Trainer's own clip finds no grads)", opt.strategy.name, clip)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._gather_model(args, control, kwargs.get("optimizer"))

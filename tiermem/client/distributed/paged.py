@@ -472,6 +472,11 @@ class PagedStrategy(ShardStrategy):
         self._given = (groups, defaults)
         self.grads = ShardGrads(clipping=self.max_grad_norm is not None)
 
+    def set_max_grad_norm(self, max_grad_norm: float | None) -> None:
+        self.pager.drain()  # the grads whose pushes are under way have their figures (or not) by now
+        self.grads.set_clipping(max_grad_norm is not None, self.name)
+        super().set_max_grad_norm(max_grad_norm)
+
     @property
     def inner(self) -> OffloadAdam:
         """Every rank holds a shard of every param, so every rank has an inner optimizer once attached."""

@@ -80,7 +80,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from tiermem.client.distributed.group import NotCopyable, RankGroup
+from tiermem.client.distributed.group import NotCopyable, RankGroup, check_max_grad_norm
 from tiermem.client.distributed.identity import release_job_id
 from tiermem.client.distributed.kept_model import KeptModelState
 from tiermem.client.distributed.reshard import ShardSet, Source, is_rank_file, open_shards
@@ -160,6 +160,8 @@ class ShardStrategy(abc.ABC):
     """Why a param group cannot be added once the optimizer is made, and what to do instead."""
     broadcast_params: bool = True
     """Rank 0's values become every rank's at the start."""
+    max_grad_norm: float | None
+    """Clip by the global norm of the reduced grads at this (None: no clipping)."""
     options: OffloadOptions
     """The settings this rank's inner ``OffloadAdam`` is built with, and its node's daemon sized by."""
     opt: ShardedOptimizer
@@ -253,6 +255,11 @@ class ShardStrategy(abc.ABC):
 
     def zero_grad(self, set_to_none: bool) -> None:
         torch.optim.Optimizer.zero_grad(self.opt, set_to_none=set_to_none)
+
+    def set_max_grad_norm(self, max_grad_norm: float | None) -> None:
+        """``ShardedOptimizer.set_max_grad_norm``: a strategy that takes the grads' figures as they are reduced
+        (ZeRO-3) says first whether it can from now on."""
+        self.max_grad_norm = max_grad_norm
 
     def values_loaded(self) -> None:  # noqa: B027 (an optional hook)
         """Loaded rank files gave the rank's share its values (ZeRO-2 gathers them into every rank's model)."""
@@ -503,6 +510,16 @@ class ShardedOptimizer(NotCopyable, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         with self._calls.enter("zero_grad()", reads=False):
             self.strategy.zero_grad(set_to_none)
+
+    def set_max_grad_norm(self, max_grad_norm: float | None) -> None:
+        """Clip by the global norm of the reduced grads at ``max_grad_norm`` from this step on (None: no
+        clipping), as the constructor's argument does: before this step's first backward, and the same on every
+        rank.  HF Trainer's callback gives a ZeRO-3 optimizer Trainer's ``max_grad_norm`` this way, where
+        Trainer's own clip would find no grads (``hf_trainer``)."""
+        check_max_grad_norm(max_grad_norm)
+        with self._calls.enter("set_max_grad_norm()", reads=False):
+            self._check_open()
+            self.strategy.set_max_grad_norm(max_grad_norm)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -174,11 +174,7 @@ class LayerShardedAdam(ShardedOptimizer):
         raises ``RankLost`` (``schedule``).  ``probe``: told of each gather, grad and collective
         (``schedule.Probe``; tests slow them down through it)."""
         check_max_grad_norm(max_grad_norm)
-        if max_grad_norm is not None and not paged:
-            raise InvalidArgument(
-                "max_grad_norm needs paged=True: without it a layer is updated during backward, before the "
-                "global norm of all the layers' grads exists"
-            )
+        _check_clip(max_grad_norm, paged=paged)
         hyper = check_hyper(lr, betas, eps, weight_decay, adamw=adamw)
         defaults = optimizer_defaults(hyper, foreach=None, maximize=False, fused=None, adamw=adamw)
         options = _owner_options(offload, paged=paged, state_dtype=state_dtype)
@@ -233,6 +229,11 @@ class LayerStrategy(ShardStrategy):
         self._grads: DaemonGrads | None = None
         self._loading: dict[int, list[int]] = {}
         """``model.load_state_dict()`` under way: the unit's params torch copies into, by index in the unit."""
+
+    def set_max_grad_norm(self, max_grad_norm: float | None) -> None:
+        _check_clip(max_grad_norm, paged=self.paged)
+        self.grads.set_clipping(max_grad_norm is not None, self.name)
+        super().set_max_grad_norm(max_grad_norm)
 
     # ----------------------------------------------------------------- the start
 
@@ -669,3 +670,11 @@ def _refuse_shared_params(modules: list[tuple[str, torch.nn.Module]]) -> None:
                     "belongs to one unit, on one rank. Use tiermem.distributed.ShardedPagedAdam (ZeRO-3 by "
                     "shard), which takes tied params, or untie them"
                 )
+
+
+def _check_clip(max_grad_norm: float | None, *, paged: bool) -> None:
+    if max_grad_norm is not None and not paged:
+        raise InvalidArgument(
+            "max_grad_norm needs paged=True: without it a layer is updated during backward, before the "
+            "global norm of all the layers' grads exists"
+        )
