@@ -61,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         learning_rate=LR,
         save_strategy="steps",
         save_steps=SAVE_EVERY,
-        max_grad_norm=1.0,
         logging_steps=1,
         report_to=[],
         use_cpu=True,
