@@ -36,6 +36,7 @@ from tiermem.core.protocol import (
     BucketReady,
     Detach,
     FetchParams,
+    GradNorm,
     Message,
     Ok,
     ParamsReady,
@@ -88,6 +89,7 @@ class Handlers:
             StateWriteMany: self._rank_request(RankOptimizer.write_many),
             StateReset: self._rank_request(lambda rank, msg: rank.reset_state(msg.tensor_ids)),
             Abort: self._rank_request(RankOptimizer.abort),
+            GradNorm: self._rank_request(RankOptimizer.grad_norm),
             Stats: self._stats,  # type: ignore[dict-item]
             Detach: self._detach,  # type: ignore[dict-item]
             Ping: lambda _s, _m: Reply(Pong()),

@@ -8,6 +8,7 @@ scenario of ``test_zero2.py``'s two-rank launch.
 rank 0's save and hands Trainer's clip to it (Trainer's own would find no grads); ``layer`` through
 ``LayerShardedAdam`` over an untied model, which Trainer's DDP, made after it, cannot wrap: each rank writes
 the error to ``OUT.json.<rank>``.
+``--accumulate N``: the same batch a step in N backward passes (``gradient_accumulation_steps``).
 ``--resume DIR`` resumes from ``DIR``'s checkpoint at ``SAVE_EVERY`` steps, in new objects.  Every rank then
 calls ``trainer.save_model()`` twice, as scripts do; rank 0 writes the saved model to ``OUT.pt`` and the logged
 losses to ``OUT.json``.
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer", choices=["zero2", "paged", "layer", "adamw"], required=True)
     ap.add_argument("--output-dir", required=True, help="Trainer's output_dir (its checkpoints)")
     ap.add_argument("--resume", default=None, help="an output_dir to resume from, at step SAVE_EVERY")
+    ap.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps (the same batch a step)")
     args = ap.parse_args(argv)
     rank, _, owned = join_group()
     model = tiny_gpt2(tied=args.optimizer != "layer")
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     training = transformers.TrainingArguments(
         output_dir=args.output_dir,
         max_steps=STEPS,
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=4 // args.accumulate,
+        gradient_accumulation_steps=args.accumulate,
         learning_rate=LR,
         save_strategy="steps",
         save_steps=SAVE_EVERY,
@@ -89,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         final = safetensors.torch.load_file(os.path.join(args.output_dir, "model.safetensors"))
         torch.save(final, f"{args.out}.pt")
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
         with open(f"{args.out}.json", "w") as f:
-            json.dump({"losses": losses}, f)
+            json.dump({"losses": losses, "grad_norms": norms}, f)
     return end_run(owned, *([opt] if not isinstance(opt, torch.optim.AdamW) else []))
 
 

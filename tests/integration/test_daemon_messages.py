@@ -9,15 +9,29 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from cgroup_scratch import own_v1_cgroup, scratch_cgroup
 from child_env import child_env
 from conftest import daemon_settings, run_daemon_to_exit
-from daemon_client import Trainer
+from daemon_client import LR, WEIGHT_DECAY, Trainer, adamw_reference, grads_for
 
 from tiermem.client.connection import Connection
-from tiermem.core.errors import AuthError, BoundsError, TiermemError
-from tiermem.core.protocol import Attach, AttachOk, Detach, MemRef, Ping, Pong, StateRead
+from tiermem.core.errors import AuthError, BoundsError, InvalidArgument, InvalidState, TiermemError
+from tiermem.core.protocol import (
+    Attach,
+    AttachOk,
+    BucketReady,
+    Detach,
+    GradNorm,
+    GradNormReply,
+    MemRef,
+    ParamGroup,
+    Ping,
+    Pong,
+    StateRead,
+    Step,
+)
 from tiermemd.main import to_toml
 
 
@@ -159,3 +173,39 @@ def test_a_pool_larger_than_its_memory_cgroup_exits_3_instead_of_being_oom_kille
         )
         assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
         assert str(cgroup) in done.stderr and "limit 512MiB" in done.stderr and "pool.size 1GiB" in done.stderr
+
+
+def test_grad_norm_gives_the_figures_a_clipped_step_takes_changes_nothing_and_names_bad_input(daemon) -> None:
+    """GRAD_NORM: the sum of squares of the rank's grads (divided by ``loss_scale``) that a STEP with
+    ``max_grad_norm`` takes of the same grads, and whether one is inf/NaN, with nothing changed: the STEP
+    after it applies step 1 as AdamW does.  An unknown tensor and a grad buffer the rank does not have are
+    refused by name."""
+    sizes = [300, 40]
+    trainer = Trainer(daemon.socket_path, "grad-norm", sizes, seed=5)
+    trainer.start_fresh()
+    try:
+        grads = grads_for(5, 1, sizes)
+        for g, slot in zip(grads, trainer.slots, strict=True):
+            trainer.region(slot.grads[0])[:] = g
+        sq = [float((g.astype(np.float64) ** 2).sum()) for g in grads]
+        whole = trainer.conn.request(GradNorm(loss_scale=2.0))
+        assert isinstance(whole, GradNormReply) and not whole.nonfinite
+        assert whole.sq_norm == pytest.approx(sum(sq) / 4, rel=1e-6)
+        assert trainer.conn.request(GradNorm(tensor_ids=(1,))).sq_norm == pytest.approx(sq[1], rel=1e-6)
+        with pytest.raises(InvalidArgument, match=r"tensor id 7 is not registered \(ids are 0..1\)"):
+            trainer.conn.request(GradNorm(tensor_ids=(7,)))
+        with pytest.raises(InvalidArgument, match=r"grad_buffer 1 does not exist \(the layout has 1\)"):
+            trainer.conn.request(GradNorm(grad_buffer=1))
+        trainer.region(trainer.slots[0].grads[0])[3] = np.inf
+        overflowed = trainer.conn.request(GradNorm())
+        assert overflowed.nonfinite and overflowed.sq_norm == np.inf
+        trainer.region(trainer.slots[0].grads[0])[3] = grads[0][3]
+        done = trainer.conn.request(Step(step=1, attempt=1, max_grad_norm=1e9))
+        assert done.step == 1 and done.grad_norm == pytest.approx(sum(sq) ** 0.5, rel=1e-6)
+        np.testing.assert_allclose(trainer.params(), adamw_reference(5, sizes, 1), rtol=0, atol=1e-6)
+        group = ParamGroup(lr=LR, weight_decay=WEIGHT_DECAY)
+        trainer.conn.send_oneway(BucketReady(step=2, attempt=2, bucket=0, tensor_ids=(0,), groups=(group,)))
+        with pytest.raises(InvalidState, match=r"GRAD_NORM while attempt 2 of step 2 is open"):
+            trainer.conn.request(GradNorm())
+    finally:
+        trainer.detach()

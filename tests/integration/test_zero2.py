@@ -153,6 +153,22 @@ def hf_plan(tmp: Path) -> dict[str, list[str]]:
             *("--resume", str(tmp / "hf-paged-run")),
         ],
         "hf_layer": ["--optimizer", "layer", "--output-dir", str(tmp / "hf-layer-run")],
+        "hf_paged_accumulated": [
+            "--optimizer",
+            "paged",
+            "--accumulate",
+            "2",
+            "--output-dir",
+            str(tmp / "hf-paged-acc"),
+        ],
+        "hf_adamw_accumulated": [
+            "--optimizer",
+            "adamw",
+            "--accumulate",
+            "2",
+            "--output-dir",
+            str(tmp / "hf-adamw-acc"),
+        ],
         "accelerate": [],
         "accelerate_paged": ["--optimizer", "paged"],
     }
@@ -260,6 +276,23 @@ def test_hf_trainer_at_two_ranks_trains_zero3_paged_like_adamw_and_refuses_ddp_o
     for r in refused:
         assert r["error"] == "InvalidArgument" and "placeholders" in r["message"], r
         assert "ShardedPagedAdam" in r["message"] and "before making the optimizer" in r["message"], r
+
+
+def test_hf_trainer_clips_zero3_paged_accumulated_grads_by_the_norm_of_their_sum(two_ranks):
+    """``gradient_accumulation_steps=2`` with Trainer's clip at 1.0, which the callback hands to
+    ``ShardedPagedAdam``: the passes' grads are added in the daemons, and each rank's daemon gives the sum of
+    squares of its shards (GRAD_NORM), so the clip is ``clip_grad_norm_``'s over the whole batch and the run
+    logs AdamW's losses.  Before, clipping such a step was refused on every rank (so the callback could only
+    warn, and the run trained unclipped)."""
+    launch = two_ranks[0]
+    runs = {name: launch.check(name) for name in ("hf_paged_accumulated", "hf_adamw_accumulated")}
+    logs = {name: json.loads(Path(f"{out}.json").read_text()) for name, out in runs.items()}
+    assert max(logs["hf_adamw_accumulated"]["grad_norms"]) > 1.0, logs  # the clip acts
+    losses = [logs[name]["losses"] for name in runs]
+    assert len(losses[0]) == 6 and losses[0] == pytest.approx(losses[1], rel=1e-5), losses
+    final = [torch.load(f"{out}.pt") for out in runs.values()]
+    for key, value in final[1].items():
+        torch.testing.assert_close(final[0][key], value, rtol=0, atol=2e-6, msg=key)
 
 
 def test_accelerate_save_state_after_consolidate_state_dict_resumes_every_rank_exactly(two_ranks):

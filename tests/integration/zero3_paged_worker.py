@@ -7,8 +7,8 @@ rank on its slice of the global batch.  Rank 0 writes, as JSON: the model's
 ``state_dict()`` after the steps (gathered from the ranks' daemons), the same
 model trained in one process with ``torch.optim.AdamW`` + ``clip_grad_norm_``
 on the whole batch, both norms per step, what the modules held between
-steps, the pager's peak against its budget, and the error that clipping after
-gradient accumulation raised.  ``--kill-step K``: the last rank dies by
+steps, the pager's peak against its budget, and the clipped norm of one more
+step over two backward passes (gradient accumulation), with its reference.  ``--kill-step K``: the last rank dies by
 SIGKILL after the forward of step K; the others write what they caught (a
 ``RankLost``, and where) to ``OUT.<rank>``.  ``--resume-at K``: before step K
 every rank saves ``model.state_dict()`` and ``opt.state_dict()`` (torch.save),
@@ -42,6 +42,8 @@ from tiermem.core.errors import InvalidState, RankLost
 BATCH_PER_RANK = 3
 LR = 0.02
 MAX_NORM = 0.5
+ACCUMULATED = (slice(0, 1), slice(1, 2))
+"""The two backward passes of the last, accumulated step: each rank's are the same samples."""
 
 
 def make_model(seed: int = 0) -> nn.Sequential:
@@ -133,17 +135,18 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     state = {k: v.tolist() for k, v in model.state_dict().items()}  # a collective: every rank gathers
     peak = opt.pager.stats()["peak_nbytes"]
-    accumulation_error = ""
+    accumulated: float | str | None = None
     x, y = data(99, world)
-    for part in (slice(0, 1), slice(1, 2)):
+    for part in ACCUMULATED:
         nn.functional.mse_loss(model(x[part]), y[part]).backward()
     try:
         opt.step()
+        accumulated = opt.last_grad_norm
     except InvalidState as exc:
-        accumulation_error = str(exc)
+        accumulated = str(exc)
     opt.zero_grad()
     everything: list = [None] * world
-    dist.all_gather_object(everything, {"rank": rank, "held": held, "peak": peak, "error": accumulation_error})
+    dist.all_gather_object(everything, {"rank": rank, "held": held, "peak": peak, "accumulated": accumulated})
     if rank == 0:
         ref = make_model()
         ref_opt = torch.optim.AdamW(groups(ref), lr=LR, weight_decay=0.01)
@@ -164,11 +167,16 @@ def main(argv: list[str] | None = None) -> int:
             scaled_step(ref_opt, ref_scaler)
             ref_opt.zero_grad()
             ref_sched.step()
+        x, y = data(99, world)
+        for part in ACCUMULATED:  # every rank's two passes were these: the mean over ranks is their sum
+            nn.functional.mse_loss(ref(x[part]), y[part]).backward()
+        ref_accumulated = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
         result = {
             "state": state,
             "reference": {k: v.tolist() for k, v in ref.state_dict().items()},
             "norms": norms,
             "reference_norms": ref_norms,
+            "reference_accumulated": ref_accumulated,
             "budget": budget,
             "scale": scaler.get_scale() if scaler is not None else None,
             "ref_scale": ref_scaler.get_scale() if ref_scaler is not None else None,

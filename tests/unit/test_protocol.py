@@ -50,14 +50,14 @@ def header(hexstr: str) -> bytes:
     return data
 
 
-# Golden frames: the exact bytes of protocol version 9.  A change here is a wire change: bump the version.
+# Golden frames: the exact bytes of protocol version 11.  A change here is a wire change: bump the version.
 GOLDEN = [
-    (Ping(), 1, 0, header("544d 0a 0a 0000 0000 01000000 00000000"), b""),
+    (Ping(), 1, 0, header("544d 0b 0a 0000 0000 01000000 00000000"), b""),
     (
         Attach(job_id="job-7", rank=1, world_size=2, window_nbytes=1 << 30),
         2,
         0,
-        header("544d 0a 01 0000 0000 02000000 61000000"),
+        header("544d 0b 01 0000 0000 02000000 61000000"),
         b'{"job_id":"job-7","rank":1,"world_size":2,"window_nbytes":1073741824,"token":null,"create":false}',
     ),
     (
@@ -71,7 +71,7 @@ GOLDEN = [
         ),
         3,
         0,
-        header("544d 0a 03 0000 0000 03000000 fa000000"),
+        header("544d 0b 03 0000 0000 03000000 fa000000"),
         b'{"step":12,"attempt":0,"groups":[{"lr":0.001,"betas":[0.9,0.999],"eps":1e-08,"weight_decay":0.01,'
         b'"adamw":true,"maximize":false}],"loss_scale":1024.0,"max_grad_norm":1.0,"clip_coef":null,"skip":false,'
         b'"tensor_ids":[0,1],'
@@ -81,7 +81,7 @@ GOLDEN = [
         BucketReady(step=12, attempt=3, bucket=0, tensor_ids=(3, 4), groups=(ParamGroup(lr=0.5),)),
         4,
         FLAG_ONEWAY,
-        header("544d 0a 04 0100 0000 04000000 ac000000"),
+        header("544d 0b 04 0100 0000 04000000 ac000000"),
         b'{"step":12,"attempt":3,"bucket":0,"tensor_ids":[3,4],"grad_buffer":0,"groups":[{"lr":0.5,'
         b'"betas":[0.9,0.999],"eps":1e-08,"weight_decay":0.0,"adamw":true,"maximize":false}]}',
     ),
@@ -89,7 +89,7 @@ GOLDEN = [
         RegisterOk(slots=(TensorSlot(0, MemRef(1, 0, 128), (MemRef(1, 4096, 128),)),), storage_nbytes=8192),
         5,
         0,
-        header("544d 0a 82 0000 0000 05000000 94000000"),
+        header("544d 0b 82 0000 0000 05000000 94000000"),
         b'{"slots":[[0,[1,0,128],[[1,4096,128]]]],"placement":"cpu","state_keys":["master","exp_avg","exp_avg_sq"],'
         b'"storage_nbytes":8192,"state_dtype":"fp32"}',
     ),
@@ -98,14 +98,14 @@ GOLDEN = [
         StateWriteMany(spans=(WriteSpan(3, "grad", 4096, MemRef(1, 0, 2048), 0, True, "bfloat16"),)),
         7,
         0,
-        header("544d 0a 0e 0000 0000 07000000 38000000"),
+        header("544d 0b 0e 0000 0000 07000000 38000000"),
         b'{"spans":[[3,"grad",4096,[1,0,2048],0,true,"bfloat16"]]}',
     ),
     (
         ErrorReply.from_exception(BoundsError("reference [0, 8) of window 1 falls outside its 4 bytes")),
         6,
         0,
-        header("544d 0a ff 0000 0000 06000000 65000000"),
+        header("544d 0b ff 0000 0000 06000000 65000000"),
         b'{"type":"BoundsError","message":"reference [0, 8) of window 1 falls outside its 4 bytes","fields":{}}',
     ),
 ]
@@ -149,7 +149,7 @@ def test_bad_magic_is_named():
 
 
 def test_unsupported_version_lists_supported_versions():
-    assert "unsupported protocol version 9; this side supports version(s) 10" in decode_error(
+    assert "unsupported protocol version 9; this side supports version(s) 11" in decode_error(
         PING[:2] + b"\x09" + PING[3:]
     )
 

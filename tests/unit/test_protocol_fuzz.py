@@ -166,6 +166,8 @@ STRATEGIES: dict[MsgType, st.SearchStrategy[Message]] = {
         min_size=1,
         max_size=4,
     ).map(lambda spans: protocol.StateWriteMany(spans=tuple(spans))),
+    MsgType.GRAD_NORM: st.builds(protocol.GradNorm, positive, ids, st.integers(0, 1)),
+    MsgType.GRAD_NORM_REPLY: st.builds(protocol.GradNormReply, st.floats(0.0, allow_nan=False), st.booleans()),
     MsgType.STATS: st.just(protocol.Stats()),
     MsgType.STATS_REPLY: st.integers(0, 1 << 60).map(lambda n: sample_reply(jobs=n)),
     MsgType.DETACH: st.builds(protocol.Detach, st.booleans()),

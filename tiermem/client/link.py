@@ -475,6 +475,13 @@ class Client(Closing):
     def reset_state(self, tensor_ids: Sequence[int] = ()) -> None:
         self.conn.request(protocol.StateReset(tensor_ids=tuple(tensor_ids)))
 
+    def grad_norm(self, tensor_ids: Sequence[int] = (), *, grad_buffer: int = 0) -> protocol.GradNormReply:
+        """The daemon's statistics of the rank's grads now in ``grad_buffer`` (of ``tensor_ids``; empty: all)."""
+        reply = self.conn.request(protocol.GradNorm(tensor_ids=tuple(tensor_ids), grad_buffer=grad_buffer))
+        if not isinstance(reply, protocol.GradNormReply):
+            raise ProtocolError(f"expected GRAD_NORM_REPLY, got {type(reply).__name__}")
+        return reply
+
     def step(self, msg: protocol.Step) -> protocol.StepDone:
         reply = self.conn.request(msg)
         if not isinstance(reply, protocol.StepDone):

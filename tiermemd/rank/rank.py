@@ -55,6 +55,8 @@ from tiermem.core.protocol import (
     Abort,
     Aborted,
     BucketReady,
+    GradNorm,
+    GradNormReply,
     MemRef,
     ParamGroup,
     Step,
@@ -511,6 +513,27 @@ class RankOptimizer(StateIO):
             raise StepFailed(msg.step, _reason(exc)) from exc
         t2 = time.perf_counter()
         return done(step=msg.step, timings=(("stats", t1 - t0), ("update", t2 - t1)))
+
+    def grad_norm(self, msg: GradNorm) -> GradNormReply:
+        """GRAD_NORM: the statistics a STEP with ``max_grad_norm`` takes of the same grads, with nothing changed
+        (the trainer decides on every rank's, then sends the STEP with its ``clip_coef``)."""
+        if self._attempt is not None:
+            raise InvalidState(
+                f"GRAD_NORM while attempt {self._attempt.attempt} of step {self._attempt.step} is open: tensors of "
+                "it were updated as their buckets landed, so no norm of this step's grads exists; ABORT it first"
+            )
+        self._settle()
+        self.phase.check_usable()
+        layout, _ = self._parts()
+        self._check_buffer(msg.grad_buffer)
+        if not (msg.loss_scale > 0 and math.isfinite(msg.loss_scale)):
+            raise InvalidArgument(f"loss_scale must be a positive finite number, got {msg.loss_scale}")
+        ids = check_ids(msg.tensor_ids, len(self.records))
+        started = time.perf_counter()
+        grads = None if self.grads_in_state else self._region(layout.grad_offsets[msg.grad_buffer])
+        stats = self._grad_stats(grads, ids, 1.0 / msg.loss_scale)
+        self.timings["stats_s"] += time.perf_counter() - started
+        return GradNormReply(sq_norm=stats.sq_norm, nonfinite=stats.found_inf)
 
     def _grad_stats(self, grads: torch.Tensor | None, ids: Sequence[int], inv_scale: float) -> GradStats:
         """The statistics of the unscaled grads of ``ids`` (in the storage, or staged in the ``grad`` key).

@@ -310,17 +310,30 @@ class ShardGrads:
         return found_inf
 
     def decide(
-        self, group: RankGroup, optimizer: Any, max_grad_norm: float | None, *, accumulated: bool = False
+        self,
+        group: RankGroup,
+        optimizer: Any,
+        max_grad_norm: float | None,
+        *,
+        accumulated: bool = False,
+        held: Callable[[], float] | None = None,
     ) -> StepDecision:
         """The step every rank applies: the scaler's hand-over on ``optimizer`` (``shard_scaler_inputs``) and,
-        with ``max_grad_norm``, the global norm of the shards (``RankGroup.decide``)."""
+        with ``max_grad_norm``, the global norm of the shards (``RankGroup.decide``).  Where the step added
+        several backward passes' grads in the daemon (``accumulated``), the figures here are each pass's, and
+        ``held`` gives this rank's sum of squares of their sum, as the daemon holds it (GRAD_NORM); without it,
+        clipping such a step is refused."""
         inv_scale, skip = shard_scaler_inputs(optimizer, checked=self.scale_checked, unscaled_by=self.unscaled_by)
+        total = None if max_grad_norm is None or skip else self.total
+        summed = self.accumulated or accumulated
+        if total is not None and summed and held is not None:
+            total, summed = torch.tensor(held(), dtype=torch.float64), False
         decision = group.decide(
-            None if max_grad_norm is None or skip else self.total,
+            total,
             inv_scale=inv_scale,
             max_grad_norm=max_grad_norm,
             scaler_found_inf=skip,
-            accumulated=self.accumulated or accumulated,
+            accumulated=summed,
         )
         if self.scaled is None:  # the first step goes on: from now on the figures are taken if a scaler asked
             self.scaled = self.scale_checked

@@ -48,9 +48,9 @@ free.  Each collective waits at most ``collective_timeout_s``, then raises
 squares of its reduced shards (taken when they were written) is all-reduced,
 and the clip coefficient reaches the daemon with the step as a grad scale, so
 every rank clips by ``clip_grad_norm_``'s coefficient over the unsharded
-model.  Clipping needs the grads of one backward pass (the daemon's
-accumulated sum has no sum of squares here); it is refused after
-accumulation.
+model.  After several backward passes (gradient accumulation) those figures
+are each pass's, and only the daemon holds the sum: each rank asks its daemon
+for the sum of squares of its shards (GRAD_NORM), and those are all-reduced.
 
 Loss scaling: ``ShardedGradScaler``, used as torch's ``GradScaler``.  Each
 reduced shard is checked for inf/nan as it is written (an overflow on any
@@ -594,10 +594,15 @@ class PagedStrategy(ShardStrategy):
         try:
             if self.max_grad_norm is not None:
                 self.pager.check()  # grads set by hand land now, every push is done
-            return self.grads.decide(self.group, self.opt, self.max_grad_norm)
+            return self.grads.decide(self.group, self.opt, self.max_grad_norm, held=self._held_sq_norm)
         except InvalidState:
             self.grads.new_step()  # the step is refused
             raise
+
+    def _held_sq_norm(self) -> float:
+        """This rank's sum of squares of its shards' grads as its daemon holds them (summed over the step's
+        backward passes)."""
+        return self.inner.held_grad_stats().sq_norm
 
     def end_step(self) -> None:
         self.grads.new_step()

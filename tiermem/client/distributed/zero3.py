@@ -75,9 +75,9 @@ one ``torch.optim.AdamW`` state dict.  ``full_state_dict()`` (collective)
 gathers AdamW's format, which ``load_state_dict`` takes at any world size
 (the params then come from the model given to the constructor).
 
-Limits: gradient accumulation only with ``paged``, and not with
-``max_grad_norm`` (the sums of squares are of one backward pass; refused on
-every rank); CPU params; each unit used once per forward (a checkpointing
+Limits: gradient accumulation only with ``paged`` (with ``max_grad_norm``,
+each owner's daemon gives the sum of squares of the summed grads, GRAD_NORM);
+CPU params; each unit used once per forward (a checkpointing
 recompute is not a second use); one param group.
 """
 
@@ -509,12 +509,19 @@ class LayerStrategy(ShardStrategy):
         self._recording = False
         try:
             accumulated = self._grads is not None and self._grads.accumulated
-            decision = self.grads.decide(self.group, self.opt, self.max_grad_norm, accumulated=accumulated)
+            decision = self.grads.decide(
+                self.group, self.opt, self.max_grad_norm, accumulated=accumulated, held=self._held_sq_norm
+            )
         except InvalidState:
             self._new_step()  # the step is refused
             raise
         self._new_step(drop_grads=False)
         return decision
+
+    def _held_sq_norm(self) -> float:
+        """This owner's sum of squares of its layers' grads as its daemon holds them (summed over the step's
+        backward passes); 0 for a rank that owns no layer."""
+        return 0.0 if self.inner is None else self.inner.held_grad_stats().sq_norm
 
     def hand_over(self, decision: StepDecision) -> None:
         """The grads are in the daemon already; only what the trace records is noted (the first step: every

@@ -120,7 +120,7 @@ from tiermem.core.modes import Exchange, StepMode
 from tiermem.core.param_groups import check_params_once
 from tiermem.core.protocol import ParamGroup, RankReport, Step, StepDone, TensorSpec
 from tiermem.core.protocol.records import MAX_GROUPS
-from tiermem.core.step_rules import StepDecision
+from tiermem.core.step_rules import GradStats, StepDecision
 from tiermem.core.units import format_size
 
 __all__ = ["OffloadAdam"]
@@ -765,6 +765,17 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             self.last_grad_norm = decision.grad_norm  # the strategy's global norm (the daemon took none)
             self.last_found_inf = decision.nonfinite
         return loss
+
+    def held_grad_stats(self) -> GradStats:
+        """The daemon's statistics of the grads this step has put there so far (GRAD_NORM; changes nothing): a
+        sharded optimizer's part of the global norm where the step added several backward passes' grads in the
+        daemon, whose sum only the daemon holds."""
+        ids = self.feed.check()  # grads set by hand land, every push is done (``step()`` asks again: the same)
+        if not ids:
+            return GradStats(0.0, False)
+        tensor_ids = () if len(ids) == len(self.tensors) else tuple(ids)
+        reply = self.client.grad_norm(tensor_ids, grad_buffer=self.feed.buffer)
+        return GradStats(reply.sq_norm, reply.nonfinite)
 
     def _send(self, msg: Step, ids: list[int], delayed: bool) -> None:
         conn = self.client.conn

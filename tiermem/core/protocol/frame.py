@@ -69,8 +69,8 @@ __all__ = [
 ]
 
 MAGIC = b"TM"
-PROTOCOL_VERSION = 10
-SUPPORTED_VERSIONS: tuple[int, ...] = (10,)
+PROTOCOL_VERSION = 11
+SUPPORTED_VERSIONS: tuple[int, ...] = (11,)
 HEADER = struct.Struct("<2sBBHHII")
 HEADER_NBYTES = HEADER.size  # 16
 DEFAULT_MAX_FRAME = 1 * MiB
@@ -102,6 +102,7 @@ class MsgType(IntEnum):
     STATE_RESET = 0x0C
     STATE_READ_MANY = 0x0D
     STATE_WRITE_MANY = 0x0E
+    GRAD_NORM = 0x0F
 
     OK = 0x80
     ATTACH_OK = 0x81
@@ -113,6 +114,7 @@ class MsgType(IntEnum):
     PONG = 0x8A
     ABORTED = 0x8B
     STATE_SPANS = 0x8D
+    GRAD_NORM_REPLY = 0x8F
     ERROR = 0xFF
 
     @property

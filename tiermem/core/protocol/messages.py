@@ -29,6 +29,7 @@ REPLY_TYPES: dict[MsgType, MsgType | None] = {
     MsgType.STATE_RESET: MsgType.OK,
     MsgType.STATE_READ_MANY: MsgType.STATE_SPANS,
     MsgType.STATE_WRITE_MANY: MsgType.OK,
+    MsgType.GRAD_NORM: MsgType.GRAD_NORM_REPLY,
     MsgType.ABORT: MsgType.ABORTED,
     MsgType.STATS: MsgType.STATS_REPLY,
     MsgType.DETACH: MsgType.OK,

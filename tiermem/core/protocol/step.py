@@ -39,6 +39,8 @@ __all__ = [
     "Aborted",
     "BucketReady",
     "FetchParams",
+    "GradNorm",
+    "GradNormReply",
     "ParamsReady",
     "StateChunk",
     "StateSpans",
@@ -88,6 +90,35 @@ class Step(Message):
     tensor_ids: Annotated[tuple[int, ...], TENSOR_IDS] = ()
     delayed: bool = False
     grad_buffer: Annotated[int, GRAD_BUFFER] = 0
+
+
+@wire
+@dataclass(slots=True)
+class GradNorm(Message):
+    """The rank's part of a global grad norm: the statistics of the grads of ``tensor_ids`` (empty: all
+    registered) now in grad buffer ``grad_buffer``, divided by ``loss_scale``, as a STEP with
+    ``max_grad_norm`` takes them.  Changes nothing.
+
+    A sharded optimizer's trainer computes each reduced grad's figures as it sends it; where a step added
+    several backward passes' grads in the daemon (gradient accumulation), only the daemon holds their sum, so
+    the trainer asks it, all-reduces the ranks' figures and sends the STEP with the ``clip_coef`` decided.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.GRAD_NORM
+    loss_scale: Annotated[float, POSITIVE] = 1.0
+    tensor_ids: Annotated[tuple[int, ...], TENSOR_IDS] = ()
+    grad_buffer: Annotated[int, GRAD_BUFFER] = 0
+
+
+@wire
+@dataclass(slots=True)
+class GradNormReply(Message):
+    """GRAD_NORM's figures: ``sq_norm``, the sum of squares of the unscaled grads (inf or NaN where an
+    element is), and ``nonfinite``, whether an element is inf or NaN."""
+
+    TYPE: ClassVar[MsgType] = MsgType.GRAD_NORM_REPLY
+    sq_norm: Annotated[float, Float(ge=0.0, finite=False)]
+    nonfinite: bool = False
 
 
 @wire
