@@ -25,11 +25,23 @@ class NoScaler:
     """An optimizer no ``GradScaler`` stepped (``shard_scaler_inputs`` finds no ``grad_scale``)."""
 
 
-def step(grads: ShardGrads, *, max_grad_norm: float | None = None) -> list[float | None]:
+def decide(grads: ShardGrads, *, max_grad_norm: float | None = None, held: float = -1.0) -> tuple[list[Any], int]:
+    """One step's decision: what the group was asked, and how often the daemon was asked for ``held``, its sum
+    of squares of the summed grads (GRAD_NORM)."""
     group = OneRank()
-    grads.decide(group, NoScaler(), max_grad_norm)  # type: ignore[arg-type]
+    asked = []
+
+    def daemon() -> float:
+        asked.append(held)
+        return held
+
+    grads.decide(group, NoScaler(), max_grad_norm, daemon)  # type: ignore[arg-type]
     grads.new_step()
-    return group.sumsq
+    return [None if v is None else float(v) for v in group.sumsq], len(asked)
+
+
+def step(grads: ShardGrads, *, max_grad_norm: float | None = None) -> list[float | None]:
+    return decide(grads, max_grad_norm=max_grad_norm)[0]
 
 
 def test_without_clipping_or_a_scaler_only_the_first_step_takes_the_figures() -> None:
@@ -69,6 +81,21 @@ def test_an_accumulated_grad_marks_the_step_and_still_shows_an_overflow() -> Non
     assert grads.accumulated and grads.nonfinite and grads.total == 1.0
 
 
+def test_an_accumulated_step_is_clipped_by_the_daemons_figure_of_the_summed_grads() -> None:
+    """Two passes' grads added in the daemon: the figures here are each pass's (9 + 16), and the norm of the
+    sum exists only there, so the daemon is asked (once), and only when clipping."""
+    grads = ShardGrads(clipping=True)
+    grads.add((0,), torch.tensor([3.0]))
+    grads.add((0,), torch.tensor([4.0]), accumulate=True)
+    assert grads.total == 9.0  # the first pass's figure: the second only marks the step
+    assert decide(grads, max_grad_norm=1.0, held=49.0) == ([49.0], 1)
+    grads.add((0,), torch.tensor([3.0]))
+    assert decide(grads, max_grad_norm=1.0, held=49.0) == ([9.0], 0)  # one pass: its own figure
+    grads.add((0,), torch.tensor([3.0]))
+    grads.add((0,), torch.tensor([4.0]), accumulate=True)
+    assert decide(grads, held=49.0) == ([None], 0)  # no clipping: no norm, nothing asked
+
+
 class Refusing(OneRank):
     def decide(self, sumsq: float | None, **_: Any) -> None:
         raise InvalidState("refused")
@@ -77,7 +104,7 @@ class Refusing(OneRank):
 def test_a_refused_first_step_leaves_the_question_open() -> None:
     grads = ShardGrads()
     with pytest.raises(InvalidState, match="refused"):
-        grads.decide(Refusing(), NoScaler(), None)  # type: ignore[arg-type]
+        grads.decide(Refusing(), NoScaler(), None, lambda: 0.0)  # type: ignore[arg-type]
     grads.new_step()
     grads.add((0,), torch.tensor([float("inf")]))
     assert grads.watching and bool(grads.check(torch.tensor(0.5), torch.zeros(())))

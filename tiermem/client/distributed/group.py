@@ -188,27 +188,19 @@ class RankGroup:
         inv_scale: float = 1.0,
         max_grad_norm: float | None,
         scaler_found_inf: bool = False,
-        accumulated: bool = False,
         skip_nonfinite: bool = False,
     ) -> StepDecision:
         """The step every rank applies, from this rank's sum of squares of its (scaled) grads (None: no norm is
-        needed) and the scaler's verdict (already global).  ``accumulated``: this rank's grads summed several
-        backward passes, where a clipping norm of one pass does not exist (refused on every rank)."""
+        needed) and the scaler's verdict (already global)."""
         stats = None
         if sumsq is not None:
-            total_here = torch.as_tensor(sumsq, dtype=torch.float64)  # a device's figure stays there
-            flags = torch.stack([torch.full_like(total_here, float(accumulated)), total_here]).to(self.device)
+            total = torch.as_tensor(sumsq, dtype=torch.float64).reshape(1).to(self.device)  # a device's stays there
             if self.schedule is not None:
-                self.schedule.run("all-reduce", "the grad norm", dist.all_reduce, flags)
+                self.schedule.run("all-reduce", "the grad norm", dist.all_reduce, total)
             else:
-                self.collective("norm's all-reduce", dist.all_reduce, flags)
-            anyone_accumulated, total = self.read_back(flags)
-            if anyone_accumulated > 0:
-                raise InvalidState(
-                    f"{self.who} clips with the norm of one backward pass; this step accumulated grads over "
-                    "several (call step() after each backward, or train without max_grad_norm)"
-                )
-            stats = GradStats.of(total * inv_scale * inv_scale, False)
+                self.collective("norm's all-reduce", dist.all_reduce, total)
+            (global_sumsq,) = self.read_back(total)
+            stats = GradStats.of(global_sumsq * inv_scale * inv_scale, False)
         return decide(
             stats,
             inv_scale=inv_scale,
@@ -314,27 +306,20 @@ class ShardGrads:
         group: RankGroup,
         optimizer: Any,
         max_grad_norm: float | None,
+        held: Callable[[], float],
         *,
         accumulated: bool = False,
-        held: Callable[[], float] | None = None,
     ) -> StepDecision:
         """The step every rank applies: the scaler's hand-over on ``optimizer`` (``shard_scaler_inputs``) and,
         with ``max_grad_norm``, the global norm of the shards (``RankGroup.decide``).  Where the step added
-        several backward passes' grads in the daemon (``accumulated``), the figures here are each pass's, and
-        ``held`` gives this rank's sum of squares of their sum, as the daemon holds it (GRAD_NORM); without it,
-        clipping such a step is refused."""
+        several backward passes' grads in the daemon (``accumulated``, or an ``add`` with ``accumulate``), the
+        figures here are each pass's: ``held`` gives this rank's sum of squares of their sum, as the daemon
+        holds it (GRAD_NORM)."""
         inv_scale, skip = shard_scaler_inputs(optimizer, checked=self.scale_checked, unscaled_by=self.unscaled_by)
         total = None if max_grad_norm is None or skip else self.total
-        summed = self.accumulated or accumulated
-        if total is not None and summed and held is not None:
-            total, summed = torch.tensor(held(), dtype=torch.float64), False
-        decision = group.decide(
-            total,
-            inv_scale=inv_scale,
-            max_grad_norm=max_grad_norm,
-            scaler_found_inf=skip,
-            accumulated=summed,
-        )
+        if total is not None and (self.accumulated or accumulated):
+            total = torch.tensor(held(), dtype=torch.float64)
+        decision = group.decide(total, inv_scale=inv_scale, max_grad_norm=max_grad_norm, scaler_found_inf=skip)
         if self.scaled is None:  # the first step goes on: from now on the figures are taken if a scaler asked
             self.scaled = self.scale_checked
         return decision

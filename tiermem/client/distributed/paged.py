@@ -594,7 +594,7 @@ class PagedStrategy(ShardStrategy):
         try:
             if self.max_grad_norm is not None:
                 self.pager.check()  # grads set by hand land now, every push is done
-            return self.grads.decide(self.group, self.opt, self.max_grad_norm, held=self._held_sq_norm)
+            return self.grads.decide(self.group, self.opt, self.max_grad_norm, self._held_sq_norm)
         except InvalidState:
             self.grads.new_step()  # the step is refused
             raise

@@ -510,7 +510,7 @@ class LayerStrategy(ShardStrategy):
         try:
             accumulated = self._grads is not None and self._grads.accumulated
             decision = self.grads.decide(
-                self.group, self.opt, self.max_grad_norm, accumulated=accumulated, held=self._held_sq_norm
+                self.group, self.opt, self.max_grad_norm, self._held_sq_norm, accumulated=accumulated
             )
         except InvalidState:
             self._new_step()  # the step is refused
