@@ -255,6 +255,13 @@ def test_index_ranks_overlap_and_lowbit_rows_are_their_json() -> None:
     assert f"int8 {torchao:.1f}x torchao" in row
 
 
+def test_index_accumulated_clip_row_is_its_json() -> None:
+    clip = result("accumulated-clip.json")
+    low, high = sorted(clip["over_no_clip"].values())
+    row = index_row("bench_accumulated_clip.py", "accumulated-clip.json")
+    assert f"{clip['params'] / 1e6:.1f}M: GRAD_NORM {clip['grad_norm_ms']:.1f} ms, step {low:.2f}-{high:.2f}x" in row
+
+
 def test_index_launch_and_soak_rows_are_their_json() -> None:
     stress = result("stress-zero3-paged-after.json")
     assert f"{stress['finished']} of {stress['launches']} finished" in index_row(
