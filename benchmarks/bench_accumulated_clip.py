@@ -34,18 +34,11 @@ import argparse
 import copy
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tiermem.client.distributed import ShardedPagedAdam
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    rendezvous = Path(os.environ["TMPDIR"]) / "rendezvous"
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
     clips = {"no clip": None, "clip 1e9": 1e9, "clip 1.0": 1.0}
@@ -123,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory() as where:  # the private daemon's directory and the job secret
-        os.environ.setdefault("TMPDIR", where)
-        os.environ.setdefault("TIERMEM_SECRET_FILE", str(Path(where) / "job-secret"))
+    with tempfile.TemporaryDirectory() as where:  # the private daemon's directory, the job secret, the rendezvous
+        os.environ["TMPDIR"] = where
+        os.environ["TIERMEM_SECRET_FILE"] = str(Path(where) / "job-secret")
         sys.exit(main())

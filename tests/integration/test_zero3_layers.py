@@ -153,32 +153,21 @@ def test_paged_layers_live_only_in_their_owners_nvme_tier_and_accumulate_there(l
     print(f"\nzero3 by layer, paged on NVMe, 2 micro-batches: params within {diff:.1e} of AdamW")
 
 
-def test_paged_layers_clip_by_the_global_norm_as_clip_grad_norm(launch):
+@pytest.mark.parametrize("name", ["paged_clip", "paged_clip_accumulated"])
+def test_paged_layers_clip_by_the_global_norm_as_clip_grad_norm(launch, name):
     """max_grad_norm with paged=True: the owners' sums of squares all-reduced at step(), the coefficient
     applied by each owner's daemon; the clip is active at three of the four steps (norms 0.30, 0.15, 0.016,
-    0.059 against 0.05)."""
-    result = _result(launch, "paged_clip")
-    for ours, ref in zip(result["norms"], result["ref_norms"], strict=True):
-        assert abs(ours - ref) <= 1e-5 * ref, (result["norms"], result["ref_norms"])
-    assert sum(ref > 0.05 for ref in result["ref_norms"]) >= 2, result["ref_norms"]
-    diff = max(abs(a - b) for a, b in zip(result["final"], result["reference"], strict=True))
-    assert diff <= 1e-6, (result["final"], result["reference"])
-    print(f"\nzero3 by layer, paged, clipped: norms equal clip_grad_norm_'s, params within {diff:.1e} of AdamW")
-
-
-def test_paged_layers_clip_accumulated_grads_by_the_norm_of_their_sum(launch):
-    """Two backward passes a step, clipped: the owners' figures are of each pass, and the norm of their sum
-    exists only in the daemons, where the passes' grads were added; each owner asks its daemon for it
-    (GRAD_NORM), so the norms are ``clip_grad_norm_``'s of the whole batch and the params end where AdamW's
-    do.  Before, the step was refused on every rank."""
-    result = _result(launch, "paged_clip_accumulated")
+    0.059 against 0.05).  ``_accumulated``: two backward passes a step, whose owners' figures are each
+    pass's; the norm of their sum exists only in the daemons, where the passes' grads were added, and each
+    owner asks its daemon for it (GRAD_NORM).  Before, that step was refused on every rank."""
+    result = _result(launch, name)
     assert "refused" not in result, result
     for ours, ref in zip(result["norms"], result["ref_norms"], strict=True):
         assert abs(ours - ref) <= 1e-5 * ref, (result["norms"], result["ref_norms"])
     assert sum(ref > 0.05 for ref in result["ref_norms"]) >= 2, result["ref_norms"]
     diff = max(abs(a - b) for a, b in zip(result["final"], result["reference"], strict=True))
     assert diff <= 1e-6, (result["final"], result["reference"])
-    print(f"\nzero3 by layer, paged, 2 micro-batches, clipped: params within {diff:.1e} of AdamW")
+    print(f"\nzero3 by layer, {name}: norms equal clip_grad_norm_'s, params within {diff:.1e} of AdamW")
 
 
 def test_paged_layers_under_a_sharded_scaler_skip_a_global_overflow_and_clip_unscaled(launch):
