@@ -27,7 +27,9 @@ LR = 1e-3
 OFFLOAD_DAEMON: dict[str, Any] = {"pool_size": 256 << 20}
 
 
-def _trainer(model: Any, opt: torch.optim.Optimizer, out: Path, *, max_grad_norm: float = 1.0) -> Any:
+def _trainer(
+    model: Any, opt: torch.optim.Optimizer, out: Path, *, max_grad_norm: float = 1.0, callbacks: list[Any] | None = None
+) -> Any:
     args = transformers.TrainingArguments(
         output_dir=str(out),
         max_steps=STEPS,
@@ -45,7 +47,9 @@ def _trainer(model: Any, opt: torch.optim.Optimizer, out: Path, *, max_grad_norm
         disable_tqdm=True,
     )
     sched = transformers.get_linear_schedule_with_warmup(opt, 2, STEPS)
-    return transformers.Trainer(model=model, args=args, train_dataset=TokenData(), optimizers=(opt, sched))
+    return transformers.Trainer(
+        model=model, args=args, train_dataset=TokenData(), optimizers=(opt, sched), callbacks=callbacks
+    )
 
 
 def _losses(trainer: Any) -> list[float]:
@@ -103,12 +107,14 @@ def test_trainer_with_paged_params_clips_in_the_optimizer_and_resumes_exactly(
 ) -> None:
     """``offload_params`` under Trainer: the grads go to the daemon during backward, so Trainer's own
     ``clip_grad_norm_`` would see none; clipping is OffloadAdam's ``max_grad_norm`` (Trainer's set to 0).
-    Trainer's checkpoints gather the paged params (``model.state_dict()``) and load them back."""
+    Trainer's checkpoints gather the paged params (``model.state_dict()``) and load them back.  With Trainer's
+    default clip left on and ``WholeOptimizerState`` among the callbacks, the callback hands that clip to the
+    optimizer, and the run is the same, loss for loss (before, it trained unclipped, silently)."""
 
-    def paged() -> tuple[Any, Any]:
+    def paged(clip: float | None = 1.0) -> tuple[Any, Any]:
         model = tiny_gpt2()
         opt = offload.make(
-            model.parameters(), offload="cpu", lr=LR, weight_decay=0.0, exchange="staged", max_grad_norm=1.0
+            model.parameters(), offload="cpu", lr=LR, weight_decay=0.0, exchange="staged", max_grad_norm=clip
         )
         tiermem.offload_params(model, opt, device_budget="1MiB")
         return model, opt
@@ -129,4 +135,12 @@ def test_trainer_with_paged_params_clips_in_the_optimizer_and_resumes_exactly(
         resume_from_checkpoint=str(tmp_path / "paged" / "checkpoint-3")
     )
     for key, value in resumed.state_dict().items():
+        torch.testing.assert_close(value, full[key], rtol=0, atol=0, msg=key)
+    from tiermem.client.distributed.hf_trainer import WholeOptimizerState
+
+    handed, handed_opt = paged(clip=None)
+    handed_trainer = _trainer(handed, handed_opt, tmp_path / "handed", callbacks=[WholeOptimizerState()])
+    handed_trainer.train()
+    assert handed_opt.max_grad_norm == 1.0 and _losses(handed_trainer) == _losses(trainer)
+    for key, value in handed.state_dict().items():
         torch.testing.assert_close(value, full[key], rtol=0, atol=0, msg=key)

@@ -10,7 +10,7 @@ import torch
 from offload_helpers import OffloadDaemon
 from torch import nn
 
-from tiermem.core.errors import InvalidState
+from tiermem.core.errors import InvalidArgument, InvalidState
 
 
 def mlp(seed: int = 0) -> nn.Module:
@@ -90,3 +90,13 @@ def test_more_buckets_than_the_daemon_takes_in_a_row_are_paced_with_a_ping(daemo
         assert opt.stats().rank.overlapped_tensors == 3 * 6  # six buckets a step, two at a time
     finally:
         opt.close()
+
+
+def test_a_clip_set_later_is_refused_as_at_construction(offload: OffloadDaemon) -> None:
+    """``set_max_grad_norm`` (HF Trainer's callback hands its clip this way) refuses what the constructor
+    refuses: an overlapped update runs before any global norm exists.  The optimizer is left as it was."""
+    opt = offload.make(mlp().parameters(), lr=1e-3, overlap_update=True)
+    with pytest.raises(InvalidArgument, match=r"overlap_update=True cannot clip"):
+        opt.set_max_grad_norm(1.0)
+    assert opt.max_grad_norm is None and opt.options.max_grad_norm is None
+    opt.set_max_grad_norm(None)

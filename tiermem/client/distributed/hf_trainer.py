@@ -35,12 +35,14 @@ rank joined: ``RankLost`` after ``collective_timeout_s``, and no model saved.
 is gathered for one: refused as training begins.
 
 A ZeRO-3 model holds no grads in the trainer either, so ``Trainer``'s clip
-(``max_grad_norm``, 1.0 by default) finds none and clips nothing, silently.
-``on_train_begin`` hands Trainer's ``max_grad_norm`` to a ZeRO-3 optimizer
-that does not clip itself (``set_max_grad_norm``: the same rule, by the
-global norm of the reduced grads), as the DeepSpeed integration fills its
-``gradient_clipping: auto``; it warns where the optimizer cannot
-(``LayerShardedAdam`` without ``paged=True``).  Trainer still logs its own
+(``max_grad_norm``, 1.0 by default) finds none and clips nothing, silently;
+so does an ``OffloadAdam`` whose grads go to the daemon during backward
+(``offload_params``, ``release_grads``).  ``on_train_begin`` hands Trainer's
+``max_grad_norm`` to such an optimizer where it does not clip itself
+(``set_max_grad_norm``: the same rule, by the global norm, which the daemons
+take), as the DeepSpeed integration fills its ``gradient_clipping: auto``;
+it warns where the optimizer cannot (``LayerShardedAdam`` without
+``paged=True``).  Trainer still logs its own
 clip's ``grad_norm``, 0; the optimizer's ``last_grad_norm`` is the norm.
 
 Importing this module imports ``transformers``.
@@ -50,11 +52,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import transformers
 
+from tiermem.client.offload.optimizer import OffloadAdam
 from tiermem.core.errors import InvalidArgument
 
 __all__ = ["WholeOptimizerState"]
@@ -65,15 +69,20 @@ OPTIMIZER_FILE = "optimizer.pt"
 """``Trainer``'s name for the optimizer's file in a checkpoint (``transformers.trainer.OPTIMIZER_NAME``)."""
 
 
-def sharded_optimizer(optimizer: Any) -> Any:
-    """The optimizer with ``consolidate_state_dict`` inside ``Trainer``'s (accelerate's ``AcceleratedOptimizer``
-    wraps it as ``.optimizer``), or None."""
+def _inside(optimizer: Any, found: Callable[[Any], bool]) -> Any:
+    """The optimizer ``found`` accepts inside ``Trainer``'s (accelerate's ``AcceleratedOptimizer`` wraps it as
+    ``.optimizer``), or None."""
     seen = 0
     while optimizer is not None and seen < 8:
-        if hasattr(optimizer, "consolidate_state_dict"):
+        if found(optimizer):
             return optimizer
         optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
     return None
+
+
+def sharded_optimizer(optimizer: Any) -> Any:
+    """The optimizer with ``consolidate_state_dict`` inside ``Trainer``'s, or None."""
+    return _inside(optimizer, lambda opt: hasattr(opt, "consolidate_state_dict"))
 
 
 def zero3_optimizer(optimizer: Any) -> Any:
@@ -82,12 +91,26 @@ def zero3_optimizer(optimizer: Any) -> Any:
     return opt if opt is not None and opt.strategy.reduced_model() is not None else None
 
 
+def _releases_grads(opt: OffloadAdam) -> bool:
+    feed = getattr(opt, "feed", None)  # (registered: it has one)
+    return feed is not None and bool(feed.releases_grads)
+
+
+def grads_elsewhere(optimizer: Any) -> Any:
+    """The optimizer inside ``Trainer``'s whose grads never reach ``p.grad``, so that Trainer's clip finds none:
+    a ZeRO-3 one (``zero3_optimizer``), or an ``OffloadAdam`` whose grads go to the daemon during backward
+    (``offload_params``, ``release_grads``); None otherwise."""
+    released = _inside(optimizer, lambda opt: isinstance(opt, OffloadAdam) and _releases_grads(opt))
+    return released if released is not None else zero3_optimizer(optimizer)
+
+
 class WholeOptimizerState(transformers.TrainerCallback):
     """``Trainer(..., callbacks=[WholeOptimizerState()])``: each checkpoint's ``optimizer.pt`` holds the whole
     state of the sharded optimizer (see the module docstring), so ``trainer.train(resume_from_checkpoint=...)``
     resumes every rank, at any world size; with a ZeRO-3 optimizer, the checkpoint's model is gathered from
-    every rank first.  An optimizer that does not shard (``torch.optim.AdamW``, ``OffloadAdam``) is left
-    alone."""
+    every rank first.  Trainer's clip goes to an optimizer whose grads it cannot see (ZeRO-3, and
+    ``OffloadAdam`` under ``offload_params`` or ``release_grads``).  Any other optimizer (``torch.optim.AdamW``,
+    ``OffloadAdam`` otherwise) is left alone."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = zero3_optimizer(kwargs.get("optimizer"))
@@ -97,9 +120,15 @@ class WholeOptimizerState(transformers.TrainerCallback):
                 "gathers it for one rank (consolidate_model_state): use save_on_each_node=False, or save with "
                 "opt.save_shard(dir) on every rank"
             )
+        self._hand_over_clip(args, grads_elsewhere(kwargs.get("optimizer")))
+
+    @staticmethod
+    def _hand_over_clip(args: Any, opt: Any) -> None:
+        """Trainer's ``max_grad_norm`` to ``opt``, an optimizer whose grads Trainer's clip cannot see."""
         clip = getattr(args, "max_grad_norm", 0) or 0
         if opt is None or clip <= 0 or opt.max_grad_norm is not None:
             return
+        name = type(opt).__name__
         try:
             opt.set_max_grad_norm(clip)
         except InvalidArgument as e:
@@ -107,11 +136,11 @@ class WholeOptimizerState(transformers.TrainerCallback):
                 "Trainer clips at max_grad_norm=%s, but %s holds no grads in the trainer: Trainer's clip finds "
                 "none and clips nothing, and the optimizer cannot clip for it (%s); set Trainer max_grad_norm=0",
                 clip,
-                opt.strategy.name,
+                name,
                 e,
             )
             return
-        log.info("%s clips at Trainer's max_grad_norm=%s (Trainer's own clip finds no grads)", opt.strategy.name, clip)
+        log.info("%s clips at Trainer's max_grad_norm=%s (Trainer's own clip finds no grads)", name, clip)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._gather_model(args, control, kwargs.get("optimizer"))

@@ -766,6 +766,16 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             self.last_found_inf = decision.nonfinite
         return loss
 
+    def set_max_grad_norm(self, max_grad_norm: float | None) -> None:
+        """Clip the global grad norm to ``max_grad_norm`` from the next step on (None: no clipping), as the
+        constructor's argument does: the daemon takes the norm of the step's grads, accumulated ones too.  HF
+        Trainer's callback hands Trainer's ``max_grad_norm`` this way to an optimizer whose grads bypass
+        ``p.grad`` (``offload_params``, ``release_grads``), where Trainer's own clip finds none."""
+        with self._calls.enter("set_max_grad_norm()", reads=False):
+            options = self.options.replace(max_grad_norm=max_grad_norm)
+            self.policy.mode = options.mode  # refuses what the constructor refuses: overlap_update cannot clip
+            self.options, self.max_grad_norm = options, max_grad_norm
+
     def held_grad_stats(self) -> GradStats:
         """The daemon's statistics of the grads this step has put there so far (GRAD_NORM; changes nothing): a
         sharded optimizer's part of the global norm where the step added several backward passes' grads in the
