@@ -8,7 +8,8 @@ sharded optimizers (one rank of a gloo group, a real daemon):
   step's figure;
 - ``state_dict()`` is a snapshot (later steps leave it alone) whose ``param_groups`` a load restores, as
   torch's are (every key: a scheduler's ``initial_lr`` and the trainer's own too);
-- ``close()`` takes every hook off the model; closing twice is once; a closed optimizer refuses ``step()``.
+- ``close()`` takes every hook off the model; closing twice is once; a closed optimizer refuses ``step()``;
+- ``set_max_grad_norm()`` clips from the next step on as the constructor's ``max_grad_norm`` does.
 """
 
 from __future__ import annotations
@@ -40,17 +41,17 @@ def loss_of(m: torch.nn.Module, step: int) -> torch.Tensor:
     return m(x).pow(2).mean()
 
 
-def make(kind: str, m: torch.nn.Module, socket_path: str) -> tuple[Any, Any]:
-    """The optimizer of ``kind`` over ``m`` with clipping at ``CLIP``, and the loss scaler it takes."""
+def make(kind: str, m: torch.nn.Module, socket_path: str, clip: float | None = CLIP) -> tuple[Any, Any]:
+    """The optimizer of ``kind`` over ``m`` with clipping at ``clip``, and the loss scaler it takes."""
     client = connect(socket_path)
     if kind == "offload":
-        return OffloadAdam(m.parameters(), lr=LR, max_grad_norm=CLIP, client=client), torch.amp.GradScaler("cpu")
+        return OffloadAdam(m.parameters(), lr=LR, max_grad_norm=clip, client=client), torch.amp.GradScaler("cpu")
     if kind == "zero2":
-        opt: Any = ShardedOffloadAdam(m.parameters(), lr=LR, max_grad_norm=CLIP, client=client)
+        opt: Any = ShardedOffloadAdam(m.parameters(), lr=LR, max_grad_norm=clip, client=client)
     elif kind == "zero3-layers":
-        opt = LayerShardedAdam(m, lr=LR, paged=True, max_grad_norm=CLIP, client=client)
+        opt = LayerShardedAdam(m, lr=LR, paged=True, max_grad_norm=clip, client=client)
     else:
-        opt = ShardedPagedAdam(m, lr=LR, max_grad_norm=CLIP, device_budget="1MiB", offload="cpu", client=client)
+        opt = ShardedPagedAdam(m, lr=LR, max_grad_norm=clip, device_budget="1MiB", offload="cpu", client=client)
     return opt, ShardedGradScaler("cpu")
 
 
@@ -142,3 +143,34 @@ def test_steps_norm_state_dict_and_close_mean_the_same_for_every_optimizer(daemo
         p.grad = torch.ones_like(p)
     with pytest.raises(InvalidState, match="closed"):
         opt.step()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_clip_set_after_construction_clips_as_the_constructors_for_every_optimizer(
+    daemon, one_rank_group, kind: str
+) -> None:
+    """``set_max_grad_norm`` (HF Trainer's callback hands its clip this way), before a step's first backward:
+    that step clips as an optimizer made with the same ``max_grad_norm`` does, bit for bit, with the same
+    norm; ``None`` turns clipping off again, and the next step takes no norm."""
+    tight = 1e-3  # far below the norms here: it clips every step
+    made, given = model(), model()
+    made_opt, _ = make(kind, made, daemon.socket_path, clip=tight)
+    given_opt, _ = make(kind, given, daemon.socket_path, clip=None)
+    try:
+        given_opt.set_max_grad_norm(tight)
+        for m, opt in ((made, made_opt), (given, given_opt)):
+            loss_of(m, 0).backward()
+            opt.step()
+            opt.zero_grad()
+        assert given_opt.max_grad_norm == tight and given_opt.last_grad_norm == made_opt.last_grad_norm > tight
+        for ours, theirs in zip(
+            current_params(kind, given, given_opt), current_params(kind, made, made_opt), strict=True
+        ):
+            assert torch.equal(ours, theirs)
+        given_opt.set_max_grad_norm(None)
+        loss_of(given, 1).backward()
+        given_opt.step()
+        assert given_opt.max_grad_norm is None and given_opt.last_grad_norm is None
+    finally:
+        made_opt.close()
+        given_opt.close()
