@@ -140,7 +140,12 @@ class WholeOptimizerState(transformers.TrainerCallback):
                 e,
             )
             return
-        log.info("%s clips at Trainer's max_grad_norm=%s (Trainer's own clip finds no grads)", name, clip)
+        log.info(
+            "%s clips at Trainer's max_grad_norm=%s: Trainer's own clip finds no grads, so the grad_norm Trainer logs "
+            "is 0; the optimizer's last_grad_norm is each step's norm",
+            name,
+            clip,
+        )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._gather_model(args, control, kwargs.get("optimizer"))
