@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import pickle
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -1140,3 +1142,42 @@ def test_hf_callback_hands_trainers_clip_to_a_zero3_optimizer_which_then_trains_
     finally:
         for opt in (*opts, layer):
             opt.close()
+
+
+@pytest.mark.parametrize("kind", ["layers", "paged"])
+def test_zero3_clips_accumulated_scaled_grads_as_grad_scaler_and_clip_grad_norm(daemon, one_rank_group, kind):
+    """Two backward passes a step under ``ShardedGradScaler``, clipped: the norm of the summed grads is the
+    daemon's (GRAD_NORM, of the scaled grads, unscaled in the decision), the overflow of one pass skips the
+    step, and the params follow torch's ``GradScaler`` + ``clip_grad_norm_`` + AdamW over the same passes."""
+    clip = 0.1
+    m, ref = model(), model()
+    client = connect(daemon.socket_path)
+    if kind == "layers":
+        opt: Any = LayerShardedAdam(m, lr=1e-2, paged=True, max_grad_norm=clip, client=client)
+    else:
+        opt = ShardedPagedAdam(m, lr=1e-2, offload="cpu", device_budget="1MiB", max_grad_norm=clip, client=client)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scaler, ref_scaler = ShardedGradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    try:
+        for step in range(4):
+            for net, s in ((m, scaler), (ref, ref_scaler)):
+                for part in range(2):
+                    loss = loss_of(net, 10 * step + part) / 2 * (math.inf if step == 2 else 1.0)
+                    s.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            ref_scaler.unscale_(ref_opt)
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
+            ref_scaler.step(ref_opt)
+            ref_scaler.update()
+            ref_opt.zero_grad()
+            if step == 2:
+                assert opt.last_found_inf and opt.skipped_steps == 1
+            else:
+                assert opt.last_grad_norm == pytest.approx(ref_norm, rel=1e-5) and ref_norm > clip
+        assert scaler.get_scale() == ref_scaler.get_scale() == 2.0**9
+        for (name, p), q in zip(m.state_dict().items(), ref.state_dict().values(), strict=True):
+            torch.testing.assert_close(p, q, msg=name)
+    finally:
+        opt.close()
