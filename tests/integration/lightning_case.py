@@ -22,11 +22,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tiermem
 import tiermem.distributed
+from tiermem.client.distributed.lightning import HandOverClip
 
 HYPER = {"lr": 1e-2, "weight_decay": 0.1}
 CLIP = 0.5
 ZERO3 = ("layer", "paged")
-"""The ZeRO-3 optimizers: they clip (``CLIP``) in place of Lightning's ``gradient_clip_val``."""
+"""The ZeRO-3 optimizers, whose grads Lightning's clip cannot see: ``layer`` clips at ``CLIP`` itself
+(``gradient_clip_val`` off), ``paged`` gets ``gradient_clip_val`` from ``HandOverClip``."""
 STEPS = 8
 BATCH = 16
 
@@ -44,18 +46,23 @@ class Regressor(pl.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.made = self._make_optimizer()
+        return self.made
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), **HYPER)
         if self.optimizer_name == "zero2":  # DDP's process group is up: Lightning's checkpoints consolidate it
             return tiermem.distributed.ShardedOffloadAdam(self.parameters(), state_dtype=self.state_dtype, **HYPER)
         # ZeRO-3 holds no grads in the trainer, so Lightning's gradient_clip_val would find none: it clips itself
+        # (layer), or HandOverClip gives it gradient_clip_val (paged)
         if self.optimizer_name == "layer":  # paged: it clips
             return tiermem.distributed.LayerShardedAdam(
                 self, paged=True, state_dtype=self.state_dtype, max_grad_norm=CLIP, **HYPER
             )
         if self.optimizer_name == "paged":
             return tiermem.distributed.ShardedPagedAdam(
-                self, offload="cpu", device_budget="64KiB", state_dtype=self.state_dtype, max_grad_norm=CLIP, **HYPER
+                self, offload="cpu", device_budget="64KiB", state_dtype=self.state_dtype, **HYPER
             )
         overlap = {"overlap_update": True, "bucket_nbytes": 1024} if self.optimizer_name == "offload-overlap" else {}
         return tiermem.OffloadAdam(self.parameters(), state_dtype=self.state_dtype, **HYPER, **overlap)
@@ -68,16 +75,19 @@ def data() -> DataLoader[Any]:
     return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
 
-def trainer(out: Path, max_steps: int, *, extra_callbacks: tuple[pl.Callback, ...] = (), **kwargs: Any) -> pl.Trainer:
+def trainer(
+    out: Path, max_steps: int, *, extra_callbacks: tuple[pl.Callback, ...] = (), hand_over: bool = False, **kwargs: Any
+) -> pl.Trainer:
     """``extra_callbacks`` replace the ``ModelCheckpoint`` (and checkpointing is off) when given: a save of
     Lightning's interrupted by another from its signal handler ends the first one's fsspec transaction under
-    it (``'NoneType' object has no attribute '_intrans'``), whatever the optimizer."""
+    it (``'NoneType' object has no attribute '_intrans'``), whatever the optimizer.  ``hand_over``: with
+    ``HandOverClip``."""
     saves = [ModelCheckpoint(dirpath=out, save_last=True, every_n_train_steps=2)] if not extra_callbacks else []
     return pl.Trainer(
         max_steps=max_steps,
         accelerator="cpu",
         gradient_clip_val=kwargs.pop("gradient_clip_val", CLIP),
-        callbacks=[*saves, *extra_callbacks],
+        callbacks=[*saves, *extra_callbacks, *([HandOverClip()] if hand_over else [])],
         enable_checkpointing=bool(saves),
         logger=False,
         enable_progress_bar=False,
@@ -163,11 +173,13 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     for optimizer, state_dtype in runs:
         name = f"{optimizer}-{state_dtype}"
-        clip = {"gradient_clip_val": None} if optimizer in ZERO3 else {}
+        clip = {"gradient_clip_val": None} if optimizer == "layer" else {"hand_over": optimizer == "paged"}
         module = fit_resumed(out / name, optimizer, state_dtype, stop=4, devices=2, strategy="ddp", **clip)
         # a ZeRO-3 model holds placeholders between forwards: its state dict gathers the values (every rank)
         values = torch.cat([v.reshape(-1).float() for v in module.state_dict().values()])
         torch.save(values, out / f"params-{name}-{rank}.pt")
+        if optimizer in ZERO3:  # the clip the optimizer ended with: its own, or the one HandOverClip gave it
+            (out / f"clip-{name}-{rank}.txt").write_text(repr(module.made.max_grad_norm))
     # torch's teardown at interpreter exit, with a gloo process group, now and then aborts a rank ("terminate
     # called without an active exception", SIGABRT) after everything is saved: 2 of 25 launches of this test
     # beside a busy core, one of them the torch.optim.AdamW reference, which runs no tiermem at all (and 3 of

@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("pytorch_lightning")
 
-from lightning_case import STEPS, RequeueSignals, fit, fit_resumed, flat_params
+from lightning_case import CLIP, STEPS, RequeueSignals, fit, fit_resumed, flat_params
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -132,12 +132,52 @@ def test_ddp_fit_and_resume_at_two_ranks(tmp_path: Path) -> None:
     on every rank, then save rank 0's ``state_dict()``, which is the whole state (before, rank 0's share alone,
     and rank 1's resume was refused).  The ZeRO-3 optimizers under Lightning's DDP, made before them: their
     forwards turn DDP's all-reduce off (before, ``LayerShardedAdam``'s second step failed inside DDP's
-    reducer, "grad.numel() == bucket_view.numel()"), and they clip in place of Lightning."""
+    reducer, "grad.numel() == bucket_view.numel()"), and they clip in place of Lightning: ``layer`` at its
+    own ``max_grad_norm``, ``paged`` at Lightning's ``gradient_clip_val``, which ``HandOverClip`` gave it
+    (before, that clip found no grads and nothing clipped)."""
     runs = ("offload-fp32", "offload-bf16", "offload-int8", "zero2-fp32", "layer-fp32", "paged-fp32", "adamw-fp32")
     ours = _ddp(tmp_path / "ddp", runs)
     ref = ours.pop("adamw-fp32")
+    for run in ("layer-fp32", "paged-fp32"):
+        assert [(tmp_path / "ddp" / f"clip-{run}-{rank}.txt").read_text() for rank in range(2)] == [repr(CLIP)] * 2
     for run, ranks in ours.items():
         # DDP keeps the replicas equal: each rank's optimizer saw the same grads
         assert torch.equal(ranks[0], ranks[1]), run
         gap = float((ranks[0] - ref[0]).abs().max())
         assert gap <= (TOLERANCE if run.endswith("fp32") else 1e-2), (run, gap)
+
+
+def test_hand_over_clip_gives_gradient_clip_val_to_a_paged_offload_adam_and_refuses_value_clipping() -> None:
+    """Under ``offload_params`` the grads go to the daemon during backward, so Lightning's clip finds none:
+    ``HandOverClip`` gives ``gradient_clip_val`` to that ``OffloadAdam`` as a fit starts; an ``OffloadAdam``
+    whose grads Lightning sees is left alone; clipping by value, which the daemon cannot do, is refused."""
+    import pytorch_lightning as pl
+
+    import tiermem
+    from tiermem.client.distributed.lightning import HandOverClip
+    from tiermem.core.errors import InvalidArgument
+
+    def lightning(**clip: Any) -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, **clip)
+
+    paged_model, plain_model = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    paged = tiermem.OffloadAdam(paged_model.parameters(), offload="cpu", exchange="staged")
+    plain = tiermem.OffloadAdam(plain_model.parameters(), offload="cpu")
+    try:
+        tiermem.offload_params(paged_model, paged, device_budget="1MiB")
+        for opt, handed in ((paged, CLIP), (plain, None)):
+            trainer = lightning(gradient_clip_val=CLIP)
+            trainer.strategy.optimizers = [opt]
+            HandOverClip().on_fit_start(trainer, None)  # type: ignore[arg-type]
+            assert opt.max_grad_norm == handed
+        paged.set_max_grad_norm(None)
+        trainer = lightning(gradient_clip_val=CLIP, gradient_clip_algorithm="value")
+        trainer.strategy.optimizers = [paged]
+        with pytest.raises(
+            InvalidArgument, match=r"gradient_clip_algorithm='value'.*use gradient_clip_algorithm='norm'"
+        ):
+            HandOverClip().on_fit_start(trainer, None)  # type: ignore[arg-type]
+        assert paged.max_grad_norm is None
+    finally:
+        paged.close()
+        plain.close()

@@ -52,13 +52,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import transformers
 
-from tiermem.client.offload.optimizer import OffloadAdam
+from tiermem.client.distributed.frameworks import grads_elsewhere, hand_over_clip, sharded_optimizer, zero3_optimizer
 from tiermem.core.errors import InvalidArgument
 
 __all__ = ["WholeOptimizerState"]
@@ -67,41 +66,6 @@ log = logging.getLogger(__name__)
 
 OPTIMIZER_FILE = "optimizer.pt"
 """``Trainer``'s name for the optimizer's file in a checkpoint (``transformers.trainer.OPTIMIZER_NAME``)."""
-
-
-def _inside(optimizer: Any, found: Callable[[Any], bool]) -> Any:
-    """The optimizer ``found`` accepts inside ``Trainer``'s (accelerate's ``AcceleratedOptimizer`` wraps it as
-    ``.optimizer``), or None."""
-    seen = 0
-    while optimizer is not None and seen < 8:
-        if found(optimizer):
-            return optimizer
-        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
-    return None
-
-
-def sharded_optimizer(optimizer: Any) -> Any:
-    """The optimizer with ``consolidate_state_dict`` inside ``Trainer``'s, or None."""
-    return _inside(optimizer, lambda opt: hasattr(opt, "consolidate_state_dict"))
-
-
-def zero3_optimizer(optimizer: Any) -> Any:
-    """``sharded_optimizer``'s, where it is ZeRO-3 (its model holds placeholders), or None."""
-    opt = sharded_optimizer(optimizer)
-    return opt if opt is not None and opt.strategy.reduced_model() is not None else None
-
-
-def _releases_grads(opt: OffloadAdam) -> bool:
-    feed = getattr(opt, "feed", None)  # (registered: it has one)
-    return feed is not None and bool(feed.releases_grads)
-
-
-def grads_elsewhere(optimizer: Any) -> Any:
-    """The optimizer inside ``Trainer``'s whose grads never reach ``p.grad``, so that Trainer's clip finds none:
-    a ZeRO-3 one (``zero3_optimizer``), or an ``OffloadAdam`` whose grads go to the daemon during backward
-    (``offload_params``, ``release_grads``); None otherwise."""
-    released = _inside(optimizer, lambda opt: isinstance(opt, OffloadAdam) and _releases_grads(opt))
-    return released if released is not None else zero3_optimizer(optimizer)
 
 
 class WholeOptimizerState(transformers.TrainerCallback):
@@ -120,31 +84,13 @@ class WholeOptimizerState(transformers.TrainerCallback):
                 "gathers it for one rank (consolidate_model_state): use save_on_each_node=False, or save with "
                 "opt.save_shard(dir) on every rank"
             )
-        self._hand_over_clip(args, grads_elsewhere(kwargs.get("optimizer")))
-
-    @staticmethod
-    def _hand_over_clip(args: Any, opt: Any) -> None:
-        """Trainer's ``max_grad_norm`` to ``opt``, an optimizer whose grads Trainer's clip cannot see."""
-        clip = getattr(args, "max_grad_norm", 0) or 0
-        if opt is None or clip <= 0 or opt.max_grad_norm is not None:
-            return
-        name = type(opt).__name__
-        try:
-            opt.set_max_grad_norm(clip)
-        except InvalidArgument as e:
-            log.warning(
-                "Trainer clips at max_grad_norm=%s, but %s holds no grads in the trainer: Trainer's clip finds "
-                "none and clips nothing, and the optimizer cannot clip for it (%s); set Trainer max_grad_norm=0",
-                clip,
-                name,
-                e,
-            )
-            return
-        log.info(
-            "%s clips at Trainer's max_grad_norm=%s: Trainer's own clip finds no grads, so the grad_norm Trainer logs "
-            "is 0; the optimizer's last_grad_norm is each step's norm",
-            name,
+        clip = getattr(args, "max_grad_norm", None)
+        hand_over_clip(
+            grads_elsewhere(kwargs.get("optimizer")),
             clip,
+            framework="Trainer",
+            knob="max_grad_norm",
+            off="Trainer max_grad_norm=0",
         )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
