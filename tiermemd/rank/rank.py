@@ -348,6 +348,17 @@ class RankOptimizer(StateIO):
                 f"grad_buffer {grad_buffer} does not exist (the layout has {len(layout.grad_offsets)})"
             )
 
+    @staticmethod
+    def _check_loss_scale(loss_scale: float) -> None:
+        if not (loss_scale > 0 and math.isfinite(loss_scale)):
+            raise InvalidArgument(f"loss_scale must be a positive finite number, got {loss_scale}")
+
+    def _step_grads(self, grad_buffer: int) -> torch.Tensor | None:
+        """Where a step's grads are: grad buffer ``grad_buffer`` of the storage, or None where they are staged in
+        the state's ``grad`` key."""
+        layout, _ = self._parts()
+        return None if self.grads_in_state else self._region(layout.grad_offsets[grad_buffer])
+
     def _check_groups(self, groups: Sequence[ParamGroup]) -> None:
         if groups and len(groups) != len(self.groups):
             raise InvalidArgument(f"the message carries {len(groups)} param groups, {len(self.groups)} are registered")
@@ -434,8 +445,7 @@ class RankOptimizer(StateIO):
             raise InvalidArgument(f"step {msg.step} was already applied (last step {self.last_step})")
         self._check_buffer(msg.grad_buffer)
         self._check_groups(msg.groups)
-        if not (msg.loss_scale > 0 and math.isfinite(msg.loss_scale)):
-            raise InvalidArgument(f"loss_scale must be a positive finite number, got {msg.loss_scale}")
+        self._check_loss_scale(msg.loss_scale)
         if msg.max_grad_norm is not None and msg.clip_coef is not None:
             raise InvalidArgument(
                 "a STEP gives max_grad_norm (the daemon clips by the rank's norm) or clip_coef (the trainer's, "
@@ -460,7 +470,7 @@ class RankOptimizer(StateIO):
                 )
             ids = [tid for tid in ids if tid not in attempt.applied]
         t0 = time.perf_counter()
-        grads = None if self.grads_in_state else self._region(layout.grad_offsets[msg.grad_buffer])
+        grads = self._step_grads(msg.grad_buffer)
         inv_scale = 1.0 / msg.loss_scale
         stats = None
         if msg.max_grad_norm is not None and not msg.skip:
@@ -524,13 +534,11 @@ class RankOptimizer(StateIO):
             )
         self._settle()
         self.phase.check_usable()
-        layout, _ = self._parts()
         self._check_buffer(msg.grad_buffer)
-        if not (msg.loss_scale > 0 and math.isfinite(msg.loss_scale)):
-            raise InvalidArgument(f"loss_scale must be a positive finite number, got {msg.loss_scale}")
+        self._check_loss_scale(msg.loss_scale)
         ids = check_ids(msg.tensor_ids, len(self.records))
         started = time.perf_counter()
-        grads = None if self.grads_in_state else self._region(layout.grad_offsets[msg.grad_buffer])
+        grads = self._step_grads(msg.grad_buffer)
         stats = self._grad_stats(grads, ids, 1.0 / msg.loss_scale)
         self.timings["stats_s"] += time.perf_counter() - started
         return GradNormReply(sq_norm=stats.sq_norm, nonfinite=stats.found_inf)

@@ -755,8 +755,7 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
             loss_scale=loss_scale,
             max_grad_norm=self.max_grad_norm if decision is None else None,
             clip_coef=None if decision is None or decision.grad_norm is None else decision.clip_coef,
-            # none: every registered tensor (the usual step), which the daemon need not read and check one by one
-            tensor_ids=() if len(ids) == len(self.tensors) else tuple(ids),
+            tensor_ids=self._wire_ids(ids),
             delayed=delayed,
             grad_buffer=self.feed.buffer,
         )
@@ -783,9 +782,13 @@ class OffloadAdam(OptimizerState, torch.optim.Optimizer):
         ids = self.feed.check()  # grads set by hand land, every push is done (``step()`` asks again: the same)
         if not ids:
             return GradStats(0.0, False)
-        tensor_ids = () if len(ids) == len(self.tensors) else tuple(ids)
-        reply = self.client.grad_norm(tensor_ids, grad_buffer=self.feed.buffer)
+        reply = self.client.grad_norm(self._wire_ids(ids), grad_buffer=self.feed.buffer)
         return GradStats(reply.sq_norm, reply.nonfinite)
+
+    def _wire_ids(self, ids: list[int]) -> tuple[int, ...]:
+        """``ids`` as a STEP or GRAD_NORM names them: none for every registered tensor (the usual step), which
+        the daemon need not read and check one by one."""
+        return () if len(ids) == len(self.tensors) else tuple(ids)
 
     def _send(self, msg: Step, ids: list[int], delayed: bool) -> None:
         conn = self.client.conn
